@@ -1,0 +1,24 @@
+"""fshard: JAX-style functional sharding for PyTorch.
+
+Models are pure functions over pytrees of sharded parameters; every parameter has a
+``P`` spec on a named ``Mesh``; ``shard_map`` runs a per-device step on every rank.
+"""
+
+from fshard import tree as tree
+from fshard.mesh import (
+    Mesh as Mesh,
+    NamedSharding as NamedSharding,
+    P as P,
+    PartitionSpec as PartitionSpec,
+    RankTimeoutError as RankTimeoutError,
+    current_mesh as current_mesh,
+    gather as gather,
+    init as init,
+    make_mesh as make_mesh,
+    reshard as reshard,
+    run_local as run_local,
+    shard as shard,
+    spec_of as spec_of,
+)
+
+__version__ = "0.1.0"

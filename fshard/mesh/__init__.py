@@ -1,0 +1,18 @@
+"""Meshes, partition specs, sharded values, sharded init and process start."""
+
+from fshard.mesh.spec import P as P, PartitionSpec as PartitionSpec
+from fshard.mesh.mesh import Mesh as Mesh, make_mesh as make_mesh, current_mesh as current_mesh
+from fshard.mesh.process import init as init
+from fshard.mesh.sharding import (
+    NamedSharding as NamedSharding,
+    gather as gather,
+    reshard as reshard,
+    shard as shard,
+    spec_of as spec_of,
+)
+from fshard.mesh.local import run_local as run_local, WorkerPool as WorkerPool, RankTimeoutError as RankTimeoutError
+
+__all__ = [
+    "P", "PartitionSpec", "Mesh", "make_mesh", "current_mesh", "init", "NamedSharding",
+    "gather", "reshard", "shard", "spec_of", "run_local", "WorkerPool", "RankTimeoutError",
+]

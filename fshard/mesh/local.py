@@ -1,0 +1,291 @@
+"""Run a function on N local ranks: ``fs.run_local`` and the persistent ``WorkerPool``.
+
+Each rank is a child process on a loopback gloo group, one thread each. The parent
+hosts the rendezvous store, so there is no port race. A failure on any rank is raised
+in the caller as the original exception type, with the rank and the remote traceback
+attached; ranks left blocked in a collective by that failure are killed after a short
+grace period, and a group that makes no progress before the timeout is killed with a
+stack dump of every stuck rank. No child outlives the call (``run_local``) or the pool.
+
+Why processes and not torch's threaded process group or ``LocalTensorMode``: the
+threaded group shares one global RNG and one autograd engine between ranks, and
+``LocalTensorMode`` simulates ranks on one tensor-subclass, so neither exercises the
+real gloo path that ``torchrun`` runs; both would hide ordering bugs.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["run_local", "WorkerPool", "RankTimeoutError", "RemoteTraceback"]
+
+_INHERITED: dict[str, Any] = {}
+
+
+class RemoteTraceback(Exception):
+    """Carries a rank's traceback text; set as ``__cause__`` of the re-raised error."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n" + self.text
+
+
+class RankTimeoutError(TimeoutError):
+    """Some ranks made no progress before the timeout; the message shows where each was stuck."""
+
+
+def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    stack_file = open(stack_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    if dist.is_initialized():  # inherited through fork from a parent with its own group
+        dist.destroy_process_group()
+    from fshard.mesh import mesh as _mesh
+
+    _mesh._MESH_CACHE.clear()
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+    except BaseException as e:  # report start-up failures like any other
+        conn.send(("err", _pack_exc(e)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        try:
+            fn, args, kwargs = _INHERITED["task"] if msg == "inherited" else msg
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException as e:
+            conn.send(("err", _pack_exc(e)))
+    try:
+        dist.destroy_process_group()
+    finally:
+        conn.close()
+
+
+def _pack_exc(e: BaseException) -> tuple[Any, str]:
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        import pickle
+
+        pickle.loads(pickle.dumps(e))
+        return e, tb
+    except Exception:
+        return None, tb
+
+
+class WorkerPool:
+    """``world_size`` long-lived ranks on a loopback gloo group; run many functions on them.
+
+    Args:
+      world_size: number of ranks.
+      start_method: ``"spawn"`` (default; functions are sent by reference, so they
+        must be importable module-level functions) or ``"fork"`` (inherits the parent's
+        state; needed for functions defined in a notebook).
+      timeout_s: default per-call limit.
+      grace_s: after one rank fails, how long the others get to finish before they are
+        taken as blocked by the failure and killed.
+    """
+
+    def __init__(self, world_size: int, *, start_method: str = "spawn",
+                 timeout_s: float = 120.0, grace_s: float = 5.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}.")
+        self.world_size, self.timeout_s, self.grace_s = world_size, timeout_s, grace_s
+        ctx = mp.get_context(start_method)
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                                    wait_for_workers=False, timeout=timedelta(seconds=60))
+        self._tmp = tempfile.mkdtemp(prefix="fshard-pool-")
+        self._stack_paths = [os.path.join(self._tmp, f"rank{r}.stack") for r in range(world_size)]
+        self._conns, self._procs = [], []
+        for r in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, daemon=True, name=f"fshard-rank{r}",
+                            args=(r, world_size, self._store.port, child, self._stack_paths[r], timeout_s))
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        self._collect(["ready"] * world_size, timeout_s=max(60.0, timeout_s), what="start-up")
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
+            **kwargs: Any) -> list[Any]:
+        """Runs ``fn(*args, **kwargs)`` on every rank; returns the results by rank.
+
+        Raises:
+          Exception: the first failing rank's exception (its own type), with the rank
+            and remote traceback attached; the pool is shut down if other ranks hang.
+          RankTimeoutError: no result before the timeout; names stuck ranks and stacks.
+        """
+        for c in self._conns:
+            c.send((fn, args, kwargs))
+        return self._collect(None, timeout_s=timeout_s or self.timeout_s, what=getattr(fn, "__name__", "fn"))
+
+    def _collect(self, expect, *, timeout_s: float, what: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, tuple[Any, str]] = {}
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(self.world_size))
+        while pending:
+            now = time.monotonic()
+            if errors:
+                deadline = min(deadline, self._first_error_time + self.grace_s)
+            if now >= deadline:
+                break
+            ready = mpc.wait([self._conns[r] for r in pending], timeout=min(0.5, deadline - now))
+            for c in ready:
+                r = self._conns.index(c)
+                try:
+                    kind, payload = c.recv()
+                except (EOFError, OSError):
+                    code = self._procs[r].exitcode
+                    kind, payload = "err", (None, f"rank {r} died (exit code {code}) during {what}")
+                pending.discard(r)
+                if kind == "err":
+                    if not errors:
+                        self._first_error_time = time.monotonic()
+                    errors[r] = payload
+                else:
+                    results[r] = payload
+            for r in list(pending):  # a child that died without a word
+                if not self._procs[r].is_alive() and not self._conns[r].poll():
+                    pending.discard(r)
+                    if not errors:
+                        self._first_error_time = time.monotonic()
+                    errors[r] = (None, f"rank {r} died (exit code {self._procs[r].exitcode}) during {what}")
+        stuck = sorted(pending)
+        stacks = self._dump_stacks(stuck) if stuck else ""
+        if stuck:
+            self.shutdown(kill=True)
+        if errors:
+            r = min(errors)
+            exc, tb = errors[r]
+            note = f"raised on rank {r} of {self.world_size} during {what}"
+            if stuck:
+                note += f"; ranks {stuck} were still blocked and were killed:\n{stacks}"
+            if exc is None:
+                exc = RuntimeError(f"{note}\n{tb}")
+            elif hasattr(exc, "add_note"):
+                exc.add_note(note)
+            raise exc from RemoteTraceback(tb)
+        if stuck:
+            raise RankTimeoutError(
+                f"{what}: ranks {stuck} of {self.world_size} made no progress in {timeout_s:.0f} s "
+                f"(a deadlock: mismatched collectives, or a collective some ranks skip). "
+                f"Where each was stuck:\n{stacks}"
+            )
+        return [results[r] for r in range(self.world_size)]
+
+    def _dump_stacks(self, ranks: list[int]) -> str:
+        for r in ranks:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+        out = []
+        for r in ranks:
+            try:
+                with open(self._stack_paths[r]) as f:
+                    text = f.read().strip()
+            except OSError:
+                text = ""
+            out.append(f"--- rank {r} ---\n{_trim_stack(text) or '(no stack)'}")
+        return "\n".join(out)
+
+    def shutdown(self, *, kill: bool = False) -> None:
+        """Stops every rank (politely unless ``kill``); idempotent."""
+        for c in self._conns:
+            if not kill:
+                try:
+                    c.send(None)
+                except (OSError, BrokenPipeError):
+                    pass
+        for p in self._procs:
+            if kill:
+                p.kill()
+            p.join(timeout=5 if not kill else 2)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2)
+        for c in self._conns:
+            c.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _trim_stack(text: str) -> str:
+    # faulthandler prints innermost frame first; keep the frames a reader needs.
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return "\n".join(lines[:40])
+
+
+def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
+              timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
+    """Runs ``fn(*args, **kwargs)`` on ``world_size`` ranks and returns each rank's result.
+
+    Works from a plain script or a notebook: the ranks are forked child processes, so
+    ``fn`` may be defined in the notebook itself. Each rank has a loopback gloo group
+    (``fs.make_mesh`` works inside ``fn``), one thread, and the torchrun variables set.
+
+    Args:
+      fn: the per-rank function; its result must be picklable.
+      *args, **kwargs: passed to ``fn`` on every rank.
+      world_size: number of ranks (2 cores here: keep it at 4 or fewer).
+      timeout_s: limit for the whole call (default 300 s).
+
+    Returns:
+      ``[result_of_rank_0, result_of_rank_1, ...]``.
+
+    Raises:
+      Exception: the exception of the first failing rank, with its rank and remote
+        traceback attached; every child is gone when it propagates.
+      RankTimeoutError: no result in time; the message shows each stuck rank's stack.
+    """
+    _INHERITED["task"] = (fn, args, kwargs)
+    try:
+        pool = WorkerPool(world_size, start_method="fork", timeout_s=timeout_s)
+        try:
+            for c in pool._conns:
+                c.send("inherited")
+            return pool._collect(None, timeout_s=timeout_s, what=getattr(fn, "__name__", "fn"))
+        finally:
+            pool.shutdown(kill=not pool.alive)
+    finally:
+        _INHERITED.clear()

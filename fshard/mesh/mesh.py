@@ -1,0 +1,208 @@
+"""``Mesh``: named axes over a torch ``DeviceMesh``, and the current-mesh context.
+
+A mesh is an n-d grid of ranks with one name per axis, row-major over global ranks:
+``make_mesh({"dp": 2, "tp": 2})`` puts ranks 0,1 on ``dp=0`` and 2,3 on ``dp=1``.
+Collectives over a single axis use the ``DeviceMesh``'s own groups; collectives over
+several axes at once (``psum(x, ("dp", "tp"))``) use groups built here, eagerly, when
+the mesh is made, so that no collective ever has to create a group on some ranks only.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fshard.mesh import process
+
+__all__ = ["Mesh", "make_mesh", "current_mesh", "get_mesh"]
+
+_CURRENT: contextvars.ContextVar["Mesh | None"] = contextvars.ContextVar(
+    "fshard_current_mesh", default=None
+)
+# make_mesh is collective (it creates process groups), so the cache is filled in the
+# same order on every rank; keyed per default group so a new world starts afresh.
+_MESH_CACHE: dict[tuple[Any, ...], "Mesh"] = {}
+
+
+class Mesh:
+    """A named grid of ranks.
+
+    Attributes:
+      axis_names: the axis names, major to minor.
+      shape: ``{name: size}`` in axis order.
+      size: the number of ranks (product of the axis sizes).
+      device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
+      device_mesh: the underlying ``torch.distributed.device_mesh.DeviceMesh``.
+
+    Use it as a context manager to make it the current mesh::
+
+      with fs.make_mesh({"fsdp": 4}) as mesh:
+          ...  # fs.shard(..., mesh=None) and shard_map pick it up
+    """
+
+    def __init__(self, device_mesh: DeviceMesh, axis_names: Sequence[str]) -> None:
+        self.device_mesh = device_mesh
+        self.axis_names: tuple[str, ...] = tuple(axis_names)
+        self.shape: dict[str, int] = dict(zip(self.axis_names, device_mesh.mesh.shape))
+        self.size: int = math.prod(self.shape.values())
+        self.device_type: str = device_mesh.device_type
+        self._groups: dict[tuple[str, ...], Any] = {}
+        self._tokens: list[contextvars.Token] = []
+        coord = device_mesh.get_coordinate()
+        self._coord: dict[str, int] = dict(zip(self.axis_names, coord or ()))
+
+    # --- context manager -------------------------------------------------------
+    def __enter__(self) -> "Mesh":
+        self._tokens.append(_CURRENT.set(self))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _CURRENT.reset(self._tokens.pop())
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{k}={v}" for k, v in self.shape.items())
+        return f"Mesh({axes}; {self.device_type})"
+
+    # --- queries ----------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device local shards live on (``cuda:<local rank>`` or ``cpu``)."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+    def axis_size(self, axes: str | Sequence[str]) -> int:
+        """Size of one axis, or the product of several."""
+        return math.prod(self.shape[a] for a in self.check_axes(axes))
+
+    def axis_index(self, axes: str | Sequence[str]) -> int:
+        """This rank's index along ``axes`` (row-major over a tuple, in the tuple's order)."""
+        idx = 0
+        for a in self.check_axes(axes):
+            idx = idx * self.shape[a] + self._coord[a]
+        return idx
+
+    def coordinate(self) -> dict[str, int]:
+        """This rank's position ``{axis: index}``."""
+        return dict(self._coord)
+
+    def check_axes(self, axes: str | Sequence[str], *, what: str = "axis_name") -> tuple[str, ...]:
+        """Normalizes ``axes`` to a tuple and checks each name exists once.
+
+        Raises:
+          ValueError: an unknown or repeated axis; the message lists the mesh axes.
+        """
+        tup = (axes,) if isinstance(axes, str) else tuple(axes)
+        unknown = [a for a in tup if a not in self.shape]
+        if unknown:
+            raise ValueError(
+                f"{what}={axes!r} names {unknown!r}, which is not an axis of {self!r}; "
+                f"mesh axes are {list(self.axis_names)}."
+            )
+        if len(set(tup)) != len(tup):
+            raise ValueError(f"{what}={axes!r} repeats an axis of {self!r}.")
+        return tup
+
+    def group(self, axes: str | Sequence[str]) -> Any:
+        """The process group spanning ``axes`` (ranks ordered by global rank).
+
+        For several axes, the group's rank order is the mesh order of those axes; callers
+        that need another major-to-minor order permute (see ``fshard.lax``).
+        """
+        tup = self.check_axes(axes)
+        key = tuple(sorted(tup, key=self.axis_names.index))
+        if len(key) == 1:
+            return self.device_mesh.get_group(key[0])
+        return self._groups[key]
+
+    def sub_axes_in_mesh_order(self, axes: Sequence[str]) -> tuple[str, ...]:
+        return tuple(sorted(axes, key=self.axis_names.index))
+
+    def _build_multi_axis_groups(self, backend: str | None) -> None:
+        ranks = self.device_mesh.mesh  # tensor of global ranks, shape = mesh shape
+        n = len(self.axis_names)
+        for k in range(2, n + 1):
+            for dims in itertools.combinations(range(n), k):
+                others = [d for d in range(n) if d not in dims]
+                moved = ranks.permute(*others, *dims).reshape(-1, math.prod(ranks.shape[d] for d in dims))
+                enumeration = [row.tolist() for row in moved]
+                group, _ = dist.new_subgroups_by_enumeration(enumeration, backend=backend)
+                self._groups[tuple(self.axis_names[d] for d in dims)] = group
+
+
+def make_mesh(
+    axes: Mapping[str, int],
+    *,
+    device_type: str | None = None,
+) -> Mesh:
+    """Makes a named mesh over all ranks: ``make_mesh({"pp": 2, "fsdp": 2})``.
+
+    Axis order is the dict's order (major to minor over global ranks). Starts the
+    process group first when needed (see :func:`fshard.init`), so a plain one-process
+    script can call ``make_mesh({"fsdp": 1})`` directly. Meshes are cached: asking for
+    the same axes again returns the same ``Mesh`` (making one is collective).
+
+    Args:
+      axes: ``{axis_name: size}``; the product must equal the world size.
+      device_type: ``"cpu"`` or ``"cuda"``; default follows the process group's backend
+        (``"cuda"`` for nccl, else ``"cpu"``).
+
+    Returns:
+      The :class:`Mesh`.
+
+    Raises:
+      ValueError: empty axes, a non-positive size, a non-identifier name, or sizes whose
+        product differs from the world size.
+    """
+    axes = dict(axes)
+    if not axes:
+        raise ValueError("make_mesh needs at least one axis, e.g. make_mesh({'fsdp': 1}).")
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"mesh axis name {name!r} must be an identifier string.")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes must be positive ints.")
+    total = math.prod(axes.values())
+    process.ensure_initialized(total)
+    world = dist.get_world_size()
+    if total != world:
+        shape = " x ".join(f"{k}={v}" for k, v in axes.items())
+        raise ValueError(
+            f"make_mesh({axes}): the mesh has {shape} = {total} ranks but the world size is "
+            f"{world}. Choose axis sizes whose product is {world}."
+        )
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    key = (id(dist.group.WORLD), device_type, tuple(axes.items()))
+    mesh = _MESH_CACHE.get(key)
+    if mesh is None:
+        dm = init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+        mesh = Mesh(dm, tuple(axes))
+        mesh._build_multi_axis_groups(dist.get_backend())
+        _MESH_CACHE[key] = mesh
+    return mesh
+
+
+def current_mesh() -> Mesh | None:
+    """The mesh of the innermost ``with mesh:`` block, or ``None``."""
+    return _CURRENT.get()
+
+
+def get_mesh(mesh: Mesh | None, *, what: str) -> Mesh:
+    """``mesh`` if given, else the current mesh; a clear error when neither exists."""
+    if mesh is not None:
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"{what}: mesh must be an fshard Mesh (fs.make_mesh), got {type(mesh).__name__}.")
+        return mesh
+    cur = _CURRENT.get()
+    if cur is None:
+        raise ValueError(
+            f"{what} needs a mesh: pass mesh=... or call it inside `with fs.make_mesh({{...}}):`."
+        )
+    return cur

@@ -1,0 +1,94 @@
+"""Process start: ``fs.init()`` from torchrun's environment, or a one-process world.
+
+torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT``. With all of them, :func:`init` starts the default process group
+(nccl when CUDA is available, gloo otherwise). With none of them this is one process
+and :func:`init` does nothing; :func:`ensure_initialized` later starts a one-rank gloo
+group in memory because torch's ``DeviceMesh`` needs a group even for one rank.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init", "ensure_initialized", "DEFAULT_TIMEOUT"]
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("FSHARD_TIMEOUT_S", "300")))
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def init(*, backend: str | None = None, timeout: timedelta | float | None = None) -> None:
+    """Starts the default process group from torchrun's environment.
+
+    A no-op when the group already exists or when no torchrun variable is set (one
+    process). On CUDA with nccl, binds this process to GPU ``LOCAL_RANK``.
+
+    Args:
+      backend: ``"nccl"`` or ``"gloo"``; default nccl when CUDA is available, else gloo.
+      timeout: how long a collective may wait before failing (seconds or timedelta);
+        default ``FSHARD_TIMEOUT_S`` from the environment, else 300 s.
+
+    Raises:
+      RuntimeError: some but not all of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are
+        set, or they are not consistent; the message names the missing ones.
+    """
+    if dist.is_initialized():
+        return
+    present = [v for v in TORCHRUN_VARS if v in os.environ]
+    if not present:
+        return
+    missing = [v for v in TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"fs.init(): partial torchrun environment: {present} are set but {missing} are "
+            f"not. Launch with `torchrun --nproc-per-node N script.py`, or unset "
+            f"{present} to run as one process."
+        )
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError as e:
+        raise RuntimeError(f"fs.init(): RANK/WORLD_SIZE must be integers: {e}") from None
+    if not 0 <= rank < world:
+        raise RuntimeError(f"fs.init(): RANK={rank} is not in [0, WORLD_SIZE={world}).")
+    backend = backend or _default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout(timeout))
+
+
+def _timeout(timeout: timedelta | float | None) -> timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+
+
+def ensure_initialized(n_ranks_wanted: int) -> None:
+    """Makes sure a default group exists: torchrun's, or a one-rank in-memory gloo group.
+
+    Raises:
+      ValueError: no process group, no torchrun environment, and more than one rank
+        wanted; the message says how to get more ranks.
+    """
+    if dist.is_initialized():
+        return
+    init()
+    if dist.is_initialized():
+        return
+    if n_ranks_wanted != 1:
+        raise ValueError(
+            f"a mesh of {n_ranks_wanted} ranks needs {n_ranks_wanted} processes, but this is a "
+            f"single process with no torchrun environment. Run under `torchrun "
+            f"--nproc-per-node {n_ranks_wanted}`, or call your function through "
+            f"fs.run_local(fn, world_size={n_ranks_wanted})."
+        )
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=DEFAULT_TIMEOUT
+    )

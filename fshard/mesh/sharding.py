@@ -1,0 +1,171 @@
+"""``shard`` / ``gather`` / ``reshard`` / ``spec_of`` over pytrees of DTensors.
+
+A sharded value is a torch ``DTensor``: fshard adds the spec language and pytree
+handling on top, and leaves the storage, redistribution and checkpoint formats to
+torch. Plain tensors passed to :func:`shard` are global values (the same on every
+rank); each rank keeps only its block, so the values are unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+from torch.distributed.tensor import DTensor
+
+from fshard import tree as tree_util
+from fshard.mesh.mesh import Mesh, get_mesh
+from fshard.mesh.placement import (
+    local_block,
+    placements_to_spec,
+    raise_spec_errors,
+    spec_problems,
+    spec_to_placements,
+)
+from fshard.mesh.spec import PartitionSpec, is_spec
+
+__all__ = ["NamedSharding", "shard", "gather", "reshard", "spec_of", "make_dtensor"]
+
+
+@attrs.frozen
+class NamedSharding:
+    """A spec bound to a mesh: how one tensor is laid out.
+
+    Attributes:
+      mesh: the :class:`Mesh`.
+      spec: the :class:`P`.
+    """
+
+    mesh: Mesh
+    spec: PartitionSpec = attrs.field(validator=attrs.validators.instance_of(PartitionSpec))
+
+    @property
+    def placements(self):
+        """The equivalent DTensor placements, one per mesh axis."""
+        return spec_to_placements(self.spec, self.mesh)
+
+    def shard_shape(self, global_shape) -> tuple[int, ...]:
+        """Per-rank shape for ``global_shape``."""
+        from fshard.mesh.placement import shard_shape
+
+        return shard_shape(self.spec, global_shape, self.mesh)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def make_dtensor(local: torch.Tensor, spec: PartitionSpec, mesh: Mesh, global_shape) -> DTensor:
+    """Wraps this rank's block ``local`` as a DTensor of ``global_shape`` laid out by ``spec``."""
+    shape = torch.Size(global_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, mesh.device_mesh, spec_to_placements(spec, mesh),
+        run_check=False, shape=shape, stride=stride,
+    )
+
+
+def _check_leaves(what: str, paths, values, specs, mesh: Mesh, remedy: str) -> None:
+    bad = []
+    for path, x, spec in zip(paths, values, specs):
+        if _is_tensor(x):
+            probs = spec_problems(spec, tuple(x.shape), mesh)
+            if probs:
+                bad.append((path, spec, tuple(x.shape), probs))
+    raise_spec_errors(what, mesh, bad, remedy)
+
+
+def _flat(tree: Any, specs: Any, what: str):
+    paths, values, treedef = tree_util.zip_with_path(tree)
+    flat_specs = tree_util.broadcast_prefix(specs, tree, is_prefix_leaf=is_spec, name="specs", full_name="values")
+    return paths, values, flat_specs, treedef
+
+
+def shard(tree: Any, specs: Any, mesh: Mesh | None = None) -> Any:
+    """Lays out a pytree of global tensors over ``mesh``: each leaf becomes a DTensor.
+
+    Args:
+      tree: pytree whose tensor leaves are global values, identical on every rank
+        (non-tensor leaves pass through). DTensor leaves are redistributed to the spec.
+      specs: a pytree prefix of ``tree`` with :class:`P` leaves.
+      mesh: the mesh (default: the current mesh).
+
+    Returns:
+      The same structure with DTensor leaves; ``gather`` of it gives back ``tree``.
+
+    Raises:
+      ValueError: ``specs`` is not a prefix of ``tree``, or a spec does not fit its
+        leaf (too long, unknown or repeated axis, dim not divisible); the message lists
+        every bad leaf with its path, spec, shape, axis and sizes.
+    """
+    mesh = get_mesh(mesh, what="fs.shard")
+    paths, values, flat_specs, treedef = _flat(tree, specs, "fs.shard")
+    _check_leaves("fs.shard", paths, values, flat_specs, mesh,
+                  "Fix the spec, or pad the dim to a multiple of the axis size.")
+    out = []
+    for x, spec in zip(values, flat_specs):
+        if isinstance(x, DTensor):
+            out.append(_redistribute(x, spec, mesh))
+        elif _is_tensor(x):
+            block = x.detach()[local_block(spec, x.shape, mesh)]
+            local = block.to(mesh.device, copy=True).contiguous()
+            local.requires_grad_(x.requires_grad)
+            out.append(make_dtensor(local, spec, mesh, x.shape))
+        else:
+            out.append(x)
+    return tree_util.tree_unflatten(treedef, out)
+
+
+def _redistribute(x: DTensor, spec: PartitionSpec, mesh: Mesh) -> DTensor:
+    if x.device_mesh is not mesh.device_mesh and x.device_mesh != mesh.device_mesh:
+        raise ValueError(
+            f"cannot move a DTensor from mesh {x.device_mesh} to {mesh!r} with reshard; "
+            f"gather it first (fs.gather) and shard the full value."
+        )
+    return x.redistribute(mesh.device_mesh, spec_to_placements(spec, mesh))
+
+
+def gather(tree: Any) -> Any:
+    """Full (replicated) plain tensors for every DTensor leaf; other leaves unchanged.
+
+    Collective: every rank of the leaves' meshes must call it with the same tree.
+    """
+    return tree_util.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, tree)
+
+
+def reshard(tree: Any, specs: Any, mesh: Mesh | None = None) -> Any:
+    """Changes the layout of every leaf to ``specs`` (plain tensors are sharded).
+
+    Raises:
+      ValueError: as :func:`shard`.
+    """
+    return shard(tree, specs, mesh)
+
+
+def spec_of(x: Any, mesh: Mesh | None = None) -> PartitionSpec | Any:
+    """The :class:`P` of a DTensor, or a pytree of them for a pytree of DTensors.
+
+    Plain tensors give ``P()`` (a plain tensor is a replicated value).
+    """
+    def one(path: str, leaf: Any) -> Any:
+        if isinstance(leaf, DTensor):
+            m = mesh or _mesh_of(leaf)
+            return placements_to_spec(leaf.placements, m, path=path)
+        return PartitionSpec()
+
+    if isinstance(x, torch.Tensor):
+        return one("<value>", x)
+    return tree_util.tree_map_with_path(one, x)
+
+
+def _mesh_of(x: DTensor) -> Mesh:
+    names = x.device_mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("this DTensor's DeviceMesh has no dim names; pass mesh=... to spec_of.")
+    from fshard.mesh.mesh import _MESH_CACHE
+
+    for m in _MESH_CACHE.values():
+        if m.device_mesh is x.device_mesh or m.device_mesh == x.device_mesh:
+            return m
+    return Mesh(x.device_mesh, names)
