@@ -115,7 +115,7 @@ class WorkerPool:
     """
 
     def __init__(self, world_size: int, *, start_method: str = "spawn",
-                 timeout_s: float = 120.0, grace_s: float = 5.0) -> None:
+                 timeout_s: float = 120.0, grace_s: float = 5.0, name: str = "fshard-rank") -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}.")
         self.world_size, self.timeout_s, self.grace_s = world_size, timeout_s, grace_s
@@ -127,7 +127,7 @@ class WorkerPool:
         self._conns, self._procs = [], []
         for r in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, daemon=True, name=f"fshard-rank{r}",
+            p = ctx.Process(target=_worker_main, daemon=True, name=f"{name}{r}",
                             args=(r, world_size, self._store.port, child, self._stack_paths[r], timeout_s))
             p.start()
             child.close()
@@ -280,7 +280,7 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
     """
     _INHERITED["task"] = (fn, args, kwargs)
     try:
-        pool = WorkerPool(world_size, start_method="fork", timeout_s=timeout_s)
+        pool = WorkerPool(world_size, start_method="fork", timeout_s=timeout_s, name="fshard-local-rank")
         try:
             for c in pool._conns:
                 c.send("inherited")

@@ -1,0 +1,96 @@
+"""Multi-rank test harness: run a test body on 1, 2 or 4 real gloo ranks.
+
+One persistent :class:`~fshard.mesh.local.WorkerPool` per world size serves every
+test (starting ranks costs seconds; a test costs milliseconds). A body that fails on
+any rank fails the test with that rank's traceback; a body that deadlocks is killed
+after its timeout and the failure shows where each rank was stuck. A pool that had to
+be killed is rebuilt for the next test.
+
+Test bodies are module-level functions (they are sent to the ranks by reference)::
+
+    def _body(n):
+        mesh = fs.make_mesh({"fsdp": n})
+        ...
+        return something_small
+
+    @pytest.mark.parametrize("n", [1, 2, 4])
+    def test_thing(n):
+        results = run_on_ranks(_body, n, world_size=n)
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+from typing import Any, Callable
+
+import torch
+
+from fshard.mesh.local import WorkerPool
+
+__all__ = ["run_on_ranks", "shutdown_pools", "assert_close", "MESH_SHAPES"]
+
+_POOLS: dict[int, WorkerPool] = {}
+DEFAULT_TIMEOUT_S = float(os.environ.get("FSHARD_TEST_TIMEOUT_S", "120"))
+
+# Mesh shapes the suites parametrize over (world sizes 1, 2 and 4 only: 2 cores).
+MESH_SHAPES: list[dict[str, int]] = [{"x": 1}, {"x": 2}, {"x": 4}, {"x": 2, "y": 2}]
+
+
+def _pool(world_size: int) -> WorkerPool:
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive:
+        pool = WorkerPool(world_size, start_method="spawn", timeout_s=DEFAULT_TIMEOUT_S)
+        _POOLS[world_size] = pool
+    return pool
+
+
+def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int,
+                 timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+    """Runs ``fn(*args, **kwargs)`` on ``world_size`` ranks of a shared pool.
+
+    Returns:
+      Each rank's result, by rank.
+
+    Raises:
+      Exception: the first failing rank's exception, with rank and traceback attached.
+      RankTimeoutError: a deadlock; the message shows each stuck rank's stack.
+    """
+    pool = _pool(world_size)
+    try:
+        return pool.run(fn, *args, timeout_s=timeout_s or DEFAULT_TIMEOUT_S, **kwargs)
+    finally:
+        if not pool.alive:
+            pool.shutdown(kill=True)
+            _POOLS.pop(world_size, None)
+
+
+def shutdown_pools() -> None:
+    """Stops every pool (registered at exit)."""
+    for pool in list(_POOLS.values()):
+        pool.shutdown(kill=not pool.alive)
+    _POOLS.clear()
+
+
+atexit.register(shutdown_pools)
+
+
+def assert_close(actual: Any, expected: Any, *, rtol: float = 1.3e-6, atol: float = 1e-5,
+                 what: str = "value") -> None:
+    """``torch.testing.assert_close`` over pytrees, naming the first differing path."""
+    from fshard import tree as tree_util
+
+    a_paths, a_leaves, a_def = tree_util.zip_with_path(actual)
+    e_paths, e_leaves, e_def = tree_util.zip_with_path(expected)
+    if a_def != e_def:
+        raise AssertionError(f"{what}: structures differ:\n  actual   {a_def}\n  expected {e_def}")
+    for path, a, e in zip(a_paths, a_leaves, e_leaves):
+        if isinstance(a, torch.Tensor) or isinstance(e, torch.Tensor):
+            torch.testing.assert_close(a, e, rtol=rtol, atol=atol,
+                                       msg=lambda m, p=path: f"{what} at '{p}': {m}")
+        elif isinstance(a, float) and isinstance(e, float):
+            if not math.isclose(a, e, rel_tol=rtol, abs_tol=atol):
+                raise AssertionError(f"{what} at '{path}': {a} != {e}")
+        elif a != e:
+            raise AssertionError(f"{what} at '{path}': {a!r} != {e!r}")

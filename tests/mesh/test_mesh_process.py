@@ -1,0 +1,130 @@
+"""Process start (fs.init), run_local and the multi-rank harness: results, failures, deadlocks."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fshard as fs
+from fshard.mesh.local import RankTimeoutError
+from fshard.testing import run_on_ranks
+
+
+def _rank_and_sum(scale):
+    mesh = fs.make_mesh({"x": dist.get_world_size()})
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item() * scale, mesh.axis_index("x")
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_pool_returns_per_rank_results(n):
+    out = run_on_ranks(_rank_and_sum, 2.0, world_size=n)
+    total = n * (n + 1) / 2
+    assert out == [(r, total * 2.0, r) for r in range(n)]
+
+
+def _fail_on_rank_1():
+    if dist.get_rank() == 1:
+        raise KeyError("boom on one rank")
+    return "fine"
+
+
+def test_pool_propagates_remote_failure_with_rank():
+    with pytest.raises(KeyError, match="boom on one rank") as info:
+        run_on_ranks(_fail_on_rank_1, world_size=2)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "rank 1 of 2" in notes
+    assert "_fail_on_rank_1" in info.value.__cause__.text
+    # The pool is still usable afterwards.
+    assert run_on_ranks(_rank_and_sum, 1.0, world_size=2)[0][1] == 3.0
+
+
+def _deadlock():
+    if dist.get_rank() == 0:
+        dist.barrier()  # rank 1 never joins
+    else:
+        time.sleep(60)
+    return "unreachable"
+
+
+def test_deadlock_fails_within_timeout_and_shows_stacks():
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeoutError) as info:
+        run_on_ranks(_deadlock, world_size=2, timeout_s=4)
+    assert time.monotonic() - t0 < 20
+    msg = str(info.value)
+    assert "ranks [0, 1]" in msg and "_deadlock" in msg
+    assert run_on_ranks(_rank_and_sum, 1.0, world_size=2)[1][0] == 1  # rebuilt
+
+
+def _raise_after_collective_mismatch():
+    if dist.get_rank() == 0:
+        raise ValueError("rank 0 gave up")
+    dist.barrier()  # blocked forever: rank 0 is gone
+
+
+def test_failure_that_strands_other_ranks_does_not_hang():
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="rank 0 gave up") as info:
+        run_on_ranks(_raise_after_collective_mismatch, world_size=2, timeout_s=60)
+    assert time.monotonic() - t0 < 30
+    assert "still blocked" in "\n".join(info.value.__notes__)
+
+
+def test_run_local_from_plain_process_with_closure():
+    offset = 10.0  # a closure: run_local forks, so nothing needs pickling by reference
+
+    def body():
+        t = torch.tensor([float(dist.get_rank())]) + offset
+        dist.all_reduce(t)
+        return t.item()
+
+    assert fs.run_local(body, world_size=2) == [21.0, 21.0]
+
+
+def test_run_local_propagates_failure_and_leaves_no_children():
+    import multiprocessing as mp
+
+    def body():
+        if dist.get_rank() == 1:
+            raise RuntimeError("remote trouble")
+        dist.barrier()
+
+    with pytest.raises(RuntimeError, match="remote trouble") as info:
+        fs.run_local(body, world_size=2, timeout_s=60)
+    assert "rank 1 of 2" in "\n".join(info.value.__notes__)
+    assert [p for p in mp.active_children() if p.name.startswith("fshard-local-rank")] == []
+
+
+_TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_init_is_noop_for_one_process(monkeypatch):
+    for v in _TORCHRUN:
+        monkeypatch.delenv(v, raising=False)
+    fs.init()  # neither raises nor needs a group
+
+
+def test_init_partial_torchrun_env_names_missing(monkeypatch):
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for v in _TORCHRUN:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"MASTER_ADDR.*MASTER_PORT"):
+        fs.init()
+
+
+def test_one_process_mesh_needs_no_torchrun(monkeypatch):
+    for v in _TORCHRUN:
+        monkeypatch.delenv(v, raising=False)
+    mesh = fs.make_mesh({"fsdp": 1})
+    assert mesh.size == 1 and mesh.axis_index("fsdp") == 0
+    with pytest.raises(ValueError, match=r"needs 4 processes.*run_local"):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        fs.make_mesh({"fsdp": 4})
