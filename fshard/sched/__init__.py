@@ -1,0 +1,56 @@
+"""Pipeline schedules as data: IR, generators, lowering, validation, simulation, plots.
+
+Example:
+    >>> from fshard import sched
+    >>> s = sched.lower(sched.one_f_one_b(4, 8))
+    >>> sched.validate(s).n_stages
+    4
+    >>> float(sched.simulate(s).makespan)
+    33.0
+"""
+
+from fshard.sched.generators import dualpipev as dualpipev
+from fshard.sched.generators import gpipe as gpipe
+from fshard.sched.generators import interleaved_1f1b as interleaved_1f1b
+from fshard.sched.generators import looped_bfs as looped_bfs
+from fshard.sched.generators import one_f_one_b as one_f_one_b
+from fshard.sched.generators import zbv as zbv
+from fshard.sched.generators import zero_bubble as zero_bubble
+from fshard.sched.ir import Action as Action
+from fshard.sched.ir import Kind as Kind
+from fshard.sched.ir import Schedule as Schedule
+from fshard.sched.ir import ScheduleError as ScheduleError
+from fshard.sched.ir import stage_to_rank as stage_to_rank
+from fshard.sched.lower import add_reduce_grad as add_reduce_grad
+from fshard.sched.lower import add_unshard_reshard as add_unshard_reshard
+from fshard.sched.lower import lower as lower
+from fshard.sched.plot import plot as plot
+from fshard.sched.simulate import SimReport as SimReport
+from fshard.sched.simulate import Span as Span
+from fshard.sched.simulate import simulate as simulate
+from fshard.sched.simulate import timeline as timeline
+from fshard.sched.validate import validate as validate
+
+__all__ = [
+    "Action",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "SimReport",
+    "Span",
+    "add_reduce_grad",
+    "add_unshard_reshard",
+    "dualpipev",
+    "gpipe",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "lower",
+    "one_f_one_b",
+    "plot",
+    "simulate",
+    "stage_to_rank",
+    "timeline",
+    "validate",
+    "zbv",
+    "zero_bubble",
+]

@@ -101,7 +101,8 @@ class Action(_ActionFields):
         microbatch: int | None = None,
         sub: Iterable[Action] = (),
     ) -> Action:
-        kind = Kind(kind)
+        if kind.__class__ is not Kind:
+            kind = Kind(kind)
         sub = tuple(sub)
         _check_action(kind, stage, microbatch, sub)
         return super().__new__(cls, kind, stage, microbatch, sub)
@@ -155,7 +156,7 @@ class Action(_ActionFields):
     @property
     def parts(self) -> tuple[Action, ...]:
         """The simple compute actions this action performs (itself, or its sub-actions)."""
-        return self.sub if self.kind is Kind.OVERLAP_F_B else (self,)
+        return self.sub or (self,)
 
     @property
     def peer_stage(self) -> int | None:
@@ -178,12 +179,12 @@ def _check_action(kind: Kind, stage: int, mb: int | None, sub: tuple[Action, ...
         return
     if sub:
         raise ValueError(f"only OVERLAP_F_B has sub-actions, got kind {kind.value}")
-    if not isinstance(stage, int) or stage < 0:
+    if stage.__class__ is not int or stage < 0:
         raise ValueError(f"stage must be an int >= 0, got {stage!r} for kind {kind.value}")
     if kind in STAGE_KINDS:
         if mb is not None:
             raise ValueError(f"{kind.value} acts on a whole stage, got microbatch={mb}")
-    elif not isinstance(mb, int) or mb < 0:
+    elif mb.__class__ is not int or mb < 0:
         raise ValueError(f"{kind.value} on stage {stage} needs a microbatch >= 0, got {mb!r}")
 
 
@@ -267,28 +268,27 @@ class Schedule:
             raise ScheduleError(f"n_microbatches must be >= 1, got {self.n_microbatches}")
         ranks = stage_to_rank(len(self.actions), self.n_stages, self.placement)
         object.__setattr__(self, "_ranks", ranks)
+        n_stages, n_mb = self.n_stages, self.n_microbatches
         for rank, row in enumerate(self.actions):
             for index, action in enumerate(row):
-                for part in action.parts:
-                    self._check_placed(rank, index, action, part)
+                for part in action.sub or (action,):
+                    stage, mb = part.stage, part.microbatch
+                    if (stage >= n_stages or ranks[stage] != rank
+                            or (mb is not None and mb >= n_mb)
+                            or (part.kind in COMM_KINDS and not 0 <= part.peer_stage < n_stages)):
+                        raise ScheduleError(self._misplaced(rank, index, action, part))
 
-    def _check_placed(self, rank: int, index: int, action: Action, part: Action) -> None:
+    def _misplaced(self, rank: int, index: int, action: Action, part: Action) -> str:
         where = f"rank {rank} action #{index} {action}"
         if part.stage >= self.n_stages:
-            raise ScheduleError(f"{where}: stage {part.stage} >= n_stages={self.n_stages}")
+            return f"{where}: stage {part.stage} >= n_stages={self.n_stages}"
         if part.microbatch is not None and part.microbatch >= self.n_microbatches:
-            raise ScheduleError(
-                f"{where}: microbatch {part.microbatch} >= n_microbatches={self.n_microbatches}"
-            )
+            return f"{where}: microbatch {part.microbatch} >= n_microbatches={self.n_microbatches}"
         if self._ranks[part.stage] != rank:
-            raise ScheduleError(
-                f"{where}: stage {part.stage} lives on rank {self._ranks[part.stage]} "
-                f"under {self.placement!r} placement with n_ranks={self.n_ranks}, "
-                f"n_stages={self.n_stages}"
-            )
-        peer = part.peer_stage
-        if peer is not None and not 0 <= peer < self.n_stages:
-            raise ScheduleError(f"{where}: peer stage {peer} does not exist")
+            return (f"{where}: stage {part.stage} lives on rank {self._ranks[part.stage]} "
+                    f"under {self.placement!r} placement with n_ranks={self.n_ranks}, "
+                    f"n_stages={self.n_stages}")
+        return f"{where}: peer stage {part.peer_stage} does not exist"
 
     @property
     def n_ranks(self) -> int:

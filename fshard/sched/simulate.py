@@ -11,6 +11,7 @@ SEND/RECV and FSDP actions cost nothing here. Times are exact Fractions.
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import NamedTuple, Union
 
@@ -78,6 +79,35 @@ def _inputs(part: Action, n_stages: int) -> list[tuple[str, int, int | None]]:
     return deps
 
 
+class _Job(NamedTuple):
+    index: int
+    action: Action
+    cost: int
+    deps: tuple[tuple[str, int, int | None], ...]
+    outputs: tuple[tuple[str, int, int | None], ...]
+
+
+def _jobs(schedule: Schedule, costs: _Costs) -> tuple[list[list[_Job]], int, int]:
+    """Compute actions per rank with integer costs in ticks of 1/scale time units."""
+    v = schedule.n_virtual
+    unit = [costs.f / v, costs.b / v, costs.w / v, costs.comm]
+    scale = math.lcm(*(u.denominator for u in unit))
+    tick = {k: int(costs.of(Action(k, 0, 0), v) * scale) for k in (Kind.F, Kind.B, Kind.I, Kind.W)}
+    rows = []
+    for row in schedule.actions:
+        jobs = []
+        for index, action in enumerate(row):
+            if not action.is_compute:
+                continue
+            outputs = tuple(_key(p) for p in action.parts)
+            deps = tuple(d for p in action.parts for d in _inputs(p, schedule.n_stages)
+                         if d not in outputs)
+            cost = sum(tick[p.kind] for p in action.parts)
+            jobs.append(_Job(index, action, cost, deps, outputs))
+        rows.append(jobs)
+    return rows, scale, int(costs.comm * scale)
+
+
 def timeline(schedule: Schedule, *, f: Number = 1, b: Number = 1, w: Number = 1,
              comm: Number = 0) -> tuple[tuple[Span, ...], ...]:
     """Places every compute action of every rank in time (ASAP, list order per rank).
@@ -98,49 +128,47 @@ def timeline(schedule: Schedule, *, f: Number = 1, b: Number = 1, w: Number = 1,
             rank's head action and what it waits for.
         ValueError: a negative cost, or f or b equal to 0.
     """
-    costs = _costs(f, b, w, comm)
-    v, n_stages = schedule.n_virtual, schedule.n_stages
-    todo = [[(i, a) for i, a in enumerate(row) if a.is_compute] for row in schedule.actions]
-    spans: list[list[Span]] = [[] for _ in todo]
-    done: dict[tuple[str, int, int | None], tuple[Fraction, int]] = {}
-    free = [Fraction(0)] * len(todo)
-    heads = [0] * len(todo)
+    rows, ticks, scale = _ticks(schedule, _costs(f, b, w, comm))
+    return tuple(
+        tuple(Span(r, j.index, j.action, Fraction(t0, scale), Fraction(t1, scale))
+              for j, (t0, t1) in zip(jobs, ticks[r]))
+        for r, jobs in enumerate(rows))
+
+
+def _ticks(schedule: Schedule, costs: _Costs
+           ) -> tuple[list[list[_Job]], list[list[tuple[int, int]]], int]:
+    """The ASAP sweep in integer ticks: jobs per rank, (start, end) per job, ticks per unit."""
+    rows, scale, comm_ticks = _jobs(schedule, costs)
+    done: dict[tuple[str, int, int | None], tuple[int, int]] = {}
+    ticks: list[list[tuple[int, int]]] = [[] for _ in rows]
+    free = [0] * len(rows)
+    heads = [0] * len(rows)
     progressed = True
     while progressed:
         progressed = False
-        for rank, row in enumerate(todo):
-            while heads[rank] < len(row):
-                index, action = row[heads[rank]]
-                ready = _ready(action, rank, done, schedule, costs.comm)
-                if ready is None:
-                    break
-                start = max(free[rank], ready)
-                end = start + sum(costs.of(p, v) for p in action.parts)
-                for part in action.parts:
-                    done[_key(part)] = (end, rank)
-                spans[rank].append(Span(rank, index, action, start, end))
-                free[rank] = end
-                heads[rank] += 1
-                progressed = True
-    stuck = [(r, row[heads[r]]) for r, row in enumerate(todo) if heads[r] < len(row)]
+        for rank, jobs in enumerate(rows):
+            while heads[rank] < len(jobs):
+                job = jobs[heads[rank]]
+                start = free[rank]
+                for dep in job.deps:
+                    if dep not in done:
+                        break
+                    end, dep_rank = done[dep]
+                    start = max(start, end + comm_ticks if dep_rank != rank else end)
+                else:
+                    free[rank] = start + job.cost
+                    for out in job.outputs:
+                        done[out] = (free[rank], rank)
+                    ticks[rank].append((start, free[rank]))
+                    heads[rank] += 1
+                    progressed = True
+                    continue
+                break
+    stuck = [(r, (jobs[heads[r]].index, jobs[heads[r]].action))
+             for r, jobs in enumerate(rows) if heads[r] < len(jobs)]
     if stuck:
         raise ScheduleError(_stuck_message(stuck, schedule, done))
-    return tuple(tuple(s) for s in spans)
-
-
-def _ready(action: Action, rank: int, done: dict, schedule: Schedule,
-           comm: Fraction) -> Fraction | None:
-    own = {_key(p) for p in action.parts}
-    ready = Fraction(0)
-    for part in action.parts:
-        for dep in _inputs(part, schedule.n_stages):
-            if dep in own:
-                continue
-            if dep not in done:
-                return None
-            end, dep_rank = done[dep]
-            ready = max(ready, end + (comm if dep_rank != rank else 0))
-    return ready
+    return rows, ticks, scale
 
 
 def _stuck_message(stuck: list[tuple[int, tuple[int, Action]]], schedule: Schedule,
@@ -218,7 +246,7 @@ class SimReport:
                 f"{float(self.bubble_fraction):.1%} of T; peak activations per rank [{peaks}]")
 
 
-def _peak(spans: tuple[Span, ...], costs: _Costs, v: int) -> int:
+def _peak(spans: tuple[Span, ...]) -> int:
     events: list[tuple[Fraction, int]] = []
     for span in spans:
         for part in span.action.parts:
@@ -260,7 +288,7 @@ def simulate(schedule: Schedule, f: Number = 1, b: Number = 1, w: Number = 1,
     return SimReport(
         makespan=max(last_end),
         ideal=schedule.n_microbatches * (costs.f + costs.b + costs.w),
-        peak_activations=tuple(_peak(s, costs, schedule.n_virtual) for s in spans),
+        peak_activations=tuple(_peak(s) for s in spans),
         busy=tuple(sum((x.end - x.start for x in s), zero) for s in spans),
         first_start=tuple(s[0].start if s else zero for s in spans),
         last_end=last_end,
