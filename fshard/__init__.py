@@ -14,11 +14,13 @@ from fshard.mesh import (
     current_mesh as current_mesh,
     gather as gather,
     init as init,
+    init_sharded as init_sharded,
     make_mesh as make_mesh,
     reshard as reshard,
     run_local as run_local,
     shard as shard,
     spec_of as spec_of,
+    visualize_sharding as visualize_sharding,
 )
 
 __version__ = "0.1.0"

@@ -131,6 +131,8 @@ def broadcast_prefix(
     Raises:
       ValueError: the prefix is not a prefix of ``full``; the message names the first
         path where they differ and shows both subtrees.
+      TypeError: where a single spec is needed, the prefix holds something else (a
+        string, a tuple of axis names instead of ``P(...)``).
     """
     out: list[Any] = []
     _broadcast(prefix, full, (), out, is_prefix_leaf, name, full_name, full_is_leaf)
@@ -143,11 +145,14 @@ def _broadcast(pre, val, path, out, is_prefix_leaf, name, full_name, full_is_lea
         return
     pre_leaf = optree.tree_is_leaf(pre)
     val_leaf = (full_is_leaf is not None and full_is_leaf(val)) or optree.tree_is_leaf(val)
-    mismatch = None
+    mismatch, kind = None, ValueError
+    if pre_leaf or val_leaf:
+        kind = TypeError  # a wrong kind of spec (a str, a tuple) rather than a wrong shape of tree
     if pre_leaf:
         mismatch = f"{name} has a non-spec leaf {pre!r} of type {type(pre).__name__}"
     elif val_leaf:
-        mismatch = f"{name} has a subtree where {full_name} has a leaf of type {type(val).__name__}"
+        mismatch = (f"{name} has {pre!r} where {full_name} has a leaf of type "
+                    f"{type(val).__name__}; a leaf needs a single spec (e.g. P(...))")
     else:
         p1 = optree.tree_flatten_one_level(pre)
         v1 = optree.tree_flatten_one_level(val, is_leaf=full_is_leaf)
@@ -167,7 +172,7 @@ def _broadcast(pre, val, path, out, is_prefix_leaf, name, full_name, full_is_lea
             for key, pc, vc in zip(p1.entries, p1.children, v1.children):
                 _broadcast(pc, vc, path + (key,), out, is_prefix_leaf, name, full_name, full_is_leaf)
             return
-    raise ValueError(
+    raise kind(
         f"{name} is not a pytree prefix of {full_name}: they first differ at "
         f"'{keystr(path)}': {mismatch}.\n"
         f"  {name} at '{keystr(path)}':  {_describe(pre, is_prefix_leaf)}\n"

@@ -16,3 +16,8 @@ __all__ = [
     "P", "PartitionSpec", "Mesh", "make_mesh", "current_mesh", "init", "NamedSharding",
     "gather", "reshard", "shard", "spec_of", "run_local", "WorkerPool", "RankTimeoutError",
 ]
+
+from fshard.mesh.sharded_init import init_sharded as init_sharded
+from fshard.mesh.visualize import visualize_sharding as visualize_sharding
+
+__all__ += ["init_sharded", "visualize_sharding"]
