@@ -197,7 +197,8 @@ class FunctionalModule:
       *args: positional arguments of ``module.forward``.
       buffers: the buffer tree (default: the one :func:`functionalize` returned).
       return_buffers: also return the buffers after the forward.
-      **kwargs: keyword arguments of ``module.forward``.
+      **kwargs: keyword arguments of ``module.forward`` (except ``buffers`` and
+        ``return_buffers``, which ``apply`` takes for itself).
 
     Returns:
       The module's output, or ``(output, new_buffers)`` with ``return_buffers=True``.
