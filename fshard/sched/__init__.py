@@ -16,6 +16,7 @@ from fshard.sched.generators import looped_bfs as looped_bfs
 from fshard.sched.generators import one_f_one_b as one_f_one_b
 from fshard.sched.generators import zbv as zbv
 from fshard.sched.generators import zero_bubble as zero_bubble
+from fshard.sched.greedy import zb_h2 as zb_h2
 from fshard.sched.ir import Action as Action
 from fshard.sched.ir import Kind as Kind
 from fshard.sched.ir import Schedule as Schedule
@@ -51,6 +52,7 @@ __all__ = [
     "stage_to_rank",
     "timeline",
     "validate",
+    "zb_h2",
     "zbv",
     "zero_bubble",
 ]

@@ -45,7 +45,10 @@ def _rounds(name: str, n_ranks: int, n_microbatches: int, n_virtual: int) -> int
 
     Rounds of up to p microbatches walk through every local chunk in turn; this
     relaxes Megatron's m % p == 0 to m % rounds == 0 (p=4 allows m=10 or m=3).
+    With one chunk per rank there is nothing to walk through, so any m works.
     """
+    if n_virtual == 1:
+        return n_microbatches
     rounds = max(1, n_microbatches // n_ranks)
     if n_microbatches % rounds:
         raise ValueError(
@@ -182,7 +185,7 @@ def interleaved_1f1b(n_ranks: int, n_microbatches: int, *, n_virtual: int = 2) -
 
     Args:
         n_ranks: pipeline ranks p (>= 1).
-        n_microbatches: microbatches m (>= 1); must be a multiple of
+        n_microbatches: microbatches m (>= 1); for v > 1 a multiple of
             max(1, m // p) (any m <= p, or a multiple of p, always works).
         n_virtual: stages per rank v (optional, default 2).
 
@@ -190,7 +193,7 @@ def interleaved_1f1b(n_ranks: int, n_microbatches: int, *, n_virtual: int = 2) -
         A compute-only Schedule with loop placement and p*v stages.
 
     Raises:
-        ValueError: non-positive sizes or m not a multiple of the round count.
+        ValueError: non-positive sizes, or v > 1 and m not a multiple of the round count.
     """
     _check_sizes("interleaved_1f1b", n_ranks, n_microbatches, n_virtual)
     per_round = _rounds("interleaved_1f1b", n_ranks, n_microbatches, n_virtual)
@@ -210,14 +213,14 @@ def zero_bubble(n_ranks: int, n_microbatches: int, *, n_virtual: int = 1) -> Sch
 
     Args:
         n_ranks: pipeline ranks p (>= 1).
-        n_microbatches: microbatches m (>= 1); must be a multiple of max(1, m // p).
+        n_microbatches: microbatches m (>= 1); for v > 1 a multiple of max(1, m // p).
         n_virtual: stages per rank v (optional, default 1).
 
     Returns:
         A compute-only Schedule with loop placement and p*v stages.
 
     Raises:
-        ValueError: non-positive sizes or m not a multiple of the round count.
+        ValueError: non-positive sizes, or v > 1 and m not a multiple of the round count.
     """
     _check_sizes("zero_bubble", n_ranks, n_microbatches, n_virtual)
     per_round = _rounds("zero_bubble", n_ranks, n_microbatches, n_virtual)

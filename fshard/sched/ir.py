@@ -8,10 +8,7 @@ point-to-point SEND/RECV actions between ranks.
 
 from __future__ import annotations
 
-import csv
 import enum
-import io
-import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -347,21 +344,10 @@ class Schedule:
         return attrs.evolve(self, actions=rows)
 
     def __str__(self) -> str:
-        head = (
-            f"Schedule {self.name!r}: {self.n_ranks} ranks, {self.n_stages} stages "
-            f"({self.placement} placement, {self.n_virtual} per rank), "
-            f"{self.n_microbatches} microbatches"
-        )
-        cols = [[str(a) for a in row] for row in self.actions]
-        widths = [max([len(f"rank {r}")] + [len(c) for c in col]) for r, col in enumerate(cols)]
-        steps = max((len(c) for c in cols), default=0)
-        step_w = max(4, len(str(steps)))
-        lines = [head, " | ".join([f"{'step':>{step_w}}"] + [
-            f"{f'rank {r}':<{w}}" for r, w in enumerate(widths)])]
-        for i in range(steps):
-            cells = [f"{col[i] if i < len(col) else '':<{w}}" for col, w in zip(cols, widths)]
-            lines.append(" | ".join([f"{i:>{step_w}}"] + cells).rstrip())
-        return "\n".join(lines)
+        """A grid with one column per rank and one row per list position."""
+        from fshard.sched._text import format_grid
+
+        return format_grid(self)
 
     def to_csv(self, path: str | os.PathLike[str] | IO[str] | None = None, *,
                header: bool = True) -> str:
@@ -377,23 +363,9 @@ class Schedule:
         Returns:
             The CSV text.
         """
-        buf = io.StringIO()
-        if header:
-            meta = {"name": self.name, "n_stages": self.n_stages,
-                    "n_microbatches": self.n_microbatches, "placement": self.placement}
-            buf.write("# fshard.sched " + json.dumps(meta) + "\n")
-        writer = csv.writer(buf, lineterminator="\n")
-        for row in self.actions:
-            writer.writerow([str(a) for a in row])
-        text = buf.getvalue()
-        if path is None:
-            return text
-        if hasattr(path, "write"):
-            path.write(text)  # type: ignore[union-attr]
-        else:
-            with open(path, "w", newline="") as fh:
-                fh.write(text)
-        return text
+        from fshard.sched._text import write_csv
+
+        return write_csv(self, path, header=header)
 
     @classmethod
     def from_csv(cls, path: str | os.PathLike[str] | IO[str], **overrides: object) -> Schedule:
@@ -411,42 +383,9 @@ class Schedule:
             The :class:`Schedule`.
 
         Raises:
-            ScheduleError: the file is not a schedule, or no placement fits.
+            ScheduleError: the file holds no actions, or no placement fits.
             ValueError: a cell is not an action string.
         """
-        if hasattr(path, "read"):
-            text = path.read()  # type: ignore[union-attr]
-        else:
-            with open(path, newline="") as fh:
-                text = fh.read()
-        meta: dict[str, object] = {}
-        lines = []
-        for line in text.splitlines():
-            if line.startswith("# fshard.sched "):
-                meta = json.loads(line[len("# fshard.sched "):])
-            elif line.strip() and not line.startswith("#"):
-                lines.append(line)
-        rows = [[Action.parse(c) for c in cells if c.strip()] for cells in csv.reader(lines)]
-        meta.update(overrides)
-        return _from_rows(rows, meta)
+        from fshard.sched._text import read_csv
 
-
-def _from_rows(rows: list[list[Action]], meta: dict[str, object]) -> Schedule:
-    parts = [p for row in rows for a in row for p in a.parts]
-    if not rows or not parts:
-        raise ScheduleError("the CSV holds no actions")
-    n_stages = int(meta.get("n_stages") or 1 + max(p.stage for p in parts))  # type: ignore[arg-type]
-    n_mb = int(meta.get("n_microbatches") or 1 + max(  # type: ignore[arg-type]
-        (p.microbatch for p in parts if p.microbatch is not None), default=0))
-    name = str(meta.get("name", "custom"))
-    if "placement" in meta:
-        return Schedule(actions=rows, n_stages=n_stages, n_microbatches=n_mb,
-                        placement=str(meta["placement"]), name=name)
-    errors = []
-    for placement in ("loop", "v"):
-        try:
-            return Schedule(actions=rows, n_stages=n_stages, n_microbatches=n_mb,
-                            placement=placement, name=name)
-        except ScheduleError as err:
-            errors.append(f"{placement}: {err}")
-    raise ScheduleError("no stage placement fits the CSV:\n  " + "\n  ".join(errors))
+        return read_csv(path, overrides)

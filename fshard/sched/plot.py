@@ -81,7 +81,8 @@ def plot(schedule: Schedule, path: str | os.PathLike[str], *, f: Number = 1, b: 
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_xlim(0, float(report.makespan))
-    ax.set_xlabel("time (f = forward of one rank's layers per microbatch)")
+    ax.set_xlabel("time (f = forward of one rank's layers per microbatch); "
+                  "lighter blocks: a rank's later stages")
     ax.legend(handles=[Patch(color=_COLORS[k], label=_NAMES[k]) for k in _COLORS if k in used],
               loc="upper center", bbox_to_anchor=(0.5, -0.35 if p < 3 else -0.2),
               ncol=4, frameon=False, fontsize=8)

@@ -16,6 +16,11 @@ rank, the action and the sizes involved:
    RECV_F, a B/I needs its own F and the next stage's B/I or its RECV_B, a W
    needs its I. A compute-only schedule (no SEND/RECV) is run as data flow:
    cross-rank inputs are waited for instead of received.
+4. Batched transfers (``p2p="batched"``, the default): each run of consecutive
+   SEND/RECV actions on a rank is one batch, as a runtime issues it with
+   ``batch_isend_irecv``; a batch completes only once every op in it is matched
+   by its peer's batch, so a pair of ranks that each send before receiving in
+   separate batches deadlocks, as NCCL would.
 """
 
 from __future__ import annotations
@@ -253,8 +258,9 @@ class _Run:
             send = Kind.SEND_F if action.kind is Kind.RECV_F else Kind.SEND_B
             what = f"{Action(send, action.peer_stage, action.microbatch)} from rank {peer}"
         else:
-            what = " and ".join(str(self.producer(key)) for part in action.parts
-                                for key in self.inputs(part) if key not in self.produced)
+            what = " and ".join(f"{self.producer(key)} on rank {self.ranks[key[1]]}"
+                                for part in action.parts for key in self.inputs(part)
+                                if key not in self.produced)
         return f"rank {rank}: head action #{index} {action} waits for {what}"
 
 
@@ -269,11 +275,88 @@ def _outputs(part: Action) -> set[tuple[str, int, int | None]]:
     return {("W", s, mb)}
 
 
-def validate(schedule: Schedule) -> Schedule:
+def _batches(row: tuple[Action, ...]) -> list[tuple[int, list[Action]]]:
+    """Each maximal run of consecutive SEND/RECV actions, with its first index."""
+    out: list[tuple[int, list[Action]]] = []
+    for index, action in enumerate(row):
+        if not action.is_comm:
+            continue
+        if out and out[-1][0] + len(out[-1][1]) == index:
+            out[-1][1].append(action)
+        else:
+            out.append((index, [action]))
+    return out
+
+
+def _check_batched(schedule: Schedule) -> None:
+    """Re-runs the transfers as NCCL-style batches that complete only when fully matched.
+
+    Each batch is posted when its rank reaches it; an op is matched once its peer
+    has posted the op with the same position in that rank pair's channel.
+    """
+    batches = [_batches(row) for row in schedule.actions]
+    slot: dict[tuple[int, int, int], tuple[bool, tuple[int, int], int]] = {}
+    seen: Counter[tuple[bool, tuple[int, int]]] = Counter()
+    for rank, row in enumerate(batches):
+        for b, (_, ops) in enumerate(row):
+            for i, a in enumerate(ops):
+                peer = schedule.peer_rank(a)
+                send = a.kind in (Kind.SEND_F, Kind.SEND_B)
+                pair = (rank, peer) if send else (peer, rank)
+                slot[(rank, b, i)] = (send, pair, seen[(send, pair)])
+                seen[(send, pair)] += 1
+    posted: Counter[tuple[bool, tuple[int, int]]] = Counter()
+    heads = [0] * schedule.n_ranks
+    for rank, row in enumerate(batches):
+        _post(row, 0, rank, slot, posted)
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, row in enumerate(batches):
+            while heads[rank] < len(row) and not _unmatched(row, heads[rank], rank, slot, posted):
+                heads[rank] += 1
+                _post(row, heads[rank], rank, slot, posted)
+                progressed = True
+    stuck = []
+    for rank, row in enumerate(batches):
+        if heads[rank] < len(row):
+            first, ops = row[heads[rank]]
+            waits = ", ".join(_unmatched(row, heads[rank], rank, slot, posted))
+            stuck.append(f"rank {rank}: head batch #{first} [{', '.join(map(str, ops))}] "
+                         f"waits for {waits}")
+    if stuck:
+        raise _fail(schedule, "deadlock with batched sends/receives (each run of consecutive "
+                    "SEND/RECV actions completes only when all of it is matched)", stuck)
+
+
+def _post(row: list, b: int, rank: int, slot: dict, posted: Counter) -> None:
+    if b < len(row):
+        for i in range(len(row[b][1])):
+            send, pair, _ = slot[(rank, b, i)]
+            posted[(send, pair)] += 1
+
+
+def _unmatched(row: list, b: int, rank: int, slot: dict, posted: Counter) -> list[str]:
+    missing = []
+    for i, a in enumerate(row[b][1]):
+        send, pair, k = slot[(rank, b, i)]
+        if posted[(not send, pair)] <= k:
+            peer = pair[1] if send else pair[0]
+            missing.append(f"rank {peer} to post its match of {a}")
+    return missing
+
+
+def validate(schedule: Schedule, *, p2p: str = "batched") -> Schedule:
     """Checks that ``schedule`` computes everything once, in order, without deadlock.
 
     Args:
         schedule: a compute-only or lowered schedule.
+        p2p: how transfers are assumed to behave. ``"eager"``: a SEND never
+            blocks, a RECV waits for its SEND (gloo, or isend with unbounded
+            buffering). ``"batched"``: additionally, each run of consecutive
+            SEND/RECV actions is one ``batch_isend_irecv`` that completes only
+            when every op in it has been posted by its peer (NCCL); a schedule
+            that passes this also passes "eager" (optional, default "batched").
 
     Returns:
         The same schedule, so calls chain: ``validate(lower(one_f_one_b(4, 8)))``.
@@ -284,9 +367,15 @@ def validate(schedule: Schedule) -> Schedule:
             its input on the same rank, receives out of send order, a deadlock
             (the message names each stuck rank's head action and what it waits
             for), or a message that is never received.
+        ValueError: unknown p2p mode.
     """
+    if p2p not in ("eager", "batched"):
+        raise ValueError(f"p2p must be 'eager' or 'batched', got {p2p!r}")
     _check_work(schedule)
-    if any(a.is_comm for row in schedule.actions for a in row):
+    lowered = any(a.is_comm for row in schedule.actions for a in row)
+    if lowered:
         _check_transfers(schedule)
     _Run(schedule).run()
+    if lowered and p2p == "batched":
+        _check_batched(schedule)
     return schedule
