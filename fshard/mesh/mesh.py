@@ -185,6 +185,12 @@ def make_mesh(
         dm = init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
         mesh = Mesh(dm, tuple(axes))
         mesh._build_multi_axis_groups(dist.get_backend())
+        from fshard.comm import register_group
+
+        for a in mesh.axis_names:
+            register_group(dm.get_group(a), (a,))
+        for axes_key, group in mesh._groups.items():
+            register_group(group, axes_key)
         _MESH_CACHE[key] = mesh
     return mesh
 

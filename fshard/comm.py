@@ -1,0 +1,195 @@
+"""Raw collectives over a process group, and ``comm_log``, which counts them.
+
+These are the non-differentiable building blocks under :mod:`fshard.lax` (and the
+layer loops of :mod:`fshard.parallel`). They use torch's functional collectives
+(``torch.ops._c10d_functional``: out-of-place, so activation checkpointing can save or
+replay them) and ``batch_isend_irecv`` for point-to-point.
+
+``with comm_log() as log:`` counts what is really sent: a dispatch mode sees every
+functional collective that reaches the wire (also those issued by autograd in
+backward, by DTensor, or by a recomputation; not those a checkpoint policy served from
+its cache), and maps its process group back to mesh axes. Point-to-point exchanges
+are recorded by :func:`permute` itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import Counter
+from typing import Iterator, Sequence
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CommLog", "comm_log", "record", "all_reduce", "all_gather", "reduce_scatter",
+           "all_to_all", "permute", "Handle", "all_gather_async", "reduce_scatter_async"]
+
+_F = torch.ops._c10d_functional
+_LOGS: contextvars.ContextVar[tuple["CommLog", ...]] = contextvars.ContextVar("fshard_comm_logs", default=())
+
+
+@attrs.define
+class CommLog:
+    """Collective counts and bytes, by kind and by (kind, axes).
+
+    Attributes:
+      counts: ``Counter`` of calls per kind (``"all_gather"``, ``"psum_scatter"``,
+        ``"psum"``, ``"pmax"``, ``"pmin"``, ``"ppermute"``, ``"all_to_all"``).
+      bytes: ``Counter`` of bytes each rank contributed (its input payload), per kind.
+      by_axis: ``Counter`` keyed by ``(kind, axes)``, axes a tuple of mesh axis names.
+      bytes_by_axis: like ``by_axis``, in bytes.
+      events: ``(kind, axes, nbytes)`` in issue order.
+    """
+
+    counts: Counter = attrs.field(factory=Counter)
+    bytes: Counter = attrs.field(factory=Counter)
+    by_axis: Counter = attrs.field(factory=Counter)
+    bytes_by_axis: Counter = attrs.field(factory=Counter)
+    events: list = attrs.field(factory=list)
+
+    def total(self) -> int:
+        """Number of collectives of every kind."""
+        return sum(self.counts.values())
+
+    def __str__(self) -> str:
+        rows = [f"{k:>14} {tuple(a)!s:<18} x{n:<5} {self.bytes_by_axis[(k, a)] / 1e6:10.3f} MB"
+                for (k, a), n in sorted(self.by_axis.items())]
+        return "\n".join(["comm_log:"] + rows) if rows else "comm_log: no collectives"
+
+
+# group_name -> mesh axes, filled by Mesh for every group it owns.
+_GROUP_AXES: dict[str, tuple[str, ...]] = {}
+_KINDS = {
+    _F.all_gather_into_tensor.default: "all_gather",
+    _F.reduce_scatter_tensor.default: "psum_scatter",
+    _F.all_to_all_single.default: "all_to_all",
+}
+_REDUCE_KINDS = {"sum": "psum", "avg": "pmean", "max": "pmax", "min": "pmin"}
+
+
+def register_group(group, axes: Sequence[str]) -> None:
+    """Names ``group`` by its mesh axes in logs."""
+    _GROUP_AXES[group.group_name] = tuple(axes)
+
+
+class _LogMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = _KINDS.get(func)
+        if kind is None and func is _F.all_reduce.default:
+            kind = _REDUCE_KINDS.get(args[1], "all_reduce")
+        if kind is not None:
+            x = args[0]
+            record(kind, _GROUP_AXES.get(args[-1], (args[-1],)), x.numel() * x.element_size())
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def comm_log() -> Iterator[CommLog]:
+    """Counts every collective issued by this rank inside the block (nesting allowed).
+
+    Example:
+      >>> with fs.comm_log() as log:
+      ...     loss, grads = step(params, batch)
+      >>> log.counts["all_gather"], log.by_axis[("psum", ("dp",))]
+    """
+    log = CommLog()
+    outer = not _LOGS.get()
+    token = _LOGS.set(_LOGS.get() + (log,))
+    mode = _LogMode() if outer else contextlib.nullcontext()
+    try:
+        with mode:
+            yield log
+    finally:
+        _LOGS.reset(token)
+
+
+def record(kind: str, axes: Sequence[str], nbytes: int) -> None:
+    """Adds one collective to every active :class:`CommLog`."""
+    logs = _LOGS.get()
+    if not logs:
+        return
+    axes = tuple(axes)
+    for log in logs:
+        log.counts[kind] += 1
+        log.bytes[kind] += nbytes
+        log.by_axis[(kind, axes)] += 1
+        log.bytes_by_axis[(kind, axes)] += nbytes
+        log.events.append((kind, axes, nbytes))
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+class Handle:
+    """A collective in flight; ``wait()`` returns its result."""
+
+    __slots__ = ("_tensor", "_post")
+
+    def __init__(self, tensor: torch.Tensor, post=None) -> None:
+        self._tensor, self._post = tensor, post
+
+    def wait(self) -> torch.Tensor:
+        out = _F.wait_tensor(self._tensor)
+        return self._post(out) if self._post is not None else out
+
+
+def all_reduce(x: torch.Tensor, group, op: str, *, kind: str, axes: Sequence[str]) -> torch.Tensor:
+    """All-reduce (``op`` in sum/max/min/avg) of ``x`` over ``group``; a new tensor."""
+    return _F.wait_tensor(_F.all_reduce(x.contiguous(), op, group.group_name))
+
+
+def all_gather_async(x: torch.Tensor, group, n: int, *, kind: str = "all_gather",
+                     axes: Sequence[str] = ()) -> Handle:
+    """Starts an all-gather along dim 0 (result ``(n * x.shape[0], ...)``, group rank order)."""
+    return Handle(_F.all_gather_into_tensor(x.contiguous(), n, group.group_name))
+
+
+def all_gather(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.Tensor:
+    """All-gather along dim 0; see :func:`all_gather_async`."""
+    return all_gather_async(x, group, n, axes=axes).wait()
+
+
+def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *,
+                         kind: str = "psum_scatter", axes: Sequence[str] = ()) -> Handle:
+    """Starts a reduce-scatter along dim 0 (``x.shape[0]`` divisible by ``n``)."""
+    return Handle(_F.reduce_scatter_tensor(x.contiguous(), op, n, group.group_name))
+
+
+def reduce_scatter(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.Tensor:
+    """Sum reduce-scatter along dim 0; see :func:`reduce_scatter_async`."""
+    return reduce_scatter_async(x, group, n, axes=axes).wait()
+
+
+def all_to_all(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.Tensor:
+    """Splits dim 0 into ``n`` chunks, sends chunk j to group rank j, concatenates received chunks."""
+    split = [x.shape[0] // n] * n
+    return _F.wait_tensor(_F.all_to_all_single(x.contiguous(), split, split, group.group_name))
+
+
+def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *,
+            axes: Sequence[str]) -> torch.Tensor:
+    """Point-to-point exchange: for each ``(src, dst)`` group ranks, src's ``x`` goes to dst.
+
+    Ranks that receive nothing get zeros (as ``jax.lax.ppermute``).
+    """
+    x = x.contiguous()
+    out = torch.zeros_like(x)
+    ops = []
+    for src, dst in sends:
+        if src == me and dst == me:
+            out = x.clone()
+        elif src == me:
+            ops.append(dist.P2POp(dist.isend, x, dist.get_global_rank(group, dst), group))
+        elif dst == me:
+            ops.append(dist.P2POp(dist.irecv, out, dist.get_global_rank(group, src), group))
+    n_send = sum(1 for s, d in sends if s == me and d != me)
+    record("ppermute", axes, _nbytes(x) * n_send)
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return out

@@ -1,0 +1,482 @@
+"""Named-axis collectives with jax.lax's signatures, differentiable with exact transposes.
+
+Call them inside a :func:`fshard.shard_map` body, on local tensors (or pytrees of them).
+``axis_name`` is a mesh axis or a tuple of axes (their product, major to minor).
+
+Transposes (autograd), as in JAX with varying/invariant types:
+
+=================  ==============================================================
+forward            backward
+=================  ==============================================================
+``psum``           identity: the cotangent of an invariant value is invariant
+``pvary``          ``psum``: an invariant value used in varying code sums its grads
+``pmean``          identity / n
+``all_gather``     ``psum_scatter`` (same axis, same tiling)
+``psum_scatter``   ``all_gather``
+``ppermute(perm)`` ``ppermute(inverse perm)``
+``all_to_all``     ``all_to_all`` with split and concat axes swapped
+``pmax``/``pmin``  not differentiable: backward raises (detach the input)
+=================  ==============================================================
+
+The autograd functions use ``setup_context``, so ``torch.func.grad``/``vjp`` of a body
+work as well as ``torch.autograd``. In checked mode (``shard_map(check=True)``) every
+value carries the set of axes it varies over, and an invariant operand of a collective
+is first made varying (``pvary``), exactly like JAX; see :mod:`fshard.transforms.vma`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+from fshard import comm
+from fshard import tree as tree_util
+from fshard.mesh.mesh import Mesh
+
+__all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
+           "all_to_all", "axis_index", "axis_size", "pvary"]
+
+_MSG_OUTSIDE = (
+    "fs.lax.{what} was called outside a shard_map body. Collectives need the mesh and "
+    "run per device: wrap the function,\n"
+    "    step = fs.shard_map(f, mesh=mesh, in_specs=..., out_specs=...)\n"
+    "and call fs.lax.{what} inside f."
+)
+
+
+@attrs.frozen
+class Body:
+    """What a shard_map body knows: its mesh and whether varying axes are tracked."""
+
+    mesh: Mesh
+    check: bool
+
+
+BODY: contextvars.ContextVar[Body | None] = contextvars.ContextVar("fshard_body", default=None)
+
+# --- varying-axes ("vma") tags, used by checked mode --------------------------------
+_VMA_ATTR = "_fshard_vma"
+_EMPTY: frozenset = frozenset()
+
+
+def vma(x: torch.Tensor) -> frozenset:
+    """The mesh axes ``x`` varies over (checked mode; empty = invariant everywhere)."""
+    return getattr(x, _VMA_ATTR, _EMPTY)
+
+
+def set_vma(x: torch.Tensor, axes: frozenset) -> torch.Tensor:
+    """Tags ``x`` as varying over ``axes``; returns ``x``."""
+    setattr(x, _VMA_ATTR, axes)
+    return x
+
+
+# --- axis groups ----------------------------------------------------------------------
+@attrs.frozen
+class _Axes:
+    names: tuple[str, ...]      # user order, major to minor
+    n: int
+    group: Any
+    me: int                     # this rank's index in user order
+    g_of_u: tuple[int, ...] | None  # group rank of user index u (None: identity)
+    u_of_g: tuple[int, ...] | None
+
+
+_AXES_CACHE: dict[tuple[int, tuple[str, ...]], _Axes] = {}
+
+
+def _axes(what: str, axis_name: str | Sequence[str]) -> tuple[Body, _Axes]:
+    body = BODY.get()
+    if body is None:
+        raise RuntimeError(_MSG_OUTSIDE.format(what=what))
+    mesh = body.mesh
+    names = mesh.check_axes(axis_name, what=f"fs.lax.{what}: axis_name")
+    key = (id(mesh), names)
+    info = _AXES_CACHE.get(key)
+    if info is None:
+        info = _build_axes(mesh, names)
+        _AXES_CACHE[key] = info
+    return body, info
+
+
+def _build_axes(mesh: Mesh, names: tuple[str, ...]) -> _Axes:
+    n = mesh.axis_size(names)
+    in_mesh = mesh.sub_axes_in_mesh_order(names)
+    g_of_u = u_of_g = None
+    if in_mesh != names:
+        sizes = [mesh.shape[a] for a in names]
+        g_list = []
+        for u in range(n):  # coordinates of user index u, then its row-major mesh-order index
+            coord, rest = {}, u
+            for a, s in reversed(list(zip(names, sizes))):
+                coord[a], rest = rest % s, rest // s
+            g = 0
+            for a in in_mesh:
+                g = g * mesh.shape[a] + coord[a]
+            g_list.append(g)
+        g_of_u = tuple(g_list)
+        u_of_g = tuple(sorted(range(n), key=lambda u: g_list[u]))
+    return _Axes(names, n, mesh.group(names), mesh.axis_index(names), g_of_u, u_of_g)
+
+
+def _reorder(stacked: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """Reorders dim 0 (n chunks) so that position i holds chunk ``order[i]``."""
+    if order is None:
+        return stacked
+    return stacked[list(order)]
+
+
+# --- local (tensor-level) implementations, shared by forward and backward --------------
+def _psum_raw(x, ax: _Axes, op: str = "sum", kind: str = "psum"):
+    return comm.all_reduce(x, ax.group, op, kind=kind, axes=ax.names)
+
+
+def _gather_raw(x, ax: _Axes, axis: int, tiled: bool):
+    if tiled:
+        xt = x.movedim(axis, 0)
+        out = comm.all_gather(xt, ax.group, ax.n, axes=ax.names)          # (n*s, ...)
+        out = _reorder(out.view(ax.n, *xt.shape), ax.g_of_u)               # (n, s, ...), user order
+        return out.reshape(ax.n * xt.shape[0], *xt.shape[1:]).movedim(0, axis)
+    out = comm.all_gather(x.unsqueeze(0), ax.group, ax.n, axes=ax.names)  # (n, *x.shape)
+    return _reorder(out, ax.g_of_u).movedim(0, axis)
+
+
+def _scatter_raw(x, ax: _Axes, dim: int, tiled: bool):
+    xt = x.movedim(dim, 0)
+    if tiled:
+        chunks = xt.reshape(ax.n, xt.shape[0] // ax.n, *xt.shape[1:])     # (n, s/n, ...)
+        chunks = _reorder(chunks, ax.u_of_g)                               # group order
+        out = comm.reduce_scatter(chunks.reshape(xt.shape), ax.group, ax.n, axes=ax.names)
+        return out.movedim(0, dim)
+    out = comm.reduce_scatter(_reorder(xt, ax.u_of_g), ax.group, ax.n, axes=ax.names)  # (1, ...)
+    return out.squeeze(0)
+
+
+def _all_to_all_raw(x, ax: _Axes, split_axis: int, concat_axis: int, tiled: bool):
+    xt = x.movedim(split_axis, 0)
+    chunks = xt.reshape(ax.n, xt.shape[0] // ax.n, *xt.shape[1:])          # (n, s/n, ...) by dest
+    chunks = _reorder(chunks, ax.u_of_g)
+    got = comm.all_to_all(chunks.reshape(xt.shape), ax.group, ax.n, axes=ax.names)
+    got = _reorder(got.view(chunks.shape), ax.g_of_u)                       # (n, s/n, ...) by source
+    got = got.movedim(1, split_axis + 1)                                    # (n, *chunk shape)
+    if tiled:
+        got = got.movedim(0, concat_axis)                                   # n just before concat dim
+        shape = list(got.shape)
+        return got.reshape(*shape[:concat_axis], shape[concat_axis] * shape[concat_axis + 1],
+                           *shape[concat_axis + 2:])
+    return got.squeeze(split_axis + 1).movedim(0, concat_axis)
+
+
+def _permute_raw(x, ax: _Axes, perm: Sequence[tuple[int, int]]):
+    if ax.g_of_u is None:
+        sends, me = list(perm), ax.me
+    else:
+        sends = [(ax.g_of_u[s], ax.g_of_u[d]) for s, d in perm]
+        me = ax.g_of_u[ax.me]
+    return comm.permute(x, ax.group, sends, me, axes=ax.names)
+
+
+# --- autograd functions (setup_context style: torch.func-compatible) --------------------
+class _Psum(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax):
+        return _psum_raw(x, ax)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Pvary(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.ax = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _psum_raw(g, ctx.ax), None
+
+
+class _PReduceNoGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax, op):
+        return _psum_raw(x, ax, op, kind="p" + op)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.op = inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError(
+            f"fs.lax.p{ctx.op} has no gradient (as in JAX). Use it on a value that needs none: "
+            f"fs.lax.p{ctx.op}(x.detach(), axis_name)."
+        )
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax, axis, tiled):
+        return _gather_raw(x, ax, axis, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.ax, ctx.axis, ctx.tiled = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return _PsumScatter.apply(g, ctx.ax, ctx.axis, ctx.tiled), None, None, None
+
+
+class _PsumScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax, dim, tiled):
+        return _scatter_raw(x, ax, dim, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.ax, ctx.dim, ctx.tiled = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return _AllGather.apply(g, ctx.ax, ctx.dim, ctx.tiled), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax, split_axis, concat_axis, tiled):
+        return _all_to_all_raw(x, ax, split_axis, concat_axis, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.ax, ctx.split, ctx.concat, ctx.tiled = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return _AllToAll.apply(g, ctx.ax, ctx.concat, ctx.split, ctx.tiled), None, None, None, None
+
+
+class _Ppermute(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax, perm):
+        return _permute_raw(x, ax, perm)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.ax, ctx.perm = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        inverse = tuple((d, s) for s, d in ctx.perm)
+        return _Ppermute.apply(g, ctx.ax, inverse), None, None
+
+
+# --- public API -------------------------------------------------------------------------
+_IN_LAX: contextvars.ContextVar[bool] = contextvars.ContextVar("fshard_in_lax", default=False)
+
+
+def _map(what: str, x: Any, axis_name, one, *, to_varying: bool | None):
+    """Applies ``one(leaf, body, axes)`` to every tensor leaf, with checked-mode typing.
+
+    ``to_varying``: True -> output varies over the axes, False -> invariant over them,
+    None -> no typing change beyond the input's.
+    """
+    body, ax = _axes(what, axis_name)
+    names = frozenset(ax.names)
+    token = _IN_LAX.set(True)
+    try:
+        def leaf(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if body.check:
+                t = _make_varying(t, ax, names)
+            out = one(t, ax)  # each ``one`` skips the collective for an axis of size 1
+            if body.check:
+                base = vma(t)
+                set_vma(out, base | names if to_varying else (base - names if to_varying is False else base))
+            return out
+        return tree_util.tree_map(leaf, x)
+    finally:
+        _IN_LAX.reset(token)
+
+
+def _make_varying(t: torch.Tensor, ax: _Axes, names: frozenset) -> torch.Tensor:
+    missing = names - vma(t)
+    if not missing:
+        return t
+    out = _Pvary.apply(t, _sub_axes(ax, missing)) if t.requires_grad else t.view_as(t)
+    return set_vma(out, vma(t) | missing)
+
+
+def _sub_axes(ax: _Axes, names: frozenset) -> _Axes:
+    body = BODY.get()
+    return _axes("pvary", tuple(a for a in body.mesh.axis_names if a in names))[1]
+
+
+def psum(x: Any, axis_name: str | Sequence[str]) -> Any:
+    """All-reduce sum over ``axis_name``. Shape unchanged; result invariant over the axes.
+
+    Backward: identity (the cotangent of an invariant output is invariant).
+    """
+    return _map("psum", x, axis_name, lambda t, ax: _Psum.apply(t, ax) if ax.n > 1 else t.view_as(t),
+                to_varying=False)
+
+
+def pmean(x: Any, axis_name: str | Sequence[str]) -> Any:
+    """``psum(x, axis_name) / axis_size(axis_name)``."""
+    n = axis_size(axis_name)
+    return tree_util.tree_map(lambda t: t / n if isinstance(t, torch.Tensor) else t, psum(x, axis_name))
+
+
+def pmax(x: Any, axis_name: str | Sequence[str]) -> Any:
+    """All-reduce max. Not differentiable: its backward raises (detach the input)."""
+    return _map("pmax", x, axis_name,
+                lambda t, ax: _PReduceNoGrad.apply(t, ax, "max") if ax.n > 1 else t.view_as(t),
+                to_varying=False)
+
+
+def pmin(x: Any, axis_name: str | Sequence[str]) -> Any:
+    """All-reduce min. Not differentiable: its backward raises (detach the input)."""
+    return _map("pmin", x, axis_name,
+                lambda t, ax: _PReduceNoGrad.apply(t, ax, "min") if ax.n > 1 else t.view_as(t),
+                to_varying=False)
+
+
+def pvary(x: Any, axis_name: str | Sequence[str]) -> Any:
+    """Marks an invariant value as varying over ``axis_name``: identity forward, psum backward.
+
+    Megatron's "f". Needed in unchecked mode wherever a replicated value (e.g. a
+    parameter with spec ``P()``) meets data that differs across the axis; checked
+    mode inserts it for you.
+    """
+    def one(t, ax):
+        return _Pvary.apply(t, ax) if ax.n > 1 else t.view_as(t)
+
+    body, ax = _axes("pvary", axis_name)
+    names = frozenset(ax.names)
+
+    def leaf(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if body.check and names <= vma(t):
+            return t  # already varying: nothing to sum in backward
+        return set_vma(one(t, ax), vma(t) | names) if body.check else one(t, ax)
+
+    token = _IN_LAX.set(True)
+    try:
+        return tree_util.tree_map(leaf, x)
+    finally:
+        _IN_LAX.reset(token)
+
+
+def all_gather(x: Any, axis_name: str | Sequence[str], *, axis: int = 0, tiled: bool = False) -> Any:
+    """Gathers the shards of every rank on ``axis_name``, ordered by axis index.
+
+    Shapes (n = axis size): ``tiled=False``: a new dim of size n at ``axis``;
+    ``tiled=True``: dim ``axis`` grows n-fold. Backward: ``psum_scatter``.
+    """
+    def one(t, ax):
+        a = axis % (t.dim() + (0 if tiled else 1))
+        if ax.n == 1:
+            return t.view_as(t) if tiled else t.unsqueeze(a)
+        return _AllGather.apply(t, ax, a, tiled)
+
+    return _map("all_gather", x, axis_name, one, to_varying=True)
+
+
+def psum_scatter(x: Any, axis_name: str | Sequence[str], *, scatter_dimension: int = 0,
+                 tiled: bool = False) -> Any:
+    """Sums over ``axis_name`` and keeps this rank's slice of ``scatter_dimension``.
+
+    Shapes (n = axis size): ``tiled=False`` needs ``x.shape[d] == n`` and removes dim d;
+    ``tiled=True`` needs ``x.shape[d] % n == 0`` and divides it by n. Backward: ``all_gather``.
+
+    Raises:
+      ValueError: the dim does not fit the axis size (names both).
+    """
+    def one(t, ax):
+        d = scatter_dimension % t.dim()
+        _check_split("psum_scatter", t, d, ax, exact=not tiled)
+        if ax.n == 1:
+            return t.view_as(t) if tiled else t.squeeze(d)
+        return _PsumScatter.apply(t, ax, d, tiled)
+
+    return _map("psum_scatter", x, axis_name, one, to_varying=True)
+
+
+def all_to_all(x: Any, axis_name: str | Sequence[str], split_axis: int, concat_axis: int, *,
+               tiled: bool = False) -> Any:
+    """Splits ``split_axis`` into n chunks, sends chunk j to axis index j, concatenates on ``concat_axis``.
+
+    Shapes: ``tiled=True``: split dim / n, concat dim * n. ``tiled=False``: needs
+    ``x.shape[split_axis] == n``; output = ``insert(delete(shape, split_axis), concat_axis, n)``.
+    Backward: ``all_to_all`` with the two axes swapped.
+
+    Raises:
+      ValueError: the split dim does not fit the axis size.
+    """
+    def one(t, ax):
+        s = split_axis % t.dim()
+        c = concat_axis % t.dim()
+        _check_split("all_to_all", t, s, ax, exact=not tiled)
+        if ax.n == 1:
+            return t.view_as(t) if tiled else t.squeeze(s).unsqueeze(c)
+        return _AllToAll.apply(t, ax, s, c, tiled)
+
+    return _map("all_to_all", x, axis_name, one, to_varying=True)
+
+
+def ppermute(x: Any, axis_name: str | Sequence[str], perm: Sequence[tuple[int, int]]) -> Any:
+    """Sends this rank's ``x`` along ``perm`` = ``[(src, dst), ...]`` (axis indices).
+
+    Ranks that are no ``dst`` receive zeros. Backward: ``ppermute`` with pairs inverted.
+
+    Raises:
+      ValueError: a repeated source or destination, or an index outside the axis.
+    """
+    perm = tuple((int(s), int(d)) for s, d in perm)
+    _, ax = _axes("ppermute", axis_name)
+    srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
+    bad = [i for i in srcs + dsts if not 0 <= i < ax.n]
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts) or bad:
+        raise ValueError(
+            f"fs.lax.ppermute: perm={list(perm)} over {ax.names} (size {ax.n}) must have unique "
+            f"sources and unique destinations in [0, {ax.n}); "
+            + (f"out of range: {bad}" if bad else "duplicates found")
+        )
+    return _map("ppermute", x, axis_name,
+                lambda t, a: _Ppermute.apply(t, a, perm) if a.n > 1 else
+                (t.view_as(t) if (0, 0) in perm else torch.zeros_like(t)),
+                to_varying=True)
+
+
+def axis_index(axis_name: str | Sequence[str]) -> int:
+    """This rank's index along ``axis_name`` (row-major over a tuple, in its order)."""
+    return _axes("axis_index", axis_name)[1].me
+
+
+def axis_size(axis_name: str | Sequence[str]) -> int:
+    """The size of ``axis_name`` (the product for a tuple)."""
+    return _axes("axis_size", axis_name)[1].n
+
+
+def _check_split(what: str, t: torch.Tensor, d: int, ax: _Axes, *, exact: bool) -> None:
+    size = t.shape[d]
+    if (exact and size != ax.n) or (not exact and size % ax.n):
+        need = f"equal to {ax.n}" if exact else f"divisible by {ax.n}"
+        raise ValueError(
+            f"fs.lax.{what}: dim {d} of the local value (shape {tuple(t.shape)}) has size {size}, "
+            f"which must be {need}, the size of axis {ax.names}"
+            + (" (tiled=False)" if exact else " (tiled=True)") + "."
+        )
+

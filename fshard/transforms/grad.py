@@ -1,0 +1,99 @@
+"""``value_and_grad`` / ``grad`` with JAX's signatures, over pytrees of tensors or DTensors.
+
+Built on ``torch.autograd.grad`` (not ``torch.func.grad``): it composes with the
+collectives' autograd functions and with DTensor, and avoids ``torch.func.grad``'s
+fixed ~3 ms per call. The fshard collectives also work under ``torch.func`` (their
+autograd functions use ``setup_context``), for users who want ``vmap(grad(...))``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fshard import tree as tree_util
+
+__all__ = ["value_and_grad", "grad"]
+
+
+def value_and_grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0,
+                   has_aux: bool = False) -> Callable[..., Any]:
+    """Returns ``g(*args) -> (value, grads)`` (or ``((value, aux), grads)`` with ``has_aux``).
+
+    Args:
+      f: returns a scalar tensor (a plain tensor or a one-element DTensor), or
+        ``(scalar, aux)`` when ``has_aux``.
+      argnums: which positional argument(s) to differentiate; each may be a pytree of
+        floating tensors (other leaves get ``None``).
+      has_aux: ``f`` returns ``(value, aux)``; aux is returned, not differentiated.
+
+    Returns:
+      ``grads`` has the structure of ``args[argnums]`` (a tuple of them when
+      ``argnums`` is a sequence). Leaves that do not influence the value get zeros,
+      as in JAX. The value and aux are detached.
+
+    Raises:
+      TypeError: the value is not a scalar tensor.
+    """
+    multi = not isinstance(argnums, int)
+    nums = tuple(argnums) if multi else (argnums,)
+
+    @functools.wraps(f)
+    def wrapped(*args: Any, **kwargs: Any):
+        args = list(args)
+        for i in nums:
+            if i >= len(args):
+                raise TypeError(f"value_and_grad: argnums={argnums} but only {len(args)} positional args were given.")
+            args[i] = tree_util.tree_map(_fresh_leaf, args[i])
+        out = f(*args, **kwargs)
+        value, aux = (out if has_aux else (out, None))
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise TypeError(
+                f"value_and_grad({getattr(f, '__name__', 'f')}): the function must return a scalar tensor"
+                f"{' as the first element of (value, aux)' if has_aux else ''}; got "
+                f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}."
+            )
+        trees = [args[i] for i in nums]
+        flat, defs = [], []
+        for t in trees:
+            leaves, d = tree_util.tree_flatten(t)
+            flat.append(leaves)
+            defs.append(d)
+        wrt = [x for leaves in flat for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+        grads = torch.autograd.grad(value, wrt, allow_unused=True) if wrt and value.requires_grad else [None] * len(wrt)
+        it = iter(grads)
+        results = []
+        for leaves, d in zip(flat, defs):
+            g_leaves = []
+            for x in leaves:
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    g = next(it)
+                    g_leaves.append(torch.zeros_like(x) if g is None else g)
+                else:
+                    g_leaves.append(None)
+            results.append(tree_util.tree_unflatten(d, g_leaves))
+        g_out = tuple(results) if multi else results[0]
+        value = value.detach()
+        return ((value, aux) if has_aux else value), g_out
+
+    return wrapped
+
+
+def grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """Like :func:`value_and_grad` but returns only the gradients (and aux with ``has_aux``)."""
+    vg = value_and_grad(f, argnums, has_aux)
+
+    @functools.wraps(f)
+    def wrapped(*args: Any, **kwargs: Any):
+        (value_aux, g) = vg(*args, **kwargs)
+        return (g, value_aux[1]) if has_aux else g
+
+    return wrapped
+
+
+def _fresh_leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+        return x.detach().requires_grad_(True)
+    return x

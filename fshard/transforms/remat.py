@@ -1,0 +1,71 @@
+"""``remat``: recompute a function's activations in backward instead of storing them.
+
+On top of ``torch.utils.checkpoint`` (non-reentrant). Policies decide which op
+outputs are saved anyway, through torch's selective checkpointing:
+
+- ``None`` / ``"nothing_saveable"``: save nothing; everything, collectives included,
+  is recomputed in backward (so the collectives run again: ``comm_log`` counts them).
+- ``"save_collectives"``: save the outputs of collectives, recompute the rest, so
+  backward issues no extra communication.
+- ``"dots_saveable"``: save matmul outputs (and collectives), recompute elementwise ops.
+- a callable ``(op) -> bool``: ``True`` saves that ATen op's output.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = ["remat", "checkpoint_policies"]
+
+_COLLECTIVE_OPS = {
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops._c10d_functional.wait_tensor.default,
+}
+_DOT_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default, torch.ops.aten.linear.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+checkpoint_policies: dict[str, Callable[[Any], bool] | None] = {
+    "nothing_saveable": None,
+    "save_collectives": lambda op: op in _COLLECTIVE_OPS,
+    "dots_saveable": lambda op: op in _DOT_OPS or op in _COLLECTIVE_OPS,
+}
+
+
+def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = None) -> Callable[..., Any]:
+    """Wraps ``f`` so that its intermediate activations are recomputed in backward.
+
+    Args:
+      f: any function of tensors (a block, a shard_map body, a whole loss).
+      policy: see the module doc; a name from ``checkpoint_policies`` or ``op -> bool``.
+
+    Returns:
+      A function with ``f``'s signature and results.
+
+    Raises:
+      ValueError: an unknown policy name (the known ones are listed).
+    """
+    if isinstance(policy, str):
+        if policy not in checkpoint_policies:
+            raise ValueError(f"remat: unknown policy {policy!r}; choose one of {sorted(checkpoint_policies)} or pass op -> bool.")
+        policy = checkpoint_policies[policy]
+
+    def _sac_policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if policy(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    @functools.wraps(f)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if policy is None:
+            return checkpoint(f, *args, use_reentrant=False, **kwargs)
+        return checkpoint(f, *args, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy),
+                          **kwargs)
+
+    return wrapped

@@ -1,0 +1,212 @@
+"""``shard_map``: run a per-device function on every rank of a mesh.
+
+Inputs are global values (DTensors, or plain tensors taken as the global value); the
+body sees this rank's local blocks as plain torch tensors and may call
+:mod:`fshard.lax` collectives over the mesh's axes; its outputs are local blocks that
+are put back together as DTensors according to ``out_specs``.
+
+An output spec that leaves out a mesh axis promises that the output is the same on
+every rank along that axis. With ``check=True`` (the default, as JAX's
+``check_vma``) fshard tracks which axes each value varies over: a promise that the
+types already prove costs nothing; otherwise it is verified at run time (a max/min
+all-reduce) and a broken promise raises naming the output path and the largest
+difference. Checked mode also inserts the implicit ``pvary`` that makes gradients of
+replicated inputs correct (see :mod:`fshard.transforms.vma`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from fshard import lax
+from fshard import tree as tree_util
+from fshard.mesh.mesh import Mesh, get_mesh
+from fshard.mesh.placement import local_block, placements_to_spec, raise_spec_errors, spec_problems, spec_to_placements
+from fshard.mesh.sharding import make_dtensor
+from fshard.mesh.spec import PartitionSpec, is_spec
+from fshard.transforms.vma import VmaMode
+
+__all__ = ["shard_map"]
+
+
+def shard_map(
+    f: Callable[..., Any],
+    *,
+    mesh: Mesh | None = None,
+    in_specs: Any,
+    out_specs: Any,
+    check: bool = True,
+    reshard: bool = False,
+) -> Callable[..., Any]:
+    """Maps ``f`` over the blocks of its inputs on every rank of ``mesh``.
+
+    Args:
+      f: the per-device function. Takes local tensors (pytrees allowed), returns local
+        tensors; may call ``fs.lax`` collectives over ``mesh``'s axes.
+      mesh: the mesh (default: the current mesh at call time).
+      in_specs: a pytree prefix of the positional arguments tuple (a single ``P``
+        applies to every argument). Non-tensor leaves are passed through as static
+        values. Keyword arguments are passed through unchanged (tensors in them are
+        taken as replicated).
+      out_specs: a pytree prefix of ``f``'s result.
+      check: track varying axes, insert implicit ``pvary``, and verify replication
+        promises of ``out_specs`` (JAX's ``check_vma``). ``False`` is Megatron style:
+        no per-op cost, and you place ``fs.lax.pvary`` yourself.
+      reshard: redistribute DTensor arguments whose layout differs from ``in_specs``
+        instead of raising.
+
+    Returns:
+      The mapped function: same arguments as ``f`` with global values; returns
+      DTensors laid out by ``out_specs``.
+
+    Raises:
+      ValueError: specs are not pytree prefixes of the arguments/results (both
+        structures shown), a spec does not fit its argument, a DTensor's layout
+        differs from its spec (without ``reshard``), or an output breaks its
+        replication promise (path and max difference named).
+    """
+    name = getattr(f, "__name__", "f")
+
+    @functools.wraps(f)
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        m = get_mesh(mesh, what=f"shard_map({name})")
+        locals_ = _enter(name, m, args, in_specs, reshard, check)
+        body = lax.Body(m, check)
+        token = lax.BODY.set(body)
+        try:
+            with m:
+                if check:
+                    with VmaMode():
+                        out = f(*locals_, **kwargs)
+                else:
+                    out = f(*locals_, **kwargs)
+        finally:
+            lax.BODY.reset(token)
+        return _exit(name, m, out, out_specs, check)
+
+    return mapped
+
+
+def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, check: bool) -> list[Any]:
+    specs = in_specs if not is_spec(in_specs) else tuple(in_specs for _ in args)
+    paths, values, treedef = tree_util.zip_with_path(list(args))
+    flat = tree_util.broadcast_prefix(list(specs) if isinstance(specs, tuple) else specs, list(args),
+                                      is_prefix_leaf=is_spec, name=f"shard_map({name}) in_specs",
+                                      full_name="args")
+    paths = [f"args[{p.split('.', 1)[0]}]" + (f".{p.split('.', 1)[1]}" if "." in p else "") for p in paths]
+    bad = []
+    for path, x, spec in zip(paths, values, flat):
+        if isinstance(x, DTensor):
+            have = placements_to_spec(x.placements, mesh, path=path)
+            if have.padded(x.dim()) != spec.padded(x.dim()) and not reshard:
+                bad.append((path, spec, tuple(x.shape),
+                            [f"the DTensor is laid out as {have}; pass reshard=True to redistribute it"]))
+        if isinstance(x, torch.Tensor):
+            probs = spec_problems(spec, tuple(x.shape), mesh)
+            if probs:
+                bad.append((path, spec, tuple(x.shape), probs))
+    raise_spec_errors(f"shard_map({name}) in_specs", mesh, bad,
+                      "Make each spec match its argument (specs are pytree prefixes of the arguments).")
+    out = []
+    for x, spec in zip(values, flat):
+        if isinstance(x, torch.Tensor):
+            local = _to_local(x, spec, mesh)
+            if check:
+                lax.set_vma(local, frozenset(spec.axes()))
+            out.append(local)
+        else:
+            out.append(x)
+    return tree_util.tree_unflatten(treedef, out)
+
+
+def _to_local(x: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> torch.Tensor:
+    placements = spec_to_placements(spec, mesh)
+    if isinstance(x, DTensor):
+        if tuple(x.placements) != placements:
+            x = x.redistribute(mesh.device_mesh, placements)
+        # to_local's backward turns the local grad into a grad with the same layout.
+        return x.to_local()
+    if x.requires_grad:
+        # Differentiable route: the gradient w.r.t. a plain global tensor is the full,
+        # gathered gradient on every rank (Shard -> Replicate in backward).
+        rep = DTensor.from_local(x, mesh.device_mesh, [Replicate()] * len(mesh.axis_names), run_check=False)
+        return rep.redistribute(mesh.device_mesh, placements).to_local()
+    return x[local_block(spec, x.shape, mesh)].to(mesh.device)
+
+
+class _SplitCotangent(torch.autograd.Function):
+    """Identity forward; divides the cotangent by n in backward.
+
+    For an output typed as varying over axes that its spec promises are invariant (and
+    that the run-time check found identical): the global value is any one copy, so each
+    of the n identical copies receives 1/n of the cotangent.
+    """
+
+    @staticmethod
+    def forward(x, n):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.n = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.n, None
+
+
+def _exit(name: str, mesh: Mesh, out: Any, out_specs: Any, check: bool) -> Any:
+    paths, values, treedef = tree_util.zip_with_path(out)
+    flat = tree_util.broadcast_prefix(out_specs, out, is_prefix_leaf=is_spec,
+                                      name=f"shard_map({name}) out_specs", full_name="outputs")
+    bad = []
+    for path, x, spec in zip(paths, values, flat):
+        if isinstance(x, torch.Tensor):
+            probs = spec_problems(spec, tuple(x.shape), mesh, allow_uneven=True)
+            if probs:
+                bad.append((f"outputs.{path}" if path != "<root>" else "output", spec, tuple(x.shape), probs))
+    raise_spec_errors(f"shard_map({name}) out_specs", mesh, bad,
+                      "Give each output a spec of at most its rank over the mesh's axes.")
+    result = []
+    for path, x, spec in zip(paths, values, flat):
+        if not isinstance(x, torch.Tensor):
+            result.append(x)
+            continue
+        if check:
+            x = _check_promise(name, mesh, path, x, spec)
+        shape = [s * (mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, s in enumerate(x.shape)]
+        result.append(make_dtensor(x, spec, mesh, shape))
+    return tree_util.tree_unflatten(treedef, result)
+
+
+def _check_promise(name: str, mesh: Mesh, path: str, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    extra = tuple(a for a in mesh.axis_names if a in lax.vma(x) and a not in spec.axes())
+    if not extra:
+        return x  # the types prove the promise
+    group = mesh.group(extra)
+    n = mesh.axis_size(extra)
+    if n == 1:
+        return x
+    with torch.no_grad():
+        # Plain c10d calls: a verification, not part of the program, so comm_log skips them.
+        d = x.detach()
+        hi = (d.float() if not d.is_floating_point() else d).clone()
+        lo = hi.clone()
+        dist.all_reduce(hi, dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(lo, dist.ReduceOp.MIN, group=group)
+        diff = float((hi - lo).abs().max()) if d.numel() else 0.0
+    if diff != 0.0:
+        where = "output" if path == "<root>" else f"outputs.{path}"
+        raise ValueError(
+            f"shard_map({name}) out_specs: {where} has spec {spec}, which promises the value is the "
+            f"same on every rank of axes {extra} of {mesh!r}, but it differs across them "
+            f"(max difference {diff:.6g}). Reduce it (fs.lax.psum / pmean over {extra}), or "
+            f"name the axes in its out_spec."
+        )
+    return _SplitCotangent.apply(x, n) if x.requires_grad else x
+
