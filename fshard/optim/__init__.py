@@ -24,6 +24,7 @@ from fshard.optim.base import Schedule as Schedule
 from fshard.optim.base import Updates as Updates
 from fshard.optim.base import apply_updates as apply_updates
 from fshard.optim.base import chain as chain
+from fshard.optim.base import donate as donate
 from fshard.optim.base import identity as identity
 from fshard.optim.schedules import constant_schedule as constant_schedule
 from fshard.optim.schedules import cosine_decay_schedule as cosine_decay_schedule
@@ -61,6 +62,7 @@ __all__ = [
     "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
+    "donate",
     "global_norm",
     "identity",
     "join_schedules",

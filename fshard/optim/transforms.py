@@ -28,8 +28,12 @@ from fshard.optim.base import (
     ScalarOrSchedule,
     Schedule,
     Updates,
+    all_private,
     flatten_matching,
     identity,
+    map_updates,
+    mark_private,
+    state_for_kernel,
     new_count,
     to_locals,
     wrap_like,
@@ -63,13 +67,6 @@ def _check_hparam(what: str, name: str, value: Any, lo: float, hi: float = math.
         raise ValueError(f"{what}: {name}={value!r} must be a number in {lb}{lo}, {hi}{hb}.")
 
 
-def _map_locals(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]], updates: Updates) -> Updates:
-    leaves, treedef = tree_util.tree_flatten(updates)
-    with torch.no_grad():
-        out = fn(to_locals(leaves)) if leaves else []
-    return tree_util.tree_unflatten(treedef, [wrap_like(o, x) for o, x in zip(out, leaves)])
-
-
 def scale(step_size: float) -> GradientTransformation:
     """Multiplies every update by a constant: ``u <- step_size * u``.
 
@@ -89,7 +86,8 @@ def scale(step_size: float) -> GradientTransformation:
 
     def update_fn(updates: Updates, state: EmptyState, params: Params | None = None):
         del params
-        return _map_locals(lambda xs: torch._foreach_mul(xs, step_size), updates), state
+        return map_updates(updates, lambda xs: torch._foreach_mul(xs, step_size),
+                           lambda xs: torch._foreach_mul_(xs, step_size)), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -122,7 +120,8 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     def update_fn(updates: Updates, state: ScaleByScheduleState, params: Params | None = None):
         del params
         factor = step_size_fn(int(state.count))
-        new = _map_locals(lambda xs: torch._foreach_mul(xs, factor), updates)
+        new = map_updates(updates, lambda xs: torch._foreach_mul(xs, factor),
+                          lambda xs: torch._foreach_mul_(xs, factor))
         return new, ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init_fn, update_fn)
@@ -190,12 +189,15 @@ def add_decayed_weights(weight_decay: float = 0.0,
                                  f"{treedef} with bool leaves, got {td}.")
         idx = [i for i, k in enumerate(keep) if k]
         out = list(u)
-        if idx:
-            with torch.no_grad():
-                decayed = torch._foreach_add(to_locals([u[i] for i in idx]),
-                                             to_locals([p[i] for i in idx]), alpha=weight_decay)
-            for i, d in zip(idx, decayed):
-                out[i] = wrap_like(d, u[i])
+        with torch.no_grad():
+            ul, pl = to_locals([u[i] for i in idx]), to_locals([p[i] for i in idx])
+            if ul and all_private(ul):
+                torch._foreach_add_(ul, pl, alpha=weight_decay)
+            elif ul:
+                decayed = torch._foreach_add(ul, pl, alpha=weight_decay)
+                mark_private(decayed)
+                for i, d in zip(idx, decayed):
+                    out[i] = wrap_like(d, u[i])
         return tree_util.tree_unflatten(treedef, out), state
 
     return GradientTransformation(init_fn, update_fn)
@@ -234,10 +236,11 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         b, g, treedef = flatten_matching("trace.update", (_STATE, state.trace), ("grads", updates))
         with torch.no_grad():
             gl = to_locals(g)
-            if nesterov:
+            if nesterov and not all_private(gl):
                 gl = [x.clone() for x in gl]  # the kernel adds decay * b into the grads in place
-            bl = [x.clone() for x in to_locals(b)]
+            bl = state_for_kernel(to_locals(b))
             out = [torch.zeros_like(x) for x in gl]  # receives 0 - lr * step with lr = -1
+            mark_private(out)
             if gl:
                 _torch_sgd(out, gl, bl, foreach=True, weight_decay=0.0, momentum=decay,
                            lr=-1.0, dampening=0.0, nesterov=nesterov, maximize=False)
@@ -291,9 +294,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             "scale_by_adam.update", (_STATE, state.mu), ("the second moments", state.nu), ("grads", updates))
         with torch.no_grad():
             gl = to_locals(g)
-            ml = [x.clone() for x in to_locals(mu)]
-            vl = [x.clone() for x in to_locals(nu)]
+            ml = state_for_kernel(to_locals(mu))
+            vl = state_for_kernel(to_locals(nu))
             out = [torch.zeros_like(x) for x in gl]  # receives 0 - lr * step with lr = -1
+            mark_private(out)
             # One step counter per leaf, as the kernel increments each of them.
             steps = [torch.tensor(float(state.count), dtype=torch.float64) for _ in gl]
             if gl:
@@ -428,15 +432,16 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         del params
         coef = torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0)
 
-        def clip(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-            factors = {}
-            for x in xs:
-                if (x.device, x.dtype) not in factors:
-                    factors[(x.device, x.dtype)] = coef.to(device=x.device, dtype=x.dtype)
-            if len(factors) == 1:
-                return torch._foreach_mul(xs, next(iter(factors.values())))
-            return [x * factors[(x.device, x.dtype)] for x in xs]
+        factors: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-        return _map_locals(clip, updates), state
+        def factor(x: torch.Tensor) -> torch.Tensor:
+            key = (x.device, x.dtype)
+            if key not in factors:
+                factors[key] = coef.to(device=x.device, dtype=x.dtype)
+            return factors[key]
+
+        new = map_updates(updates, lambda xs: [x * factor(x) for x in xs],
+                          lambda xs: [x.mul_(factor(x)) for x in xs])
+        return new, state
 
     return GradientTransformation(init_fn, update_fn)
