@@ -19,6 +19,9 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from fshard import lax
+from fshard.transforms.vma import VmaMode
+
 __all__ = ["remat", "checkpoint_policies"]
 
 _COLLECTIVE_OPS = {
@@ -62,9 +65,23 @@ def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = No
 
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        # The recomputation runs during backward, outside the shard_map body: carry the
+        # body (mesh, checked mode) into it so collectives and implicit pvary replay alike.
+        body = lax.BODY.get()
+
+        def replayable(*a: Any, **k: Any) -> Any:
+            token = lax.BODY.set(body)
+            try:
+                if body is not None and body.check:
+                    with VmaMode():
+                        return f(*a, **k)
+                return f(*a, **k)
+            finally:
+                lax.BODY.reset(token)
+
         if policy is None:
-            return checkpoint(f, *args, use_reentrant=False, **kwargs)
-        return checkpoint(f, *args, use_reentrant=False,
+            return checkpoint(replayable, *args, use_reentrant=False, **kwargs)
+        return checkpoint(replayable, *args, use_reentrant=False,
                           context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy),
                           **kwargs)
 

@@ -51,7 +51,7 @@ def shard_map(
       mesh: the mesh (default: the current mesh at call time).
       in_specs: a pytree prefix of the positional arguments tuple (a single ``P``
         applies to every argument). Non-tensor leaves are passed through as static
-        values. Keyword arguments are passed through unchanged (tensors in them are
+        values; ``None`` marks a static argument. Keyword arguments are passed through unchanged (tensors in them are
         taken as replicated).
       out_specs: a pytree prefix of ``f``'s result.
       check: track varying axes, insert implicit ``pvary``, and verify replication
@@ -96,7 +96,7 @@ def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, che
     specs = in_specs if not is_spec(in_specs) else tuple(in_specs for _ in args)
     paths, values, treedef = tree_util.zip_with_path(list(args))
     flat = tree_util.broadcast_prefix(list(specs) if isinstance(specs, tuple) else specs, list(args),
-                                      is_prefix_leaf=is_spec, name=f"shard_map({name}) in_specs",
+                                      is_prefix_leaf=_is_spec_or_static, name=f"shard_map({name}) in_specs",
                                       full_name="args")
     paths = [f"args[{p.split('.', 1)[0]}]" + (f".{p.split('.', 1)[1]}" if "." in p else "") for p in paths]
     bad = []
@@ -107,7 +107,8 @@ def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, che
                 bad.append((path, spec, tuple(x.shape),
                             [f"the DTensor is laid out as {have}; pass reshard=True to redistribute it"]))
         if isinstance(x, torch.Tensor):
-            probs = spec_problems(spec, tuple(x.shape), mesh)
+            probs = (spec_problems(spec, tuple(x.shape), mesh) if spec is not None else
+                     ["a tensor argument needs a P(...) spec; None marks static (non-tensor) arguments"])
             if probs:
                 bad.append((path, spec, tuple(x.shape), probs))
     raise_spec_errors(f"shard_map({name}) in_specs", mesh, bad,
@@ -122,6 +123,10 @@ def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, che
         else:
             out.append(x)
     return tree_util.tree_unflatten(treedef, out)
+
+
+def _is_spec_or_static(x: Any) -> bool:
+    return x is None or is_spec(x)
 
 
 def _to_local(x: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> torch.Tensor:
