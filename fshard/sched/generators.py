@@ -159,7 +159,7 @@ def _interleaved_row(r: int, p: int, m: int, v: int, per_round: int,
 
     def op(kind: Kind, chunk: int, counters: list[int]) -> Action:
         counters[chunk] += 1
-        return Action(kind, chunk * p + r, counters[chunk] - 1)
+        return Action._trusted(kind, chunk * p + r, counters[chunk] - 1)
 
     row = [op(F, (k // per_round) % v, next_f) for k in range(warm)]
     pending_w: deque[Action] = deque()
@@ -169,7 +169,7 @@ def _interleaved_row(r: int, p: int, m: int, v: int, per_round: int,
         back = op(I if split_backward else B, v - 1 - (k // per_round) % v, next_b)
         row.append(back)
         if split_backward:
-            pending_w.append(Action(W, back.stage, back.microbatch))
+            pending_w.append(Action._trusted(W, back.stage, back.microbatch))
             if k >= r:
                 row.append(pending_w.popleft())
     row.extend(pending_w)
@@ -243,7 +243,7 @@ class _Row:
         key = (stage, I if kind is B else kind)
         mb = self.count.get(key, 0)
         self.count[key] = mb + 1
-        return Action(kind, stage, mb)
+        return Action._trusted(kind, stage, mb)
 
     def add(self, kind: Kind, stage: int) -> Action:
         action = self.next(kind, stage)

@@ -104,6 +104,12 @@ class Action(_ActionFields):
         _check_action(kind, stage, microbatch, sub)
         return super().__new__(cls, kind, stage, microbatch, sub)
 
+    @classmethod
+    def _trusted(cls, kind: Kind, stage: int, microbatch: int | None) -> Action:
+        # For internally built actions whose fields are known good: skips the
+        # checks, which dominate lowering and validation time on large grids.
+        return tuple.__new__(cls, (kind, stage, microbatch, ()))
+
     def __str__(self) -> str:
         if self.kind is Kind.OVERLAP_F_B:
             return "(" + ";".join(str(a) for a in self.sub) + ")OVERLAP_F_B"

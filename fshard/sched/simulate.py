@@ -17,7 +17,7 @@ from typing import NamedTuple, Union
 
 import attrs
 
-from fshard.sched.ir import Action, Kind, Schedule, ScheduleError
+from fshard.sched.ir import COMPUTE_KINDS, Action, Kind, Schedule, ScheduleError
 
 __all__ = ["SimReport", "Span", "simulate", "timeline"]
 
@@ -97,7 +97,11 @@ def _jobs(schedule: Schedule, costs: _Costs) -> tuple[list[list[_Job]], int, int
     for row in schedule.actions:
         jobs = []
         for index, action in enumerate(row):
-            if not action.is_compute:
+            if action.kind not in COMPUTE_KINDS:
+                continue
+            if not action.sub:
+                deps = tuple(_inputs(action, schedule.n_stages))
+                jobs.append(_Job(index, action, tick[action.kind], deps, (_key(action),)))
                 continue
             outputs = tuple(_key(p) for p in action.parts)
             deps = tuple(d for p in action.parts for d in _inputs(p, schedule.n_stages)

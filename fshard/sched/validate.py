@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
 
-from fshard.sched.ir import Action, Kind, Schedule, ScheduleError
+from fshard.sched.ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule, ScheduleError
 
 __all__ = ["ScheduleError", "validate"]
 
@@ -227,9 +227,9 @@ class _Run:
 
     def step(self, rank: int) -> bool:
         action = self.s.actions[rank][self.heads[rank]]
-        if action.is_compute:
+        if action.kind in COMPUTE_KINDS:
             return self.compute(rank, action)
-        if action.is_comm:
+        if action.kind in COMM_KINDS:
             return self.comm(rank, action)
         return self.hook(rank, action)
 
@@ -275,75 +275,71 @@ def _outputs(part: Action) -> set[tuple[str, int, int | None]]:
     return {("W", s, mb)}
 
 
-def _batches(row: tuple[Action, ...]) -> list[tuple[int, list[Action]]]:
-    """Each maximal run of consecutive SEND/RECV actions, with its first index."""
-    out: list[tuple[int, list[Action]]] = []
-    for index, action in enumerate(row):
-        if not action.is_comm:
-            continue
-        if out and out[-1][0] + len(out[-1][1]) == index:
-            out[-1][1].append(action)
-        else:
-            out.append((index, [action]))
+def _batches(schedule: Schedule) -> list[list[tuple[int, list[tuple]]]]:
+    """Per rank, each maximal run of consecutive SEND/RECV actions and its first index.
+
+    Each op is (own channel, matching channel, position in channel, action); a
+    channel is (is_send, src rank, dst rank), and the k-th op posted on one
+    channel matches the k-th op on its matching channel.
+    """
+    seen: Counter[tuple[bool, int, int]] = Counter()
+    out: list[list[tuple[int, list[tuple]]]] = []
+    for rank, row in enumerate(schedule.actions):
+        runs: list[tuple[int, list[tuple]]] = []
+        last = -2
+        for index, a in enumerate(row):
+            if not a.is_comm:
+                continue
+            peer = schedule.peer_rank(a)
+            send = a.kind in (Kind.SEND_F, Kind.SEND_B)
+            src, dst = (rank, peer) if send else (peer, rank)
+            own = (send, src, dst)
+            op = (own, (not send, src, dst), seen[own], a)
+            seen[own] += 1
+            if index == last + 1:
+                runs[-1][1].append(op)
+            else:
+                runs.append((index, [op]))
+            last = index
+        out.append(runs)
     return out
 
 
 def _check_batched(schedule: Schedule) -> None:
-    """Re-runs the transfers as NCCL-style batches that complete only when fully matched.
-
-    Each batch is posted when its rank reaches it; an op is matched once its peer
-    has posted the op with the same position in that rank pair's channel.
-    """
-    batches = [_batches(row) for row in schedule.actions]
-    slot: dict[tuple[int, int, int], tuple[bool, tuple[int, int], int]] = {}
-    seen: Counter[tuple[bool, tuple[int, int]]] = Counter()
-    for rank, row in enumerate(batches):
-        for b, (_, ops) in enumerate(row):
-            for i, a in enumerate(ops):
-                peer = schedule.peer_rank(a)
-                send = a.kind in (Kind.SEND_F, Kind.SEND_B)
-                pair = (rank, peer) if send else (peer, rank)
-                slot[(rank, b, i)] = (send, pair, seen[(send, pair)])
-                seen[(send, pair)] += 1
-    posted: Counter[tuple[bool, tuple[int, int]]] = Counter()
+    """Re-runs the transfers as NCCL-style batches that complete only when fully matched."""
+    batches = _batches(schedule)
+    posted: Counter[tuple[bool, int, int]] = Counter()
     heads = [0] * schedule.n_ranks
-    for rank, row in enumerate(batches):
-        _post(row, 0, rank, slot, posted)
+
+    def post(rank: int) -> None:
+        if heads[rank] < len(batches[rank]):
+            for op in batches[rank][heads[rank]][1]:
+                posted[op[0]] += 1
+
+    def unmatched(rank: int) -> list[tuple]:
+        return [op for op in batches[rank][heads[rank]][1] if posted[op[1]] <= op[2]]
+
+    for rank in range(schedule.n_ranks):
+        post(rank)
     progressed = True
     while progressed:
         progressed = False
-        for rank, row in enumerate(batches):
-            while heads[rank] < len(row) and not _unmatched(row, heads[rank], rank, slot, posted):
+        for rank, runs in enumerate(batches):
+            while heads[rank] < len(runs) and not unmatched(rank):
                 heads[rank] += 1
-                _post(row, heads[rank], rank, slot, posted)
+                post(rank)
                 progressed = True
     stuck = []
-    for rank, row in enumerate(batches):
-        if heads[rank] < len(row):
-            first, ops = row[heads[rank]]
-            waits = ", ".join(_unmatched(row, heads[rank], rank, slot, posted))
-            stuck.append(f"rank {rank}: head batch #{first} [{', '.join(map(str, ops))}] "
-                         f"waits for {waits}")
+    for rank, runs in enumerate(batches):
+        if heads[rank] < len(runs):
+            first, ops = runs[heads[rank]]
+            waits = ", ".join(f"rank {op[0][2] if op[0][0] else op[0][1]} to post the match "
+                              f"of {op[3]}" for op in unmatched(rank))
+            stuck.append(f"rank {rank}: head batch #{first} [{', '.join(str(op[3]) for op in ops)}]"
+                         f" waits for {waits}")
     if stuck:
         raise _fail(schedule, "deadlock with batched sends/receives (each run of consecutive "
                     "SEND/RECV actions completes only when all of it is matched)", stuck)
-
-
-def _post(row: list, b: int, rank: int, slot: dict, posted: Counter) -> None:
-    if b < len(row):
-        for i in range(len(row[b][1])):
-            send, pair, _ = slot[(rank, b, i)]
-            posted[(send, pair)] += 1
-
-
-def _unmatched(row: list, b: int, rank: int, slot: dict, posted: Counter) -> list[str]:
-    missing = []
-    for i, a in enumerate(row[b][1]):
-        send, pair, k = slot[(rank, b, i)]
-        if posted[(not send, pair)] <= k:
-            peer = pair[1] if send else pair[0]
-            missing.append(f"rank {peer} to post its match of {a}")
-    return missing
 
 
 def validate(schedule: Schedule, *, p2p: str = "batched") -> Schedule:
