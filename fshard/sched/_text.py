@@ -77,7 +77,8 @@ def _from_rows(rows: list[list[Action]], meta: dict[str, object]) -> Schedule:
     parts = [p for row in rows for a in row for p in a.parts]
     if not rows or not parts:
         raise ScheduleError("the CSV holds no actions")
-    n_stages = int(meta.get("n_stages") or 1 + max(p.stage for p in parts))  # type: ignore[arg-type]
+    n_stages = int(meta.get("n_stages")  # type: ignore[arg-type]
+                   or 1 + max(p.stage for p in parts))
     n_mb = int(meta.get("n_microbatches") or 1 + max(  # type: ignore[arg-type]
         (p.microbatch for p in parts if p.microbatch is not None), default=0))
     name = str(meta.get("name", "custom"))

@@ -91,7 +91,8 @@ def _pick(r: int, t: int, p: int, m: int, cap: int, f_end: dict, i_end: dict,
             and (r == p - 1 or i_end.get((r + 1, i), t + 1) <= t)):
         return Action(Kind.I, r, i)
     f = next_f[r]
-    in_flight = f - sum(1 for end in w_ends[r] if end <= t)
+    # A free rank's earlier W's all ended by now (each lasts one tick).
+    in_flight = f - len(w_ends[r])
     if f < m and in_flight < cap and (r == 0 or f_end.get((r - 1, f), t + 1) <= t):
         return Action(Kind.F, r, f)
     if weights[r] and weights[r][0][1] <= t:

@@ -131,7 +131,10 @@ class Action(_ActionFields):
 
         Raises:
             ValueError: the text is not an action string.
+            TypeError: ``text`` is not a str.
         """
+        if not isinstance(text, str):
+            raise TypeError(f"expected an Action or an action string, got {text!r}")
         text = text.strip()
         overlap = _OVERLAP_RE.fullmatch(text)
         if overlap:

@@ -26,7 +26,9 @@ def _outputs(part: Action, schedule: Schedule, rank: int) -> list[tuple[Action, 
     else:
         return []
     dest = schedule.rank_of(peer)
-    return [] if dest == rank else [(Action._trusted(send, s, mb), Action._trusted(recv, peer, mb), dest)]
+    if dest == rank:
+        return []
+    return [(Action._trusted(send, s, mb), Action._trusted(recv, peer, mb), dest)]
 
 
 def lower(schedule: Schedule) -> Schedule:

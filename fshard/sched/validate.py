@@ -1,6 +1,6 @@
 """Schedule validation: complete work, dependency order, matched transfers, no deadlock.
 
-:func:`validate` runs three checks and raises :class:`ScheduleError` naming the
+:func:`validate` runs these checks in turn and raises :class:`ScheduleError` naming the
 rank, the action and the sizes involved:
 
 1. Work: every (stage, microbatch) runs F exactly once and either one full B or
@@ -76,7 +76,6 @@ def _at(schedule: Schedule, action: Action) -> str:
 
 
 def _check_transfers(schedule: Schedule) -> None:
-    # Actions are tuples, so (kind, stage, mb, ()) looks them up without building one.
     count: Counter[tuple] = Counter()
     problems = []
     for rank, row in enumerate(schedule.actions):
@@ -93,6 +92,7 @@ def _check_transfers(schedule: Schedule) -> None:
         for mb in range(schedule.n_microbatches):
             for kind, at in ((Kind.SEND_F, stage), (Kind.RECV_F, stage + 1),
                              (Kind.SEND_B, stage + 1), (Kind.RECV_B, stage)):
+                # Actions are tuples, so this finds Action(kind, at, mb) without building it.
                 n = count[(kind, at, mb, ())]
                 if n != 1:
                     problems.append(f"rank {schedule.rank_of(at)}: {Action(kind, at, mb)} "

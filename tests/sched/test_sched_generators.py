@@ -79,7 +79,8 @@ def test_1f1b_allows_fewer_microbatches_than_ranks():
 
 
 def test_looped_bfs_order():
-    assert _row(sched.looped_bfs(2, 2), 0) == ["0F0", "0F1", "2F0", "2F1", "2B1", "2B0", "0B1", "0B0"]
+    assert _row(sched.looped_bfs(2, 2), 0) == [
+        "0F0", "0F1", "2F0", "2F1", "2B1", "2B0", "0B1", "0B0"]
 
 
 def test_interleaved_1f1b_order():
@@ -130,7 +131,8 @@ def test_split_backward_schedules_use_i_and_w_only():
     (lambda: sched.one_f_one_b(2, 0), r"n_microbatches must be an int >= 1"),
     (lambda: sched.gpipe(2, 4, n_virtual=2), r"use looped_bfs"),
     (lambda: sched.one_f_one_b(2, 4, n_virtual=2), r"use interleaved_1f1b"),
-    (lambda: sched.interleaved_1f1b(4, 9), r"n_microbatches=9.*multiple of the number of rounds.* = 2"),
+    (lambda: sched.interleaved_1f1b(4, 9),
+     r"n_microbatches=9.*multiple of the number of rounds.* = 2"),
     (lambda: sched.zero_bubble(4, 9, n_virtual=3), r"n_virtual=3.*= 2"),
     (lambda: sched.zbv(2, 4, n_virtual=3), r"zbv supports n_virtual in \(2,\)"),
     (lambda: sched.dualpipev(4, 7), r"dualpipev\(n_ranks=4, n_microbatches=7\).*>= .* = 8"),

@@ -70,10 +70,12 @@ def test_schedule_accepts_strings_and_dicts():
 @pytest.mark.parametrize("kwargs,match", [
     ({"actions": [["0F0"], ["0F1"]], "n_stages": 2, "n_microbatches": 2},
      r"rank 1 action #0 0F1: stage 0 lives on rank 0"),
-    ({"actions": [["0F5"]], "n_stages": 1, "n_microbatches": 2}, r"microbatch 5 >= n_microbatches=2"),
+    ({"actions": [["0F5"]], "n_stages": 1, "n_microbatches": 2},
+     r"microbatch 5 >= n_microbatches=2"),
     ({"actions": [["3F0"]], "n_stages": 2, "n_microbatches": 1}, r"stage 3 >= n_stages=2"),
     ({"actions": [["0F0"], ["1F0"]], "n_stages": 3, "n_microbatches": 1}, r"n_stages=3, n_ranks=2"),
-    ({"actions": [["0F0"]], "n_stages": 1, "n_microbatches": 1, "placement": "zigzag"}, "placement"),
+    ({"actions": [["0F0"]], "n_stages": 1, "n_microbatches": 1, "placement": "zigzag"},
+     "placement"),
     ({"actions": [["0F0"]], "n_stages": 1, "n_microbatches": 0}, "n_microbatches must be >= 1"),
     ({"actions": [["0RECV_F0"]], "n_stages": 1, "n_microbatches": 1}, "peer stage -1"),
 ])
@@ -146,3 +148,8 @@ def test_csv_errors():
         Schedule.from_csv(io.StringIO("0F0,1F0\n2F0\n"))
     with pytest.raises(ValueError, match="cannot parse action 'oops'"):
         Schedule.from_csv(io.StringIO("0F0,oops\n"))
+
+
+def test_non_string_cells_raise_type_error():
+    with pytest.raises(TypeError, match="expected an Action or an action string, got 3"):
+        Schedule(actions=[[3]], n_stages=1, n_microbatches=1)

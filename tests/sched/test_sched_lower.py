@@ -89,7 +89,8 @@ def test_lower_rejects_lowered_and_deadlocked_input():
         sched.lower(sched.lower(sched.gpipe(2, 2)))
     bad = sched.Schedule(actions=[["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]],
                          n_stages=2, n_microbatches=2)
-    with pytest.raises(ScheduleError, match=r"rank 0: head action #1 0B0.*\n.*rank 1: head action #0 1F1"):
+    stuck = r"rank 0: head action #1 0B0.*\n.*rank 1: head action #0 1F1"
+    with pytest.raises(ScheduleError, match=stuck):
         sched.lower(bad)
 
 

@@ -55,7 +55,8 @@ TABLE = [
 
 
 @pytest.mark.parametrize("row,build,makespan,bubble,frac,ratio,peak,peak_stages", TABLE,
-                         ids=[f"{t[0]}-{'p4m8' if i < 11 else 'p2m4'}" for i, t in enumerate(TABLE)])
+                         ids=[f"{t[0]}-{'p4m8' if i < 11 else 'p2m4'}"
+                              for i, t in enumerate(TABLE)])
 @pytest.mark.parametrize("lowered", [False, True], ids=["compute", "lowered"])
 def test_reference_table(row, build, makespan, bubble, frac, ratio, peak, peak_stages, lowered):
     built = build()

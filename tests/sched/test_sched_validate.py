@@ -40,7 +40,8 @@ COMPUTE = sched.one_f_one_b(2, 4)
 def test_swapped_receives_break_send_order():
     bad = _edit(LOWERED, 1, _swap("1RECV_F1", "1RECV_F2"))
     _raises(bad, "rank 1: head action #2 1RECV_F2", "expects 0SEND_F2 from rank 0",
-            "next message rank 0 sent to rank 1 is 0SEND_F1", "n_ranks=2, n_stages=2, n_microbatches=4")
+            "next message rank 0 sent to rank 1 is 0SEND_F1",
+            "n_ranks=2, n_stages=2, n_microbatches=4")
 
 
 def test_receive_after_its_consumer():
