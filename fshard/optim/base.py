@@ -354,10 +354,16 @@ def _describe_layout(x: Any) -> str:
     if isinstance(x, DTensor):
         names = x.device_mesh.mesh_dim_names or tuple(range(x.device_mesh.ndim))
         where = ", ".join(f"{n}: {p}" for n, p in zip(names, x.placements))
-        return f"DTensor of shape {tuple(x.shape)} with placements ({where})"
+        try:
+            from fshard.mesh.sharding import spec_of
+
+            spec = f"spec {spec_of(x)!r}, "
+        except Exception:  # a Partial placement or an unnamed mesh has no spec; placements say it all
+            spec = ""
+        return f"DTensor of shape {tuple(x.shape)}, {spec}placements ({where})"
     if isinstance(x, torch.Tensor):
         return f"plain tensor of shape {tuple(x.shape)}"
-    return f"a {type(x).__name__}"
+    return type(x).__name__
 
 
 def _layout_error(what: str, name0: str, name: str, bad: list[tuple[str, Any, Any]]) -> str:

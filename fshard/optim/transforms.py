@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.sgd import sgd as _torch_sgd
 
@@ -378,7 +379,7 @@ def _mesh_sum_squares(group: list[tuple[str, DTensor]], acc: torch.dtype) -> tor
                     f"global_norm: {path} has a Partial placement on mesh dim {i} (a pending sum); "
                     "its local values are not its shards. Reduce it first, e.g. "
                     "x.redistribute(placements=[Replicate() if p.is_partial() else p for p in x.placements]).")
-            if isinstance(p, Shard) and sizes[i] > 1:  # _StridedShard is a Shard too
+            if isinstance(p, (Shard, _StridedShard)) and sizes[i] > 1:  # no subclass of Shard
                 dims.add(i)
         sharded_on.append(dims)
     reduce_dims = sorted(set().union(*sharded_on))
