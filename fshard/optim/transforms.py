@@ -34,8 +34,8 @@ from fshard.optim.base import (
     identity,
     map_updates,
     mark_private,
-    state_for_kernel,
     new_count,
+    state_for_kernel,
     to_locals,
     wrap_like,
     zeros_like_tree,
@@ -322,11 +322,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 def global_norm(updates: Updates) -> torch.Tensor:
     """The 2-norm of all leaves together, as if every DTensor were gathered first.
 
-    For DTensor leaves each rank squares and sums its local shards; one all-reduce per
-    mesh then sums over the mesh axes that some leaf is sharded on. A leaf counts only
-    on the ranks at index 0 of the reduced axes it is replicated over, so replicas are
-    never counted twice. Plain tensors are taken as they are: outside ``shard_map``
-    they are whole values; inside, local shards (their norm is then the local one).
+    For DTensor leaves each rank squares and sums its local shards, and one scalar
+    all-reduce sums over the mesh axes that any leaf is sharded on (one per axis when
+    those axes do not span every rank); none when every leaf is replicated. A leaf
+    counts only on the ranks at index 0 of the reduced axes it is replicated over, so
+    replicas are never counted twice. Plain tensors are taken as they are: outside
+    ``shard_map`` they are whole values; inside, local shards (the norm is then local).
 
     Args:
       updates: a pytree of tensors / DTensors (e.g. gradients), global shape ``S`` each.
@@ -345,8 +346,6 @@ def global_norm(updates: Updates) -> torch.Tensor:
     if not leaves:
         return torch.zeros(())
     acc = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
-    device = to_locals(leaves[:1])[0].device
-    total = torch.zeros((), dtype=acc, device=device)
     by_mesh: dict[Any, list[tuple[str, DTensor]]] = {}
     plain = []
     for path, x in zip(paths, leaves):
@@ -355,6 +354,8 @@ def global_norm(updates: Updates) -> torch.Tensor:
         else:
             plain.append(x)
     with torch.no_grad():
+        device = to_locals(leaves[:1])[0].device
+        total = torch.zeros((), dtype=acc, device=device)
         if plain:
             total = total + _sum_squares(plain, acc).to(device)
         for group in by_mesh.values():
@@ -441,8 +442,12 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
                 factors[key] = coef.to(device=x.device, dtype=x.dtype)
             return factors[key]
 
-        new = map_updates(updates, lambda xs: [x * factor(x) for x in xs],
-                          lambda xs: [x.mul_(factor(x)) for x in xs])
+        def out_of_place(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+            if len({(x.device, x.dtype) for x in xs}) == 1:
+                return torch._foreach_mul(xs, factor(xs[0]))
+            return [x * factor(x) for x in xs]
+
+        new = map_updates(updates, out_of_place, lambda xs: [x.mul_(factor(x)) for x in xs])
         return new, state
 
     return GradientTransformation(init_fn, update_fn)
