@@ -178,6 +178,13 @@ def _permute_raw(x, ax: _Axes, perm: Sequence[tuple[int, int]]):
     return comm.permute(x, ax.group, sends, me, axes=ax.names)
 
 
+def _apply(fn: type[torch.autograd.Function], t: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``fn.apply`` when autograd will need it; the raw forward otherwise (apply is not free)."""
+    if t.requires_grad and torch.is_grad_enabled():
+        return fn.apply(t, *args)
+    return fn.forward(t, *args)
+
+
 # --- autograd functions (setup_context style: torch.func-compatible) --------------------
 class _Psum(torch.autograd.Function):
     @staticmethod
@@ -235,7 +242,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _PsumScatter.apply(g, ctx.ax, ctx.axis, ctx.tiled), None, None, None
+        return _apply(_PsumScatter, g, ctx.ax, ctx.axis, ctx.tiled), None, None, None
 
 
 class _PsumScatter(torch.autograd.Function):
@@ -249,7 +256,7 @@ class _PsumScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _AllGather.apply(g, ctx.ax, ctx.dim, ctx.tiled), None, None, None
+        return _apply(_AllGather, g, ctx.ax, ctx.dim, ctx.tiled), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -263,7 +270,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _AllToAll.apply(g, ctx.ax, ctx.concat, ctx.split, ctx.tiled), None, None, None, None
+        return _apply(_AllToAll, g, ctx.ax, ctx.concat, ctx.split, ctx.tiled), None, None, None, None
 
 
 class _Ppermute(torch.autograd.Function):
@@ -278,7 +285,7 @@ class _Ppermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         inverse = tuple((d, s) for s, d in ctx.perm)
-        return _Ppermute.apply(g, ctx.ax, inverse), None, None
+        return _apply(_Ppermute, g, ctx.ax, inverse), None, None
 
 
 # --- public API -------------------------------------------------------------------------
@@ -328,7 +335,7 @@ def psum(x: Any, axis_name: str | Sequence[str]) -> Any:
 
     Backward: identity (the cotangent of an invariant output is invariant).
     """
-    return _map("psum", x, axis_name, lambda t, ax: _Psum.apply(t, ax) if ax.n > 1 else t.view_as(t),
+    return _map("psum", x, axis_name, lambda t, ax: _apply(_Psum, t, ax) if ax.n > 1 else t.view_as(t),
                 to_varying=False)
 
 
@@ -341,14 +348,14 @@ def pmean(x: Any, axis_name: str | Sequence[str]) -> Any:
 def pmax(x: Any, axis_name: str | Sequence[str]) -> Any:
     """All-reduce max. Not differentiable: its backward raises (detach the input)."""
     return _map("pmax", x, axis_name,
-                lambda t, ax: _PReduceNoGrad.apply(t, ax, "max") if ax.n > 1 else t.view_as(t),
+                lambda t, ax: _apply(_PReduceNoGrad, t, ax, "max") if ax.n > 1 else t.view_as(t),
                 to_varying=False)
 
 
 def pmin(x: Any, axis_name: str | Sequence[str]) -> Any:
     """All-reduce min. Not differentiable: its backward raises (detach the input)."""
     return _map("pmin", x, axis_name,
-                lambda t, ax: _PReduceNoGrad.apply(t, ax, "min") if ax.n > 1 else t.view_as(t),
+                lambda t, ax: _apply(_PReduceNoGrad, t, ax, "min") if ax.n > 1 else t.view_as(t),
                 to_varying=False)
 
 
@@ -360,7 +367,7 @@ def pvary(x: Any, axis_name: str | Sequence[str]) -> Any:
     mode inserts it for you.
     """
     def one(t, ax):
-        return _Pvary.apply(t, ax) if ax.n > 1 else t.view_as(t)
+        return _apply(_Pvary, t, ax) if ax.n > 1 else t.view_as(t)
 
     body, ax = _axes("pvary", axis_name)
     names = frozenset(ax.names)
@@ -389,7 +396,7 @@ def all_gather(x: Any, axis_name: str | Sequence[str], *, axis: int = 0, tiled: 
         a = axis % (t.dim() + (0 if tiled else 1))
         if ax.n == 1:
             return t.view_as(t) if tiled else t.unsqueeze(a)
-        return _AllGather.apply(t, ax, a, tiled)
+        return _apply(_AllGather, t, ax, a, tiled)
 
     return _map("all_gather", x, axis_name, one, to_varying=True)
 
@@ -409,7 +416,7 @@ def psum_scatter(x: Any, axis_name: str | Sequence[str], *, scatter_dimension: i
         _check_split("psum_scatter", t, d, ax, exact=not tiled)
         if ax.n == 1:
             return t.view_as(t) if tiled else t.squeeze(d)
-        return _PsumScatter.apply(t, ax, d, tiled)
+        return _apply(_PsumScatter, t, ax, d, tiled)
 
     return _map("psum_scatter", x, axis_name, one, to_varying=True)
 
@@ -431,7 +438,7 @@ def all_to_all(x: Any, axis_name: str | Sequence[str], split_axis: int, concat_a
         _check_split("all_to_all", t, s, ax, exact=not tiled)
         if ax.n == 1:
             return t.view_as(t) if tiled else t.squeeze(s).unsqueeze(c)
-        return _AllToAll.apply(t, ax, s, c, tiled)
+        return _apply(_AllToAll, t, ax, s, c, tiled)
 
     return _map("all_to_all", x, axis_name, one, to_varying=True)
 
@@ -455,7 +462,7 @@ def ppermute(x: Any, axis_name: str | Sequence[str], perm: Sequence[tuple[int, i
             + (f"out of range: {bad}" if bad else "duplicates found")
         )
     return _map("ppermute", x, axis_name,
-                lambda t, a: _Ppermute.apply(t, a, perm) if a.n > 1 else
+                lambda t, a: _apply(_Ppermute, t, a, perm) if a.n > 1 else
                 (t.view_as(t) if (0, 0) in perm else torch.zeros_like(t)),
                 to_varying=True)
 

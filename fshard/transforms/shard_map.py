@@ -53,7 +53,8 @@ def shard_map(
         applies to every argument). Non-tensor leaves are passed through as static
         values; ``None`` marks a static argument. Keyword arguments are passed through unchanged (tensors in them are
         taken as replicated).
-      out_specs: a pytree prefix of ``f``'s result.
+      out_specs: a pytree prefix of ``f``'s result (``None`` for non-tensor parts,
+        which are returned as they are).
       check: track varying axes, insert implicit ``pvary``, and verify replication
         promises of ``out_specs`` (JAX's ``check_vma``). ``False`` is Megatron style:
         no per-op cost, and you place ``fs.lax.pvary`` yourself.
@@ -167,12 +168,13 @@ class _SplitCotangent(torch.autograd.Function):
 
 def _exit(name: str, mesh: Mesh, out: Any, out_specs: Any, check: bool) -> Any:
     paths, values, treedef = tree_util.zip_with_path(out)
-    flat = tree_util.broadcast_prefix(out_specs, out, is_prefix_leaf=is_spec,
+    flat = tree_util.broadcast_prefix(out_specs, out, is_prefix_leaf=_is_spec_or_static,
                                       name=f"shard_map({name}) out_specs", full_name="outputs")
     bad = []
     for path, x, spec in zip(paths, values, flat):
         if isinstance(x, torch.Tensor):
-            probs = spec_problems(spec, tuple(x.shape), mesh, allow_uneven=True)
+            probs = (spec_problems(spec, tuple(x.shape), mesh, allow_uneven=True) if spec is not None else
+                     ["a tensor output needs a P(...) spec; None marks static (non-tensor) outputs"])
             if probs:
                 bad.append((f"outputs.{path}" if path != "<root>" else "output", spec, tuple(x.shape), probs))
     raise_spec_errors(f"shard_map({name}) out_specs", mesh, bad,
