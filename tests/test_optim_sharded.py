@@ -1,5 +1,6 @@
 """fs.optim on sharded params (fsdp=2, tp=2, dp x tp = 2x2): same numbers as torch.optim on
-the full tensors, state sharded like the params, a global norm with one all-reduce."""
+the full tensors, state sharded like the params, a global norm with one all-reduce, and the
+same steps on local tensors inside shard_map."""
 
 import math
 
@@ -148,12 +149,38 @@ def _bad_input_messages(mesh, specs):
     return out
 
 
+def _in_shard_map(mesh, specs):
+    """The same steps on local tensors inside shard_map (vma-checked) and on DTensors."""
+    opt = optim.chain(optim.sgd(0.1, momentum=0.9, nesterov=True), optim.adamw(lr=0.02, weight_decay=0.3))
+    empty = optim.EmptyState()
+    state_specs = ((empty, optim.TraceState(specs), empty),
+                   (optim.ScaleByAdamState(P(), specs, specs), empty, empty))
+
+    def step(params, grads, state):
+        updates, state = opt.update(grads, state, params)
+        return optim.apply_updates(params, updates), state
+
+    mapped = fs.shard_map(step, mesh=mesh, in_specs=(specs, specs, state_specs),
+                          out_specs=(specs, state_specs), check=True)
+    full = _params()
+    inside = fs.shard(full, specs, mesh)
+    outside = fs.shard(full, specs, mesh)
+    s_in, s_out = opt.init(inside), opt.init(outside)
+    for step_no in range(3):
+        grads = fs.shard(_grads(full, step_no), specs, mesh)
+        inside, s_in = mapped(inside, grads, s_in)
+        updates, s_out = opt.update(grads, s_out, outside)
+        outside = optim.apply_updates(outside, updates)
+    return _max_diff(inside, tree_util.leaves(fs.gather(outside)))
+
+
 def _body(shape, run_optimizers):
     mesh = fs.make_mesh(shape)
     specs = _specs(tuple(shape))
     out = _clip_checks(mesh, specs)
     out.update(_bad_input_messages(mesh, specs))
     if run_optimizers:
+        out["shard_map_diff"] = _in_shard_map(mesh, specs)
         out.update(_optimizer_checks(mesh, specs, _OPTIMIZERS, donate=False))
         donated = _optimizer_checks(mesh, specs, _OPTIMIZERS[-1:], donate=True)
         out.update({f"donated/{k}": v for k, v in donated.items()})
@@ -179,3 +206,4 @@ def test_sharded_optimizers_clipping_and_errors(shape):
                 assert r[f"{name}/max_diff"] < 1e-12, (where, name, r[f"{name}/max_diff"])
                 assert r[f"{name}/state_specs"] and r[f"{name}/param_specs"], (where, name)
             assert r["donated/adamw_wd/max_diff"] < 1e-12, where
+            assert r["shard_map_diff"] == 0.0, (where, r["shard_map_diff"])

@@ -409,7 +409,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     Same rule as ``torch.nn.utils.clip_grad_norm_``; the norm is the global one on
     any mesh (see :func:`global_norm`), so clipping sharded grads equals clipping
-    the gathered grads. Never synchronizes the device with the host.
+    the gathered grads. Never synchronizes the device with the host. Inside a
+    ``shard_map`` body the leaves are plain local shards and the norm is the local one:
+    clip outside the body, on the DTensors it returns.
 
     Args:
       max_norm: the largest norm let through, > 0.
