@@ -54,8 +54,8 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
     torch.set_num_threads(1)
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    if dist.is_initialized():  # inherited through fork from a parent with its own group
-        dist.destroy_process_group()
+    if dist.is_initialized():
+        _forget_inherited_groups()
     from fshard.mesh import mesh as _mesh
 
     _mesh._MESH_CACHE.clear()
@@ -88,6 +88,23 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
         dist.destroy_process_group()
     finally:
         conn.close()
+
+
+_LEAKED: list[Any] = []
+
+
+def _forget_inherited_groups() -> None:
+    """Drops the process groups a forked child inherited from its parent.
+
+    Their gloo threads did not survive the fork, so destroying them could block on
+    threads that do not exist; the child forgets them instead (kept referenced, never
+    destroyed) and starts its own world.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    _LEAKED.append(c10d._world)
+    c10d._world = c10d._World()
+    c10d._unregister_all_process_groups()
 
 
 def _pack_exc(e: BaseException) -> tuple[Any, str]:

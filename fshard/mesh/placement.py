@@ -62,6 +62,18 @@ def spec_problems(spec: object, shape: Sequence[int], mesh: Mesh, *, allow_uneve
     return out
 
 
+def uneven_problems(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> list[str]:
+    """Why an uneven (``torch.chunk``) layout of ``spec`` cannot be a DTensor, if it cannot."""
+    out = []
+    for d in range(len(spec)):
+        axes = spec.dim_axes(d)
+        n = mesh.axis_size(axes) if axes else 1
+        if shape[d] % n and mesh.sub_axes_in_mesh_order(axes) != axes:
+            out.append(f"dim {d} of size {shape[d]} is split unevenly over {axes}, which are not in "
+                       f"mesh order {mesh.axis_names}; uneven layouts must follow the mesh order")
+    return out
+
+
 def _axes_text(axes: Sequence[str], mesh: Mesh) -> str:
     return " x ".join(f"{a}({mesh.shape[a]})" for a in axes)
 
@@ -86,16 +98,27 @@ def raise_spec_errors(what: str, mesh: Mesh, bad: list[tuple[str, object, Sequen
     raise (TypeError if kind_only else ValueError)("\n".join(lines))
 
 
-def local_block(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, coord: dict[str, int] | None = None) -> tuple[slice, ...]:
+def local_block(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, coord: dict[str, int] | None = None,
+                *, uneven: bool = False) -> tuple[slice, ...]:
     """The slices of the global tensor held at ``coord`` (default: this rank).
 
     A dim split over axes ``(a, b)`` is cut into ``|a|*|b|`` equal blocks and the
-    block index is ``i_a * |b| + i_b`` (major to minor), as in JAX.
+    block index is ``i_a * |b| + i_b`` (major to minor), as in JAX. With ``uneven``
+    (FSDP parameters) a dim is cut like ``torch.chunk``, axis after axis in mesh order,
+    as DTensor does: blocks of ``ceil(size / n)``, the last ones smaller or empty.
     """
     coord = mesh.coordinate() if coord is None else coord
     out = []
     for d, size in enumerate(shape):
         axes = spec.dim_axes(d)
+        if uneven:
+            start, length = 0, size
+            for a in axes:
+                c = -(-length // mesh.shape[a])
+                lo = min(coord[a] * c, length)
+                start, length = start + lo, min(lo + c, length) - lo
+            out.append(slice(start, start + length))
+            continue
         n, i = 1, 0
         for a in axes:
             n *= mesh.shape[a]

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
-from fshard.mesh.placement import local_block, raise_spec_errors, spec_problems
+from fshard.mesh.placement import local_block, raise_spec_errors, spec_problems, uneven_problems
 from fshard.mesh.sharding import make_dtensor
 from fshard.mesh.spec import is_spec
 
@@ -138,6 +138,7 @@ def init_sharded(
     seed: int = 0,
     *,
     return_stats: bool = False,
+    uneven: bool = False,
 ) -> Any:
     """Builds ``init_fn(seed)``'s parameters directly as shards laid out by ``specs``.
 
@@ -153,6 +154,8 @@ def init_sharded(
       mesh: the mesh (default: the current mesh).
       seed: passed to ``init_fn``.
       return_stats: also return an :class:`InitStats`.
+      uneven: allow ``torch.chunk``-style uneven blocks (FSDP parameters), as in
+        :func:`fshard.shard`.
 
     Returns:
       The pytree of DTensors (and the stats when asked).
@@ -169,7 +172,8 @@ def init_sharded(
     flat_specs = tree_util.broadcast_prefix(specs, meta_tree, is_prefix_leaf=is_spec,
                                             name="specs", full_name="init_fn(seed)")
     bad = [(p, s, tuple(x.shape), probs) for p, x, s in zip(paths, meta_leaves, flat_specs)
-           if isinstance(x, torch.Tensor) and (probs := spec_problems(s, tuple(x.shape), mesh))]
+           if isinstance(x, torch.Tensor) and (probs := spec_problems(s, tuple(x.shape), mesh, allow_uneven=uneven)
+                                               or (uneven_problems(s, tuple(x.shape), mesh) if uneven else []))]
     raise_spec_errors("fs.init_sharded", mesh, bad, "Fix the spec, or change the parameter's shape.")
 
     leaf_node: dict[int, list[int]] = {}  # node -> leaf indices (tied leaves share a node)
@@ -202,7 +206,7 @@ def init_sharded(
     def finish(n: int) -> None:
         full = values[n]
         for i in leaf_node[n]:
-            block = full.detach()[local_block(flat_specs[i], full.shape, mesh)]
+            block = full.detach()[local_block(flat_specs[i], full.shape, mesh, uneven=uneven)]
             local = block.to(mesh.device, copy=True).contiguous()
             out_leaves[i] = make_dtensor(local, flat_specs[i], mesh, full.shape)
 

@@ -19,6 +19,7 @@ from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.placement import (
     local_block,
     placements_to_spec,
+    uneven_problems,
     raise_spec_errors,
     spec_problems,
     spec_to_placements,
@@ -66,11 +67,13 @@ def make_dtensor(local: torch.Tensor, spec: PartitionSpec, mesh: Mesh, global_sh
     )
 
 
-def _check_leaves(what: str, paths, values, specs, mesh: Mesh, remedy: str) -> None:
+def _check_leaves(what: str, paths, values, specs, mesh: Mesh, remedy: str, uneven: bool = False) -> None:
     bad = []
     for path, x, spec in zip(paths, values, specs):
         if _is_tensor(x):
-            probs = spec_problems(spec, tuple(x.shape), mesh)
+            probs = spec_problems(spec, tuple(x.shape), mesh, allow_uneven=uneven)
+            if not probs and uneven:
+                probs = uneven_problems(spec, tuple(x.shape), mesh)
             if probs:
                 bad.append((path, spec, tuple(x.shape), probs))
     raise_spec_errors(what, mesh, bad, remedy)
@@ -82,7 +85,7 @@ def _flat(tree: Any, specs: Any, what: str):
     return paths, values, flat_specs, treedef
 
 
-def shard(tree: Any, specs: Any, mesh: Mesh | None = None) -> Any:
+def shard(tree: Any, specs: Any, mesh: Mesh | None = None, *, uneven: bool = False) -> Any:
     """Lays out a pytree of global tensors over ``mesh``: each leaf becomes a DTensor.
 
     Args:
@@ -90,6 +93,8 @@ def shard(tree: Any, specs: Any, mesh: Mesh | None = None) -> Any:
         (non-tensor leaves pass through). DTensor leaves are redistributed to the spec.
       specs: a pytree prefix of ``tree`` with :class:`P` leaves.
       mesh: the mesh (default: the current mesh).
+      uneven: allow dims that the axes do not divide, cut like ``torch.chunk`` (FSDP
+        parameters; DTensor's own uneven layout). Only for axes in mesh order.
 
     Returns:
       The same structure with DTensor leaves; ``gather`` of it gives back ``tree``.
@@ -102,13 +107,13 @@ def shard(tree: Any, specs: Any, mesh: Mesh | None = None) -> Any:
     mesh = get_mesh(mesh, what="fs.shard")
     paths, values, flat_specs, treedef = _flat(tree, specs, "fs.shard")
     _check_leaves("fs.shard", paths, values, flat_specs, mesh,
-                  "Fix the spec, or pad the dim to a multiple of the axis size.")
+                  "Fix the spec, or pad the dim to a multiple of the axis size.", uneven)
     out = []
     for x, spec in zip(values, flat_specs):
         if isinstance(x, DTensor):
             out.append(_redistribute(x, spec, mesh))
         elif _is_tensor(x):
-            block = x.detach()[local_block(spec, x.shape, mesh)]
+            block = x.detach()[local_block(spec, x.shape, mesh, uneven=uneven)]
             local = block.to(mesh.device, copy=True).contiguous()
             local.requires_grad_(x.requires_grad)
             out.append(make_dtensor(local, spec, mesh, x.shape))

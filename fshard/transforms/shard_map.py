@@ -108,7 +108,8 @@ def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, che
                 bad.append((path, spec, tuple(x.shape),
                             [f"the DTensor is laid out as {have}; pass reshard=True to redistribute it"]))
         if isinstance(x, torch.Tensor):
-            probs = (spec_problems(spec, tuple(x.shape), mesh) if spec is not None else
+            # A DTensor knows its own (possibly uneven, FSDP-style) layout; plain tensors must divide.
+            probs = (spec_problems(spec, tuple(x.shape), mesh, allow_uneven=isinstance(x, DTensor)) if spec is not None else
                      ["a tensor argument needs a P(...) spec; None marks static (non-tensor) arguments"])
             if probs:
                 bad.append((path, spec, tuple(x.shape), probs))
@@ -118,12 +119,23 @@ def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, che
     for x, spec in zip(values, flat):
         if isinstance(x, torch.Tensor):
             local = _to_local(x, spec, mesh)
+            set_global_shape(local, tuple(x.shape))
             if check:
                 lax.set_vma(local, frozenset(spec.axes()))
             out.append(local)
         else:
             out.append(x)
     return tree_util.tree_unflatten(treedef, out)
+
+
+def set_global_shape(local: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Records the global shape on a body's local input (FSDP needs it for uneven shards)."""
+    local._fshard_global_shape = shape
+
+
+def global_shape(local: torch.Tensor) -> tuple[int, ...] | None:
+    """The global shape of a shard_map input's local block, if it is one."""
+    return getattr(local, "_fshard_global_shape", None)
 
 
 def _is_spec_or_static(x: Any) -> bool:
