@@ -1,0 +1,262 @@
+"""Parameter groups: gather a group's shards in one flat collective, reduce its grads in one.
+
+This is the engine under :func:`fshard.parallel.scan_layers` and
+:func:`fshard.parallel.gather_params`, used inside a shard_map body on local shards.
+One *group* (a layer, or the embeddings and head) is moved as one flat buffer:
+
+forward  : cast shards to ``param_dtype`` -> pad each to ``ceil(N / n)`` rows -> one
+           all-gather over the shard axis -> full parameters (views of no one else)
+backward : full grads -> ``reduce_dtype`` -> pad -> one reduce-scatter over the shard
+           axis (sum) -> one all-reduce over the replicate axis (HSDP/DDP) -> shards
+
+The transpose is the one ``fs.lax.all_gather`` has (psum_scatter), just flattened over
+many tensors and padded for uneven shards (``torch.chunk`` layout, as FSDP2 and DTensor).
+With no shard axis the forward is the identity and backward only all-reduces
+(replicate / DDP).
+
+Overlap: the reduction of a group starts as soon as its gradients exist and is waited
+only at the end of backward. Autograd runs the node with the highest sequence number
+first, so a :class:`_Sink` made before any group is used runs last: each group's
+backward starts its reduction and leaves the result with the sink, which hands every
+shard its gradient at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+from fshard import comm, lax
+from fshard.transforms.policy import Policy
+from fshard.transforms.shard_map import global_shape
+
+__all__ = ["GroupLayout", "Groups"]
+
+
+@attrs.frozen
+class GroupLayout:
+    """Static layout of one group's flat buffer on this rank.
+
+    Attributes:
+      shapes: global shape per leaf.
+      dims: the sharded dim per leaf.
+      rows: padded rows per rank per leaf (``ceil(N / n)``), along the sharded dim.
+      row_numel: elements per row (product of the other dims).
+      local_rows: rows this rank holds (may be fewer, even zero, for uneven shards).
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dims: tuple[int, ...]
+    rows: tuple[int, ...]
+    row_numel: tuple[int, ...]
+    local_rows: tuple[int, ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(r * e for r, e in zip(self.rows, self.row_numel))
+
+
+def _layout(leaves: Sequence[torch.Tensor], n: int, dims: Sequence[int]) -> GroupLayout:
+    shapes, rows, numel, local_rows = [], [], [], []
+    for x, d in zip(leaves, dims):
+        shape = global_shape(x) or tuple(x.shape) if n == 1 else global_shape(x)
+        if shape is None:
+            raise ValueError(
+                "fs.parallel: a group leaf is not a shard_map input, so its global shape is "
+                "unknown; pass parameters into the shard_map body as DTensors (fs.shard)."
+            )
+        shapes.append(tuple(shape))
+        rows.append(-(-shape[d] // n) if shape else 1)
+        numel.append(int(torch.Size(shape[:d] + shape[d + 1:]).numel()) if shape else 1)
+        local_rows.append(x.shape[d] if x.dim() else 1)
+    return GroupLayout(tuple(shapes), tuple(dims), tuple(rows), tuple(numel), tuple(local_rows))
+
+
+def _flatten(leaves: Sequence[torch.Tensor], lay: GroupLayout, dtype: torch.dtype | None) -> torch.Tensor:
+    parts = []
+    for x, d, r in zip(leaves, lay.dims, lay.rows):
+        x = x.detach()
+        if dtype is not None and x.is_floating_point():
+            x = x.to(dtype)
+        x = x.movedim(d, 0) if x.dim() else x.reshape(1)
+        if x.shape[0] < r:  # uneven shard: pad to the common row count
+            x = torch.cat([x, x.new_zeros(r - x.shape[0], *x.shape[1:])])
+        parts.append(x.reshape(-1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+
+def _unflatten_full(out: torch.Tensor, n: int, lay: GroupLayout) -> list[torch.Tensor]:
+    """``out``: (n * F,) gathered buffer -> full tensors (global shapes)."""
+    out = out.view(n, -1)
+    fulls, off = [], 0
+    for shape, d, r, e, size in zip(lay.shapes, lay.dims, lay.rows, lay.row_numel, lay.sizes):
+        moved = (shape[d],) + shape[:d] + shape[d + 1:] if shape else (1,)
+        block = out[:, off:off + size].reshape(n * r, *moved[1:])[: moved[0]]
+        full = block.movedim(0, d) if shape else block.reshape(())
+        fulls.append(full.contiguous() if not full.is_contiguous() else full)
+        off += size
+    return fulls
+
+
+def _flatten_grads(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Full grads -> (n * F,) in rank-major order, padded, ready for reduce-scatter."""
+    parts = []
+    for g, shape, d, r, e in zip(grads, lay.shapes, lay.dims, lay.rows, lay.row_numel):
+        if g is None:
+            parts.append(torch.zeros(n, r * e, dtype=dtype))
+            continue
+        g = g.to(dtype)
+        g = g.movedim(d, 0) if g.dim() else g.reshape(1)
+        if g.shape[0] < n * r:
+            g = torch.cat([g, g.new_zeros(n * r - g.shape[0], *g.shape[1:])])
+        parts.append(g.reshape(n, r * e))
+    return torch.cat(parts, dim=1).reshape(-1) if len(parts) > 1 else parts[0].reshape(-1)
+
+
+def _unflatten_shards(flat: torch.Tensor, lay: GroupLayout, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for x, d, r, e, size, lr in zip(like, lay.dims, lay.rows, lay.row_numel, lay.sizes, lay.local_rows):
+        moved_shape = (x.shape[d],) + tuple(x.shape[:d]) + tuple(x.shape[d + 1:]) if x.dim() else (1,)
+        g = flat[off:off + size].view(r, *moved_shape[1:])[:lr]
+        g = g.movedim(0, d) if x.dim() else g.reshape(())
+        out.append(g.to(x.dtype).contiguous())
+        off += size
+    return out
+
+
+@attrs.define
+class Groups:
+    """Per-call state: layouts, in-flight gathers, pending reductions, regather cache.
+
+    Args:
+      groups: list of lists of local leaves (one list per group).
+      shard_axes: mesh axes the leaves are sharded over (FSDP); ``()`` for DDP.
+      replicate_axes: mesh axes gradients are all-reduced over (DDP/HSDP); ``()`` for FSDP.
+      dims: per group, the sharded dim of each leaf.
+      policy: mixed precision.
+    """
+
+    groups: list[list[torch.Tensor]]
+    shard_axes: tuple[str, ...]
+    replicate_axes: tuple[str, ...]
+    dims: list[list[int]]
+    policy: Policy
+    layouts: list[GroupLayout] = attrs.field(init=False)
+    n: int = attrs.field(init=False)
+    _sgroup: Any = attrs.field(init=False)
+    _rgroup: Any = attrs.field(init=False)
+    _rn: int = attrs.field(init=False)
+    _inflight: dict[int, comm.Handle] = attrs.field(init=False, factory=dict)
+    _pending: dict[int, tuple[Any, comm.Handle | None, comm.Handle | None]] = attrs.field(init=False, factory=dict)
+    _cache: dict[int, list[torch.Tensor]] = attrs.field(init=False, factory=dict)
+    sunk: list[list[torch.Tensor]] = attrs.field(init=False, factory=list)
+
+    def __attrs_post_init__(self) -> None:
+        body = lax.BODY.get()
+        if body is None:
+            raise RuntimeError("fs.parallel layer loops run inside a shard_map body (they issue collectives).")
+        mesh = body.mesh
+        self.n = mesh.axis_size(self.shard_axes) if self.shard_axes else 1
+        self._rn = mesh.axis_size(self.replicate_axes) if self.replicate_axes else 1
+        self._sgroup = mesh.group(self.shard_axes) if self.n > 1 else None
+        self._rgroup = mesh.group(self.replicate_axes) if self._rn > 1 else None
+        self.layouts = [_layout(g, self.n, d) for g, d in zip(self.groups, self.dims)]
+
+    # --- forward --------------------------------------------------------------------
+    def start_gather(self, i: int) -> None:
+        """Starts group ``i``'s all-gather unless it is in flight or not needed."""
+        if self.n == 1 or i in self._inflight or not 0 <= i < len(self.groups):
+            return
+        flat = _flatten(self.groups[i], self.layouts[i], self.policy.param_dtype)
+        self._inflight[i] = comm.all_gather_async(flat, self._sgroup, self.n, axes=self.shard_axes)
+
+    def gathered(self, i: int) -> list[torch.Tensor]:
+        """Group ``i``'s full parameters (waits for, or issues, its all-gather)."""
+        if self.n == 1:
+            dt = self.policy.param_dtype
+            return [x.detach().to(dt) if dt is not None and x.is_floating_point() else x.detach()
+                    for x in self.groups[i]]
+        self.start_gather(i)
+        return _unflatten_full(self._inflight.pop(i).wait(), self.n, self.layouts[i])
+
+    # --- backward: regather for saved tensors -----------------------------------------
+    def regathered(self, i: int, prefetch: Sequence[int] = ()) -> list[torch.Tensor]:
+        full = self._cache.get(i)
+        if full is None:
+            for j in prefetch:
+                self.start_gather(j)
+            full = self._cache[i] = self.gathered(i)
+        return full
+
+    def drop(self, i: int) -> None:
+        self._cache.pop(i, None)
+
+    # --- backward: reductions ---------------------------------------------------------------
+    def reduce(self, i: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Starts group ``i``'s gradient reduction; the sink collects it at the end."""
+        lay = self.layouts[i]
+        dtype = self.policy.grad_reduce_dtype or next(
+            (g.dtype for g in grads if g is not None), self.groups[i][0].dtype)
+        flat = _flatten_grads(grads, self.n, lay, dtype)
+        rs = comm.reduce_scatter_async(flat, self._sgroup, self.n, axes=self.shard_axes) if self.n > 1 else None
+        ar = None
+        if rs is None and self._rn > 1:
+            ar = comm.Handle(torch.ops._c10d_functional.all_reduce(flat, "sum", self._rgroup.group_name))
+        self._pending[i] = (flat, rs, ar)
+
+    def collect(self, i: int) -> list[torch.Tensor | None]:
+        """Waits for group ``i``'s reduction and returns its shard gradients."""
+        entry = self._pending.pop(i, None)
+        if entry is None:
+            return [None] * len(self.groups[i])
+        flat, rs, ar = entry
+        if rs is not None:
+            flat = rs.wait()
+            if self._rn > 1:  # HSDP: reduce-scatter over the shard axis, then all-reduce over replicas
+                flat = comm.all_reduce(flat, self._rgroup, "sum", kind="psum", axes=self.replicate_axes)
+        elif ar is not None:
+            flat = ar.wait()
+        return _unflatten_shards(flat, self.layouts[i], self.groups[i])
+
+
+class Sink(torch.autograd.Function):
+    """Identity on every leaf; in backward hands each leaf its reduced gradient (runs last)."""
+
+    @staticmethod
+    def forward(state: Groups, *leaves: torch.Tensor):
+        return tuple(x.view_as(x) for x in leaves)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.state = inputs[0]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *unused):
+        state: Groups = ctx.state
+        out: list[torch.Tensor | None] = [None]
+        for i in range(len(state.groups)):
+            out.extend(state.collect(i))
+        return tuple(out)
+
+
+class Gather(torch.autograd.Function):
+    """Group ``i``'s shards -> its full parameters; backward starts the reduction."""
+
+    @staticmethod
+    def forward(state: Groups, i: int, *leaves: torch.Tensor):
+        return tuple(state.gathered(i))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.state, ctx.i = inputs[0], inputs[1]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state.reduce(ctx.i, grads)
+        ctx.state.drop(ctx.i)
+        return (None, None) + (None,) * len(grads)
