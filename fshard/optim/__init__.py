@@ -26,6 +26,8 @@ from fshard.optim.base import apply_updates as apply_updates
 from fshard.optim.base import chain as chain
 from fshard.optim.base import donate as donate
 from fshard.optim.base import identity as identity
+from fshard.optim.clipping import clip_by_global_norm as clip_by_global_norm
+from fshard.optim.clipping import global_norm as global_norm
 from fshard.optim.schedules import constant_schedule as constant_schedule
 from fshard.optim.schedules import cosine_decay_schedule as cosine_decay_schedule
 from fshard.optim.schedules import join_schedules as join_schedules
@@ -35,8 +37,6 @@ from fshard.optim.transforms import ScaleByAdamState as ScaleByAdamState
 from fshard.optim.transforms import ScaleByScheduleState as ScaleByScheduleState
 from fshard.optim.transforms import TraceState as TraceState
 from fshard.optim.transforms import add_decayed_weights as add_decayed_weights
-from fshard.optim.transforms import clip_by_global_norm as clip_by_global_norm
-from fshard.optim.transforms import global_norm as global_norm
 from fshard.optim.transforms import scale as scale
 from fshard.optim.transforms import scale_by_adam as scale_by_adam
 from fshard.optim.transforms import scale_by_learning_rate as scale_by_learning_rate

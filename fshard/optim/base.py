@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence, Union
 
 import torch
@@ -209,6 +210,17 @@ def state_for_kernel(locals_: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 # --- leaf plumbing shared by the transforms --------------------------------------
+
+
+def check_hparam(what: str, name: str, value: Any, lo: float, hi: float = math.inf, *,
+                 lo_open: bool = False, hi_open: bool = False) -> None:
+    """Raises ValueError unless ``value`` is a number in the given interval, naming it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    if not ok:
+        lb, hb = "(" if lo_open else "[", ")" if hi_open else "]"
+        raise ValueError(f"{what}: {name}={value!r} must be a number in {lb}{lo}, {hi}{hb}.")
 
 
 # Updates that one transform of a chain makes and the next one consumes are seen by no

@@ -1,4 +1,4 @@
-"""Gradient transformations: scaling, weight decay, momentum, Adam, global-norm clipping.
+"""Gradient transformations: scaling, schedules, weight decay, momentum, Adam.
 
 The moment arithmetic is torch.optim's own (``torch.optim.sgd.sgd`` and
 ``torch.optim.adam.adam`` with ``foreach=True``), run on this rank's local shards. The
@@ -11,13 +11,9 @@ with the gradient's sign*; ``scale_by_learning_rate`` multiplies by ``-lr``.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.sgd import sgd as _torch_sgd
 
@@ -30,6 +26,7 @@ from fshard.optim.base import (
     Schedule,
     Updates,
     all_private,
+    check_hparam,
     flatten_matching,
     identity,
     map_updates,
@@ -51,21 +48,9 @@ __all__ = [
     "trace",
     "ScaleByAdamState",
     "scale_by_adam",
-    "global_norm",
-    "clip_by_global_norm",
 ]
 
 _STATE = "the optimizer state"  # how errors name the tree that init built from the params
-
-
-def _check_hparam(what: str, name: str, value: Any, lo: float, hi: float = math.inf, *,
-                  lo_open: bool = False, hi_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok:
-        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
-    if not ok:
-        lb, hb = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise ValueError(f"{what}: {name}={value!r} must be a number in {lb}{lo}, {hi}{hb}.")
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -145,7 +130,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
         return scale_by_schedule(lambda step: sign * learning_rate(step))
-    _check_hparam("scale_by_learning_rate", "learning_rate", learning_rate, 0.0)
+    check_hparam("scale_by_learning_rate", "learning_rate", learning_rate, 0.0)
     return scale(sign * learning_rate)
 
 
@@ -169,7 +154,7 @@ def add_decayed_weights(weight_decay: float = 0.0,
       ValueError: a negative ``weight_decay``; (from ``update``) missing ``params``, or
         ``params``/``mask`` whose structure or sharding differs from the updates.
     """
-    _check_hparam("add_decayed_weights", "weight_decay", weight_decay, 0.0)
+    check_hparam("add_decayed_weights", "weight_decay", weight_decay, 0.0)
     if weight_decay == 0.0:
         return identity()
 
@@ -227,7 +212,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
       ValueError: a negative ``decay``; (from ``update``) grads whose structure or
         sharding differs from the state, naming the path.
     """
-    _check_hparam("trace", "decay", decay, 0.0)
+    check_hparam("trace", "decay", decay, 0.0)
 
     def init_fn(params: Params) -> TraceState:
         return TraceState(trace=zeros_like_tree(params, "trace.init"))
@@ -281,9 +266,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
       ValueError: a hyperparameter out of range; (from ``update``) grads whose structure
         or sharding differs from the state, naming the path.
     """
-    _check_hparam("scale_by_adam", "b1", b1, 0.0, 1.0, hi_open=True)
-    _check_hparam("scale_by_adam", "b2", b2, 0.0, 1.0, hi_open=True)
-    _check_hparam("scale_by_adam", "eps", eps, 0.0)
+    check_hparam("scale_by_adam", "b1", b1, 0.0, 1.0, hi_open=True)
+    check_hparam("scale_by_adam", "b2", b2, 0.0, 1.0, hi_open=True)
+    check_hparam("scale_by_adam", "eps", eps, 0.0)
 
     def init_fn(params: Params) -> ScaleByAdamState:
         mu = zeros_like_tree(params, "scale_by_adam.init")
@@ -312,144 +297,5 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             mu=unflat(treedef, [wrap_like(o, x) for o, x in zip(ml, mu)]),
             nu=unflat(treedef, [wrap_like(o, x) for o, x in zip(vl, nu)]),
         )
-
-    return GradientTransformation(init_fn, update_fn)
-
-
-# --- global norm --------------------------------------------------------------------
-
-
-def global_norm(updates: Updates) -> torch.Tensor:
-    """The 2-norm of all leaves together, as if every DTensor were gathered first.
-
-    For DTensor leaves each rank squares and sums its local shards, and one scalar
-    all-reduce sums over the mesh axes that any leaf is sharded on (one per axis when
-    those axes do not span every rank); none when every leaf is replicated. A leaf
-    counts only on the ranks at index 0 of the reduced axes it is replicated over, so
-    replicas are never counted twice. Plain tensors are taken as they are: outside
-    ``shard_map`` they are whole values; inside, local shards (the norm is then local).
-
-    Args:
-      updates: a pytree of tensors / DTensors (e.g. gradients), global shape ``S`` each.
-
-    Returns:
-      A 0-dim tensor, the same on every rank: float64 if any leaf is float64, else
-      float32.
-
-    Raises:
-      ValueError: a leaf with a ``Partial`` placement (reduce it first), naming the path.
-
-    Example:
-      >>> norm = fs.optim.global_norm(grads)  # doctest: +SKIP
-    """
-    paths, leaves, _ = tree_util.zip_with_path(updates)
-    if not leaves:
-        return torch.zeros(())
-    acc = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
-    by_mesh: dict[Any, list[tuple[str, DTensor]]] = {}
-    plain = []
-    for path, x in zip(paths, leaves):
-        if isinstance(x, DTensor):
-            by_mesh.setdefault(id(x.device_mesh), []).append((path, x))
-        else:
-            plain.append(x)
-    with torch.no_grad():
-        device = to_locals(leaves[:1])[0].device
-        total = torch.zeros((), dtype=acc, device=device)
-        if plain:
-            total = total + _sum_squares(plain, acc).to(device)
-        for group in by_mesh.values():
-            total = total + _mesh_sum_squares(group, acc).to(device)
-    return total.sqrt()
-
-
-def _sum_squares(locals_: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
-    norms = torch._foreach_norm(locals_, 2, dtype=acc)
-    return torch.stack(norms).square().sum()
-
-
-def _mesh_sum_squares(group: list[tuple[str, DTensor]], acc: torch.dtype) -> torch.Tensor:
-    mesh = group[0][1].device_mesh
-    sizes, coord = mesh.mesh.shape, mesh.get_coordinate()
-    sharded_on = []
-    for path, x in group:
-        dims = set()
-        for i, p in enumerate(x.placements):
-            if isinstance(p, Partial):
-                raise ValueError(
-                    f"global_norm: {path} has a Partial placement on mesh dim {i} (a pending sum); "
-                    "its local values are not its shards. Reduce it first, e.g. "
-                    "x.redistribute(placements=[Replicate() if p.is_partial() else p for p in x.placements]).")
-            if isinstance(p, (Shard, _StridedShard)) and sizes[i] > 1:  # no subclass of Shard
-                dims.add(i)
-        sharded_on.append(dims)
-    reduce_dims = sorted(set().union(*sharded_on))
-    # A leaf counts where it is at index 0 of every reduced dim it is replicated over.
-    counted = [x for (_, x), dims in zip(group, sharded_on)
-               if all(coord[d] == 0 for d in reduce_dims if d not in dims)]
-    local = to_locals(counted)
-    device = to_locals([group[0][1]])[0].device
-    total = _sum_squares(local, acc).to(device) if local else torch.zeros((), dtype=acc, device=device)
-    for pg in _groups_over(mesh, reduce_dims):
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pg)
-    return total
-
-
-def _groups_over(mesh: Any, dims: list[int]) -> list[Any]:
-    """Process groups whose successive all-reduces sum over the mesh dims ``dims``."""
-    if not dims:
-        return []
-    if math.prod(mesh.mesh.shape[d] for d in dims) == dist.get_world_size():
-        return [dist.group.WORLD]  # these dims span every rank: one collective does it
-    return [mesh.get_group(d) for d in dims]
-
-
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
-    """Scales all updates by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` = :func:`global_norm`.
-
-    Same rule as ``torch.nn.utils.clip_grad_norm_``; the norm is the global one on
-    any mesh (see :func:`global_norm`), so clipping sharded grads equals clipping
-    the gathered grads. Never synchronizes the device with the host. Inside a
-    ``shard_map`` body the leaves are plain local shards and the norm is the local one:
-    clip outside the body, on the DTensors it returns.
-
-    Args:
-      max_norm: the largest norm let through, > 0.
-
-    Returns:
-      A stateless :class:`GradientTransformation`.
-
-    Raises:
-      ValueError: ``max_norm <= 0``; (from ``update``) a leaf with a ``Partial``
-        placement.
-
-    Example:
-      >>> opt = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(lr=3e-4))  # doctest: +SKIP
-    """
-    _check_hparam("clip_by_global_norm", "max_norm", max_norm, 0.0, lo_open=True)
-
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update_fn(updates: Updates, state: EmptyState, params: Params | None = None):
-        del params
-        coef = torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0)
-
-        factors: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-        def factor(x: torch.Tensor) -> torch.Tensor:
-            key = (x.device, x.dtype)
-            if key not in factors:
-                factors[key] = coef.to(device=x.device, dtype=x.dtype)
-            return factors[key]
-
-        def out_of_place(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-            if len({(x.device, x.dtype) for x in xs}) == 1:
-                return torch._foreach_mul(xs, factor(xs[0]))
-            return [x * factor(x) for x in xs]
-
-        new = map_updates(updates, out_of_place, lambda xs: [x.mul_(factor(x)) for x in xs])
-        return new, state
 
     return GradientTransformation(init_fn, update_fn)
