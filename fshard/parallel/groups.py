@@ -30,7 +30,7 @@ import torch
 
 from fshard import comm, lax
 from fshard.transforms.policy import Policy
-from fshard.transforms.shard_map import global_shape
+from fshard.transforms.shard_map import global_shape, input_spec
 
 __all__ = ["GroupLayout", "Groups"]
 
@@ -58,10 +58,39 @@ class GroupLayout:
         return tuple(r * e for r, e in zip(self.rows, self.row_numel))
 
 
-def _layout(leaves: Sequence[torch.Tensor], n: int, dims: Sequence[int]) -> GroupLayout:
+def gathered_shape(x: torch.Tensor, shard_axes: tuple[str, ...], mesh) -> tuple[int, ...] | None:
+    """The shape of ``x`` once gathered over ``shard_axes`` only (other axes stay split).
+
+    Raises:
+      ValueError: a dim splits over the shard axes and then over another axis: the
+        gathered rows would not be one block (put the FSDP axis last on that dim).
+    """
+    shape, spec = global_shape(x), input_spec(x)
+    if shape is None:
+        return None
+    if spec is None or not shard_axes:
+        return tuple(shape)
+    out = list(shape)
+    for d in range(len(spec)):
+        axes = spec.dim_axes(d)
+        others = [a for a in axes if a not in shard_axes]
+        if tuple(axes[:len(others)]) != tuple(others):  # the gathered axes are not the minor ones
+            raise ValueError(
+                f"fs.parallel: dim {d} of a parameter with spec {spec} splits over {axes}; the "
+                f"gathered axes {shard_axes} must come last (minor) on that dim, e.g. "
+                f"P(({', '.join(repr(a) for a in others + list(shard_axes))},))."
+            )
+        for a in others:
+            out[d] //= mesh.shape[a]
+    return tuple(out)
+
+
+def _layout(leaves: Sequence[torch.Tensor], n: int, dims: Sequence[int], shard_axes=(), mesh=None) -> GroupLayout:
     shapes, rows, numel, local_rows = [], [], [], []
     for x, d in zip(leaves, dims):
-        shape = global_shape(x) or tuple(x.shape) if n == 1 else global_shape(x)
+        shape = gathered_shape(x, shard_axes, mesh) if mesh is not None else global_shape(x)
+        if shape is None and n == 1:
+            shape = tuple(x.shape)
         if shape is None:
             raise ValueError(
                 "fs.parallel: a group leaf is not a shard_map input, so its global shape is "
@@ -163,7 +192,7 @@ class Groups:
         self._rn = mesh.axis_size(self.replicate_axes) if self.replicate_axes else 1
         self._sgroup = mesh.group(self.shard_axes) if self.n > 1 else None
         self._rgroup = mesh.group(self.replicate_axes) if self._rn > 1 else None
-        self.layouts = [_layout(g, self.n, d) for g, d in zip(self.groups, self.dims)]
+        self.layouts = [_layout(g, self.n, d, self.shard_axes, mesh) for g, d in zip(self.groups, self.dims)]
 
     # --- forward --------------------------------------------------------------------
     def start_gather(self, i: int) -> None:

@@ -41,15 +41,14 @@ def _shard_dims(leaves: Sequence[torch.Tensor], axes: tuple[str, ...], dim: int 
         return [0] * len(leaves)
     if dim is not None:
         return [dim if x.dim() else 0 for x in leaves]
-    # Default: the dim whose local size differs from the global one (FSDP rules put one
-    # axis on one dim), else 0.
-    from fshard.transforms.shard_map import global_shape
+    # Default: the dim whose spec names a gathered axis (FSDP rules put it on one dim), else 0.
+    from fshard.transforms.shard_map import input_spec
 
     dims = []
     for x in leaves:
-        g = global_shape(x) or tuple(x.shape)
-        diff = [d for d in range(x.dim()) if x.shape[d] != g[d]]
-        dims.append(diff[0] if diff else 0)
+        spec = input_spec(x)
+        hits = [d for d in range(x.dim()) if spec is not None and set(spec.dim_axes(d)) & set(axes)]
+        dims.append(hits[0] if hits else 0)
     return dims
 
 

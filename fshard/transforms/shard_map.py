@@ -119,7 +119,7 @@ def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, che
     for x, spec in zip(values, flat):
         if isinstance(x, torch.Tensor):
             local = _to_local(x, spec, mesh)
-            set_global_shape(local, tuple(x.shape))
+            set_global_shape(local, tuple(x.shape), spec)
             if check:
                 lax.set_vma(local, frozenset(spec.axes()))
             out.append(local)
@@ -128,9 +128,15 @@ def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, che
     return tree_util.tree_unflatten(treedef, out)
 
 
-def set_global_shape(local: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """Records the global shape on a body's local input (FSDP needs it for uneven shards)."""
+def set_global_shape(local: torch.Tensor, shape: tuple[int, ...], spec: PartitionSpec | None = None) -> None:
+    """Records the global shape and spec on a body's local input (FSDP needs them for uneven shards)."""
     local._fshard_global_shape = shape
+    local._fshard_spec = spec
+
+
+def input_spec(local: torch.Tensor) -> PartitionSpec | None:
+    """The in_spec of a shard_map input's local block, if it is one."""
+    return getattr(local, "_fshard_spec", None)
 
 
 def global_shape(local: torch.Tensor) -> tuple[int, ...] | None:
