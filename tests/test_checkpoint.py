@@ -398,12 +398,12 @@ def _interop_body(path: str, pt_file: str) -> dict:
         except ValueError as e:
             errors.append(str(e))
     return {"exported_names": list(exported), "module_names": list(module.state_dict()),
-            "exported_equal": all(torch.equal(exported[k], v) for k, v in module_state(full).items()),
+            "exported_equal": all(torch.equal(exported[k], v) for k, v in _module_state(full).items()),
             "imported_specs": fs.spec_of(imported) == fs.spec_of(params), "imported_equal": same,
             "errors": errors}
 
 
-def module_state(full: dict) -> dict:
+def _module_state(full: dict) -> dict:
     return fs.nn.to_state_dict(full)
 
 
@@ -427,3 +427,60 @@ def test_state_dict_interop(tmp_path):
     assert raw["step"] == 1 and torch.equal(raw["params.norm.weight"], full["norm"]["weight"])
     with pytest.raises(ckpt.CheckpointError, match=r"no entries under 'model'; its top-level names are \['params', 'step'\]"):
         ckpt.to_torch_save(path, str(tmp_path / "x.pt"), prefix="model")
+
+
+# --- pipeline stages: each stage holds its own layers, under their global indices ----
+
+
+def _stage_tree(stage: int | None, mesh) -> dict:
+    """Layers 0..3; a stage holds layers [2*stage, 2*stage+1] (None elsewhere); None: all."""
+    full = [{"w": torch.arange(32.0).reshape(8, 4) + 100 * i} for i in range(4)]
+    held = range(4) if stage is None else range(2 * stage, 2 * stage + 2)
+    layers = [fs.shard(full[i], P("fsdp"), mesh) if i in held else None for i in range(4)]
+    return {"layers": layers, "step": 9}
+
+
+def _pp_save_body(path: str) -> list[str]:
+    mesh = fs.make_mesh({"pp": 2, "fsdp": 2})
+    stage_mesh = fs.Mesh(mesh.device_mesh["fsdp"], ("fsdp",))  # this stage's ranks
+    ckpt.save(path, _stage_tree(mesh.axis_index("pp"), stage_mesh))
+    return sorted(ckpt.read_metadata(path).state_dict_metadata)
+
+
+def _pp_load_body(path: str, shape: dict) -> list[bool]:
+    mesh = fs.make_mesh(shape)
+    if "pp" in shape:
+        stage = mesh.axis_index("pp")
+        mesh = fs.Mesh(mesh.device_mesh["fsdp"], ("fsdp",))
+    else:
+        stage = None
+    expect = _stage_tree(stage, mesh)
+    like = tree_util.tree_map(lambda x: x * 0 if isinstance(x, torch.Tensor) else 0, expect)
+    out = ckpt.load(path, like=like)
+    return [out["step"] == 9] + [torch.equal(a, b) for a, b in
+                                 zip(tree_util.leaves(fs.gather(out["layers"])), tree_util.leaves(fs.gather(expect["layers"])))]
+
+
+def test_pipeline_stages_keep_global_layer_indices(tmp_path):
+    path = str(tmp_path / "pp")
+    keys = run_on_ranks(_pp_save_body, path, world_size=4)[0]
+    assert keys == ["layers.0.w", "layers.1.w", "layers.2.w", "layers.3.w", "step"]
+    for shape, n in [({"pp": 2, "fsdp": 2}, 4), ({"fsdp": 2}, 2)]:
+        for checks in run_on_ranks(_pp_load_body, path, shape, world_size=n):
+            assert len(checks) == (3 if "pp" in shape else 5) and all(checks), (shape, checks)
+
+
+def test_portable_commit_and_recovery_without_atomic_exchange(tmp_path, monkeypatch):
+    from fshard.checkpoint import _dirs
+
+    monkeypatch.setattr(_dirs, "_exchange", lambda a, b: False)  # as on NFS
+    path = str(tmp_path / "ck")
+    ckpt.save(path, {"v": torch.ones(2), "step": 1})
+    ckpt.save(path, {"v": torch.full((2,), 2.0), "step": 2})
+    assert os.listdir(tmp_path) == ["ck"]
+    # A crash between the two renames: the name is gone, the previous checkpoint is the backup.
+    os.rename(path, str(tmp_path / ".ck.old-0123"))
+    with pytest.warns(UserWarning, match=r"reading the previous checkpoint from '.*\.ck\.old-0123'"):
+        assert ckpt.load(path, like={"step": 0})["step"] == 2
+    ckpt.save(path, {"v": torch.zeros(2), "step": 3})
+    assert os.listdir(tmp_path) == ["ck"] and ckpt.load(path, like={"step": 0})["step"] == 3

@@ -87,42 +87,45 @@ def _read_metadata(src: str, path: str, needed: Sequence[str] | None) -> Metadat
 
 
 def _incomplete_keys(src: str, md: Metadata, keys: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Keys whose data is missing: ``(keys, reasons)`` (missing or short files, chunks)."""
+    """Keys whose data is missing: ``(keys, reasons)``, a reason per bad file or chunk list."""
     entries: dict[str, list[Any]] = defaultdict(list)
     for index, info in (md.storage_data or {}).items():
         entries[index.fqn].append(info)
     sizes: dict[str, int | None] = {}
+    short: dict[str, int] = {}  # truncated file -> bytes the keys need
     bad_keys: list[str] = []
     reasons: dict[str, str] = {}
     for k in keys:
         meta = md.state_dict_metadata[k]
         infos = entries.get(k, [])
         want_chunks = len(meta.chunks) if isinstance(meta, TensorStorageMetadata) else 1
-        problem = None
+        bad = False
         if len(infos) < want_chunks:
-            problem = f"the metadata lists no data for {want_chunks - len(infos)} of its chunks"
+            reasons.setdefault("chunks", f"the metadata lists no data for some chunks (e.g. of '{k}')")
+            bad = True
         elif isinstance(meta, TensorStorageMetadata):
             covered = sum(math.prod(c.sizes) for c in meta.chunks)
             if covered < math.prod(meta.size):
-                problem = f"its chunks cover {covered} of {math.prod(meta.size)} elements"
+                reasons.setdefault("cover", f"the chunks of '{k}' cover {covered} of {math.prod(meta.size)} elements")
+                bad = True
         for info in infos:
-            if problem:
-                break
             rel = info.relative_path
             if rel not in sizes:
                 try:
                     sizes[rel] = os.path.getsize(os.path.join(src, rel))
                 except OSError:
                     sizes[rel] = None
-            have = sizes[rel]
-            if have is None:
-                problem = f"data file '{rel}' is missing"
-            elif have < info.offset + info.length:
-                problem = f"data file '{rel}' is truncated ({have} bytes, needs {info.offset + info.length})"
-        if problem:
+            if sizes[rel] is None:
+                reasons.setdefault(rel, f"data file '{rel}' is missing")
+                bad = True
+            elif sizes[rel] < info.offset + info.length:
+                short[rel] = max(short.get(rel, 0), info.offset + info.length)
+                bad = True
+        if bad:
             bad_keys.append(k)
-            reasons.setdefault(problem, k)
-    return bad_keys, [f"{p} (e.g. for '{k}')" for p, k in reasons.items()]
+    for rel, need in short.items():
+        reasons[rel] = f"data file '{rel}' is truncated ({sizes[rel]} bytes, needs at least {need})"
+    return bad_keys, list(reasons.values())
 
 
 def _check(src: str, path: str, md: Metadata, keys: Sequence[str], leaves: Sequence[Any]) -> None:
