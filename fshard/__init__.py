@@ -23,6 +23,7 @@ from fshard.mesh import (
     visualize_sharding as visualize_sharding,
 )
 
+from fshard import checkpoint as checkpoint
 from fshard import lax as lax
 from fshard import models as models
 from fshard import nn as nn

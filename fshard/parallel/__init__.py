@@ -5,3 +5,14 @@ from fshard.parallel.specs import fsdp_specs as fsdp_specs, hsdp_specs as hsdp_s
 from fshard.parallel.specs import match_specs as match_specs, replicate_specs as replicate_specs
 
 __all__ = ["scan_layers", "fsdp_loop", "gather_params", "fsdp_specs", "hsdp_specs", "match_specs", "replicate_specs"]
+
+from fshard.parallel.tp import MLP_STACK_TP_PLAN as MLP_STACK_TP_PLAN, TRANSFORMER_TP_PLAN as TRANSFORMER_TP_PLAN
+from fshard.parallel.tp import sp_params as sp_params, tp_enter as tp_enter, tp_exit as tp_exit
+from fshard.parallel.tp import tp_embed as tp_embed, tp_logits as tp_logits, tp_mlp as tp_mlp
+from fshard.parallel.tp import tp_rules as tp_rules, tp_specs as tp_specs, tp_transformer_block as tp_transformer_block
+from fshard.parallel.tp import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from fshard.parallel.tp import vocab_parallel_embed as vocab_parallel_embed
+
+__all__ += ["MLP_STACK_TP_PLAN", "TRANSFORMER_TP_PLAN", "tp_rules", "tp_specs", "tp_enter", "tp_exit", "sp_params",
+            "vocab_parallel_embed", "vocab_parallel_cross_entropy", "tp_mlp", "tp_embed", "tp_transformer_block",
+            "tp_logits"]

@@ -173,6 +173,7 @@ class Groups:
     replicate_axes: tuple[str, ...]
     dims: list[list[int]]
     policy: Policy
+    bucket_bytes: int = 25 * 2**20
     layouts: list[GroupLayout] = attrs.field(init=False)
     n: int = attrs.field(init=False)
     _sgroup: Any = attrs.field(init=False)
@@ -181,6 +182,7 @@ class Groups:
     _inflight: dict[int, comm.Handle] = attrs.field(init=False, factory=dict)
     _pending: dict[int, tuple[Any, comm.Handle | None, comm.Handle | None]] = attrs.field(init=False, factory=dict)
     _cache: dict[int, list[torch.Tensor]] = attrs.field(init=False, factory=dict)
+    _bucket: list[tuple[int, torch.Tensor]] = attrs.field(init=False, factory=list)
     sunk: list[list[torch.Tensor]] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
@@ -231,13 +233,30 @@ class Groups:
             (g.dtype for g in grads if g is not None), self.groups[i][0].dtype)
         flat = _flatten_grads(grads, self.n, lay, dtype)
         rs = comm.reduce_scatter_async(flat, self._sgroup, self.n, axes=self.shard_axes) if self.n > 1 else None
-        ar = None
         if rs is None and self._rn > 1:
-            ar = comm.Handle(torch.ops._c10d_functional.all_reduce(flat, "sum", self._rgroup.group_name))
-        self._pending[i] = (flat, rs, ar)
+            # DDP: gradients of consecutive groups share one all-reduce (a bucket), launched
+            # when it is full or when the first group (the last in backward) is done.
+            self._bucket.append((i, flat))
+            if sum(f.numel() * f.element_size() for _, f in self._bucket) >= self.bucket_bytes or i == 0:
+                self._flush()
+            return
+        self._pending[i] = (flat, rs, None)
+
+    def _flush(self) -> None:
+        if not self._bucket:
+            return
+        buf = torch.cat([f for _, f in self._bucket]) if len(self._bucket) > 1 else self._bucket[0][1]
+        handle = _Shared(comm.Handle(torch.ops._c10d_functional.all_reduce(buf, "sum", self._rgroup.group_name)))
+        off = 0
+        for i, f in self._bucket:
+            self._pending[i] = (None, None, (handle, off, f.numel()))
+            off += f.numel()
+        self._bucket = []
 
     def collect(self, i: int) -> list[torch.Tensor | None]:
         """Waits for group ``i``'s reduction and returns its shard gradients."""
+        if i not in self._pending and any(j == i for j, _ in self._bucket):
+            self._flush()  # a bucket left open (backward stopped before group 0)
         entry = self._pending.pop(i, None)
         if entry is None:
             return [None] * len(self.groups[i])
@@ -247,8 +266,23 @@ class Groups:
             if self._rn > 1:  # HSDP: reduce-scatter over the shard axis, then all-reduce over replicas
                 flat = comm.all_reduce(flat, self._rgroup, "sum", kind="psum", axes=self.replicate_axes)
         elif ar is not None:
-            flat = ar.wait()
+            shared, off, numel = ar
+            flat = shared.result()[off:off + numel]
         return _unflatten_shards(flat, self.layouts[i], self.groups[i])
+
+
+class _Shared:
+    """One bucket's all-reduce, waited once and shared by its groups."""
+
+    __slots__ = ("_handle", "_out")
+
+    def __init__(self, handle: comm.Handle) -> None:
+        self._handle, self._out = handle, None
+
+    def result(self) -> torch.Tensor:
+        if self._out is None:
+            self._out = self._handle.wait()
+        return self._out
 
 
 class Sink(torch.autograd.Function):

@@ -78,6 +78,7 @@ def scan_layers(
     dim: int | None = None,
     forward_prefetch: Sequence[Sequence[int]] | None = None,
     backward_prefetch: Sequence[Sequence[int]] | None = None,
+    bucket_bytes: int = 25 * 2**20,
 ) -> Any:
     """Runs ``x = block_fn(layer_params[i], x)`` for every layer with FSDP-style gathering.
 
@@ -104,6 +105,8 @@ def scan_layers(
         start when layer i starts (overrides ``prefetch``).
       backward_prefetch: ``backward_prefetch[i]`` = layers whose regathers start when
         layer i's backward starts (default: ``[i - 1]``).
+      bucket_bytes: replicate (DDP) only: consecutive layers' gradients share one
+        all-reduce up to this size (default 25 MiB, as DDP).
 
     Returns:
       The output of the last layer.
@@ -127,7 +130,7 @@ def scan_layers(
         flat_layers.append(leaves)
         defs.append(d)
     state = Groups(flat_layers, shard_axes, rep_axes,
-                   [_shard_dims(ls, shard_axes, dim) for ls in flat_layers], policy or Policy())
+                   [_shard_dims(ls, shard_axes, dim) for ls in flat_layers], policy or Policy(), bucket_bytes)
     n_layers = len(flat_layers)
     all_leaves = [x for ls in flat_layers for x in ls]
     sunk = Sink.apply(state, *all_leaves) if torch.is_grad_enabled() and any(

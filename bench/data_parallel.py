@@ -1,0 +1,143 @@
+"""fshard FSDP / DDP vs torch's fully_shard / DistributedDataParallel, same model, same run.
+
+    python bench/fsdp.py      # fshard FSDP vs fully_shard
+    python bench/ddp.py       # fshard replicate vs DistributedDataParallel
+
+The model is native_baseline.md's: decoder-only Transformer, vocab 512, dim 256, 4
+layers, 4 heads, seq 128, MLP 4x, learned positions, untied head, fp32, AdamW lr 1e-3,
+2 gloo ranks x batch 8, one thread per rank. Step time = slowest rank, median of
+``--steps`` steps after 3 warm-up steps, each side measured alternately in the same
+processes so that machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fshard as fs
+from fshard import P
+from fshard.models import TransformerConfig, TransformerModule, block, embed, head, transformer_init
+
+CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
+
+
+def _native_step(mode: str, cfg: TransformerConfig):
+    model = TransformerModule(cfg, seed=0)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+    def step(tok, tgt):
+        loss = F.cross_entropy(model(tok).flatten(0, 1), tgt.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _fshard_step(mode: str, cfg: TransformerConfig, mesh):
+    params = transformer_init(cfg, 0)
+    if mode == "fsdp":
+        specs, axes = fs.parallel.fsdp_specs(params, "d"), dict(axis="d")
+    else:
+        specs, axes = fs.parallel.replicate_specs(params), dict(axis=None, replicate_axis="d")
+    sharded = fs.shard(params, specs, mesh, uneven=True)
+    opt = fs.optim.adamw(1e-3, weight_decay=0.01)
+    state = opt.init(sharded)
+
+    def loss_fn(p, tok, tgt):
+        root = fs.parallel.gather_params({k: v for k, v in p.items() if k != "layers"}, **axes)
+        x = embed(root, tok, cfg)                                            # (b, T, D)
+        x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], x, **axes)
+        logits = head(root, x, cfg)                                          # (b, T, V)
+        return fs.lax.pmean(F.cross_entropy(logits.flatten(0, 1), tgt.flatten()), "d")
+
+    grad_fn = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=(specs, P("d"), P("d")),
+                                             out_specs=P(), check=False))
+    box = {"p": sharded, "s": state}
+
+    def step(tok, tgt):
+        loss, grads = grad_fn(box["p"], tok, tgt)
+        with fs.optim.donate():
+            updates, box["s"] = opt.update(grads, box["s"], box["p"])
+            box["p"] = fs.optim.apply_updates(box["p"], updates)
+        return loss
+
+    return step
+
+
+def per_rank(mode: str, steps: int, batch: int):
+    torch.set_num_threads(1)
+    n = dist.get_world_size()
+    mesh = fs.make_mesh({"d": n})
+    cfg = TransformerConfig(**CFG)
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, cfg.vocab_size, (batch * n, cfg.max_seq_len), generator=g)
+    tgt = torch.roll(tok, -1, 1)
+    r = dist.get_rank()
+    local_tok, local_tgt = tok[r * batch:(r + 1) * batch], tgt[r * batch:(r + 1) * batch]
+    sides = {"torch": _native_step(mode, cfg), "fshard": _fshard_step(mode, cfg, mesh)}
+    args = {"torch": (local_tok, local_tgt), "fshard": (tok, tgt)}
+    times = {k: [] for k in sides}
+    losses = {k: [] for k in sides}
+    for i in range(steps + 3):
+        for k, step in sides.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = step(*args[k])
+            dt = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+            if i >= 3:
+                times[k].append(dt.item())
+            if k == "torch":  # the native loss is this rank's; report the global mean like fshard
+                loss = loss.clone()
+                dist.all_reduce(loss)
+                loss = loss / dist.get_world_size()
+            losses[k].append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+    with fs.comm_log() as log:
+        sides["fshard"](*args["fshard"])
+    return {k: statistics.median(v) for k, v in times.items()}, losses, dict(log.bytes), dict(log.counts)
+
+
+def main(mode: str) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    times, losses, nbytes, counts = fs.run_local(per_rank, mode, args.steps, args.batch,
+                                                 world_size=args.world_size, timeout_s=3000)[0]
+    cfg = TransformerConfig(**CFG)
+    init = transformer_init(cfg, 0)
+    n_params = sum(x.numel() for x in fs.tree.leaves(init))
+    n_block = sum(x.numel() for x in fs.tree.leaves(init["layers"]))
+    native = "fully_shard" if mode == "fsdp" else "DistributedDataParallel"
+    print(f"{mode}: {args.world_size} gloo ranks x batch {args.batch}, {n_params:,} params, median of {args.steps} steps")
+    print(f"  {native:<24} {times['torch']:.3f} s/step")
+    print(f"  fshard {mode:<17} {times['fshard']:.3f} s/step   ratio fshard/torch = {times['fshard'] / times['torch']:.2f}")
+    print(f"  first losses  torch {losses['torch'][:3]}  fshard {losses['fshard'][:3]}")
+    n = args.world_size
+    if mode == "fsdp":
+        # per rank: the root group's shard is gathered once (kept for backward), each block's
+        # twice (reshard after forward); the reduce-scatter takes the full gradient once.
+        minimum = {"all_gather": 4 * (n_params + n_block) // n, "psum_scatter": 4 * n_params}
+    else:
+        minimum = {"psum": 4 * n_params}
+    print(f"  fshard collectives per step: {counts}")
+    print(f"  bytes per rank (input payload): {nbytes}  theoretical minimum: {minimum}")

@@ -1,0 +1,350 @@
+"""Tensor and sequence parallelism (Megatron) as spec rules plus explicit collectives.
+
+A TP plan is data: path regex -> style. :func:`tp_specs` turns it into ``P`` specs
+(composed with FSDP when ``fsdp_axis`` is given), and the forward code calls the
+few collectives by hand, so every byte that moves is on a line you can read:
+
+================  =====================  =========================  ====================
+style             weight ``[out, in]``    forward on this rank        collective after
+================  =====================  =========================  ====================
+``"colwise"``     rows split (and bias)  ``F.linear(x, w_loc, b)``   none: output split
+``"rowwise"``     columns split          ``F.linear(h_loc, w_loc)``  ``psum`` (partial sum)
+``"vocab"``       ``[V, D]`` rows split  masked lookup / logits      ``psum`` / loss-parallel
+================  =====================  =========================  ====================
+
+A TP region is entered with :func:`tp_enter` and left with :func:`tp_exit`:
+
+* without sequence parallelism, ``tp_enter`` is ``pvary`` (Megatron's "f": identity
+  forward, ``psum`` of the input's gradient in backward) and ``tp_exit`` is ``psum``
+  (Megatron's "g": all-reduce forward, identity backward);
+* with ``sequence_parallel=True`` the activations between regions are split over the
+  sequence dim, ``tp_enter`` is ``all_gather`` and ``tp_exit`` is ``psum_scatter``
+  (their backwards are each other). Norms, dropout and residual adds then run on
+  ``T / tp`` positions; their replicated parameters see different data on every tp
+  rank, so :func:`sp_params` marks them varying (one ``psum`` of their grads).
+
+Writing TP for a new block: (1) add a plan entry per linear: the first of a pair
+``"colwise"``, the second ``"rowwise"``; (2) in the block, ``h = tp_enter(h)``, run
+the pair on local shards (anything elementwise in between needs no communication),
+``y = tp_exit(y)``, then add the row-parallel bias once; (3) with SP, pass replicated
+parameters used outside the region through :func:`sp_params`. Checked mode
+(``shard_map(check=True)``) proves the result: a forgotten ``tp_exit`` leaves a value
+that varies over ``tp`` and the out_spec check names it. More in ``docs/tp.md``.
+
+FSDP x TP: with ``fsdp_axis`` a leaf is also split over it, as the *minor* axis on
+the TP dim (``P(("tp", "fsdp"), None)``): :func:`fshard.parallel.scan_layers`
+gathers only over ``fsdp`` and hands the block its tp-local shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from fshard import lax
+from fshard import tree as tree_util
+from fshard.mesh.spec import P, PartitionSpec
+from fshard.models.transformer import TransformerConfig, attention, feed_forward
+from fshard.parallel.specs import match_specs
+
+__all__ = ["MLP_STACK_TP_PLAN", "TRANSFORMER_TP_PLAN", "tp_rules", "tp_specs", "tp_enter", "tp_exit",
+           "sp_params", "vocab_parallel_embed", "vocab_parallel_cross_entropy", "tp_mlp", "tp_embed",
+           "tp_transformer_block", "tp_logits"]
+
+MLP_STACK_TP_PLAN: dict[str, str] = {
+    r"layers\.\d+\.in_proj\.(weight|bias)": "colwise",
+    r"layers\.\d+\.out_proj\.weight": "rowwise",  # out_proj.bias: replicated, added after psum
+}
+
+TRANSFORMER_TP_PLAN: dict[str, str] = {
+    r"tok_embeddings\.weight": "vocab",
+    r"layers\.\d+\.attention\.w[qkv]\.weight": "colwise",  # whole heads per rank
+    r"layers\.\d+\.attention\.wo\.weight": "rowwise",
+    r"layers\.\d+\.feed_forward\.w1\.(weight|bias)": "colwise",
+    r"layers\.\d+\.feed_forward\.w2\.weight": "rowwise",
+    r"output\.weight": "vocab",  # logits come out split over the vocabulary
+}
+
+
+def tp_rules(plan: Mapping[str, str], axis: str = "tp", *,
+             fsdp_axis: str | None = None) -> list[tuple[str, PartitionSpec]]:
+    """``match_specs`` rules for a TP plan: ``[(regex, P), ...]``.
+
+    Args:
+      plan: path regex -> ``"colwise"``, ``"rowwise"`` or ``"vocab"``.
+      axis: the tensor-parallel mesh axis.
+      fsdp_axis: also shard over this axis, on dim 0, as the minor axis when the TP
+        split is on dim 0 too (optional, default None).
+
+    Returns:
+      The rules, in the plan's order.
+
+    Raises:
+      ValueError: an unknown style (the path and the known styles are named).
+    """
+    dim0 = (axis, fsdp_axis) if fsdp_axis else axis  # tp major, fsdp minor on dim 0
+    styles = {"colwise": P(dim0), "vocab": P(dim0), "rowwise": P(fsdp_axis, axis)}
+    rules = []
+    for rx, style in plan.items():
+        if style not in styles:
+            raise ValueError(f"tp_rules: plan entry {rx!r} has style {style!r}; use one of {sorted(styles)}.")
+        rules.append((rx, styles[style]))
+    return rules
+
+
+def tp_specs(params: Any, plan: Mapping[str, str], axis: str = "tp", *, fsdp_axis: str | None = None) -> Any:
+    """The specs of a TP (or FSDP x TP) layout: the entry point of this module.
+
+    Leaves no plan entry matches are replicated over ``axis`` (and FSDP-sharded on
+    dim 0 when ``fsdp_axis`` is given). Replicate (DDP) and HSDP axes are the axes no
+    spec names, so the same specs serve ``dp x tp`` and ``dp x fsdp x tp`` meshes.
+
+    Args:
+      params: pytree of global tensors (e.g. ``transformer_init(cfg, 0)``).
+      plan: e.g. :data:`TRANSFORMER_TP_PLAN` or :data:`MLP_STACK_TP_PLAN`.
+      axis: the tensor-parallel mesh axis.
+      fsdp_axis: the FSDP mesh axis (optional, default None).
+
+    Returns:
+      A pytree of ``P`` for ``fs.shard(params, specs, mesh, uneven=...)``.
+    """
+    default = P(fsdp_axis) if fsdp_axis else P()
+    return match_specs(params, tp_rules(plan, axis, fsdp_axis=fsdp_axis), default=default)
+
+
+# --- region boundaries -------------------------------------------------------------------
+def tp_enter(x: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False,
+             seq_dim: int = -2) -> torch.Tensor:
+    """Enters a TP region: the full activation every tp rank multiplies by its shard.
+
+    Args:
+      x: ``(..., T, D)``, the same on every tp rank; with SP ``(..., T / tp, D)``.
+      axis: the tensor-parallel axis.
+      sequence_parallel: ``x`` is split over ``seq_dim``: all-gather it.
+      seq_dim: the sequence dim (default -2).
+
+    Returns:
+      ``(..., T, D)``. Backward sums the gradient over ``axis`` (psum, or psum_scatter with SP).
+    """
+    if sequence_parallel:
+        return lax.all_gather(x, axis, axis=seq_dim, tiled=True)  # (..., T, D)
+    return lax.pvary(x, axis)
+
+
+def tp_exit(y: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False,
+            seq_dim: int = -2) -> torch.Tensor:
+    """Leaves a TP region: sums the per-rank partial outputs of a row-parallel linear.
+
+    Args:
+      y: ``(..., T, D)``, this rank's partial sum.
+      axis: the tensor-parallel axis.
+      sequence_parallel: reduce-scatter over ``seq_dim`` instead of all-reduce.
+      seq_dim: the sequence dim (default -2); ``T`` must be divisible by the axis size.
+
+    Returns:
+      ``(..., T, D)`` (with SP ``(..., T / tp, D)``), the same on every tp rank
+      (with SP: this rank's slice). Backward: identity (all-gather with SP).
+    """
+    if sequence_parallel:
+        return lax.psum_scatter(y, axis, scatter_dimension=seq_dim, tiled=True)  # (..., T / tp, D)
+    return lax.psum(y, axis)
+
+
+def sp_params(params: Any, axis: str = "tp") -> Any:
+    """Marks replicated parameters used on sequence-split data as varying over ``axis``.
+
+    Each tp rank computes their gradient from its own ``T / tp`` positions; the
+    gradients must be summed over ``axis``. The leaves go through one ``pvary`` as one
+    flat buffer, so backward issues one ``psum`` for all of them (Megatron all-reduces
+    its "sequence parallel" parameters' grads the same way).
+
+    Args:
+      params: pytree of tensors, replicated over ``axis``.
+      axis: the tensor-parallel axis.
+
+    Returns:
+      The same values, typed varying over ``axis``.
+    """
+    leaves, treedef = tree_util.tree_flatten(params)
+    if not leaves:
+        return params
+    flat = lax.pvary(torch.cat([x.reshape(-1) for x in leaves]), axis)  # (sum of numels,)
+    parts = flat.split([x.numel() for x in leaves])
+    return tree_util.tree_unflatten(treedef, [p.view(x.shape) for p, x in zip(parts, leaves)])
+
+
+# --- vocabulary parallelism ------------------------------------------------------------------
+def _vocab_range(local_size: int, axis: str, vocab_size: int | None) -> tuple[int, int]:
+    """This rank's ``[start, start + local_size)`` of the vocabulary (torch.chunk layout)."""
+    n, r = lax.axis_size(axis), lax.axis_index(axis)
+    block = -(-vocab_size // n) if vocab_size is not None else local_size
+    start = min(r * block, vocab_size) if vocab_size is not None else r * block
+    return start, start + local_size
+
+
+def vocab_parallel_embed(weight: torch.Tensor, tokens: torch.Tensor, axis: str = "tp", *,
+                         vocab_size: int | None = None) -> torch.Tensor:
+    """This rank's partial embedding: rows it holds, zeros for other tokens.
+
+    Args:
+      weight: ``[V / tp, D]``, this rank's rows of the ``[V, D]`` table.
+      tokens: int64 ids ``(B, T)``, the same on every tp rank.
+      axis: the tensor-parallel axis.
+      vocab_size: ``V``; give it when ``V`` is not divisible by the axis size
+        (torch.chunk layout). Optional, default None (even split).
+
+    Returns:
+      ``(B, T, D)``, a partial sum: finish it with :func:`tp_exit`.
+    """
+    start, stop = _vocab_range(weight.shape[0], axis, vocab_size)
+    mine = (tokens >= start) & (tokens < stop)  # (B, T)
+    local = torch.where(mine, tokens - start, torch.zeros_like(tokens))  # (B, T)
+    return F.embedding(local, weight) * mine.unsqueeze(-1).to(weight.dtype)  # (B, T, D)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: str = "tp", *,
+                                 vocab_size: int | None = None) -> torch.Tensor:
+    """Mean cross entropy of vocab-split logits without gathering them (loss parallel).
+
+    ``logsumexp`` over the full vocabulary from a ``pmax`` of local maxima and a
+    ``psum`` of local sums of exponentials; the target's logit from the one rank that
+    holds it (masks elsewhere), summed in the same ``psum``. Communication: one
+    ``pmax`` and one ``psum`` of ``2 * B * T`` numbers; backward needs none (the psum's
+    transpose is the identity), and each rank gets the gradient of its own columns.
+
+    Args:
+      logits: ``(..., V / tp)``, this rank's columns of the ``(..., V)`` logits.
+      targets: int64 ``(...)`` ids in ``[0, V)``, the same on every tp rank.
+      axis: the tensor-parallel axis.
+      vocab_size: as in :func:`vocab_parallel_embed`.
+
+    Returns:
+      The scalar mean over all positions, the same on every tp rank.
+    """
+    start, stop = _vocab_range(logits.shape[-1], axis, vocab_size)
+    m = lax.pmax(logits.detach().amax(-1), axis)  # (...,); any shift is exact, so no gradient
+    z = logits - m.unsqueeze(-1)  # (..., V / tp)
+    mine = (targets >= start) & (targets < stop)  # (...)
+    idx = torch.where(mine, targets - start, torch.zeros_like(targets)).unsqueeze(-1)  # (..., 1)
+    target_z = z.gather(-1, idx).squeeze(-1) * mine.to(z.dtype)  # (...)
+    sums = lax.psum(torch.stack([z.exp().sum(-1), target_z]), axis)  # (2, ...)
+    return (sums[0].log() - sums[1]).mean()
+
+
+# --- blocks -------------------------------------------------------------------------------------
+def tp_mlp(layer_params: Any, x: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False,
+           seq_dim: int = -2) -> torch.Tensor:
+    """One MLP (``in_proj`` colwise, ReLU, ``out_proj`` rowwise) on tp-local shards.
+
+    Args:
+      layer_params: ``{"in_proj": {"weight" [H / tp, D], "bias" [H / tp]},
+        "out_proj": {"weight" [D, H / tp], "bias" [D]}}`` (biases optional).
+      x: ``(N, D)`` (or ``(..., T, D)``), the same on every tp rank; with SP split
+        over ``seq_dim``: ``(N / tp, D)``.
+      axis: the tensor-parallel axis.
+      sequence_parallel: activations outside the block are split over ``seq_dim``.
+      seq_dim: the split dim with SP (default -2).
+
+    Returns:
+      The MLP's output, laid out like ``x``.
+    """
+    w_in, w_out = layer_params["in_proj"], layer_params["out_proj"]
+    sp = dict(sequence_parallel=sequence_parallel, seq_dim=seq_dim)
+    h = tp_enter(x, axis, **sp)  # (N, D)
+    h = F.relu(F.linear(h, w_in["weight"], w_in.get("bias")))  # (N, H / tp)
+    y = tp_exit(F.linear(h, w_out["weight"]), axis, **sp)  # (N, D), or (N / tp, D) with SP
+    if w_out.get("bias") is not None:
+        b = sp_params(w_out["bias"], axis) if sequence_parallel else w_out["bias"]
+        y = y + b  # once, after the reduction
+    return y
+
+
+def _norm(p: Any, x: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), p["weight"], p["bias"], cfg.norm_eps)
+
+
+def tp_transformer_block(layer_params: Any, x: torch.Tensor, cfg: TransformerConfig, axis: str = "tp",
+                         sequence_parallel: bool = False) -> torch.Tensor:
+    """:func:`fshard.models.block` on tp-local shards: 2 collectives forward, 2 backward.
+
+    Without SP: ``psum`` after attention and after the MLP (backward: ``psum`` of
+    the gradient at each ``tp_enter``). With SP: ``all_gather`` / ``psum_scatter``
+    pairs instead, plus one ``psum`` of the norms' and ``w2`` bias' gradients.
+
+    Args:
+      layer_params: ``params["layers"][i]`` laid out by :data:`TRANSFORMER_TP_PLAN`:
+        ``wq/wk/wv`` ``[D / tp, D]`` (whole heads), ``wo`` ``[D, D / tp]``, ``w1``
+        ``[F / tp, D]``, ``w2`` ``[D, F / tp]``, norms and ``w2.bias`` whole.
+      x: residual stream ``(B, T, D)`` (with SP ``(B, T / tp, D)``).
+      cfg: the model's config.
+      axis: the tensor-parallel axis.
+      sequence_parallel: the residual stream is split over the sequence (dim 1).
+
+    Returns:
+      The residual stream after the block, laid out like ``x``.
+
+    Raises:
+      ValueError: a rank's ``wq`` does not hold whole heads.
+    """
+    p, sp = layer_params, dict(sequence_parallel=sequence_parallel, seq_dim=1)
+    rows = p["attention"]["wq"]["weight"].shape[0]
+    if rows % cfg.head_dim:
+        raise ValueError(
+            f"tp_transformer_block: this rank's wq has {rows} rows, not a multiple of head_dim="
+            f"{cfg.head_dim}; n_heads={cfg.n_heads} must be divisible by the size of axis {axis!r}.")
+    rep = {"attention_norm": p["attention_norm"], "ffn_norm": p["ffn_norm"], "b2": p["feed_forward"]["w2"]["bias"]}
+    if sequence_parallel:
+        rep = sp_params(rep, axis)
+    h = tp_enter(_norm(rep["attention_norm"], x, cfg), axis, **sp)  # (B, T, D)
+    x = x + tp_exit(attention(p["attention"], h, cfg), axis, **sp)  # heads are local; (B, T[/tp], D)
+    h = tp_enter(_norm(rep["ffn_norm"], x, cfg), axis, **sp)  # (B, T, D)
+    ffn = {"w1": p["feed_forward"]["w1"], "w2": {"weight": p["feed_forward"]["w2"]["weight"], "bias": None}}
+    y = feed_forward(ffn, h, cfg)  # partial sum (B, T, D); w2's bias is added once, after it
+    return x + tp_exit(y, axis, **sp) + rep["b2"]
+
+
+def tp_embed(params: Any, tokens: torch.Tensor, cfg: TransformerConfig, axis: str = "tp",
+             sequence_parallel: bool = False) -> torch.Tensor:
+    """Vocab-parallel token embedding plus position embedding.
+
+    Args:
+      params: the model's tree with ``tok_embeddings.weight`` ``[V / tp, D]``.
+      tokens: int64 ``(B, T)``, the same on every tp rank.
+      cfg: the model's config.
+      axis: the tensor-parallel axis.
+      sequence_parallel: return this rank's ``T / tp`` positions.
+
+    Returns:
+      ``(B, T, D)``, or ``(B, T / tp, D)`` with SP.
+    """
+    T = tokens.shape[1]
+    x = vocab_parallel_embed(params["tok_embeddings"]["weight"], tokens, axis, vocab_size=cfg.vocab_size)
+    x = tp_exit(x, axis, sequence_parallel=sequence_parallel, seq_dim=1)  # (B, T[/tp], D)
+    pos = params["pos_embeddings"]["weight"][:T]  # (T, D)
+    if sequence_parallel:
+        t = x.shape[1]
+        pos = sp_params(pos, axis)[lax.axis_index(axis) * t:(lax.axis_index(axis) + 1) * t]  # (T / tp, D)
+    return x + pos
+
+
+def tp_logits(params: Any, x: torch.Tensor, cfg: TransformerConfig, axis: str = "tp",
+              sequence_parallel: bool = False) -> torch.Tensor:
+    """Final norm and vocab-split output projection; feed to :func:`vocab_parallel_cross_entropy`.
+
+    Args:
+      params: the model's tree with ``output.weight`` (or, tied, ``tok_embeddings.weight``)
+        ``[V / tp, D]``.
+      x: ``(B, T, D)`` (with SP ``(B, T / tp, D)``).
+      cfg: the model's config.
+      axis: the tensor-parallel axis.
+      sequence_parallel: ``x`` is split over the sequence.
+
+    Returns:
+      This rank's logits ``(B, T, V / tp)`` (never the full ``(B, T, V)``).
+    """
+    norm = sp_params(params["norm"], axis) if sequence_parallel else params["norm"]
+    h = tp_enter(_norm(norm, x, cfg), axis, sequence_parallel=sequence_parallel, seq_dim=1)  # (B, T, D)
+    w = params["tok_embeddings" if cfg.tie_weights else "output"]["weight"]
+    return F.linear(h, w)  # (B, T, V / tp)
