@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: IR, generators, lowering, validation, simulation, plots.
+"""Pipeline schedules as data: IR, generators, lowering, validation, simulation, plots,
+and the executor (:func:`pipeline_step`).
 
 Example:
     >>> from fshard import sched
@@ -30,6 +31,8 @@ from fshard.sched.simulate import SimReport as SimReport
 from fshard.sched.simulate import Span as Span
 from fshard.sched.simulate import simulate as simulate
 from fshard.sched.simulate import timeline as timeline
+from fshard.sched.step import StepStats as StepStats
+from fshard.sched.step import pipeline_step as pipeline_step
 from fshard.sched.validate import validate as validate
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "ScheduleError",
     "SimReport",
     "Span",
+    "StepStats",
     "add_reduce_grad",
     "add_unshard_reshard",
     "dualpipev",
@@ -47,6 +51,7 @@ __all__ = [
     "looped_bfs",
     "lower",
     "one_f_one_b",
+    "pipeline_step",
     "plot",
     "simulate",
     "stage_to_rank",

@@ -1,0 +1,485 @@
+"""The pipeline executor: one rank walks its own lowered action list, nothing else.
+
+:class:`Executor` has no per-schedule code: which stage and microbatch run when, when
+to send, and whether backward is split into I and W is all in the list that a
+generator and :func:`fshard.sched.lower` built. Per action:
+
+* ``F(s, mb)`` runs ``stage_fn`` under autograd on a fresh leaf input (so each stage's
+  graph ends at its own input) and keeps input and output (the loss on the last stage).
+* ``B`` differentiates the output w.r.t. input and parameters in one pass; ``I`` only
+  w.r.t. the input; ``W`` later only w.r.t. the parameters, from gradients captured
+  during ``I`` (:class:`SplitBackward`): neither the forward nor the input-gradient
+  chain runs twice. The stage's graph is dropped as soon as its B or W ran.
+* Each run of consecutive SEND/RECV actions is posted as one ``batch_isend_irecv``
+  (validated deadlock-free); a receive is waited on only by the compute action that
+  consumes it, sends at the end of the step. Neighbour stages on the same rank (the
+  tip of a V) hand tensors over in memory.
+* UNSHARD / RESHARD / REDUCE_GRAD call optional hooks.
+
+Shapes: the first SEND_F across each stage boundary is preceded by an int64 header
+(ndim, dtype, sizes) so the receiver can size its buffers; every later microbatch
+must give the same shape and dtype (checked where it is produced). Gradient buffers
+take the shape of the stage output this rank computed itself.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fshard import comm
+from fshard import tree as tree_util
+from fshard.sched.ir import Action, Kind, Schedule, ScheduleError
+
+__all__ = ["Executor", "SplitBackward"]
+
+F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
+_SENDS = (Kind.SEND_F, Kind.SEND_B)
+_MAX_DIMS = 8  # header: [ndim, dtype code, size_0, ..., size_7]
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+           torch.complex128)
+
+
+class _Once:
+    """A transfer in flight, waited at most once (a second wait on gloo p2p blocks).
+
+    Holds its tensor until done. ``batch_isend_irecv`` gives one work per op on gloo,
+    one for the whole batch where the backend coalesces (NCCL): then ops share it.
+    """
+
+    __slots__ = ("work", "tensor")
+
+    def __init__(self, work: Any, tensor: Any) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.tensor = None
+
+    @staticmethod
+    def post(ops: list[dist.P2POp]) -> list[_Once]:
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):
+            return [_Once(w, op.tensor) for w, op in zip(works, ops)]
+        shared = _Once(SimpleNamespace(wait=lambda: [w.wait() for w in works]),
+                       [op.tensor for op in ops])
+        return [shared] * len(ops)
+
+
+class _Saved:
+    """What the backward of one (stage, microbatch) needs; dropped once it ran."""
+
+    __slots__ = ("x", "root", "split")
+
+    def __init__(self, x: Any, root: torch.Tensor) -> None:
+        self.x, self.root, self.split = x, root, None
+
+
+class Executor:
+    """Runs ``schedule.actions[rank]`` for one step.
+
+    Args:
+        schedule: a lowered, validated schedule.
+        rank: this rank's index on the pipeline axis.
+        group: the pipeline axis' process group.
+        axis: the pipeline axis name (for comm_log).
+        stage_fn: ``stage_fn(params, x, stage) -> y``.
+        loss_fn: ``loss_fn(y_last, target) -> scalar``.
+        params: per held stage, ``(leaves, treedef)``; leaves that require grad get one.
+        inputs: per microbatch, the stage-0 input pytree.
+        targets: per microbatch, the loss target pytree.
+        seed: the gradient seeded at every microbatch loss: the one place losses are
+            scaled (1 / (n_microbatches * data-parallel size)).
+        device: where receive buffers live.
+        hooks: ``{Kind.UNSHARD | RESHARD | REDUCE_GRAD: fn(stage, executor)}`` (optional).
+
+    Attributes (after :meth:`run`):
+        grads: per held stage, one gradient (or None) per leaf, summed over microbatches.
+        losses: per microbatch, the detached loss (on the rank of the last stage).
+        peak_activations: the most (stage, microbatch) pairs whose F had started and
+            whose B or W had not ended; acquired at the start and released at the end
+            of an action, so an OVERLAP_F_B holds both, as in :func:`fshard.sched.simulate`.
+        busy_s, wait_s: seconds computing / blocked on transfers.
+        n_sends, n_recvs, bytes_sent, bytes_received: payload transfers (no headers).
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, group: Any, axis: str,
+                 stage_fn: Callable[..., Any], loss_fn: Callable[..., Any],
+                 params: Mapping[int, tuple[list[Any], Any]], inputs: Sequence[Any],
+                 targets: Sequence[Any], seed: float, device: torch.device,
+                 hooks: Mapping[Kind, Callable[[int, Executor], None]] | None = None) -> None:
+        self.schedule, self.rank, self.group, self.axis = schedule, rank, group, axis
+        self.stage_fn, self.loss_fn, self.params = stage_fn, loss_fn, params
+        self.inputs, self.targets, self.seed, self.device = inputs, targets, seed, device
+        self.hooks = dict(hooks or {})
+        self.last = schedule.n_stages - 1
+        self.grads: dict[int, list[torch.Tensor | None]] = {
+            s: [None] * len(leaves) for s, (leaves, _) in params.items()}
+        self.losses: list[torch.Tensor | None] = [None] * schedule.n_microbatches
+        self.peak_activations = self._live = 0
+        self.busy_s = self.wait_s = 0.0
+        self.n_sends = self.n_recvs = self.bytes_sent = self.bytes_received = 0
+        self._saved: dict[tuple[int, int], _Saved] = {}
+        self._local: dict[tuple[Kind, int, int], torch.Tensor] = {}  # same-rank hand-over
+        self._outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
+        self._recvs: dict[tuple[Kind, int, int], tuple[_Once, torch.Tensor]] = {}
+        self._sent: list[_Once] = []
+        self._out_meta: dict[int, tuple[tuple[int, ...], torch.dtype, int]] = {}
+        self._in_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._headed: set[int] = set()
+
+    def run(self) -> Executor:
+        """Executes every action of this rank in order; returns self."""
+        row = self.schedule.actions[self.rank]
+        i = 0
+        while i < len(row):
+            if row[i].is_comm:
+                j = i
+                while j < len(row) and row[j].is_comm:
+                    j += 1
+                self._post(row[i:j])
+                i = j
+                continue
+            try:
+                if row[i].is_compute:
+                    self._compute(row[i])
+                elif row[i].kind in self.hooks:
+                    self.hooks[row[i].kind](row[i].stage, self)
+            except ValueError as e:
+                if isinstance(e, ScheduleError):
+                    raise
+                raise ValueError(f"{e} (schedule {self.schedule.name!r}, rank {self.rank}, "
+                                 f"action #{i} {row[i]})") from e
+            i += 1
+        self._wait(self._sent)
+        self._sent.clear()
+        return self
+
+    def _wait(self, works: Sequence[_Once]) -> None:
+        t0 = time.perf_counter()
+        for w in works:
+            w.wait()
+        self.wait_s += time.perf_counter() - t0
+
+    def _compute(self, action: Action) -> None:
+        t0, wait0 = time.perf_counter(), self.wait_s
+        self._live += sum(1 for p in action.parts if p.kind is F)
+        self.peak_activations = max(self.peak_activations, self._live)
+        for p in action.parts:
+            {F: self._forward, B: self._backward, I: self._backward_input,
+             W: self._backward_weight}[p.kind](p.stage, p.microbatch)
+        self._live -= sum(1 for p in action.parts if p.kind in (B, W))
+        self.busy_s += time.perf_counter() - t0 - (self.wait_s - wait0)
+
+    # --- compute ------------------------------------------------------------------------
+    def _forward(self, s: int, mb: int) -> None:
+        if s == 0:
+            x = self.inputs[mb]
+        else:
+            x = self._local.pop((F, s, mb), None)
+            x = self._take(Kind.RECV_F, s, mb, F) if x is None else x
+        leaves, treedef = self.params[s]
+        with torch.enable_grad():
+            y = self.stage_fn(tree_util.tree_unflatten(treedef, leaves), x, s)
+            root = self._loss(y, mb) if s == self.last else self._check_output(s, mb, y)
+        self._saved[(s, mb)] = _Saved(x, root)
+        if s == self.last:
+            return
+        if self.schedule.rank_of(s + 1) == self.rank:
+            # A new leaf, so the next stage's graph (and its I/W split) stops here.
+            self._local[(F, s + 1, mb)] = y.detach().requires_grad_(_differentiable(y))
+        else:
+            self._outbox[(Kind.SEND_F, s, mb)] = y.detach()
+
+    def _loss(self, y: Any, mb: int) -> torch.Tensor:
+        loss = self.loss_fn(y, self.targets[mb])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor (the mean over the "
+                             f"microbatch); got {got} for microbatch {mb}")
+        self.losses[mb] = loss.detach().reshape(())
+        return loss
+
+    def _check_output(self, s: int, mb: int, y: Any) -> torch.Tensor:
+        if not isinstance(y, torch.Tensor):
+            raise ValueError(f"stage_fn of stage {s} (not the last) must return one tensor, the "
+                             f"activation for stage {s + 1}; got {type(y).__name__}")
+        shape = tuple(y.shape)
+        first = self._out_meta.setdefault(s, (shape, y.dtype, mb))
+        if first[:2] != (shape, y.dtype):
+            raise ValueError(
+                f"stage {s} output changed between microbatches: microbatch {first[2]} gave "
+                f"shape {first[0]} {first[1]}, microbatch {mb} gives shape {shape} {y.dtype}; "
+                f"transfer buffers are sized once per step, so every microbatch of a stage "
+                f"must give the same shape and dtype")
+        if y.dim() > _MAX_DIMS or y.dtype not in _DTYPES:
+            raise ValueError(f"stage {s} output {shape} {y.dtype} cannot be sent: at most "
+                             f"{_MAX_DIMS} dims and a dtype in {_DTYPES}")
+        return y
+
+    def _grad_output(self, s: int, mb: int, saved: _Saved) -> torch.Tensor:
+        if s == self.last:
+            return torch.full_like(saved.root, self.seed)
+        g = self._local.pop((B, s, mb), None)
+        return self._take(Kind.RECV_B, s, mb, B) if g is None else g
+
+    def _saved_of(self, s: int, mb: int, kind: Kind, drop: bool) -> _Saved:
+        saved = self._saved.pop((s, mb), None) if drop else self._saved.get((s, mb))
+        if saved is None or (kind is W and saved.split is None):
+            raise ScheduleError(f"rank {self.rank}: {Action(kind, s, mb)} finds no state "
+                                f"from its F (or I); the action list is out of order")
+        return saved
+
+    def _backward(self, s: int, mb: int) -> None:
+        saved = self._saved_of(s, mb, B, drop=True)
+        g = self._grad_output(s, mb, saved)
+        leaves = self.params[s][0]
+        wrt = [i for i, p in enumerate(leaves) if _wants_grad(p)]
+        xs = [saved.x] if _wants_grad(saved.x) else []
+        grads = _grad(saved.root, xs + [leaves[i] for i in wrt], g)
+        self._accumulate(s, wrt, grads[len(xs):])
+        self._emit_input_grad(s, mb, saved.x, grads[0] if xs else None)
+
+    def _backward_input(self, s: int, mb: int) -> None:
+        saved = self._saved_of(s, mb, I, drop=False)
+        g = self._grad_output(s, mb, saved)
+        saved.split = SplitBackward(saved.root, g, saved.x if _wants_grad(saved.x) else None,
+                                    [p if _wants_grad(p) else None for p in self.params[s][0]])
+        saved.root = None  # the split holds what W needs; the rest of the graph may go
+        self._emit_input_grad(s, mb, saved.x, saved.split.input_grad)
+
+    def _backward_weight(self, s: int, mb: int) -> None:
+        saved = self._saved_of(s, mb, W, drop=True)
+        self._accumulate(s, *saved.split.weight_grads())
+
+    def _accumulate(self, s: int, wrt: list[int], grads: Sequence[torch.Tensor | None]) -> None:
+        acc = self.grads[s]
+        for i, g in zip(wrt, grads):
+            if g is not None:
+                acc[i] = g if acc[i] is None else acc[i] + g
+
+    def _emit_input_grad(self, s: int, mb: int, x: Any, dx: torch.Tensor | None) -> None:
+        if s == 0:
+            return
+        dx = torch.zeros_like(x) if dx is None else dx  # input unused or not differentiable
+        if self.schedule.rank_of(s - 1) == self.rank:
+            self._local[(B, s - 1, mb)] = dx
+        else:
+            self._outbox[(Kind.SEND_B, s, mb)] = dx
+
+    # --- point-to-point -----------------------------------------------------------------
+    def _op(self, fn: Callable[..., Any], t: torch.Tensor, a: Action) -> dist.P2POp:
+        peer = dist.get_global_rank(self.group, self.schedule.peer_rank(a))
+        return dist.P2POp(fn, t, peer, self.group)
+
+    def _post(self, batch: Sequence[Action]) -> None:
+        """Posts one run of SEND/RECV actions: sends first, then receives."""
+        ops: list[dist.P2POp] = []
+        for a in (a for a in batch if a.kind in _SENDS):
+            t = self._outbox.pop((a.kind, a.stage, a.microbatch), None)
+            if t is None:
+                raise ScheduleError(f"rank {self.rank}: {a} has nothing to send; the compute "
+                                    f"action producing it has not run")
+            t = t.contiguous()
+            if a.kind is Kind.SEND_F and a.stage not in self._headed:
+                self._headed.add(a.stage)
+                ops.append(self._op(dist.isend, _header(t), a))
+            ops.append(self._op(dist.isend, t, a))
+            self.n_sends += 1
+            self.bytes_sent += t.numel() * t.element_size()
+            comm.record("send", (self.axis,), t.numel() * t.element_size())
+        recvs = [a for a in batch if a.kind not in _SENDS]
+        headers = [(a, torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device))
+                   for a in recvs if a.kind is Kind.RECV_F and a.stage not in self._in_meta]
+        if headers:
+            # Buffers are sized by the header, so it must arrive before the payload's
+            # receive is posted; this rank's sends go out first so the peer can progress.
+            works = _Once.post(ops + [self._op(dist.irecv, h, a) for a, h in headers])
+            self._sent += works[:len(ops)]
+            self._wait(works[len(ops):])
+            for a, h in headers:
+                n = int(h[0])
+                self._in_meta[a.stage] = (tuple(h[2:2 + n].tolist()), _DTYPES[int(h[1])])
+            ops = []
+        bufs = [(a, self._recv_buffer(a)) for a in recvs]
+        if not ops and not bufs:
+            return
+        works = _Once.post(ops + [self._op(dist.irecv, buf, a) for a, buf in bufs])
+        self._sent += works[:len(ops)]
+        for (a, buf), work in zip(bufs, works[len(ops):]):
+            self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf)
+            self.n_recvs += 1
+            self.bytes_received += buf.numel() * buf.element_size()
+            comm.record("recv", (self.axis,), buf.numel() * buf.element_size())
+
+    def _recv_buffer(self, a: Action) -> torch.Tensor:
+        if a.kind is Kind.RECV_F:
+            shape, dtype = self._in_meta[a.stage]
+        elif a.stage in self._out_meta:
+            shape, dtype, _ = self._out_meta[a.stage]
+        else:
+            raise ScheduleError(f"rank {self.rank}: {a} is posted before any F of stage "
+                                f"{a.stage}, so the gradient's shape is unknown")
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _take(self, kind: Kind, s: int, mb: int, consumer: Kind) -> torch.Tensor:
+        entry = self._recvs.pop((kind, s, mb), None)
+        if entry is None:
+            raise ScheduleError(f"rank {self.rank}: {Action(consumer, s, mb)} needs "
+                                f"{Action(kind, s, mb)}, which was not posted before it")
+        self._wait([entry[0]])
+        buf = entry[1]
+        return buf.requires_grad_(_differentiable(buf)) if kind is Kind.RECV_F else buf
+
+
+class SplitBackward:
+    """One stage's backward in two passes: the input gradient now (I), weights later (W).
+
+    I runs autograd from the stage output to its input only, with pre-hooks that
+    capture the gradient reaching each *frontier* node: a node on a path to the input
+    with an edge that leaves those paths toward a parameter. W starts from the
+    captured gradients (``GradientEdge``) and goes to the parameters only, so neither
+    the forward nor the input-gradient chain is recomputed. Frontier nodes that reach
+    a common parameter form one group; W of a group may pass through one of its
+    frontier nodes on the way from another, so each one's incoming gradient is pinned
+    to its captured value (the idea of torch.distributed.pipelining's
+    ``stage_backward_weight``, written anew).
+
+    Args:
+        root: the stage output (or loss) with its graph.
+        seed: the gradient of ``root``.
+        x: the stage input leaf, or None when no input gradient is wanted.
+        leaves: the stage's parameter leaves; None where no gradient is wanted.
+
+    Attributes:
+        input_grad: d root / d x (None when x is None or root does not depend on it).
+    """
+
+    def __init__(self, root: torch.Tensor, seed: torch.Tensor, x: torch.Tensor | None,
+                 leaves: Sequence[torch.Tensor | None]) -> None:
+        self._leaves = list(leaves)
+        self._captured: dict[Any, tuple] = {}
+        self._groups: list[tuple[list[Any], list[int]]] = []
+        self._full: tuple[torch.Tensor, torch.Tensor] | None = (root, seed)
+        self.input_grad: torch.Tensor | None = None
+        if x is None or root.grad_fn is None:
+            if x is not None and root.requires_grad:  # root is x itself
+                self.input_grad = _grad(root, [x], seed, retain=True)[0]
+            return  # no input gradient to split off: W is the whole backward
+        children, post = _walk(root.grad_fn)
+        x_node = _node(x)
+        if x_node not in children:
+            return
+        params = {_node(p): i for i, p in enumerate(leaves) if p is not None}
+        on_path: set[Any] = set()
+        reach: dict[Any, frozenset[int]] = {}  # params a node reaches off the input paths
+        for n in post:
+            if n is x_node or any(k in on_path for k in children[n]):
+                on_path.add(n)
+            else:
+                own = frozenset((params[n],)) if n in params else frozenset()
+                reach[n] = own.union(*(reach[k] for k in children[n]))
+        frontier = {n: frozenset().union(*(reach[k] for k in children[n] if k not in on_path))
+                    for n in on_path}
+        self._groups = _group({n: ps for n, ps in frontier.items() if ps})
+        self._full = None
+        handles = [n.register_prehook(_capture(self._captured, n))
+                   for nodes, _ in self._groups for n in nodes]
+        try:
+            self.input_grad = _grad(root, [x], seed, retain=True)[0]
+        finally:
+            for h in handles:
+                h.remove()
+
+    def weight_grads(self) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Runs W once; returns (leaf indices, their gradients) and frees the graph."""
+        if self._full is not None:
+            (root, seed), self._full = self._full, None
+            wrt = [i for i, p in enumerate(self._leaves) if p is not None]
+            return wrt, list(_grad(root, [self._leaves[i] for i in wrt], seed))
+        idx: list[int] = []
+        out: list[torch.Tensor | None] = []
+        for nodes, params in self._groups:
+            edges = [(torch.autograd.graph.GradientEdge(n, k), g)
+                     for n in nodes for k, g in enumerate(self._captured[n]) if g is not None]
+            if not edges:
+                continue
+            pins = [n.register_prehook(lambda _, v=self._captured[n]: v)
+                    for n in nodes] if len(nodes) > 1 else []
+            try:
+                got = torch.autograd.grad([e for e, _ in edges], [self._leaves[i] for i in params],
+                                          [g for _, g in edges], retain_graph=True,
+                                          allow_unused=True)
+            finally:
+                for h in pins:
+                    h.remove()
+            idx += params
+            out += got
+        self._groups, self._captured = [], {}
+        return idx, out
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _wants_grad(p: Any) -> bool:
+    return isinstance(p, torch.Tensor) and p.requires_grad
+
+
+def _grad(root: torch.Tensor, wrt: list[torch.Tensor], seed: torch.Tensor,
+          retain: bool = False) -> tuple[torch.Tensor | None, ...]:
+    if not wrt or not root.requires_grad:
+        return (None,) * len(wrt)
+    return torch.autograd.grad([root], wrt, [seed], retain_graph=retain, allow_unused=True)
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    h = [t.dim(), _DTYPES.index(t.dtype), *t.shape]
+    return torch.tensor(h + [0] * (2 + _MAX_DIMS - len(h)), dtype=torch.int64, device=t.device)
+
+
+def _node(t: torch.Tensor) -> Any:
+    """The autograd node of ``t`` (its AccumulateGrad for a leaf)."""
+    return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _walk(root: Any) -> tuple[dict[Any, list[Any]], list[Any]]:
+    """Children of every node below ``root``, and the nodes in post-order (children first)."""
+    children: dict[Any, list[Any]] = {}
+    post: list[Any] = []
+    stack = [(root, False)]
+    while stack:
+        n, done = stack.pop()
+        if done:
+            post.append(n)
+        elif n not in children:
+            children[n] = [k for k, _ in n.next_functions if k is not None]
+            stack.append((n, True))
+            stack.extend((k, False) for k in children[n] if k not in children)
+    return children, post
+
+
+def _group(frontier: dict[Any, frozenset[int]]) -> list[tuple[list[Any], list[int]]]:
+    """Frontier nodes merged into groups that share no parameter."""
+    groups: list[tuple[list[Any], set[int]]] = []
+    for n, ps in frontier.items():
+        merged: tuple[list[Any], set[int]] = ([n], set(ps))
+        for g in [g for g in groups if g[1] & ps]:
+            groups.remove(g)
+            merged[0].extend(g[0])
+            merged[1].update(g[1])
+        groups.append(merged)
+    return [(nodes, sorted(ps)) for nodes, ps in groups]
+
+
+def _capture(store: dict[Any, tuple], node: Any) -> Callable[[tuple], None]:
+    def hook(grad_outputs: tuple) -> None:
+        store[node] = grad_outputs
+    return hook

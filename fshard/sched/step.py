@@ -1,0 +1,364 @@
+"""``pipeline_step``: one training step of a pipeline-parallel model on every rank.
+
+This module owns what goes in and out of a step: argument checks, the schedule's
+preparation (validate, lower, validate again, cached per schedule), the microbatch
+split, parameters in (plain tensors or DTensors) and gradients out, the gradient sum
+over data-parallel axes, and the loss on every rank. The action loop itself is
+:class:`fshard.sched.runtime.Executor`.
+
+Example (one MLP layer per stage, 2 pipeline ranks)::
+
+    mesh = fs.make_mesh({"pp": 2})
+    sch = fs.sched.one_f_one_b(2, 4)
+    stage_params = [params_0 if rank == 0 else None, params_1 if rank == 1 else None]
+    loss, grads = fs.sched.pipeline_step(
+        lambda p, x, s: torch.relu(x @ p["w"].T), lambda y, t: ((y - t) ** 2).mean(),
+        stage_params, (inputs, targets), schedule=sch, mesh=mesh)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fshard import comm
+from fshard import lax
+from fshard import tree as tree_util
+from fshard.mesh.mesh import Mesh, get_mesh
+from fshard.sched.ir import Kind, Schedule
+from fshard.sched.lower import add_reduce_grad, lower
+from fshard.sched.runtime import Executor
+from fshard.sched.validate import validate
+
+__all__ = ["StepStats", "pipeline_step"]
+
+
+@attrs.frozen
+class StepStats:
+    """What one :func:`pipeline_step` did on this rank.
+
+    Attributes:
+        peak_activations: the most (stage, microbatch) pairs alive at once (from the
+            start of F to the end of B or W); equals
+            ``fs.sched.simulate(schedule).peak_activations[rank]``.
+        losses: per-microbatch losses on the rank holding the last stage, else None.
+        busy_s: seconds spent in F/B/I/W (waiting for transfers excluded).
+        wait_s: seconds blocked on receives and on sends at the end.
+        wall_s: seconds for the whole call.
+        n_sends: payload sends issued (one per SEND action).
+        n_recvs: payload receives issued (one per RECV action).
+        bytes_sent: payload bytes sent.
+        bytes_received: payload bytes received.
+    """
+
+    peak_activations: int
+    losses: tuple[torch.Tensor, ...] | None
+    busy_s: float
+    wait_s: float
+    wall_s: float
+    n_sends: int
+    n_recvs: int
+    bytes_sent: int
+    bytes_received: int
+
+    @property
+    def bubble_fraction(self) -> float:
+        """1 - busy_s / wall_s: the share of the step this rank did not compute."""
+        return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+# id(schedule) -> (schedule, needs REDUCE_GRAD, prepared); the schedule is kept alive so
+# that its id is not reused while cached.
+_PREPARED: dict[int, tuple[Schedule, bool, Schedule]] = {}
+_MAX_CACHED = 64
+
+
+def pipeline_step(
+    stage_fn: Callable[[Any, Any, int], Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    stage_params: Sequence[Any],
+    batch: tuple[Any, Any],
+    *,
+    schedule: Schedule,
+    mesh: Mesh | None = None,
+    axis: str = "pp",
+    data_axes: str | Sequence[str] = (),
+    return_stats: bool = False,
+) -> tuple[torch.Tensor, list[Any]] | tuple[torch.Tensor, list[Any], StepStats]:
+    """Runs forward and backward of every microbatch through the pipeline on ``axis``.
+
+    Every rank of ``mesh`` calls this with the same arguments (except its own entries
+    of ``stage_params``). Rank ``r`` on ``axis`` executes ``schedule.actions[r]``
+    (lowered and validated first, so a schedule that deadlocks or computes a
+    microbatch twice is rejected before anything runs).
+
+    The stage body runs like a ``shard_map(check=False)`` body over ``mesh``: it sees
+    local tensors and may call ``fs.lax`` collectives over the other mesh axes (tp,
+    fsdp, dp), Megatron style (place ``fs.lax.pvary`` yourself where needed).
+
+    Data parallelism: ``data_axes`` names mesh axes over which the global batch is
+    split (dim 0, before the microbatch split). Gradients of leaves that are plain
+    tensors or DTensors replicated over those axes are summed over them (each rank's
+    loss is already scaled by 1 / its share of the batch); leaves sharded over a data
+    axis (FSDP) are left to the body's own collectives (all_gather's transpose
+    reduce-scatters), so pass them as DTensors.
+
+    Args:
+        stage_fn: ``stage_fn(params_of_stage, x, stage_index) -> y``. Stage 0 gets the
+            microbatch of ``inputs`` (any pytree); every other stage gets the previous
+            stage's output. Non-last stages return one tensor of a fixed shape and
+            dtype (at most 8 dims); the last stage's output goes to ``loss_fn``.
+        loss_fn: ``loss_fn(output, target) -> scalar``, the *mean* over the microbatch.
+        stage_params: one entry per stage (``schedule.n_stages`` = n_ranks *
+            n_virtual); entries of stages this rank does not hold may be None. An
+            entry is a pytree whose tensor leaves are this rank's local values: plain
+            tensors, or DTensors (their ``to_local()`` is used). Keep global names in
+            it (``{"layers": {"5": ...}}``): it is passed through unchanged in shape.
+        batch: ``(inputs, targets)``, pytrees of tensors with the same dim-0 size B,
+            the global batch (the same on every rank).
+        schedule: a :class:`~fshard.sched.Schedule` (compute-only or lowered).
+        mesh: the mesh (default: the current mesh).
+        axis: the pipeline axis (default ``"pp"``).
+        data_axes: data-parallel mesh axes (default none).
+        return_stats: also return a :class:`StepStats` (default False).
+
+    Returns:
+        ``(loss, grads)`` or ``(loss, grads, stats)``. ``loss`` is the mean of the
+        microbatch losses (and over ``data_axes``), a 0-dim tensor on every rank.
+        ``grads`` is a list like ``stage_params``: for held stages a pytree like the
+        entry with the gradient of ``loss`` (the single-device gradient of the mean
+        loss; zeros for unused leaves, None for non-float leaves; DTensors with the
+        parameter's placements for DTensor leaves), None for other stages.
+
+    Raises:
+        ScheduleError: the schedule deadlocks, repeats or misses work (names the rank
+            and action).
+        ValueError: sizes that do not fit: mesh axis vs n_ranks, number of
+            stage_params entries vs n_stages, a missing entry for a held stage, batch
+            rows not divisible by n_microbatches (times the data-parallel size), a
+            stage output whose shape changes between microbatches, a non-scalar loss.
+        TypeError: ``schedule`` is not a Schedule or ``batch`` is not a pair.
+    """
+    t_start = time.perf_counter()
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"pipeline_step: schedule must be an fs.sched.Schedule, got "
+                        f"{type(schedule).__name__}")
+    mesh = get_mesh(mesh, what="pipeline_step")
+    (axis,) = mesh.check_axes(axis, what="pipeline_step: axis")
+    data = mesh.check_axes(data_axes, what="pipeline_step: data_axes")
+    if axis in data:
+        raise ValueError(f"pipeline_step: data_axes={data} contains the pipeline axis {axis!r}")
+    name = f"schedule {schedule.name!r} (n_ranks={schedule.n_ranks}, n_stages=" \
+           f"{schedule.n_stages}, n_microbatches={schedule.n_microbatches})"
+    if mesh.shape[axis] != schedule.n_ranks:
+        raise ValueError(f"pipeline_step: {name} needs mesh axis {axis!r} of size n_ranks="
+                         f"{schedule.n_ranks}, but {mesh!r} has {axis}={mesh.shape[axis]}")
+    if not isinstance(stage_params, (list, tuple)) or len(stage_params) != schedule.n_stages:
+        got = len(stage_params) if isinstance(stage_params, (list, tuple)) else \
+            type(stage_params).__name__
+        raise ValueError(f"pipeline_step: stage_params must be a list with one entry per stage; "
+                         f"{name} has n_stages = n_ranks * n_virtual = {schedule.n_ranks} * "
+                         f"{schedule.n_virtual} = {schedule.n_stages}, got {got}")
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError("pipeline_step: batch must be a pair (inputs, targets)")
+    rank = mesh.axis_index(axis)
+    n_data = mesh.axis_size(data) if data else 1
+    originals, held = _local_params(stage_params, schedule, rank, name)
+    reduce = {s: [i for i, leaf in enumerate(leaves) if _reduced(leaf, held[s][0][i], data)]
+              for s, leaves in originals.items()} if n_data > 1 else {}
+    prepared = _prepare(schedule, any(reduce.values()))
+    m = schedule.n_microbatches
+    inputs, targets = _microbatches(batch, m, n_data, mesh.axis_index(data) if data else 0, name)
+
+    reducer = _GradReducer(mesh, data, reduce)
+    executor = Executor(prepared, rank, mesh.group(axis), axis, stage_fn, loss_fn, held,
+                        inputs, targets, 1.0 / (m * n_data), mesh.device,
+                        hooks={Kind.REDUCE_GRAD: reducer.launch})
+    token = lax.BODY.set(lax.Body(mesh, False))
+    try:
+        with mesh:
+            executor.run()
+            reducer.finish(executor)
+    finally:
+        lax.BODY.reset(token)
+    loss = _mean_loss(executor, prepared, mesh, axis, data)
+    grads = _grads_out(stage_params, originals, held, executor)
+    if not return_stats:
+        return loss, grads
+    last = rank == prepared.last_rank
+    stats = StepStats(
+        peak_activations=executor.peak_activations,
+        losses=tuple(executor.losses) if last else None,
+        busy_s=executor.busy_s, wait_s=executor.wait_s,
+        wall_s=time.perf_counter() - t_start, n_sends=executor.n_sends,
+        n_recvs=executor.n_recvs, bytes_sent=executor.bytes_sent,
+        bytes_received=executor.bytes_received)
+    return loss, grads, stats
+
+
+def _prepare(schedule: Schedule, reduce: bool) -> Schedule:
+    """Validated, lowered schedule (with REDUCE_GRAD when grads are reduced), cached."""
+    hit = _PREPARED.get(id(schedule))
+    if hit is not None and hit[0] is schedule and hit[1] == reduce:
+        return hit[2]
+    if not schedule.is_lowered:
+        # Checks work and compute order first, so its errors name compute actions.
+        validate(schedule, p2p="eager")
+        prepared = lower(schedule)
+    else:
+        prepared = schedule
+    if reduce and not any(a.kind is Kind.REDUCE_GRAD for row in prepared.actions for a in row):
+        prepared = add_reduce_grad(prepared)
+    validate(prepared, p2p="batched")
+    if len(_PREPARED) >= _MAX_CACHED:
+        _PREPARED.clear()
+    _PREPARED[id(schedule)] = (schedule, reduce, prepared)
+    return prepared
+
+
+def _local_params(stage_params: Sequence[Any], schedule: Schedule, rank: int, name: str
+                  ) -> tuple[dict[int, list[Any]], dict[int, tuple[list[Any], Any]]]:
+    """Per held stage: the original leaves, and (local leaves needing grad, treedef)."""
+    originals: dict[int, list[Any]] = {}
+    held: dict[int, tuple[list[Any], Any]] = {}
+    for s in schedule.stages_of(rank):
+        if stage_params[s] is None:
+            raise ValueError(f"pipeline_step: stage_params[{s}] is None, but pipeline rank "
+                             f"{rank} holds stage {s} in {name} (stages of rank {rank}: "
+                             f"{list(schedule.stages_of(rank))})")
+        leaves, treedef = tree_util.tree_flatten(stage_params[s])
+        local = []
+        for leaf in leaves:
+            t = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+            if isinstance(t, torch.Tensor):
+                # A fresh leaf sharing storage: the caller's tensors get no .grad and no graph.
+                t = t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
+            local.append(t)
+        originals[s] = leaves
+        held[s] = (local, treedef)
+    return originals, held
+
+
+def _reduced(leaf: Any, local: Any, data: tuple[str, ...]) -> bool:
+    """True if this leaf's gradient must be summed over the data axes."""
+    if not (isinstance(local, torch.Tensor) and local.requires_grad):
+        return False
+    if not isinstance(leaf, DTensor):
+        return True
+    names = leaf.device_mesh.mesh_dim_names or ()
+    return all(leaf.placements[names.index(a)].is_replicate() for a in data if a in names)
+
+
+def _microbatches(batch: tuple[Any, Any], m: int, n_data: int, data_index: int,
+                  name: str) -> tuple[list[Any], list[Any]]:
+    paths, leaves, _ = tree_util.zip_with_path(list(batch))
+    sizes = {p: x.shape[0] for p, x in zip(paths, leaves)
+             if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if not sizes:
+        raise ValueError("pipeline_step: batch (inputs, targets) holds no tensor to split")
+    rows = set(sizes.values())
+    if len(rows) != 1:
+        raise ValueError(f"pipeline_step: every tensor of the batch needs the same dim-0 size; "
+                         f"got {sizes}")
+    (n,) = rows
+    if n % (m * n_data):
+        what = f"n_microbatches={m}" + (f" * data-parallel size {n_data}" if n_data > 1 else "")
+        raise ValueError(f"pipeline_step: {name} splits the batch along dim 0 into {what} "
+                         f"equal parts, but the batch has {n} rows; use a batch size "
+                         f"divisible by {m * n_data}")
+    k = n // (m * n_data)
+    base = data_index * (n // n_data)
+
+    def piece(mb: int, tree: Any) -> Any:
+        return tree_util.tree_map(
+            lambda x: x.narrow(0, base + mb * k, k)
+            if isinstance(x, torch.Tensor) and x.dim() > 0 else x, tree)
+
+    return [piece(i, batch[0]) for i in range(m)], [piece(i, batch[1]) for i in range(m)]
+
+
+class _GradReducer:
+    """Sums replicated leaves' gradients over the data axes, one stage at a time.
+
+    Launched by REDUCE_GRAD (right after a stage's last weight gradient), so the
+    all-reduce overlaps the rest of the schedule; waited before the step returns.
+    """
+
+    def __init__(self, mesh: Mesh, data: tuple[str, ...], reduce: dict[int, list[int]]) -> None:
+        self.mesh, self.data, self.reduce = mesh, data, reduce
+        self.pending: list[tuple[int, list[int], torch.Tensor, Any]] = []
+        self.launched: set[int] = set()
+
+    def launch(self, stage: int, executor: Executor) -> None:
+        idx = self.reduce.get(stage, [])
+        if not idx or stage in self.launched:
+            return
+        self.launched.add(stage)
+        grads, leaves = executor.grads[stage], executor.params[stage][0]
+        for i in idx:
+            if grads[i] is None:  # unused here; dp peers must still add the same sizes
+                grads[i] = torch.zeros_like(leaves[i])
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in idx:
+            by_dtype.setdefault(grads[i].dtype, []).append(i)
+        for members in by_dtype.values():
+            flat = torch.cat([grads[i].reshape(-1) for i in members])
+            comm.record("psum", self.data, flat.numel() * flat.element_size())
+            work = dist.all_reduce(flat, group=self.mesh.group(self.data), async_op=True)
+            self.pending.append((stage, members, flat, work))
+
+    def finish(self, executor: Executor) -> None:
+        for stage in sorted(self.reduce):
+            self.launch(stage, executor)
+        for stage, members, flat, work in self.pending:
+            work.wait()
+            grads, offset = executor.grads[stage], 0
+            for i in members:
+                n = grads[i].numel()
+                grads[i] = flat[offset:offset + n].view_as(grads[i])
+                offset += n
+        self.pending.clear()
+
+
+def _mean_loss(executor: Executor, schedule: Schedule, mesh: Mesh, axis: str,
+               data: tuple[str, ...]) -> torch.Tensor:
+    """The mean microbatch loss, broadcast from the last stage's rank (and averaged over data)."""
+    codes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    buf = torch.zeros(2, dtype=torch.float64, device=mesh.device)
+    if executor.rank == schedule.last_rank:
+        loss = torch.stack(executor.losses).mean()
+        buf[0], buf[1] = loss.double(), codes.index(loss.dtype) if loss.dtype in codes else 1
+    if schedule.n_ranks > 1:
+        group = mesh.group(axis)
+        comm.record("broadcast", (axis,), buf.numel() * buf.element_size())
+        dist.broadcast(buf, dist.get_global_rank(group, schedule.last_rank), group=group)
+    if data and mesh.axis_size(data) > 1:
+        value = buf[:1].clone()
+        comm.record("psum", data, value.numel() * value.element_size())
+        dist.all_reduce(value, group=mesh.group(data))
+        buf[0] = value[0] / mesh.axis_size(data)
+    return buf[0].to(codes[int(buf[1])])
+
+
+def _grads_out(stage_params: Sequence[Any], originals: dict[int, list[Any]],
+               held: dict[int, tuple[list[Any], Any]], executor: Executor) -> list[Any]:
+    out: list[Any] = [None] * len(stage_params)
+    for s, leaves in originals.items():
+        local, treedef = held[s]
+        grads = []
+        for leaf, t, g in zip(leaves, local, executor.grads[s]):
+            if not (isinstance(t, torch.Tensor) and t.requires_grad):
+                grads.append(None)
+                continue
+            g = torch.zeros_like(t) if g is None else g
+            if isinstance(leaf, DTensor):
+                g = DTensor.from_local(g, leaf.device_mesh, leaf.placements, run_check=False,
+                                       shape=leaf.shape, stride=leaf.stride())
+            grads.append(g)
+        out[s] = tree_util.tree_unflatten(treedef, grads)
+    return out
