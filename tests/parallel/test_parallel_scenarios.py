@@ -1,0 +1,170 @@
+"""More seed_tests.md scenarios in functional form: 1 (uneven MLP shards), 2 (shard the
+largest dim), 4 (delays before collectives change nothing), 10 (a layer used twice),
+13 (uneven tied embedding), and the layer-loop bad inputs.
+
+Not ported, with the reason:
+5 (host offload), 6/34 (recorded prefetch issue order), 8/9/23/32 (module registration
+and hooks: there are no modules to register in a functional design), 14-15/25 (gradient
+accumulation without sync: not implemented yet), 18, 21 (experts), 35 (streams: one
+gloo queue here), 36 (CUDA graphs: no GPU in CI).
+"""
+
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fshard as fs
+from fshard import P, comm
+from fshard.testing import run_on_ranks
+
+
+def _mlp_params(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    (a, b), (c, d) = shapes
+    return [{"w1": torch.randn(a, b, generator=g, dtype=torch.float64) * 0.3,
+             "w2": torch.randn(c, d, generator=g, dtype=torch.float64) * 0.3}]
+
+
+def _block(p, x):
+    return torch.relu(x @ p["w1"]) @ p["w2"]  # (B, a) -> (B, b) -> (B, d)
+
+
+def _train_mlp(shapes, steps, placement, delay, twice):
+    n = dist.get_world_size()
+    mesh = fs.make_mesh({"fsdp": n})
+    params = _mlp_params(shapes)
+    argmax = (lambda path, x: int(torch.tensor(x.shape).argmax())) if placement else None
+    specs = fs.parallel.fsdp_specs(params, "fsdp", placement_fn=argmax)
+    sharded = fs.shard(params, specs, mesh, uneven=True)
+
+    def body(p, x, y):
+        def f(lp, h):
+            h = _block(lp, h)
+            return _block(lp, h) if twice else h
+        out = fs.parallel.scan_layers(f, p, x, axis="fsdp")
+        return fs.lax.pmean(((out - y) ** 2).mean(), "fsdp")
+
+    step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("fsdp"), P("fsdp")), out_specs=P()))
+    opt, ref_opt = fs.optim.adam(1e-2), fs.optim.adam(1e-2)
+    state, ref, ref_state = opt.init(sharded), params, ref_opt.init(params)
+    out_dim = shapes[1][1]
+    losses, worst, contiguous = [], 0.0, True
+    for s in range(steps):
+        g = torch.Generator().manual_seed(100 + s)
+        x = torch.randn(2 * n, shapes[0][0], generator=g, dtype=torch.float64)
+        y = torch.randn(2 * n, out_dim if not twice else shapes[1][1], generator=g, dtype=torch.float64)
+        loss, grads = step(sharded, x, y)
+        contiguous &= all(t.to_local().is_contiguous() for t in fs.tree.leaves(grads))
+        up, state = opt.update(grads, state, sharded)
+        sharded = fs.optim.apply_updates(sharded, up)
+
+        def ref_loss(p):
+            h = _block(p[0], x)
+            h = _block(p[0], h) if twice else h
+            return ((h - y) ** 2).mean()
+
+        rl, rg = fs.value_and_grad(ref_loss)(ref)
+        up, ref_state = ref_opt.update(rg, ref_state, ref)
+        ref = fs.optim.apply_updates(ref, up)
+        losses.append((loss.item(), rl.item()))
+        worst = max(worst, max((a - b).abs().max().item()
+                               for a, b in zip(fs.tree.leaves(fs.gather(sharded)), fs.tree.leaves(ref))))
+    contiguous &= all(t.to_local().is_contiguous() for t in fs.tree.leaves(sharded))
+    return losses, worst, contiguous
+
+
+def _with_and_without_delays(shapes, steps):
+    # Scenario 4: a delay before every gather and reduce-scatter must not change any bit.
+    fast = _train_mlp(shapes, steps, False, False, False)
+    originals = {name: getattr(comm, name) for name in ("all_gather_async", "reduce_scatter_async")}
+    try:
+        for name, f in originals.items():
+            def slow(*a, _f=f, **k):
+                time.sleep(0.02)
+                return _f(*a, **k)
+            setattr(comm, name, slow)
+        slow_run = _train_mlp(shapes, steps, False, True, False)
+    finally:
+        for name, f in originals.items():
+            setattr(comm, name, f)
+    return fast[0], slow_run[0]
+
+
+@pytest.mark.parametrize("shapes", [((16, 15), (15, 8)), ((7, 15), (15, 3)), ((16, 17), (17, 8))])
+@pytest.mark.parametrize("n", [2, 4])
+def test_scenario1_uneven_mlp_shards(shapes, n):
+    for losses, worst, _ in run_on_ranks(_train_mlp, shapes, 10, False, False, False, world_size=n):
+        assert all(abs(a - b) < 1e-10 for a, b in losses) and worst < 1e-10
+
+
+def test_scenario2_shard_largest_dim_keeps_shards_contiguous():
+    for losses, worst, contiguous in run_on_ranks(_train_mlp, ((32, 16), (16, 8)), 5, True, False, False, world_size=2):
+        assert all(abs(a - b) < 1e-10 for a, b in losses) and worst < 1e-10 and contiguous
+
+
+def test_scenario4_delays_change_nothing_bitwise():
+    for fast, slow in run_on_ranks(_with_and_without_delays, ((16, 17), (17, 8)), 3, world_size=2):
+        assert fast == slow
+
+
+def test_scenario10_layer_used_twice_gets_both_gradients():
+    for losses, worst, _ in run_on_ranks(_train_mlp, ((8, 8), (8, 8)), 5, False, False, True, world_size=2):
+        assert all(abs(a - b) < 1e-10 for a, b in losses) and worst < 1e-10
+
+
+def _tied_uneven_embedding():
+    n = dist.get_world_size()
+    mesh = fs.make_mesh({"fsdp": n})
+    vocab, dim = 4 * n + 1, 16
+    g = torch.Generator().manual_seed(0)
+    params = {"emb": torch.randn(vocab, dim, generator=g, dtype=torch.float64)}
+    specs = fs.parallel.fsdp_specs(params, "fsdp")
+    sharded = fs.shard(params, specs, mesh, uneven=True)
+    before = fs.gather(sharded)["emb"].clone()
+
+    def body(p, tok):
+        full = fs.parallel.gather_params(p, axis="fsdp")
+        x = full["emb"][tok]                                       # (B, D): embedding
+        logits = x @ full["emb"].T                                 # (B, V): tied output
+        return fs.lax.pmean(torch.nn.functional.cross_entropy(logits, (tok + 1) % vocab), "fsdp")
+
+    step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=P()))
+    opt = fs.optim.adamw(1e-2)
+    state = opt.init(sharded)
+    tok = torch.arange(vocab * n) % vocab  # every row is used; vocab * n rows split evenly over n ranks
+    for _ in range(10):
+        _, grads = step(sharded, tok)
+        up, state = opt.update(grads, state, sharded)
+        sharded = fs.optim.apply_updates(sharded, up)
+    after = fs.gather(sharded)["emb"]
+    return [bool((after[r] != before[r]).any()) for r in range(vocab)]
+
+
+def test_scenario13_uneven_tied_embedding_every_row_trains():
+    for changed in run_on_ranks(_tied_uneven_embedding, world_size=4):
+        assert all(changed)
+
+
+def _layer_structure_mismatch():
+    mesh = fs.make_mesh({"fsdp": 2})
+    layers = [{"w": torch.ones(2, 2)}, {"w": torch.ones(2, 2), "b": torch.ones(2)}]
+    sharded = fs.shard(layers, P(), mesh)
+    f = fs.shard_map(lambda p, x: fs.parallel.scan_layers(lambda lp, h: h, p, x), mesh=mesh,
+                     in_specs=(P(), P()), out_specs=P())
+    try:
+        f(sharded, torch.ones(2))
+    except ValueError as e:
+        return str(e)
+
+
+def test_layer_loop_rejects_layers_of_different_structure():
+    msg = run_on_ranks(_layer_structure_mismatch, world_size=2)[0]
+    assert "layer 1 has structure" in msg and "layer 0" in msg
+
+
+def test_layer_loop_outside_shard_map():
+    with pytest.raises(RuntimeError, match="inside a shard_map body"):
+        fs.parallel.scan_layers(lambda p, h: h, [{"w": torch.ones(1)}], torch.ones(1))
