@@ -61,6 +61,9 @@ class GroupLayout:
 def gathered_shape(x: torch.Tensor, shard_axes: tuple[str, ...], mesh) -> tuple[int, ...] | None:
     """The shape of ``x`` once gathered over ``shard_axes`` only (other axes stay split).
 
+    With no ``shard_axes`` (replicate), that is ``x``'s local shape under the other axes
+    (e.g. a tensor-parallel shard).
+
     Raises:
       ValueError: a dim splits over the shard axes and then over another axis: the
         gathered rows would not be one block (put the FSDP axis last on that dim).
@@ -68,9 +71,9 @@ def gathered_shape(x: torch.Tensor, shard_axes: tuple[str, ...], mesh) -> tuple[
     shape, spec = global_shape(x), input_spec(x)
     if shape is None:
         return None
-    if spec is None or not shard_axes:
+    if spec is None:
         return tuple(shape)
-    out = list(shape)
+    out, coord = list(shape), mesh.coordinate()
     for d in range(len(spec)):
         axes = spec.dim_axes(d)
         others = [a for a in axes if a not in shard_axes]
@@ -80,8 +83,10 @@ def gathered_shape(x: torch.Tensor, shard_axes: tuple[str, ...], mesh) -> tuple[
                 f"gathered axes {shard_axes} must come last (minor) on that dim, e.g. "
                 f"P(({', '.join(repr(a) for a in others + list(shard_axes))},))."
             )
-        for a in others:
-            out[d] //= mesh.shape[a]
+        for a in others:  # this rank's torch.chunk block, major to minor (as fs.shard cuts it)
+            c = -(-out[d] // mesh.shape[a])
+            lo = min(coord[a] * c, out[d])
+            out[d] = min(lo + c, out[d]) - lo
     return tuple(out)
 
 
@@ -246,7 +251,7 @@ class Groups:
         if not self._bucket:
             return
         buf = torch.cat([f for _, f in self._bucket]) if len(self._bucket) > 1 else self._bucket[0][1]
-        handle = _Shared(comm.Handle(torch.ops._c10d_functional.all_reduce(buf, "sum", self._rgroup.group_name)))
+        handle = _Shared(comm.all_reduce_async(buf, self._rgroup, axes=self.replicate_axes))
         off = 0
         for i, f in self._bucket:
             self._pending[i] = (None, None, (handle, off, f.numel()))

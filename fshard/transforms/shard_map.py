@@ -104,7 +104,7 @@ def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, che
     for path, x, spec in zip(paths, values, flat):
         if isinstance(x, DTensor):
             have = placements_to_spec(x.placements, mesh, path=path)
-            if have.padded(x.dim()) != spec.padded(x.dim()) and not reshard:
+            if have.padded(x.dim()) != spec.padded(x.dim()) and not reshard and not _same_layout(x, spec, mesh):
                 bad.append((path, spec, tuple(x.shape),
                             [f"the DTensor is laid out as {have}; pass reshard=True to redistribute it"]))
         if isinstance(x, torch.Tensor):
@@ -126,6 +126,16 @@ def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, che
         else:
             out.append(x)
     return tree_util.tree_unflatten(treedef, out)
+
+
+def _same_layout(x: DTensor, spec: Any, mesh: Mesh) -> bool:
+    """Whether ``spec`` gives ``x``'s placements: specs that differ only in where a size-1
+    axis sits (``P(("tp", "fsdp"))`` vs ``P(("fsdp", "tp"))`` with tp=1) are one layout."""
+    try:
+        want = spec_to_placements(spec, mesh)
+    except ValueError:
+        return False  # spec_problems explains what is wrong with the spec
+    return all(type(a) is type(b) and a == b for a, b in zip(want, x.placements))
 
 
 def set_global_shape(local: torch.Tensor, shape: tuple[int, ...], spec: PartitionSpec | None = None) -> None:
