@@ -60,8 +60,11 @@ class CommLog:
         return "\n".join(["comm_log:"] + rows) if rows else "comm_log: no collectives"
 
 
-# group_name -> mesh axes, filled by Mesh for every group it owns.
+# group_name -> mesh axes, filled by Mesh for every group it owns. Several meshes may share
+# one group (every 1-D mesh over the whole world uses the default group), so fshard's own
+# calls name their axes through _CALL_AXES and the registry is only a fallback (DTensor).
 _GROUP_AXES: dict[str, tuple[str, ...]] = {}
+_CALL_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("fshard_call_axes", default=None)
 _KINDS = {
     _F.all_gather_into_tensor.default: "all_gather",
     _F.reduce_scatter_tensor.default: "psum_scatter",
@@ -83,7 +86,8 @@ class _LogMode(TorchDispatchMode):
             kind = _REDUCE_KINDS.get(args[1], "all_reduce")
         if kind is not None:
             x = args[0]
-            record(kind, _GROUP_AXES.get(args[-1], (args[-1],)), x.numel() * x.element_size())
+            axes = _CALL_AXES.get() or _GROUP_AXES.get(args[-1], (args[-1],))
+            record(kind, axes, x.numel() * x.element_size())
         return func(*args, **kwargs)
 
 
@@ -121,6 +125,25 @@ def record(kind: str, axes: Sequence[str], nbytes: int) -> None:
         log.events.append((kind, axes, nbytes))
 
 
+@contextlib.contextmanager
+def _named(axes: Sequence[str]):
+    """Names the mesh axes of the collective issued inside, for comm_log."""
+    if not _LOGS.get():
+        yield
+        return
+    token = _CALL_AXES.set(tuple(axes))
+    try:
+        yield
+    finally:
+        _CALL_AXES.reset(token)
+
+
+def all_reduce_async(x: torch.Tensor, group, op: str = "sum", *, axes: Sequence[str] = ()) -> Handle:
+    """Starts an all-reduce of ``x`` over ``group``."""
+    with _named(axes):
+        return Handle(_F.all_reduce(x.contiguous(), op, group.group_name))
+
+
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
@@ -140,13 +163,15 @@ class Handle:
 
 def all_reduce(x: torch.Tensor, group, op: str, *, kind: str, axes: Sequence[str]) -> torch.Tensor:
     """All-reduce (``op`` in sum/max/min/avg) of ``x`` over ``group``; a new tensor."""
-    return _F.wait_tensor(_F.all_reduce(x.contiguous(), op, group.group_name))
+    with _named(axes):
+        return _F.wait_tensor(_F.all_reduce(x.contiguous(), op, group.group_name))
 
 
 def all_gather_async(x: torch.Tensor, group, n: int, *, kind: str = "all_gather",
                      axes: Sequence[str] = ()) -> Handle:
     """Starts an all-gather along dim 0 (result ``(n * x.shape[0], ...)``, group rank order)."""
-    return Handle(_F.all_gather_into_tensor(x.contiguous(), n, group.group_name))
+    with _named(axes):
+        return Handle(_F.all_gather_into_tensor(x.contiguous(), n, group.group_name))
 
 
 def all_gather(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.Tensor:
@@ -157,7 +182,8 @@ def all_gather(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.
 def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *,
                          kind: str = "psum_scatter", axes: Sequence[str] = ()) -> Handle:
     """Starts a reduce-scatter along dim 0 (``x.shape[0]`` divisible by ``n``)."""
-    return Handle(_F.reduce_scatter_tensor(x.contiguous(), op, n, group.group_name))
+    with _named(axes):
+        return Handle(_F.reduce_scatter_tensor(x.contiguous(), op, n, group.group_name))
 
 
 def reduce_scatter(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.Tensor:
@@ -168,7 +194,8 @@ def reduce_scatter(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> to
 def all_to_all(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.Tensor:
     """Splits dim 0 into ``n`` chunks, sends chunk j to group rank j, concatenates received chunks."""
     split = [x.shape[0] // n] * n
-    return _F.wait_tensor(_F.all_to_all_single(x.contiguous(), split, split, group.group_name))
+    with _named(axes):
+        return _F.wait_tensor(_F.all_to_all_single(x.contiguous(), split, split, group.group_name))
 
 
 def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *,
