@@ -155,11 +155,16 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     Raises:
       ValueError: the structures differ, or a leaf's sharding differs; the message names
         the path.
+      RuntimeError: a :class:`fshard.parallel.GradAccumulator` still holds gradients of
+        microbatches run with ``sync=False`` (the step would use partial gradients).
 
     Example:
       >>> updates, state = opt.update(grads, state, params)  # doctest: +SKIP
       >>> params = fs.optim.apply_updates(params, updates)  # doctest: +SKIP
     """
+    from fshard.parallel.accumulate import check_no_pending
+
+    check_no_pending("fs.optim.apply_updates")
     p, u, treedef = flatten_matching("apply_updates", ("params", params), ("updates", updates))
     with torch.no_grad():
         pl = to_locals(p)

@@ -1,10 +1,11 @@
 """Data parallelism as spec rules plus one layer loop: FSDP, replicate (DDP), HSDP."""
 
+from fshard.parallel.accumulate import GradAccumulator as GradAccumulator
 from fshard.parallel.scan import fsdp_loop as fsdp_loop, gather_params as gather_params, scan_layers as scan_layers
 from fshard.parallel.specs import fsdp_specs as fsdp_specs, hsdp_specs as hsdp_specs
 from fshard.parallel.specs import match_specs as match_specs, replicate_specs as replicate_specs
 
-__all__ = ["scan_layers", "fsdp_loop", "gather_params", "fsdp_specs", "hsdp_specs", "match_specs", "replicate_specs"]
+__all__ = ["GradAccumulator", "scan_layers", "fsdp_loop", "gather_params", "fsdp_specs", "hsdp_specs", "match_specs", "replicate_specs"]
 
 from fshard.parallel.tp import MLP_STACK_TP_PLAN as MLP_STACK_TP_PLAN, TRANSFORMER_TP_PLAN as TRANSFORMER_TP_PLAN
 from fshard.parallel.tp import sp_params as sp_params, tp_enter as tp_enter, tp_exit as tp_exit

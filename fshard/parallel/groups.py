@@ -179,6 +179,8 @@ class Groups:
     dims: list[list[int]]
     policy: Policy
     bucket_bytes: int = 25 * 2**20
+    accumulator: Any = None
+    sync: bool = True
     layouts: list[GroupLayout] = attrs.field(init=False)
     n: int = attrs.field(init=False)
     _sgroup: Any = attrs.field(init=False)
@@ -237,6 +239,14 @@ class Groups:
         dtype = self.policy.grad_reduce_dtype or next(
             (g.dtype for g in grads if g is not None), self.groups[i][0].dtype)
         flat = _flatten_grads(grads, self.n, lay, dtype)
+        if self.accumulator is not None:
+            key = (lay.shapes, i, self.groups[i][0].untyped_storage().data_ptr())
+            if not self.sync:
+                self.accumulator.add(key, flat)  # no reduction: this call's shard grads are zeros
+                return
+            prev = self.accumulator.take(key)
+            if prev is not None:
+                flat = flat + prev
         rs = comm.reduce_scatter_async(flat, self._sgroup, self.n, axes=self.shard_axes) if self.n > 1 else None
         if rs is None and self._rn > 1:
             # DDP: gradients of consecutive groups share one all-reduce (a bucket), launched

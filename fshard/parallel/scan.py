@@ -79,6 +79,8 @@ def scan_layers(
     forward_prefetch: Sequence[Sequence[int]] | None = None,
     backward_prefetch: Sequence[Sequence[int]] | None = None,
     bucket_bytes: int = 25 * 2**20,
+    accumulate: Any = None,
+    sync: bool = True,
 ) -> Any:
     """Runs ``x = block_fn(layer_params[i], x)`` for every layer with FSDP-style gathering.
 
@@ -107,6 +109,10 @@ def scan_layers(
         layer i's backward starts (default: ``[i - 1]``).
       bucket_bytes: replicate (DDP) only: consecutive layers' gradients share one
         all-reduce up to this size (default 25 MiB, as DDP).
+      accumulate: a :class:`~fshard.parallel.GradAccumulator` for gradient accumulation.
+      sync: with ``accumulate``, ``False`` skips the reduction and keeps the unreduced
+        gradient in the accumulator (the returned shard grads are zeros); ``True`` adds
+        the accumulated gradients and reduces once.
 
     Returns:
       The output of the last layer.
@@ -130,7 +136,8 @@ def scan_layers(
         flat_layers.append(leaves)
         defs.append(d)
     state = Groups(flat_layers, shard_axes, rep_axes,
-                   [_shard_dims(ls, shard_axes, dim) for ls in flat_layers], policy or Policy(), bucket_bytes)
+                   [_shard_dims(ls, shard_axes, dim) for ls in flat_layers], policy or Policy(), bucket_bytes,
+                   accumulate, sync)
     n_layers = len(flat_layers)
     all_leaves = [x for ls in flat_layers for x in ls]
     sunk = Sink.apply(state, *all_leaves) if torch.is_grad_enabled() and any(
@@ -213,6 +220,8 @@ def gather_params(
     replicate_axis: str | Sequence[str] | None = None,
     policy: Policy | None = None,
     dim: int | None = None,
+    accumulate: Any = None,
+    sync: bool = True,
 ) -> Any:
     """Gathers one group of parameters (e.g. embeddings + head) for use in a shard_map body.
 
@@ -222,7 +231,7 @@ def gather_params(
 
     Args:
       params: pytree of local shards.
-      axis, replicate_axis, policy, dim: as in :func:`scan_layers`.
+      axis, replicate_axis, policy, dim, accumulate, sync: as in :func:`scan_layers`.
 
     Returns:
       The pytree of full parameters.
@@ -231,7 +240,8 @@ def gather_params(
     if not leaves:
         return params
     shard_axes, rep_axes = _as_axes(axis), _as_axes(replicate_axis)
-    state = Groups([leaves], shard_axes, rep_axes, [_shard_dims(leaves, shard_axes, dim)], policy or Policy())
+    state = Groups([leaves], shard_axes, rep_axes, [_shard_dims(leaves, shard_axes, dim)], policy or Policy(),
+                   accumulator=accumulate, sync=sync)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
     sunk = list(Sink.apply(state, *leaves)) if grad else leaves
     full = _gather(state, 0, sunk, frozenset(shard_axes) | frozenset(rep_axes))

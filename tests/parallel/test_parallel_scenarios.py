@@ -168,3 +168,70 @@ def test_layer_loop_rejects_layers_of_different_structure():
 def test_layer_loop_outside_shard_map():
     with pytest.raises(RuntimeError, match="inside a shard_map body"):
         fs.parallel.scan_layers(lambda p, h: h, [{"w": torch.ones(1)}], torch.ones(1))
+
+
+# --- scenarios 14 and 25: gradient accumulation without sync ----------------------------------
+
+def _accumulate(mode, raf):
+    n = dist.get_world_size()
+    mesh = fs.make_mesh({"d": n})
+    g = torch.Generator().manual_seed(0)
+    dim = 32
+    params = {"lin": {"w": torch.randn(dim, dim, generator=g, dtype=torch.float64) * 0.2},
+              "layers": [{"w1": torch.randn(dim, dim, generator=g, dtype=torch.float64) * 0.2,
+                          "w2": torch.randn(dim, dim, generator=g, dtype=torch.float64) * 0.2} for _ in range(3)]}
+    if mode == "fsdp":
+        specs, axes = fs.parallel.fsdp_specs(params, "d"), dict(axis="d")
+    else:
+        specs, axes = fs.parallel.replicate_specs(params), dict(axis=None, replicate_axis="d", bucket_bytes=1)
+    sharded = fs.shard(params, specs, mesh, uneven=True)
+    root_axes = {k: v for k, v in axes.items() if k != "bucket_bytes"}
+
+    def body(p, x, y, acc, sync):
+        h = x @ fs.parallel.gather_params(p["lin"], accumulate=acc, sync=sync, **root_axes)["w"]
+        h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"], p["layers"], h,
+                                    reshard_after_forward=raf, accumulate=acc, sync=sync, **axes)
+        return fs.lax.pmean(((h - y) ** 2).mean(), "d")
+
+    step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("d"), P("d"), None, None), out_specs=P()))
+    acc = fs.parallel.GradAccumulator()
+    xs = torch.randn(3, 2 * n, dim, generator=g, dtype=torch.float64)
+    ys = torch.randn(3, 2 * n, dim, generator=g, dtype=torch.float64)
+    total, early_error = None, None
+    with fs.comm_log() as log:
+        for k in range(3):
+            _, grads = step(sharded, xs[k], ys[k], acc, k == 2)
+            if k == 0:
+                try:
+                    fs.optim.apply_updates(sharded, grads)
+                except RuntimeError as e:
+                    early_error = str(e)
+            total = grads
+    ref = fs.tree.tree_map(torch.zeros_like, params)
+    for k in range(3):
+        def ref_loss(p):
+            h = xs[k] @ p["lin"]["w"]
+            for lp in p["layers"]:
+                h = torch.relu(h @ lp["w1"]) @ lp["w2"]
+            return ((h - ys[k]) ** 2).mean()
+        ref = fs.tree.tree_map(torch.add, ref, fs.grad(ref_loss)(params))
+    diff = max((a - b).abs().max().item() for a, b in zip(fs.tree.leaves(fs.gather(total)), fs.tree.leaves(ref)))
+    return diff, dict(log.counts), early_error, acc.pending
+
+
+@pytest.mark.parametrize("raf", [True, False])
+def test_scenario14_fsdp_accumulation_reduces_once(raf):
+    for diff, counts, early, pending in run_on_ranks(_accumulate, "fsdp", raf, world_size=4):
+        assert diff < 1e-10 and not pending
+        assert counts["psum_scatter"] == 4                       # one per group, last microbatch only
+        # per microbatch: the root group once (gather_params keeps it), each of the 3 layers
+        # once, or twice with reshard: 3 x (1 + 2 x 3) = 21 (the seed's 24 reshards the root too)
+        assert counts["all_gather"] == (21 if raf else 12)
+        assert "sync=True" in early and "never reduced" in early  # no silent step on partial grads
+
+
+def test_scenario25_replicate_accumulation_all_reduces_once():
+    for diff, counts, _, pending in run_on_ranks(_accumulate, "replicate", False, world_size=2):
+        assert diff < 1e-10 and not pending
+        assert counts.get("all_gather", 0) == 0
+        assert counts["psum"] == 4 + 3  # one all-reduce per group (buckets of one group) + 3 loss pmeans
