@@ -224,6 +224,7 @@ class Groups:
     def regathered(self, i: int, prefetch: Sequence[int] = ()) -> list[torch.Tensor]:
         full = self._cache.get(i)
         if full is None:
+            self.start_gather(i)  # this layer's own gather first, then the prefetch behind it
             for j in prefetch:
                 self.start_gather(j)
             full = self._cache[i] = self.gathered(i)

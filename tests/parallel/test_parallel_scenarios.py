@@ -235,3 +235,47 @@ def test_scenario25_replicate_accumulation_all_reduces_once():
         assert diff < 1e-10 and not pending
         assert counts.get("all_gather", 0) == 0
         assert counts["psum"] == 4 + 3  # one all-reduce per group (buckets of one group) + 3 loss pmeans
+
+
+# --- scenarios 6 and 34: prefetch issue order -----------------------------------------------
+
+def _prefetch_order(forward_prefetch, n_layers):
+    from fshard.parallel import groups as groups_mod
+
+    mesh = fs.make_mesh({"d": 2})
+    g = torch.Generator().manual_seed(0)
+    layers = [{"w": torch.randn(8, 8, generator=g, dtype=torch.float64)} for _ in range(n_layers)]
+    specs = fs.parallel.fsdp_specs(layers, "d")
+    sharded = fs.shard(layers, specs, mesh)
+    issued = []
+    original = groups_mod.Groups.start_gather
+
+    def spy(self, i):
+        if self.n > 1 and i not in self._inflight and 0 <= i < len(self.groups):
+            issued.append(i)
+        return original(self, i)
+
+    groups_mod.Groups.start_gather = spy
+    try:
+        def body(p, x):
+            out = fs.parallel.scan_layers(lambda lp, h: torch.tanh(h @ lp["w"]), p, x, axis="d",
+                                          forward_prefetch=forward_prefetch)
+            return fs.lax.pmean(out.sum(), "d")
+
+        step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("d")), out_specs=P()))
+        step(sharded, torch.randn(4, 8, generator=g, dtype=torch.float64))
+    finally:
+        groups_mod.Groups.start_gather = original
+    return issued
+
+
+def test_scenario6_34_forward_and_backward_prefetch_order():
+    n = 6
+    explicit = [[i + 1, i + 2] for i in range(n)]  # forward: the next two layers
+    issued = run_on_ranks(_prefetch_order, explicit, n, world_size=2)[0]
+    forward, backward = issued[:n], issued[n:]
+    assert forward == list(range(n))  # each layer's gather is started before it is needed
+    # backward (BACKWARD_PRE): the last layer first, each regather starting the previous one
+    assert backward == list(range(n - 1, -1, -1))
+    default = run_on_ranks(_prefetch_order, None, n, world_size=2)[0]
+    assert default == list(range(n)) + list(range(n - 1, -1, -1))
