@@ -1,39 +1,24 @@
 """Tensor and sequence parallelism (Megatron) as spec rules plus explicit collectives.
 
-A TP plan is data: path regex -> style. :func:`tp_specs` turns it into ``P`` specs
-(composed with FSDP when ``fsdp_axis`` is given), and the forward code calls the
-few collectives by hand, so every byte that moves is on a line you can read:
+A TP plan is data, path regex -> style; :func:`tp_specs` turns it into ``P`` specs
+(with FSDP when ``fsdp_axis`` is given: ``P(("tp", "fsdp"))``, fsdp minor, so
+:func:`fshard.parallel.scan_layers` gathers over fsdp only and hands the block its
+tp-local shard). The forward code calls the collectives by hand:
 
-================  =====================  =========================  ====================
-style             weight ``[out, in]``    forward on this rank        collective after
-================  =====================  =========================  ====================
-``"colwise"``     rows split (and bias)  ``F.linear(x, w_loc, b)``   none: output split
-``"rowwise"``     columns split          ``F.linear(h_loc, w_loc)``  ``psum`` (partial sum)
-``"vocab"``       ``[V, D]`` rows split  masked lookup / logits      ``psum`` / loss-parallel
-================  =====================  =========================  ====================
+==============  ======================  =====================================
+style           weight ``[out, in]``    after the local matmul
+==============  ======================  =====================================
+``"colwise"``   rows (and bias) split   nothing: the output is split
+``"rowwise"``   columns split           ``tp_exit`` (psum), then the bias once
+``"vocab"``     ``[V, D]`` rows split   masked lookup + psum / loss parallel
+==============  ======================  =====================================
 
-A TP region is entered with :func:`tp_enter` and left with :func:`tp_exit`:
-
-* without sequence parallelism, ``tp_enter`` is ``pvary`` (Megatron's "f": identity
-  forward, ``psum`` of the input's gradient in backward) and ``tp_exit`` is ``psum``
-  (Megatron's "g": all-reduce forward, identity backward);
-* with ``sequence_parallel=True`` the activations between regions are split over the
-  sequence dim, ``tp_enter`` is ``all_gather`` and ``tp_exit`` is ``psum_scatter``
-  (their backwards are each other). Norms, dropout and residual adds then run on
-  ``T / tp`` positions; their replicated parameters see different data on every tp
-  rank, so :func:`sp_params` marks them varying (one ``psum`` of their grads).
-
-Writing TP for a new block: (1) add a plan entry per linear: the first of a pair
-``"colwise"``, the second ``"rowwise"``; (2) in the block, ``h = tp_enter(h)``, run
-the pair on local shards (anything elementwise in between needs no communication),
-``y = tp_exit(y)``, then add the row-parallel bias once; (3) with SP, pass replicated
-parameters used outside the region through :func:`sp_params`. Checked mode
-(``shard_map(check=True)``) proves the result: a forgotten ``tp_exit`` leaves a value
-that varies over ``tp`` and the out_spec check names it. More in ``docs/tp.md``.
-
-FSDP x TP: with ``fsdp_axis`` a leaf is also split over it, as the *minor* axis on
-the TP dim (``P(("tp", "fsdp"), None)``): :func:`fshard.parallel.scan_layers`
-gathers only over ``fsdp`` and hands the block its tp-local shard.
+A region runs from :func:`tp_enter` (``pvary``, Megatron's "f"; with sequence
+parallelism ``all_gather`` over the sequence) to :func:`tp_exit` (``psum``, "g";
+with SP ``psum_scatter``). With SP, replicated parameters used between regions go
+through :func:`sp_params` (one ``psum`` of their grads). Checked mode proves a block:
+a forgotten ``tp_exit`` leaves an output varying over ``tp`` and the out_spec check
+names it. How to write TP for a new block: ``docs/tp.md``.
 """
 
 from __future__ import annotations
@@ -70,16 +55,13 @@ TRANSFORMER_TP_PLAN: dict[str, str] = {
 
 def tp_rules(plan: Mapping[str, str], axis: str = "tp", *,
              fsdp_axis: str | None = None) -> list[tuple[str, PartitionSpec]]:
-    """``match_specs`` rules for a TP plan: ``[(regex, P), ...]``.
+    """``match_specs`` rules for a TP plan: ``[(regex, P), ...]``, in the plan's order.
 
     Args:
       plan: path regex -> ``"colwise"``, ``"rowwise"`` or ``"vocab"``.
       axis: the tensor-parallel mesh axis.
-      fsdp_axis: also shard over this axis, on dim 0, as the minor axis when the TP
-        split is on dim 0 too (optional, default None).
-
-    Returns:
-      The rules, in the plan's order.
+      fsdp_axis: also shard dim 0 over this axis, minor to ``axis`` when the TP split
+        is on dim 0 too (optional, default None).
 
     Raises:
       ValueError: an unknown style (the path and the known styles are named).
@@ -179,8 +161,7 @@ def sp_params(params: Any, axis: str = "tp") -> Any:
 def _vocab_range(local_size: int, axis: str, vocab_size: int | None) -> tuple[int, int]:
     """This rank's ``[start, start + local_size)`` of the vocabulary (torch.chunk layout)."""
     n, r = lax.axis_size(axis), lax.axis_index(axis)
-    block = -(-vocab_size // n) if vocab_size is not None else local_size
-    start = min(r * block, vocab_size) if vocab_size is not None else r * block
+    start = r * local_size if vocab_size is None else min(r * -(-vocab_size // n), vocab_size)
     return start, start + local_size
 
 

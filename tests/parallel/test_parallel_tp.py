@@ -40,7 +40,7 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(fs.tree.leaves(a), fs.tree.leaves(b)))
 
 
-def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False):
+def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, **tf):
     """One rank's run: per step (loss, ref loss), comm counts by axis, worst param/grad diffs."""
     # fs.gather of a strided (FSDP x TP) layout makes torch log a "2 sequential all_gathers" warning.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -51,7 +51,7 @@ def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False):
         cfg = MLPStackConfig(dim)
         params, plan = mlp_stack_init(cfg, 42, dtype=torch.float64), MLP_STACK_TP_PLAN
     else:
-        cfg = TransformerConfig(**TF)
+        cfg = TransformerConfig(**{**TF, **tf})
         params, plan = transformer_init(cfg, 42, dtype=torch.float64), TRANSFORMER_TP_PLAN
     specs = tp_specs(params, plan, "tp", fsdp_axis=fsdp_axis)
     sharded = fs.shard(params, specs, mesh, uneven=True)
@@ -224,6 +224,14 @@ def test_mlp_stack_uneven_dims(dim, layout):
     """Hidden sizes 3d, 4d split over tp=2 unevenly (torch.chunk layout): replicate x TP, and
     FSDP x TP on a tp-major mesh (tp, fsdp), where the uneven layout is a plain DTensor Shard."""
     _assert_parity(run_on_ranks(_train, "mlp", layout, False, 10, dim=dim, world_size=4))
+
+
+@pytest.mark.parametrize("layout", ["dp_tp", "tp_fsdp"])
+def test_transformer_tied_uneven_vocab(layout):
+    """Tied embedding/output, vocab 33 over tp=2 (rows 17 + 16): embedding lookup and the
+    loss-parallel cross entropy find each rank's vocabulary range from the chunk layout."""
+    results = run_on_ranks(_train, "transformer", layout, True, 3, vocab_size=33, tie_weights=True, world_size=4)
+    _assert_parity(results)
 
 
 def _uneven_on_fsdp_major_mesh():
