@@ -1,0 +1,185 @@
+"""fshard tensor parallel vs torch's parallelize_module (Colwise/RowwiseParallel), same model, same run.
+
+    python bench/tp.py [--steps 20] [--batch 8]
+
+Model: native_baseline.md's Transformer (vocab 512, dim 256, 4 layers, 4 heads, seq 128,
+MLP 4x, untied, fp32), AdamW lr 1e-3, 2 gloo ranks = tp 2, every rank on the same batch of
+8 sequences, one thread per rank.
+
+torch: ``TransformerModule`` parallelized with torchtitan's plan: ``tok_embeddings``
+RowwiseParallel (vocab-parallel), wq/wk/wv and w1 ColwiseParallel, wo and w2
+RowwiseParallel, ``output`` ColwiseParallel with vocab-sharded DTensor logits and
+``loss_parallel()`` cross entropy; attention uses the local head count (as torchtitan
+sets ``n_heads`` per rank); AdamW (foreach) over DTensor and plain parameters in two groups.
+
+fshard: ``tp_specs(TRANSFORMER_TP_PLAN)``, ``tp_embed`` / ``tp_transformer_block`` /
+``tp_logits`` / ``vocab_parallel_cross_entropy`` in an unchecked shard_map (Megatron
+style), plus the same with sequence parallelism; ``fs.optim.adamw`` under ``donate()``.
+
+Step time = slowest rank, median of ``--steps`` steps after 3 warm-up steps; the sides
+alternate step by step in the same processes, so machine noise hits all alike. Bytes =
+input payload of every collective a rank issues (both sides counted by one dispatch mode
+that lets DTensor lower its redistributions into plain functional collectives first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fshard as fs
+from fshard import P
+from fshard.models import TransformerConfig, TransformerModule, transformer_init
+from fshard.parallel import (TRANSFORMER_TP_PLAN, tp_embed, tp_logits, tp_specs, tp_transformer_block,
+                             vocab_parallel_cross_entropy)
+
+CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
+_F = torch.ops._c10d_functional
+_KINDS = {_F.all_reduce.default: "all_reduce", _F.all_gather_into_tensor.default: "all_gather",
+          _F.reduce_scatter_tensor.default: "reduce_scatter"}
+
+
+class _Wire(TorchDispatchMode):
+    """Counts functional collectives and their input bytes, after DTensor has lowered its ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts, self.bytes = Counter(), Counter()
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        if any(t is DTensor for t in types_):
+            return NotImplemented  # let DTensor run and issue plain collectives, then count those
+        kind = _KINDS.get(func)
+        if kind is not None:
+            self.counts[kind] += 1
+            self.bytes[kind] += args[0].numel() * args[0].element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def _local_heads_forward(self, x: torch.Tensor) -> torch.Tensor:
+    # The module's forward views with the global head count; under TP each rank holds H / tp.
+    B, T, _ = x.shape
+    hd = self.cfg.head_dim
+    q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, H/tp * hd) each
+    H = q.shape[-1] // hd
+    q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in (q, k, v))  # (B, H/tp, T, hd)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
+    return self.wo(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, T, D)
+
+
+def _torch_step(cfg: TransformerConfig, mesh):
+    model = TransformerModule(cfg, seed=0)
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i, layer in enumerate(model.layers):
+        layer.attention.forward = types.MethodType(_local_heads_forward, layer.attention)
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attention.wo", "feed_forward.w2"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(model, mesh.device_mesh, plan)
+    params = list(model.parameters())
+    # foreach kernels cannot mix DTensors and plain tensors in one list: two groups.
+    groups = [{"params": [p for p in params if isinstance(p, DTensor)]},
+              {"params": [p for p in params if not isinstance(p, DTensor)]}]
+    opt = torch.optim.AdamW(groups, lr=1e-3, foreach=True)
+
+    def step(tok, tgt):
+        logits = model(tok)  # DTensor (B, T, V), vocab-sharded
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach().full_tensor()
+
+    return step
+
+
+def _fshard_step(cfg: TransformerConfig, mesh, sp: bool):
+    params = transformer_init(cfg, 0)
+    specs = tp_specs(params, TRANSFORMER_TP_PLAN, "tp")
+    sharded = fs.shard(params, specs, mesh)
+    opt = fs.optim.adamw(1e-3, weight_decay=0.01)
+    state = opt.init(sharded)
+
+    def loss_fn(p, tok, tgt):
+        x = tp_embed(p, tok, cfg, "tp", sp)                                  # (B, T[/tp], D)
+        for lp in p["layers"]:
+            x = tp_transformer_block(lp, x, cfg, "tp", sp)                   # (B, T[/tp], D)
+        logits = tp_logits(p, x, cfg, "tp", sp)                              # (B, T, V/tp)
+        return vocab_parallel_cross_entropy(logits, tgt, "tp", vocab_size=cfg.vocab_size)
+
+    grad_fn = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=(specs, P(), P()),
+                                             out_specs=P(), check=False))
+    box = {"p": sharded, "s": state}
+
+    def step(tok, tgt):
+        loss, grads = grad_fn(box["p"], tok, tgt)
+        with fs.optim.donate():
+            updates, box["s"] = opt.update(grads, box["s"], box["p"])
+            box["p"] = fs.optim.apply_updates(box["p"], updates)
+        return loss.full_tensor()
+
+    return step
+
+
+def per_rank(steps: int, batch: int):
+    torch.set_num_threads(1)
+    mesh = fs.make_mesh({"tp": dist.get_world_size()})
+    cfg = TransformerConfig(**CFG)
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g)
+    tgt = torch.roll(tok, -1, 1)
+    sides = {"torch": _torch_step(cfg, mesh), "fshard": _fshard_step(cfg, mesh, False),
+             "fshard_sp": _fshard_step(cfg, mesh, True)}
+    times, losses = {k: [] for k in sides}, {k: [] for k in sides}
+    for i in range(steps + 3):
+        for k, step in sides.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = step(tok, tgt)
+            dt = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+            if i >= 3:
+                times[k].append(dt.item())
+            losses[k].append(float(loss))
+    wire = {}
+    for k, step in sides.items():
+        with _Wire() as w:
+            step(tok, tgt)
+        wire[k] = (dict(w.counts), dict(w.bytes))
+    return {k: statistics.median(v) for k, v in times.items()}, losses, wire
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    times, losses, wire = fs.run_local(per_rank, args.steps, args.batch, world_size=2, timeout_s=3000)[0]
+    print(f"tp=2, 2 gloo ranks x the same batch {args.batch}, median of {args.steps} steps")
+    for k in times:
+        counts, nbytes = wire[k]
+        # Ring algorithms on n = 2 ranks send per rank: all_reduce its payload, all_gather its
+        # input (the shard), reduce_scatter half its input.
+        sent = nbytes.get("all_reduce", 0) + nbytes.get("all_gather", 0) + nbytes.get("reduce_scatter", 0) // 2
+        print(f"  {k:<10} {times[k]:.3f} s/step  ratio/torch {times[k] / times['torch']:.2f}  "
+              f"collectives {counts}  payload {nbytes}  sent per rank {sent:,} B")
+    worst = max(abs(a - b) for a, b in zip(losses["torch"], losses["fshard"]))
+    print(f"  first losses: torch {losses['torch'][:3]}  fshard {losses['fshard'][:3]}  "
+          f"max |diff| over all steps {worst:.2e}")
+
+
+if __name__ == "__main__":
+    main()
