@@ -1,0 +1,153 @@
+"""Functional overhead on one process: a full training step, nn.Module + torch.optim vs fshard.
+
+Same model (the Transformer of ``fshard.models``: vocab 512, dim 256, 4 layers, 4
+heads, seq 128, batch 8, fp32), same initial weights, same batch, one thread:
+
+  torch           TransformerModule, loss.backward(), torch.optim.AdamW(foreach=True)
+  fshard          transformer_apply under fs.value_and_grad, fs.optim.adamw, apply_updates
+  fshard donated  the same inside fs.optim.donate() (update/apply_updates reuse buffers)
+
+The variants run interleaved, one step each per round, so machine noise hits them
+alike; each reports the median of ``--steps`` rounds after ``--warmup``, in wall time and
+in this thread's CPU time (with one intra-op thread, CPU autograd runs every kernel on
+the calling thread, so CPU time is the step's work without the time other processes
+took the core away: the steadier number on a shared machine). A ratio below 1 means
+fshard is faster. ``--profile`` prints where an fshard step spends its time
+(torch.profiler, CPU) instead.
+
+    PYTHONPATH=. python bench/overhead.py [--steps 20] [--warmup 3] [--threads 1] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import fshard as fs
+from fshard.models import TransformerConfig, TransformerModule, transformer_apply, transformer_init
+
+CFG = TransformerConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
+BATCH = 8
+HP = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, CFG.vocab_size, (BATCH, CFG.max_seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]  # (B, T) inputs, (B, T) next-token targets
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def torch_step_fn() -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """The usual PyTorch loop; ``set_to_none`` so backward writes fresh grads, as fshard's."""
+    module = TransformerModule(CFG, seed=0)
+    opt = torch.optim.AdamW(module.parameters(), lr=HP["lr"], betas=(HP["b1"], HP["b2"]),
+                            eps=HP["eps"], weight_decay=HP["weight_decay"], foreach=True)
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(module(tokens), targets)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def fshard_step_fn(donated: bool) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """A pure step, ``(params, state) -> (params, state)``, the state kept in a closure cell."""
+    params = transformer_init(CFG, seed=0)
+    opt = fs.optim.adamw(**HP)
+    carry = {"params": params, "opt": opt.init(params)}
+    loss_and_grads = fs.value_and_grad(lambda p, x, y: _loss(transformer_apply(p, x, CFG), y))
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        loss, grads = loss_and_grads(carry["params"], tokens, targets)
+        updates, carry["opt"] = opt.update(grads, carry["opt"], carry["params"])
+        carry["params"] = fs.optim.apply_updates(carry["params"], updates)
+        return loss.item()
+
+    if not donated:
+        return step
+
+    def donated_step(tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        with fs.optim.donate():
+            return step(tokens, targets)
+
+    return donated_step
+
+
+def run(steps: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and CPU step times in seconds per variant, after checking that they agree."""
+    variants = {"torch": torch_step_fn(), "fshard": fshard_step_fn(False),
+                "fshard donated": fshard_step_fn(True)}
+    wall: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
+    for i in range(warmup + steps):
+        tokens, targets = _batch(i)
+        losses = {}
+        for name, step in variants.items():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            losses[name] = step(tokens, targets)
+            dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+            if i >= warmup:
+                wall[name].append(dt)
+                cpu[name].append(dc)
+        # Same model, data and optimizer: a timing of a different computation is no timing.
+        ref = losses["torch"]
+        for name, loss in losses.items():
+            if abs(loss - ref) > 1e-4 * abs(ref):
+                raise AssertionError(f"step {i}: {name} loss {loss} differs from torch's {ref}")
+    return wall, cpu
+
+
+def profile(steps: int, warmup: int) -> None:
+    """Top CPU ops of the fshard (pure) and torch steps, for finding fshard's overhead."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    for name, step in (("torch", torch_step_fn()), ("fshard", fshard_step_fn(False)),
+                       ("fshard donated", fshard_step_fn(True))):
+        for i in range(warmup):
+            step(*_batch(i))
+        with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(steps):
+                step(*_batch(warmup + i))
+        print(f"=== {name}: {steps} steps")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.profile:
+        profile(args.steps, args.warmup)
+        return
+    wall, cpu = run(args.steps, args.warmup)
+    n = sum(p.numel() for p in fs.tree.leaves(transformer_init(CFG, seed=0)))
+    print(f"Transformer vocab={CFG.vocab_size} dim={CFG.dim} layers={CFG.n_layers} heads={CFG.n_heads} "
+          f"seq={CFG.max_seq_len} batch={BATCH} fp32, {n / 1e6:.2f}M params; threads={args.threads}, "
+          f"median of {args.steps} after {args.warmup} warm-up")
+    for label, times in (("wall", wall), ("cpu", cpu)):
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f" {label} time:")
+        for k, v in med.items():
+            print(f"  {k:<15} {v:8.2f} ms/step   (min {min(times[k]) * 1e3:.2f}, max {max(times[k]) * 1e3:.2f})")
+        print(f"  ratio fshard/torch: pure {med['fshard'] / med['torch']:.3f}, "
+              f"donated {med['fshard donated'] / med['torch']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
