@@ -134,9 +134,9 @@ def _unflatten_full(out: torch.Tensor, n: int, lay: GroupLayout) -> list[torch.T
     return fulls
 
 
-def _flatten_grads(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """Full grads -> (n * F,) in rank-major order, padded, ready for reduce-scatter."""
+def _grad_parts(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout,
+                dtype: torch.dtype) -> list[torch.Tensor]:
+    """Full grads -> per-leaf (n, rows * row_numel) blocks, padded, in ``dtype``."""
     parts = []
     for g, shape, d, r, e in zip(grads, lay.shapes, lay.dims, lay.rows, lay.row_numel):
         if g is None:
@@ -147,6 +147,13 @@ def _flatten_grads(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayou
         if g.shape[0] < n * r:
             g = torch.cat([g, g.new_zeros(n * r - g.shape[0], *g.shape[1:])])
         parts.append(g.reshape(n, r * e))
+    return parts
+
+
+def _flatten_grads(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Full grads -> (n * F,) in rank-major order, padded, ready for reduce-scatter."""
+    parts = _grad_parts(grads, n, lay, dtype)
     return torch.cat(parts, dim=1).reshape(-1) if len(parts) > 1 else parts[0].reshape(-1)
 
 
@@ -189,7 +196,7 @@ class Groups:
     _inflight: dict[int, comm.Handle] = attrs.field(init=False, factory=dict)
     _pending: dict[int, tuple[Any, comm.Handle | None, comm.Handle | None]] = attrs.field(init=False, factory=dict)
     _cache: dict[int, list[torch.Tensor]] = attrs.field(init=False, factory=dict)
-    _bucket: list[tuple[int, torch.Tensor]] = attrs.field(init=False, factory=list)
+    _bucket: list[tuple[int, list[torch.Tensor]]] = attrs.field(init=False, factory=list)
     sunk: list[list[torch.Tensor]] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
@@ -231,7 +238,21 @@ class Groups:
         return full
 
     def drop(self, i: int) -> None:
+        """Ends group ``i``'s backward: frees its regathered parameters.
+
+        A backward prefetch for ``i`` that no saved tensor asked for (a layer whose
+        backward needs no parameter, e.g. the first one when its input needs no grad) is
+        waited here, so that no collective is left in flight.
+        """
         self._cache.pop(i, None)
+        stale = self._inflight.pop(i, None)
+        if stale is not None:
+            stale.wait()
+
+    def finish(self) -> None:
+        """Waits for any gather still in flight (end of backward)."""
+        for i in list(self._inflight):
+            self._inflight.pop(i).wait()
 
     # --- backward: reductions ---------------------------------------------------------------
     def reduce(self, i: int, grads: Sequence[torch.Tensor | None]) -> None:
@@ -239,6 +260,15 @@ class Groups:
         lay = self.layouts[i]
         dtype = self.policy.grad_reduce_dtype or next(
             (g.dtype for g in grads if g is not None), self.groups[i][0].dtype)
+        if self.n == 1 and self._rn > 1 and self.accumulator is None:
+            # DDP: gradients of consecutive groups share one all-reduce (a bucket), launched
+            # when it is full or when the first group (the last in backward) is done; the
+            # bucket is built with one copy of every gradient.
+            parts = [p.reshape(-1) for p in _grad_parts(grads, 1, lay, dtype)]
+            self._bucket.append((i, parts))
+            if sum(p.numel() * p.element_size() for _, ps in self._bucket for p in ps) >= self.bucket_bytes or i == 0:
+                self._flush()
+            return
         flat = _flatten_grads(grads, self.n, lay, dtype)
         if self.accumulator is not None:
             key = (lay.shapes, i, self.groups[i][0].untyped_storage().data_ptr())
@@ -249,24 +279,23 @@ class Groups:
             if prev is not None:
                 flat = flat + prev
         rs = comm.reduce_scatter_async(flat, self._sgroup, self.n, axes=self.shard_axes) if self.n > 1 else None
-        if rs is None and self._rn > 1:
-            # DDP: gradients of consecutive groups share one all-reduce (a bucket), launched
-            # when it is full or when the first group (the last in backward) is done.
-            self._bucket.append((i, flat))
-            if sum(f.numel() * f.element_size() for _, f in self._bucket) >= self.bucket_bytes or i == 0:
-                self._flush()
+        if rs is None and self._rn > 1:  # DDP with accumulation: one group per all-reduce
+            self._bucket.append((i, [flat]))
+            self._flush()
             return
         self._pending[i] = (flat, rs, None)
 
     def _flush(self) -> None:
         if not self._bucket:
             return
-        buf = torch.cat([f for _, f in self._bucket]) if len(self._bucket) > 1 else self._bucket[0][1]
+        parts = [p for _, ps in self._bucket for p in ps]
+        buf = torch.cat(parts) if len(parts) > 1 else parts[0]
         handle = _Shared(comm.all_reduce_async(buf, self._rgroup, axes=self.replicate_axes))
         off = 0
-        for i, f in self._bucket:
-            self._pending[i] = (None, None, (handle, off, f.numel()))
-            off += f.numel()
+        for i, ps in self._bucket:
+            numel = sum(p.numel() for p in ps)
+            self._pending[i] = (None, None, (handle, off, numel))
+            off += numel
         self._bucket = []
 
     def collect(self, i: int) -> list[torch.Tensor | None]:
@@ -316,6 +345,7 @@ class Sink(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *unused):
         state: Groups = ctx.state
+        state.finish()
         out: list[torch.Tensor | None] = [None]
         for i in range(len(state.groups)):
             out.extend(state.collect(i))
