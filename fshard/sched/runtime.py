@@ -106,6 +106,8 @@ class Executor:
             whose B or W had not ended; acquired at the start and released at the end
             of an action, so an OVERLAP_F_B holds both, as in :func:`fshard.sched.simulate`.
         busy_s, wait_s: seconds computing / blocked on transfers.
+        spans: ``(action, start_s, end_s)`` per compute action (its input waits
+            excluded), in seconds from the start of :meth:`run`.
         n_sends, n_recvs, bytes_sent, bytes_received: payload transfers (no headers).
     """
 
@@ -124,6 +126,7 @@ class Executor:
         self.losses: list[torch.Tensor | None] = [None] * schedule.n_microbatches
         self.peak_activations = self._live = 0
         self.busy_s = self.wait_s = 0.0
+        self.spans: list[tuple[Action, float, float]] = []
         self.n_sends = self.n_recvs = self.bytes_sent = self.bytes_received = 0
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._local: dict[tuple[Kind, int, int], torch.Tensor] = {}  # same-rank hand-over
@@ -137,6 +140,7 @@ class Executor:
     def run(self) -> Executor:
         """Executes every action of this rank in order; returns self."""
         row = self.schedule.actions[self.rank]
+        self._t0 = time.perf_counter()
         i = 0
         while i < len(row):
             if row[i].is_comm:
@@ -175,7 +179,10 @@ class Executor:
             {F: self._forward, B: self._backward, I: self._backward_input,
              W: self._backward_weight}[p.kind](p.stage, p.microbatch)
         self._live -= sum(1 for p in action.parts if p.kind in (B, W))
-        self.busy_s += time.perf_counter() - t0 - (self.wait_s - wait0)
+        t1, waited = time.perf_counter(), self.wait_s - wait0
+        self.busy_s += t1 - t0 - waited
+        # Inputs are waited for before compute starts, so the compute begins after the wait.
+        self.spans.append((action, t0 + waited - self._t0, t1 - self._t0))
 
     # --- compute ------------------------------------------------------------------------
     def _forward(self, s: int, mb: int) -> None:
@@ -385,8 +392,10 @@ class SplitBackward:
             else:
                 own = frozenset((params[n],)) if n in params else frozenset()
                 reach[n] = own.union(*(reach[k] for k in children[n]))
+        # In post-order, not set order: W issues any collectives of the weight path
+        # (FSDP's reduce-scatters) group by group, and every rank must issue them alike.
         frontier = {n: frozenset().union(*(reach[k] for k in children[n] if k not in on_path))
-                    for n in on_path}
+                    for n in post if n in on_path}
         self._groups = _group({n: ps for n, ps in frontier.items() if ps})
         self._full = None
         handles = [n.register_prehook(_capture(self._captured, n))

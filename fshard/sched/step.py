@@ -30,7 +30,7 @@ from fshard import comm
 from fshard import lax
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
-from fshard.sched.ir import Kind, Schedule
+from fshard.sched.ir import Action, Kind, Schedule
 from fshard.sched.lower import add_reduce_grad, lower
 from fshard.sched.runtime import Executor
 from fshard.sched.validate import validate
@@ -54,6 +54,8 @@ class StepStats:
         n_recvs: payload receives issued (one per RECV action).
         bytes_sent: payload bytes sent.
         bytes_received: payload bytes received.
+        spans: ``(action, start_s, end_s)`` of every compute action, in seconds from the
+            start of the action loop, waits for inputs excluded (for timeline plots).
     """
 
     peak_activations: int
@@ -65,6 +67,7 @@ class StepStats:
     n_recvs: int
     bytes_sent: int
     bytes_received: int
+    spans: tuple[tuple[Action, float, float], ...] = ()
 
     @property
     def bubble_fraction(self) -> float:
@@ -197,7 +200,7 @@ def pipeline_step(
         busy_s=executor.busy_s, wait_s=executor.wait_s,
         wall_s=time.perf_counter() - t_start, n_sends=executor.n_sends,
         n_recvs=executor.n_recvs, bytes_sent=executor.bytes_sent,
-        bytes_received=executor.bytes_received)
+        bytes_received=executor.bytes_received, spans=tuple(executor.spans))
     return loss, grads, stats
 
 

@@ -173,48 +173,73 @@ def test_pp4_matches_unpipelined_model():
     _check(run_on_ranks(_parity_body, cases, world_size=4))
 
 
-# --- data parallel x pipeline (seed scenario 28, functional) -----------------------------
+# --- data parallel x pipeline (seed scenarios 27/28, functional) --------------------------
+
+def _fsdp_stage_fn(params, x, stage):
+    # FSDP by hand: every leaf is a dim-0 shard over dp, gathered for use; the gather's
+    # transpose (psum_scatter) sums the shards' gradients over dp.
+    full = fs.tree.tree_map(lambda t: fs.lax.all_gather(t, "dp", tiled=True), params)
+    return _layers(full, x)
+
 
 def _dp_pp_body(cases):
     mesh = fs.make_mesh({"dp": 2, "pp": 2})
     rank, dp = mesh.axis_index("pp"), mesh.axis_index("dp")
     params = _init()
     out = []
-    for name, kw, as_dtensor in cases:
+    for name, kw, mode in cases:
         sch = _make(name, 2, 4, kw)
         x, y = _data(16)  # global batch; dp rank d takes rows 8d..8d+7
         ref_loss, ref_grads = _reference(params, x, y)
-        sp = _stage_params(params, sch, rank, mesh if as_dtensor else None)
-        with fs.comm_log() as log:
-            loss, grads = fs.sched.pipeline_step(_stage_fn, _loss_fn, sp, (x, y), schedule=sch,
-                                                 mesh=mesh, data_axes="dp")
-        # Without the sum over dp, each rank's gradient is that of its own half only.
         half = slice(8 * dp, 8 * dp + 8)
         _, half_grads = _reference(params, x[half], y[half])
+        if mode == "fsdp":  # compare this rank's shard of every gradient
+            shard = lambda t: t.chunk(2)[dp]  # noqa: E731
+            ref_grads, half_grads = fs.tree.tree_map(shard, ref_grads), fs.tree.tree_map(shard, half_grads)
+            sp = [None if e is None else fs.shard(e, P("dp"), mesh)
+                  for e in _stage_params(params, sch, rank)]
+        else:
+            sp = _stage_params(params, sch, rank, mesh if mode == "dtensor" else None)
+        with fs.comm_log() as log:
+            loss, grads = fs.sched.pipeline_step(
+                _fsdp_stage_fn if mode == "fsdp" else _stage_fn, _loss_fn, sp, (x, y),
+                schedule=sch, mesh=mesh, data_axes="dp")
         kinds = {type(leaf).__name__ for e in grads if e is not None for lv in e.values()
                  for leaf in lv.values()}
         out.append({
-            "case": f"{name}{kw} dtensor={as_dtensor}",
+            "case": f"{name}{kw} {mode}",
+            "mode": mode,
             "loss_err": abs(loss.item() - ref_loss.item()),
             "grad_err": _max_err(grads, ref_grads),
+            # Each rank saw only its half: without the sum over dp the test would fail.
             "half_differs": _max_err(grads, half_grads) > 1e-3,
             "kinds": kinds,
-            # One gradient all-reduce per held stage (launched at its REDUCE_GRAD) + the loss.
             "dp_psums": log.by_axis[("psum", ("dp",))],
+            "dp_scatters": log.by_axis[("psum_scatter", ("dp",))],
             "n_held": len(sch.stages_of(rank)),
+            "n_leaves": 2 * N_LAYERS // 2,
         })
     return out
 
 
 def test_dp_x_pp_grads_averaged_over_dp_equal_global_batch_reference():
-    cases = [("gpipe", {}, False), ("one_f_one_b", {}, True), ("interleaved_1f1b", {}, False),
-             ("looped_bfs", {}, True), ("zero_bubble", {"n_virtual": 2}, False), ("zbv", {}, True)]
+    cases = [("gpipe", {}, "plain"), ("one_f_one_b", {}, "dtensor"),
+             ("interleaved_1f1b", {}, "plain"), ("looped_bfs", {}, "dtensor"),
+             ("zero_bubble", {"n_virtual": 2}, "plain"), ("zbv", {}, "dtensor"),
+             ("one_f_one_b", {}, "fsdp"), ("interleaved_1f1b", {}, "fsdp"),
+             ("zero_bubble", {"n_virtual": 2}, "fsdp"), ("zbv", {}, "fsdp")]
     for rank_results in run_on_ranks(_dp_pp_body, cases, world_size=4):
         for r in rank_results:
             assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
             assert r["half_differs"], r
-            assert r["kinds"] == ({"DTensor"} if "dtensor=True" in r["case"] else {"Tensor"}), r
-            assert r["dp_psums"] == r["n_held"] + 1, r
+            assert r["kinds"] == ({"Tensor"} if r["mode"] == "plain" else {"DTensor"}), r
+            if r["mode"] == "fsdp":
+                # Sharded leaves are reduced by the body's own psum_scatter (one per leaf per
+                # microbatch); only the loss is summed over dp.
+                assert r["dp_psums"] == 1 and r["dp_scatters"] == 4 * r["n_leaves"], r
+            else:
+                # One all-reduce per held stage (launched at its REDUCE_GRAD) + the loss.
+                assert r["dp_psums"] == r["n_held"] + 1 and r["dp_scatters"] == 0, r
 
 
 # --- tensor parallel inside the stage body (fs.lax over the tp axis) ---------------------
