@@ -49,10 +49,12 @@ _MSG_OUTSIDE = (
 
 @attrs.frozen
 class Body:
-    """What a shard_map body knows: its mesh and whether varying axes are tracked."""
+    """What a shard_map body knows: its mesh, whether varying axes are tracked, and which
+    parameter group owns each local leaf (``fs.parallel`` refuses a leaf in two groups)."""
 
     mesh: Mesh
     check: bool
+    owners: dict = attrs.field(factory=dict, eq=False, repr=False)
 
 
 BODY: contextvars.ContextVar[Body | None] = contextvars.ContextVar("fshard_body", default=None)

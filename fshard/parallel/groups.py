@@ -168,6 +168,24 @@ def _unflatten_shards(flat: torch.Tensor, lay: GroupLayout, like: Sequence[torch
     return out
 
 
+def _claim(owners: dict, groups: list[list[torch.Tensor]]) -> None:
+    """Records which group owns each leaf; a leaf may not belong to two different groups.
+
+    Using one group twice (a layer applied twice) is fine: its gradients add up. Putting a
+    leaf in two groups would reduce its gradient twice and gather it twice per use.
+    """
+    for g, leaves in enumerate(groups):
+        members = frozenset(id(x) for x in leaves)
+        for k, x in enumerate(leaves):
+            prev = owners.setdefault(id(x), members)
+            if prev != members:
+                raise ValueError(
+                    f"fs.parallel: leaf {k} of group {g} (shape {tuple(x.shape)}) is already managed by "
+                    f"another parameter group. A tied parameter must live in one group: gather it "
+                    f"once (e.g. tied embedding and output both in the root group) and use it twice."
+                )
+
+
 @attrs.define
 class Groups:
     """Per-call state: layouts, in-flight gathers, pending reductions, regather cache.
@@ -209,6 +227,8 @@ class Groups:
         self._sgroup = mesh.group(self.shard_axes) if self.n > 1 else None
         self._rgroup = mesh.group(self.replicate_axes) if self._rn > 1 else None
         self.layouts = [_layout(g, self.n, d, self.shard_axes, mesh) for g, d in zip(self.groups, self.dims)]
+        _claim(body.owners, self.groups)
+
 
     # --- forward --------------------------------------------------------------------
     def start_gather(self, i: int) -> None:

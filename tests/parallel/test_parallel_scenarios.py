@@ -172,7 +172,7 @@ def test_layer_loop_outside_shard_map():
 
 # --- scenarios 14 and 25: gradient accumulation without sync ----------------------------------
 
-def _accumulate(mode, raf):
+def _accumulate(mode, raf, root_only=False):
     n = dist.get_world_size()
     mesh = fs.make_mesh({"d": n})
     g = torch.Generator().manual_seed(0)
@@ -189,8 +189,9 @@ def _accumulate(mode, raf):
 
     def body(p, x, y, acc, sync):
         h = x @ fs.parallel.gather_params(p["lin"], accumulate=acc, sync=sync, **root_axes)["w"]
+        # root_only: only the root group defers its reduction (scenario 15)
         h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"], p["layers"], h,
-                                    reshard_after_forward=raf, accumulate=acc, sync=sync, **axes)
+                                    reshard_after_forward=raf, accumulate=acc, sync=sync or root_only, **axes)
         return fs.lax.pmean(((h - y) ** 2).mean(), "d")
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("d"), P("d"), None, None), out_specs=P()))
@@ -206,7 +207,9 @@ def _accumulate(mode, raf):
                     fs.optim.apply_updates(sharded, grads)
                 except RuntimeError as e:
                     early_error = str(e)
-            total = grads
+            # groups that reduce every microbatch return their own share each time
+            total = grads if total is None or not root_only else {
+                "lin": grads["lin"], "layers": fs.tree.tree_map(torch.add, total["layers"], grads["layers"])}
     ref = fs.tree.tree_map(torch.zeros_like, params)
     for k in range(3):
         def ref_loss(p):
@@ -228,6 +231,35 @@ def test_scenario14_fsdp_accumulation_reduces_once(raf):
         # once, or twice with reshard: 3 x (1 + 2 x 3) = 21 (the seed's 24 reshards the root too)
         assert counts["all_gather"] == (21 if raf else 12)
         assert "sync=True" in early and "never reduced" in early  # no silent step on partial grads
+
+
+def test_scenario15_partial_sync_root_only():
+    for diff, counts, _, pending in run_on_ranks(_accumulate, "fsdp", False, True, world_size=4):
+        assert diff < 1e-10 and not pending
+        assert counts["psum_scatter"] == 1 + 3 * 3  # root once, each layer every microbatch
+
+
+def _tied_in_two_groups():
+    mesh = fs.make_mesh({"d": 2})
+    w = torch.ones(4, 4, dtype=torch.float64)
+    sharded = fs.shard({"w": w, "norm": w[0], "b": w[0]}, P("d"), mesh)
+
+    def body(p, x):  # the root group {w, norm} and a layer group {w, b} both claim w
+        root = fs.parallel.gather_params({"emb": p["w"], "norm": p["norm"]}, axis="d")
+        h = fs.parallel.scan_layers(lambda lp, z: z @ lp["out"] + lp["b"], [{"out": p["w"], "b": p["b"]}],
+                                    x @ root["emb"] * root["norm"], axis="d")
+        return h.sum()
+
+    try:
+        fs.shard_map(body, mesh=mesh, in_specs=(P("d"), P()), out_specs=P(), check=False)(
+            sharded, torch.ones(1, 4, dtype=torch.float64))
+    except ValueError as e:
+        return str(e)
+
+
+def test_scenario12_tied_leaf_in_two_groups_is_an_error():
+    msg = run_on_ranks(_tied_in_two_groups, world_size=2)[0]
+    assert "already managed by another parameter group" in msg and "shape (2, 4)" in msg
 
 
 def test_scenario25_replicate_accumulation_all_reduces_once():
