@@ -136,6 +136,7 @@ class Executor:
         self._out_meta: dict[int, tuple[tuple[int, ...], torch.dtype, int]] = {}
         self._in_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._headed: set[int] = set()
+        self._owned: set[tuple[int, int]] = set()  # accumulators this executor allocated
 
     def run(self) -> Executor:
         """Executes every action of this rank in order; returns self."""
@@ -268,8 +269,15 @@ class Executor:
     def _accumulate(self, s: int, wrt: list[int], grads: Sequence[torch.Tensor | None]) -> None:
         acc = self.grads[s]
         for i, g in zip(wrt, grads):
-            if g is not None:
-                acc[i] = g if acc[i] is None else acc[i] + g
+            if g is None:
+                continue
+            if acc[i] is None:
+                acc[i] = g  # may alias another gradient (x + b), so never written in place
+            elif (s, i) in self._owned:
+                acc[i].add_(g)
+            else:
+                acc[i] = acc[i] + g
+                self._owned.add((s, i))
 
     def _emit_input_grad(self, s: int, mb: int, x: Any, dx: torch.Tensor | None) -> None:
         if s == 0:
