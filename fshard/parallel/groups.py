@@ -205,7 +205,7 @@ class Groups:
     policy: Policy
     bucket_bytes: int = 25 * 2**20
     accumulator: Any = None
-    sync: bool = True
+    sync: bool | str = True
     layouts: list[GroupLayout] = attrs.field(init=False)
     n: int = attrs.field(init=False)
     _sgroup: Any = attrs.field(init=False)
@@ -221,6 +221,8 @@ class Groups:
         body = lax.BODY.get()
         if body is None:
             raise RuntimeError("fs.parallel layer loops run inside a shard_map body (they issue collectives).")
+        if self.sync not in (True, False, "reduce_scatter"):
+            raise ValueError(f"fs.parallel: sync={self.sync!r}; use True, False or 'reduce_scatter'.")
         mesh = body.mesh
         self.n = mesh.axis_size(self.shard_axes) if self.shard_axes else 1
         self._rn = mesh.axis_size(self.replicate_axes) if self.replicate_axes else 1
@@ -290,8 +292,8 @@ class Groups:
                 self._flush()
             return
         flat = _flatten_grads(grads, self.n, lay, dtype)
-        if self.accumulator is not None:
-            key = (lay.shapes, i, self.groups[i][0].untyped_storage().data_ptr())
+        if self.accumulator is not None and self.sync != "reduce_scatter":
+            key = self._key(i)
             if not self.sync:
                 self.accumulator.add(key, flat)  # no reduction: this call's shard grads are zeros
                 return
@@ -304,6 +306,9 @@ class Groups:
             self._flush()
             return
         self._pending[i] = (flat, rs, None)
+
+    def _key(self, i: int) -> tuple:
+        return (self.layouts[i].shapes, i, self.groups[i][0].untyped_storage().data_ptr())
 
     def _flush(self) -> None:
         if not self._bucket:
@@ -328,6 +333,14 @@ class Groups:
         flat, rs, ar = entry
         if rs is not None:
             flat = rs.wait()
+            if self.accumulator is not None:
+                key = ("reduce_scattered",) + self._key(i)
+                if self.sync == "reduce_scatter":  # HSDP: keep the shard-reduced grads, skip the all-reduce
+                    self.accumulator.add(key, flat)
+                    return [None] * len(self.groups[i])
+                prev = self.accumulator.take(key)
+                if prev is not None:
+                    flat = flat + prev
             if self._rn > 1:  # HSDP: reduce-scatter over the shard axis, then all-reduce over replicas
                 flat = comm.all_reduce(flat, self._rgroup, "sum", kind="psum", axes=self.replicate_axes)
         elif ar is not None:

@@ -80,7 +80,7 @@ def scan_layers(
     backward_prefetch: Sequence[Sequence[int]] | None = None,
     bucket_bytes: int = 25 * 2**20,
     accumulate: Any = None,
-    sync: bool = True,
+    sync: bool | str = True,
 ) -> Any:
     """Runs ``x = block_fn(layer_params[i], x)`` for every layer with FSDP-style gathering.
 
@@ -112,7 +112,9 @@ def scan_layers(
       accumulate: a :class:`~fshard.parallel.GradAccumulator` for gradient accumulation.
       sync: with ``accumulate``, ``False`` skips the reduction and keeps the unreduced
         gradient in the accumulator (the returned shard grads are zeros); ``True`` adds
-        the accumulated gradients and reduces once.
+        the accumulated gradients and reduces once; ``"reduce_scatter"`` (HSDP)
+        reduce-scatters over ``axis`` every microbatch but defers the all-reduce over
+        ``replicate_axis`` to the ``True`` microbatch.
 
     Returns:
       The output of the last layer.
@@ -221,7 +223,7 @@ def gather_params(
     policy: Policy | None = None,
     dim: int | None = None,
     accumulate: Any = None,
-    sync: bool = True,
+    sync: bool | str = True,
 ) -> Any:
     """Gathers one group of parameters (e.g. embeddings + head) for use in a shard_map body.
 

@@ -172,9 +172,10 @@ def test_layer_loop_outside_shard_map():
 
 # --- scenarios 14 and 25: gradient accumulation without sync ----------------------------------
 
-def _accumulate(mode, raf, root_only=False):
+def _accumulate(mode, raf, root_only=False, defer="none"):
     n = dist.get_world_size()
-    mesh = fs.make_mesh({"d": n})
+    mesh = fs.make_mesh({"r": 2, "d": n // 2} if mode == "hsdp" else {"d": n})
+    data = ("r", "d") if mode == "hsdp" else "d"
     g = torch.Generator().manual_seed(0)
     dim = 32
     params = {"lin": {"w": torch.randn(dim, dim, generator=g, dtype=torch.float64) * 0.2},
@@ -182,6 +183,8 @@ def _accumulate(mode, raf, root_only=False):
                           "w2": torch.randn(dim, dim, generator=g, dtype=torch.float64) * 0.2} for _ in range(3)]}
     if mode == "fsdp":
         specs, axes = fs.parallel.fsdp_specs(params, "d"), dict(axis="d")
+    elif mode == "hsdp":
+        specs, axes = fs.parallel.hsdp_specs(params, "d", "r"), dict(axis="d", replicate_axis="r")
     else:
         specs, axes = fs.parallel.replicate_specs(params), dict(axis=None, replicate_axis="d", bucket_bytes=1)
     sharded = fs.shard(params, specs, mesh, uneven=True)
@@ -192,16 +195,16 @@ def _accumulate(mode, raf, root_only=False):
         # root_only: only the root group defers its reduction (scenario 15)
         h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"], p["layers"], h,
                                     reshard_after_forward=raf, accumulate=acc, sync=sync or root_only, **axes)
-        return fs.lax.pmean(((h - y) ** 2).mean(), "d")
+        return fs.lax.pmean(((h - y) ** 2).mean(), data)
 
-    step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("d"), P("d"), None, None), out_specs=P()))
+    step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(data), P(data), None, None), out_specs=P()))
     acc = fs.parallel.GradAccumulator()
     xs = torch.randn(3, 2 * n, dim, generator=g, dtype=torch.float64)
     ys = torch.randn(3, 2 * n, dim, generator=g, dtype=torch.float64)
     total, early_error = None, None
     with fs.comm_log() as log:
         for k in range(3):
-            _, grads = step(sharded, xs[k], ys[k], acc, k == 2)
+            _, grads = step(sharded, xs[k], ys[k], acc, True if k == 2 else ("reduce_scatter" if defer == "all_reduce" else False))
             if k == 0:
                 try:
                     fs.optim.apply_updates(sharded, grads)
@@ -231,6 +234,14 @@ def test_scenario14_fsdp_accumulation_reduces_once(raf):
         # once, or twice with reshard: 3 x (1 + 2 x 3) = 21 (the seed's 24 reshards the root too)
         assert counts["all_gather"] == (21 if raf else 12)
         assert "sync=True" in early and "never reduced" in early  # no silent step on partial grads
+
+
+@pytest.mark.parametrize("defer, rs, ar", [("none", 4, 4), ("all_reduce", 12, 4)])
+def test_scenario16_hsdp_accumulation_counts(defer, rs, ar):
+    for diff, counts, _, pending in run_on_ranks(_accumulate, "hsdp", False, False, defer, world_size=4):
+        assert diff < 1e-10 and not pending
+        assert counts["psum_scatter"] == rs
+        assert counts["psum"] == ar + 3  # all-reduces over the replicate axis + 3 loss pmeans
 
 
 def test_scenario15_partial_sync_root_only():
