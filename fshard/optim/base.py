@@ -347,7 +347,7 @@ def flatten_matching(what: str, first: tuple[str, Any], *others: tuple[str, Any]
         leaves, td = tree_util.tree_flatten(tree)
         if td != treedef:
             raise ValueError(_structure_error(what, name0, tree0, name, tree))
-        bad = [i for i, (a, b) in enumerate(zip(leaves0, leaves)) if _layout(a) != _layout(b)]
+        bad = [i for i, (a, b) in enumerate(zip(leaves0, leaves)) if not _same_layout(a, b)]
         if bad:
             paths, _, _ = tree_util.zip_with_path(tree0)
             _check_tensors(what, name0, paths, leaves0)
@@ -355,6 +355,21 @@ def flatten_matching(what: str, first: tuple[str, Any], *others: tuple[str, Any]
             raise ValueError(_layout_error(what, name0, name, [(paths[i], leaves0[i], leaves[i]) for i in bad]))
         out.append(leaves)
     return (*out, treedef)
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """``_layout(a) == _layout(b)``, without building the tuples on the common paths.
+
+    Every transform checks every leaf of two or three trees each step; building and
+    comparing layout tuples cost ~60 us per 50-leaf pair, a third of a step's Python
+    time. Plain tensors compare shapes; DTensors made by :func:`wrap_like` share their
+    parameter's spec object, and one spec object means one shape, mesh and placements.
+    """
+    if type(a) is torch.Tensor and type(b) is torch.Tensor:
+        return a.shape == b.shape
+    if type(a) is DTensor and type(b) is DTensor and a._spec is b._spec:
+        return True
+    return _layout(a) == _layout(b)
 
 
 def _layout(x: Any) -> tuple[Any, ...]:

@@ -284,8 +284,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             vl = state_for_kernel(to_locals(nu))
             out = [torch.zeros_like(x) for x in gl]  # receives 0 - lr * step with lr = -1
             mark_private(out)
-            # One step counter per leaf, as the kernel increments each of them.
-            steps = [torch.tensor(float(state.count), dtype=torch.float64) for _ in gl]
+            # One step counter per leaf, as the kernel increments each of them: views of
+            # one tensor, made in one call (a torch.tensor per leaf cost ~5 us each).
+            steps = list(torch.full((len(gl),), float(state.count), dtype=torch.float64).unbind())
             if gl:
                 _torch_adam(
                     out, gl, ml, vl, [], steps, foreach=True, capturable=False, differentiable=False,

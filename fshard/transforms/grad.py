@@ -43,10 +43,19 @@ def value_and_grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0,
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any):
         args = list(args)
+        # Flatten each differentiated argument once and keep its fresh leaves: the grads
+        # are taken w.r.t. exactly these (a second flatten after the call cost ~50 us
+        # per 50-leaf tree per step).
+        fresh: dict[int, tuple[list[Any], Any]] = {}
         for i in nums:
             if i >= len(args):
                 raise TypeError(f"value_and_grad: argnums={argnums} but only {len(args)} positional args were given.")
-            args[i] = tree_util.tree_map(_fresh_leaf, args[i])
+            if i not in fresh:  # an index listed twice gets the same leaves (and grads) twice
+                leaves, d = tree_util.tree_flatten(args[i])
+                leaves = [_fresh_leaf(x) for x in leaves]
+                args[i] = tree_util.tree_unflatten(d, leaves)
+                fresh[i] = (leaves, d)
+        flat, defs = [fresh[i][0] for i in nums], [fresh[i][1] for i in nums]
         out = f(*args, **kwargs)
         value, aux = (out if has_aux else (out, None))
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -55,12 +64,6 @@ def value_and_grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0,
                 f"{' as the first element of (value, aux)' if has_aux else ''}; got "
                 f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}."
             )
-        trees = [args[i] for i in nums]
-        flat, defs = [], []
-        for t in trees:
-            leaves, d = tree_util.tree_flatten(t)
-            flat.append(leaves)
-            defs.append(d)
         wrt = [x for leaves in flat for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
         grads = torch.autograd.grad(value, wrt, allow_unused=True) if wrt and value.requires_grad else [None] * len(wrt)
         it = iter(grads)
