@@ -62,6 +62,12 @@ class _Once:
             self.work.wait()
             self.work = self.tensor = None
 
+    def finished(self) -> bool:
+        """True (and the tensor released) if the transfer is known to be complete."""
+        if self.work is not None and getattr(self.work, "is_completed", lambda: False)():
+            self.wait()
+        return self.work is None
+
     @staticmethod
     def post(ops: list[dist.P2POp]) -> list[_Once]:
         works = dist.batch_isend_irecv(ops)
@@ -125,7 +131,7 @@ class Executor:
             s: [None] * len(leaves) for s, (leaves, _) in params.items()}
         self.losses: list[torch.Tensor | None] = [None] * schedule.n_microbatches
         self.peak_activations = self._live = 0
-        self.busy_s = self.wait_s = 0.0
+        self.busy_s = self.wait_s = self._t0 = 0.0
         self.spans: list[tuple[Action, float, float]] = []
         self.n_sends = self.n_recvs = self.bytes_sent = self.bytes_received = 0
         self._saved: dict[tuple[int, int], _Saved] = {}
@@ -295,6 +301,8 @@ class Executor:
 
     def _post(self, batch: Sequence[Action]) -> None:
         """Posts one run of SEND/RECV actions: sends first, then receives."""
+        # Completed sends let go of their buffers now rather than at the end of the step.
+        self._sent = [w for w in self._sent if not w.finished()]
         ops: list[dist.P2POp] = []
         for a in (a for a in batch if a.kind in _SENDS):
             t = self._outbox.pop((a.kind, a.stage, a.microbatch), None)

@@ -104,6 +104,10 @@ def pipeline_step(
     local tensors and may call ``fs.lax`` collectives over the other mesh axes (tp,
     fsdp, dp), Megatron style (place ``fs.lax.pvary`` yourself where needed).
 
+    Loss scaling happens in one place: the gradient seeded at each microbatch loss is
+    1 / (n_microbatches * data-parallel size). Every call returns fresh gradients, so to
+    accumulate k steps add their grads and divide by k.
+
     Data parallelism: ``data_axes`` names mesh axes over which the global batch is
     split (dim 0, before the microbatch split). Gradients of leaves that are plain
     tensors or DTensors replicated over those axes are summed over them (each rank's

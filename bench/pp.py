@@ -1,0 +1,257 @@
+"""fshard's pipeline_step vs torch.distributed.pipelining, same model, same schedule, same run.
+
+    PYTHONPATH=. python bench/pp.py [--steps 20] [--batch 16] [--microbatches 4 8] [--plot PATH]
+
+The model is native_baseline.md's Transformer (vocab 512, dim 256, 4 layers, 4 heads,
+seq 128, MLP 4x, untied head, fp32) cut in 2 stages: stage 0 = embeddings + blocks 0-1,
+stage 1 = blocks 2-3 + norm + head, cross-entropy loss; 2 gloo ranks, one thread each,
+global batch ``--batch`` split into m microbatches. Each step is forward + backward of
+all microbatches (no optimizer): fshard's ``pipeline_step`` on ``fs.sched.gpipe(2, m)``
+and ``fs.sched.one_f_one_b(2, m)`` against torch's ``ScheduleGPipe`` and
+``Schedule1F1B``, and ZB-H1 (``fs.sched.zero_bubble(2, m)``, backward split into I and
+W) against torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank (which
+runs the same order), over ``PipelineStage`` modules holding the same weights. Step time =
+slowest rank, median of ``--steps`` steps after 3 warm-up steps, all four alternating
+in the same processes.
+
+Bubble: "measured" is 1 - busy / step time on each rank (median over steps, mean over
+ranks), where busy is the time inside compute: fshard's own per-action timers
+(``StepStats.busy_s``), and for torch timers wrapped around its stage's
+``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk`` and its
+loss (receives are waited outside them in both). "simulated" is ``fs.sched.simulate``
+at unit costs (F = I = W = 1, full B = 2) and at the mean F, I and W times fshard
+measured (a full B split 1:1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fshard as fs
+from fshard.models import TransformerConfig, TransformerModule, block, embed, head, transformer_init
+
+CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
+NAMES = ("gpipe", "1f1b", "zb-h1")
+
+
+class _Stage(nn.Module):
+    """Blocks [lo, hi) of a TransformerModule, with embeddings (first) or head (last)."""
+
+    def __init__(self, model: TransformerModule, lo: int, hi: int, first: bool) -> None:
+        super().__init__()
+        self.first = first
+        self.layers = nn.ModuleList(model.layers[lo:hi])
+        if first:
+            self.tok_embeddings, self.pos_embeddings = model.tok_embeddings, model.pos_embeddings
+        else:
+            self.norm, self.output = model.norm, model.output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:  # (b, T) tokens -> (b, T, D)
+            x = self.tok_embeddings(x) + self.pos_embeddings(torch.arange(x.shape[1]))
+        for layer in self.layers:
+            x = layer(x)
+        return x if self.first else self.output(self.norm(x))  # (b, T, D) or (b, T, V)
+
+
+def _loss(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+
+
+def per_rank(steps: int, batch: int, microbatches: list[int]):
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleavedZeroBubble)
+
+    torch.set_num_threads(1)
+    mesh = fs.make_mesh({"pp": 2})
+    rank = mesh.axis_index("pp")
+    cfg = TransformerConfig(**CFG)
+    half = cfg.n_layers // 2
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g)
+    tgt = torch.roll(tok, -1, 1)
+
+    params = transformer_init(cfg, 0)
+    mine = range(0, half) if rank == 0 else range(half, cfg.n_layers)
+    entry = {"layers": {str(i): params["layers"][i] for i in mine}}
+    entry.update({k: params[k] for k in (("tok_embeddings", "pos_embeddings") if rank == 0
+                                          else ("norm", "output"))})
+    stage_params = [entry, None] if rank == 0 else [None, entry]
+
+    def stage_fn(p, x, s):
+        x = embed(p, x, cfg) if s == 0 else x                      # (b, T, D)
+        for key in sorted(p["layers"], key=int):
+            x = block(p["layers"][key], x, cfg)
+        return head(p, x, cfg) if s == 1 else x                    # (b, T, V) or (b, T, D)
+
+    module = _Stage(TransformerModule(cfg, seed=0), mine.start, mine.stop, rank == 0)
+    torch_busy = [0.0]
+    sides, sched_of = {}, {}
+    for m in microbatches:
+        for name, ours, theirs in (("gpipe", fs.sched.gpipe, ScheduleGPipe),
+                                   ("1f1b", fs.sched.one_f_one_b, Schedule1F1B),
+                                   ("zb-h1", fs.sched.zero_bubble,
+                                    lambda st, m, **kw: ScheduleInterleavedZeroBubble([st], m, **kw))):
+            sch = ours(2, m)
+            sched_of[(name, m)] = sch
+            stage = PipelineStage(module, rank, 2, torch.device("cpu"), group=mesh.group("pp"))
+            native = theirs(stage, m, loss_fn=_loss)
+            # torch's compute: its stage's forward/backward chunks and the loss (the
+            # schedule waits for receives outside them), timed like fshard's actions.
+            for obj, attr in ((stage, "forward_one_chunk"), (stage, "backward_one_chunk"),
+                              (stage, "backward_weight_one_chunk"),
+                              (native, "_maybe_compute_loss")):
+                setattr(obj, attr, _timed(getattr(obj, attr), torch_busy))
+
+            def torch_step(native=native):
+                torch_busy[0] = 0.0
+                module.zero_grad(set_to_none=True)
+                if rank == 0:
+                    native.step(tok)
+                    return None
+                losses: list[torch.Tensor] = []
+                native.step(target=tgt, losses=losses)
+                return torch.stack(losses).mean()
+
+            def fshard_step(sch=sch):
+                return fs.sched.pipeline_step(stage_fn, _loss, stage_params, (tok, tgt),
+                                              schedule=sch, mesh=mesh, return_stats=True)
+
+            sides[("torch", name, m)] = torch_step
+            sides[("fshard", name, m)] = fshard_step
+
+    times = {k: [] for k in sides}
+    bubble = {k: [] for k in sides}
+    stats = {}
+    first_loss = {}
+    for i in range(steps + 3):
+        for k, step in sides.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = step()
+            dt = torch.tensor([time.perf_counter() - t0])
+            busy = out[2].busy_s if k[0] == "fshard" else torch_busy[0]
+            if i >= 3:
+                bubble[k].append(1 - busy / dt.item())  # this rank's idle share of its step
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+            if i >= 3:
+                times[k].append(dt.item())
+            if k[0] == "fshard":
+                stats[k[1:]] = out[2]
+                first_loss.setdefault(k, float(out[0]))
+            elif out is not None:
+                first_loss.setdefault(k, float(out.detach()))
+    # Same gradients everywhere: torch 1F1B's .grad (scaled by 1/m) vs every fshard schedule.
+    grad_err = {}
+    for m in microbatches:
+        sides[("torch", "1f1b", m)]()
+        ref = {_global_name(n, mine.start): p.grad for n, p in module.named_parameters()}
+        for name in NAMES:
+            _, grads, _ = sides[("fshard", name, m)]()
+            got = dict(fs.tree.leaves_with_path(grads[rank]))
+            grad_err[(name, m)] = max((got[k] - g).abs().max().item() for k, g in ref.items())
+    module.zero_grad(set_to_none=True)
+    return ({k: statistics.median(v) for k, v in times.items()},
+            {k: statistics.median(v) for k, v in bubble.items()}, stats, first_loss, sched_of,
+            grad_err)
+
+
+def _global_name(name: str, start: int) -> str:
+    parts = name.split(".")
+    if parts[0] == "layers":
+        parts[1] = str(int(parts[1]) + start)
+    return ".".join(parts)
+
+
+def _timed(fn, acc: list[float]):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[0] += time.perf_counter() - t0
+    return wrapper
+
+
+def _kind_means(spans) -> tuple[float, float, float]:
+    """Mean F, I and W seconds (a full B counts as I + W, split in the unit ratio 1:1)."""
+    t = {k: [e - s for a, s, e in spans if a.kind.value == k] for k in "FBIW"}
+    i = t["I"] + [x / 2 for x in t["B"]]
+    w = t["W"] + [x / 2 for x in t["B"]]
+    return statistics.mean(t["F"]), statistics.mean(i), statistics.mean(w)
+
+
+def _plot(path: str, results: list, microbatches: list[int], m: int) -> None:
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    colors = {"F": "#4C72B0", "B": "#8172B2", "I": "#55A868", "W": "#DD8452"}
+    fig = Figure(figsize=(10, 1.8 * len(NAMES)))
+    for row, name in enumerate(NAMES):
+        ax = fig.add_subplot(len(NAMES), 1, row + 1)
+        for rank, res in enumerate(results):
+            st = res[2][(name, m)]
+            for a, s, e in st.spans:
+                ax.barh(rank, e - s, left=s, height=0.8, color=colors[a.kind.value],
+                        edgecolor="white", linewidth=0.5)
+                ax.text((s + e) / 2, rank, str(a.microbatch), ha="center", va="center",
+                        fontsize=7, color="white")
+        sim = fs.sched.simulate(results[0][4][(name, m)])
+        ax.set_yticks([0, 1], ["rank 0", "rank 1"])
+        ax.set_ylim(1.5, -0.5)
+        ax.set_title(f"fshard {name}, p=2, m={m}: measured timeline (last step); simulated "
+                     f"bubble at F=I=W=1: {float(sim.bubble_fraction):.0%}", fontsize=9)
+    ax.set_xlabel("seconds from the start of the action loop")
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper right",
+               fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--plot", default="")
+    args = ap.parse_args()
+    results = fs.run_local(per_rank, args.steps, args.batch, args.microbatches, world_size=2,
+                           timeout_s=3000)
+    times, _, _, _, schedules, _ = results[0]
+    print(f"pipeline: 2 gloo ranks, global batch {args.batch}, median of {args.steps} steps "
+          f"(forward + backward, no optimizer)")
+    print("| schedule | m | torch s/step | fshard s/step | ratio | measured bubble torch / fshard "
+          "| simulated bubble (F=I=W=1 / measured F,I,W) |")
+    print("|---|---|---|---|---|---|---|")
+    for m in args.microbatches:
+        for name in NAMES:
+            tt, tf = times[("torch", name, m)], times[("fshard", name, m)]
+            bub_t = statistics.mean(r[1][("torch", name, m)] for r in results)
+            bub_f = statistics.mean(r[1][("fshard", name, m)] for r in results)
+            costs = [round(statistics.mean(x[k] for x in (_kind_means(r[2][(name, m)].spans)
+                                                          for r in results)) * 1e4)
+                     for k in range(3)]  # integer 0.1 ms units
+            sch = schedules[(name, m)]
+            sim_unit = float(fs.sched.simulate(sch).bubble_fraction)
+            sim_meas = float(fs.sched.simulate(sch, f=costs[0], b=costs[1], w=costs[2])
+                             .bubble_fraction)
+            print(f"| {name} | {m} | {tt:.3f} | {tf:.3f} | {tf / tt:.2f} | {bub_t:.0%} / {bub_f:.0%} "
+                  f"| {sim_unit:.0%} / {sim_meas:.0%} |")
+    losses = results[1][3]
+    print("max |grad - torch 1F1B grad| over both ranks:",
+          {f"{k[0]} m={k[1]}": f"{max(r[5][k] for r in results):.1e}" for k in results[0][5]})
+    print("first losses (rank 1):", {f"{k[0]} {k[1]} m={k[2]}": round(v, 6) for k, v in losses.items()})
+    if args.plot:
+        _plot(args.plot, results, args.microbatches, args.microbatches[0])
+        print("wrote", args.plot)
+
+
+if __name__ == "__main__":
+    main()
