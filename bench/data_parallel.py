@@ -51,12 +51,13 @@ def _native_step(mode: str, cfg: TransformerConfig):
     return step
 
 
-def _fshard_step(mode: str, cfg: TransformerConfig, mesh):
+def _fshard_step(mode: str, cfg: TransformerConfig, mesh, bucket_mb: float = 25.0):
     params = transformer_init(cfg, 0)
     if mode == "fsdp":
         specs, axes = fs.parallel.fsdp_specs(params, "d"), dict(axis="d")
     else:
         specs, axes = fs.parallel.replicate_specs(params), dict(axis=None, replicate_axis="d")
+    loop_kw = dict(axes, bucket_bytes=int(bucket_mb * 2**20)) if mode != "fsdp" else axes
     sharded = fs.shard(params, specs, mesh, uneven=True)
     opt = fs.optim.adamw(1e-3, weight_decay=0.01)
     state = opt.init(sharded)
@@ -64,7 +65,7 @@ def _fshard_step(mode: str, cfg: TransformerConfig, mesh):
     def loss_fn(p, tok, tgt):
         root = fs.parallel.gather_params({k: v for k, v in p.items() if k != "layers"}, **axes)
         x = embed(root, tok, cfg)                                            # (b, T, D)
-        x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], x, **axes)
+        x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], x, **loop_kw)
         logits = head(root, x, cfg)                                          # (b, T, V)
         return fs.lax.pmean(F.cross_entropy(logits.flatten(0, 1), tgt.flatten()), "d")
 
@@ -82,7 +83,7 @@ def _fshard_step(mode: str, cfg: TransformerConfig, mesh):
     return step
 
 
-def per_rank(mode: str, steps: int, batch: int):
+def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0):
     torch.set_num_threads(1)
     n = dist.get_world_size()
     mesh = fs.make_mesh({"d": n})
@@ -92,7 +93,7 @@ def per_rank(mode: str, steps: int, batch: int):
     tgt = torch.roll(tok, -1, 1)
     r = dist.get_rank()
     local_tok, local_tgt = tok[r * batch:(r + 1) * batch], tgt[r * batch:(r + 1) * batch]
-    sides = {"torch": _native_step(mode, cfg), "fshard": _fshard_step(mode, cfg, mesh)}
+    sides = {"torch": _native_step(mode, cfg), "fshard": _fshard_step(mode, cfg, mesh, bucket_mb)}
     args = {"torch": (local_tok, local_tgt), "fshard": (tok, tgt)}
     times = {k: [] for k in sides}
     losses = {k: [] for k in sides}
@@ -120,8 +121,9 @@ def main(mode: str) -> None:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="replicate: gradient bucket size")
     args = ap.parse_args()
-    times, losses, nbytes, counts = fs.run_local(per_rank, mode, args.steps, args.batch,
+    times, losses, nbytes, counts = fs.run_local(per_rank, mode, args.steps, args.batch, args.bucket_mb,
                                                  world_size=args.world_size, timeout_s=3000)[0]
     cfg = TransformerConfig(**CFG)
     init = transformer_init(cfg, 0)
