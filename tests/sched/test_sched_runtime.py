@@ -96,7 +96,12 @@ def _max_err(grads, ref_grads):
 
 
 def _make(name, n, m, kw):
-    return getattr(fs.sched, name)(n, m, **kw)
+    kw = dict(kw)
+    lowered, hooks = kw.pop("lowered", False), kw.pop("hooks", False)
+    sch = getattr(fs.sched, name)(n, m, **kw)
+    if hooks:  # FSDP hook actions are accepted (no-ops without data axes or hooks)
+        sch = fs.sched.add_unshard_reshard(fs.sched.add_reduce_grad(sch))
+    return fs.sched.lower(sch) if lowered else sch
 
 
 # --- every generator against the unpipelined model --------------------------------------
@@ -116,7 +121,7 @@ def _parity_body(cases):
         with fs.comm_log() as log:
             loss, grads, stats = fs.sched.pipeline_step(
                 _stage_fn, _loss_fn, sp, (x, y), schedule=sch, mesh=mesh, return_stats=True)
-        lowered = fs.sched.lower(sch)
+        lowered = sch if sch.is_lowered else fs.sched.lower(sch)
         mb_losses = None
         if stats.losses is not None:
             mb_losses = max(abs(stats.losses[i].item()
@@ -132,10 +137,10 @@ def _parity_body(cases):
             # One backward of each stage output per microbatch: W never re-runs I's chain.
             "backward_calls": _Count.calls,
             "expected_calls": m * len(sch.stages_of(rank)),
-            "sends": (log.counts["send"], sum(a.kind.value == "SEND_F" or a.kind.value == "SEND_B"
-                                                for a in lowered.actions[rank])),
+            "sends": (log.counts["send"], sum(a.kind.value in ("SEND_F", "SEND_B")
+                                              for a in lowered.actions[rank])),
             "recvs": (log.counts["recv"], sum(a.kind.value in ("RECV_F", "RECV_B")
-                                                for a in lowered.actions[rank])),
+                                              for a in lowered.actions[rank])),
             "mb_losses": mb_losses,
             "last": rank == sch.last_rank,
         })
@@ -160,6 +165,8 @@ PP2_CASES = [
     ("looped_bfs", {}, 4), ("zero_bubble", {}, 4), ("zero_bubble", {"n_virtual": 2}, 4),
     ("zbv", {}, 4), ("dualpipev", {}, 4), ("zb_h2", {}, 4),
     ("one_f_one_b", {}, 1), ("interleaved_1f1b", {}, 6), ("zbv", {}, 2),
+    ("dualpipev", {"overlap": False}, 4), ("one_f_one_b", {"lowered": True}, 4),
+    ("zero_bubble", {"n_virtual": 2, "hooks": True}, 4),
 ]
 
 
