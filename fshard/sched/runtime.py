@@ -25,6 +25,7 @@ take the shape of the stage output this rank computed itself.
 from __future__ import annotations
 
 import time
+from collections import deque
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -104,6 +105,8 @@ class Executor:
             scaled (1 / (n_microbatches * data-parallel size)).
         device: where receive buffers live.
         hooks: ``{Kind.UNSHARD | RESHARD | REDUCE_GRAD: fn(stage, executor)}`` (optional).
+        prefetch: receives kept posted ahead of their place in the list (gloo only;
+            optional, default 2).
 
     Attributes (after :meth:`run`):
         grads: per held stage, one gradient (or None) per leaf, summed over microbatches.
@@ -121,7 +124,8 @@ class Executor:
                  stage_fn: Callable[..., Any], loss_fn: Callable[..., Any],
                  params: Mapping[int, tuple[list[Any], Any]], inputs: Sequence[Any],
                  targets: Sequence[Any], seed: float, device: torch.device,
-                 hooks: Mapping[Kind, Callable[[int, Executor], None]] | None = None) -> None:
+                 hooks: Mapping[Kind, Callable[[int, Executor], None]] | None = None,
+                 prefetch: int = 2) -> None:
         self.schedule, self.rank, self.group, self.axis = schedule, rank, group, axis
         self.stage_fn, self.loss_fn, self.params = stage_fn, loss_fn, params
         self.inputs, self.targets, self.seed, self.device = inputs, targets, seed, device
@@ -143,6 +147,10 @@ class Executor:
         self._in_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._headed: set[int] = set()
         self._owned: set[tuple[int, int]] = set()  # accumulators this executor allocated
+        self._unposted = deque(a for a in schedule.actions[rank]
+                               if a.kind in (Kind.RECV_F, Kind.RECV_B))
+        self._posted: set[Action] = set()
+        self.prefetch = prefetch if dist.get_backend(group) == "gloo" else 0
 
     def run(self) -> Executor:
         """Executes every action of this rank in order; returns self."""
@@ -186,6 +194,7 @@ class Executor:
             {F: self._forward, B: self._backward, I: self._backward_input,
              W: self._backward_weight}[p.kind](p.stage, p.microbatch)
         self._live -= sum(1 for p in action.parts if p.kind in (B, W))
+        self._prefetch()
         t1, waited = time.perf_counter(), self.wait_s - wait0
         self.busy_s += t1 - t0 - waited
         # Inputs are waited for before compute starts, so the compute begins after the wait.
@@ -317,29 +326,56 @@ class Executor:
             self.n_sends += 1
             self.bytes_sent += t.numel() * t.element_size()
             comm.record("send", (self.axis,), t.numel() * t.element_size())
-        recvs = [a for a in batch if a.kind not in _SENDS]
-        headers = [(a, torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device))
-                   for a in recvs if a.kind is Kind.RECV_F and a.stage not in self._in_meta]
-        if headers:
-            # Buffers are sized by the header, so it must arrive before the payload's
-            # receive is posted; this rank's sends go out first so the peer can progress.
-            works = _Once.post(ops + [self._op(dist.irecv, h, a) for a, h in headers])
-            self._sent += works[:len(ops)]
-            self._wait(works[len(ops):])
-            for a, h in headers:
-                n = int(h[0])
-                self._in_meta[a.stage] = (tuple(h[2:2 + n].tolist()), _DTYPES[int(h[1])])
-            ops = []
-        bufs = [(a, self._recv_buffer(a)) for a in recvs]
-        if not ops and not bufs:
-            return
-        works = _Once.post(ops + [self._op(dist.irecv, buf, a) for a, buf in bufs])
-        self._sent += works[:len(ops)]
-        for (a, buf), work in zip(bufs, works[len(ops):]):
+        self._post_ops(ops, [a for a in batch if a.kind not in _SENDS and a not in self._posted])
+        self._prefetch()
+
+    def _post_ops(self, ops: list[dist.P2POp], recvs: Sequence[Action]) -> None:
+        """Posts sends ``ops`` and then ``recvs``, the next receives in list order.
+
+        Receives from one peer must be posted in the order of its sends, so a payload
+        whose size comes in a header waits for the header in place: the sends and the
+        receives before it are posted first, then the header's receive, then the rest.
+        """
+        n_send, keyed = len(ops), []
+        for a in recvs:
+            if self._unposted.popleft() != a:
+                raise ScheduleError(f"rank {self.rank}: {a} posted out of list order")
+            self._posted.add(a)
+            if a.kind is Kind.RECV_F and a.stage not in self._in_meta:
+                h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+                works = _Once.post(ops + [self._op(dist.irecv, h, a)])
+                self._register(works[:-1], n_send, keyed)
+                self._wait(works[-1:])
+                self._in_meta[a.stage] = (tuple(h[2:2 + int(h[0])].tolist()), _DTYPES[int(h[1])])
+                ops, n_send, keyed = [], 0, []
+            buf = self._recv_buffer(a)
+            ops.append(self._op(dist.irecv, buf, a))
+            keyed.append((a, buf))
+        if ops:
+            self._register(_Once.post(ops), n_send, keyed)
+
+    def _register(self, works: list[_Once], n_send: int,
+                  keyed: list[tuple[Action, torch.Tensor]]) -> None:
+        self._sent += works[:n_send]
+        for (a, buf), work in zip(keyed, works[n_send:]):
             self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf)
             self.n_recvs += 1
             self.bytes_received += buf.numel() * buf.element_size()
             comm.record("recv", (self.axis,), buf.numel() * buf.element_size())
+
+    def _prefetch(self) -> None:
+        """Posts upcoming receives early, in list order, so their data moves during compute.
+
+        Only where point-to-point ops progress independently (gloo): on a backend that
+        serializes them on one stream (NCCL) an early receive would hold up this rank's
+        own later sends. A receive whose buffer size is not known yet stops the walk.
+        """
+        while self._unposted and len(self._recvs) < self.prefetch:
+            a = self._unposted[0]
+            known = self._in_meta if a.kind is Kind.RECV_F else self._out_meta
+            if a.stage not in known:
+                return
+            self._post_ops([], [a])
 
     def _recv_buffer(self, a: Action) -> torch.Tensor:
         if a.kind is Kind.RECV_F:
