@@ -189,8 +189,15 @@ def _kind_means(spans) -> tuple[float, float, float]:
 
 
 def _plot(path: str, results: list, microbatches: list[int], m: int) -> None:
+    import matplotlib
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
+
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text stays text: a small SVG
+        _draw(path, results, m, Figure, Patch)
+
+
+def _draw(path: str, results: list, m: int, Figure, Patch) -> None:
 
     colors = {"F": "#4C72B0", "B": "#8172B2", "I": "#55A868", "W": "#DD8452"}
     fig = Figure(figsize=(10, 1.8 * len(NAMES)))
@@ -220,7 +227,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--plot", default="")
+    ap.add_argument("--plot", default="", help="write the measured timelines (.svg or .png)")
     args = ap.parse_args()
     results = fs.run_local(per_rank, args.steps, args.batch, args.microbatches, world_size=2,
                            timeout_s=3000)
