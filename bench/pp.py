@@ -95,10 +95,10 @@ def per_rank(steps: int, batch: int, microbatches: list[int]):
     torch_busy = [0.0]
     sides, sched_of = {}, {}
     for m in microbatches:
+        zb_h1 = lambda st, m, **kw: ScheduleInterleavedZeroBubble([st], m, **kw)  # noqa: E731
         for name, ours, theirs in (("gpipe", fs.sched.gpipe, ScheduleGPipe),
                                    ("1f1b", fs.sched.one_f_one_b, Schedule1F1B),
-                                   ("zb-h1", fs.sched.zero_bubble,
-                                    lambda st, m, **kw: ScheduleInterleavedZeroBubble([st], m, **kw))):
+                                   ("zb-h1", fs.sched.zero_bubble, zb_h1)):
             sch = ours(2, m)
             sched_of[(name, m)] = sch
             stage = PipelineStage(module, rank, 2, torch.device("cpu"), group=mesh.group("pp"))
@@ -249,12 +249,13 @@ def main() -> None:
             sim_unit = float(fs.sched.simulate(sch).bubble_fraction)
             sim_meas = float(fs.sched.simulate(sch, f=costs[0], b=costs[1], w=costs[2])
                              .bubble_fraction)
-            print(f"| {name} | {m} | {tt:.3f} | {tf:.3f} | {tf / tt:.2f} | {bub_t:.0%} / {bub_f:.0%} "
-                  f"| {sim_unit:.0%} / {sim_meas:.0%} |")
+            print(f"| {name} | {m} | {tt:.3f} | {tf:.3f} | {tf / tt:.2f} | {bub_t:.0%} / "
+                  f"{bub_f:.0%} | {sim_unit:.0%} / {sim_meas:.0%} |")
     losses = results[1][3]
     print("max |grad - torch 1F1B grad| over both ranks:",
           {f"{k[0]} m={k[1]}": f"{max(r[5][k] for r in results):.1e}" for k in results[0][5]})
-    print("first losses (rank 1):", {f"{k[0]} {k[1]} m={k[2]}": round(v, 6) for k, v in losses.items()})
+    print("first losses (rank 1):",
+          {f"{k[0]} {k[1]} m={k[2]}": round(v, 6) for k, v in losses.items()})
     if args.plot:
         _plot(args.plot, results, args.microbatches, args.microbatches[0])
         print("wrote", args.plot)

@@ -11,9 +11,10 @@ generator and :func:`fshard.sched.lower` built. Per action:
   during ``I`` (:class:`SplitBackward`): neither the forward nor the input-gradient
   chain runs twice. The stage's graph is dropped as soon as its B or W ran.
 * Each run of consecutive SEND/RECV actions is posted as one ``batch_isend_irecv``
-  (validated deadlock-free); a receive is waited on only by the compute action that
-  consumes it, sends at the end of the step. Neighbour stages on the same rank (the
-  tip of a V) hand tensors over in memory.
+  (validated deadlock-free); receives are posted in list order, on gloo up to 2 ahead
+  of their place so their data moves during compute; a receive is waited on only by
+  the compute action that consumes it, sends at the end of the step (or earlier, once
+  complete). Neighbour stages on the same rank (the tip of a V) hand over in memory.
 * UNSHARD / RESHARD / REDUCE_GRAD call optional hooks.
 
 Shapes: the first SEND_F across each stage boundary is preceded by an int64 header
