@@ -195,11 +195,11 @@ class Executor:
             {F: self._forward, B: self._backward, I: self._backward_input,
              W: self._backward_weight}[p.kind](p.stage, p.microbatch)
         self._live -= sum(1 for p in action.parts if p.kind in (B, W))
-        self._prefetch()
         t1, waited = time.perf_counter(), self.wait_s - wait0
         self.busy_s += t1 - t0 - waited
         # Inputs are waited for before compute starts, so the compute begins after the wait.
         self.spans.append((action, t0 + waited - self._t0, t1 - self._t0))
+        self._prefetch()
 
     # --- compute ------------------------------------------------------------------------
     def _forward(self, s: int, mb: int) -> None:

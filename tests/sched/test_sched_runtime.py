@@ -251,6 +251,28 @@ def test_dp_x_pp_grads_averaged_over_dp_equal_global_batch_reference():
                 assert r["dp_psums"] == r["n_held"] + 1 and r["dp_scatters"] == 0, r
 
 
+def _pp1_body():
+    # A pipeline axis of size 1 (no transfers) next to dp=2.
+    mesh = fs.make_mesh({"dp": 2, "pp": 1})
+    params = _init()
+    x, y = _data(16)
+    ref_loss, ref_grads = _reference(params, x, y)
+    out = []
+    for sch in (fs.sched.one_f_one_b(1, 4), fs.sched.zero_bubble(1, 4)):
+        with fs.comm_log() as log:
+            loss, grads = fs.sched.pipeline_step(_stage_fn, _loss_fn, [params], (x, y),
+                                                 schedule=sch, mesh=mesh, data_axes="dp")
+        out.append((abs(loss.item() - ref_loss.item()), _max_err(grads, ref_grads),
+                    log.counts["send"] + log.counts["recv"]))
+    return out
+
+
+def test_pp1_x_dp2_has_no_transfers_and_matches_reference():
+    for rank_results in run_on_ranks(_pp1_body, world_size=2):
+        for loss_err, grad_err, n_p2p in rank_results:
+            assert loss_err < TOL and grad_err < TOL and n_p2p == 0
+
+
 # --- tensor parallel inside the stage body (fs.lax over the tp axis) ---------------------
 
 def _tp_init(seed=0):
