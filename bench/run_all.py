@@ -1,0 +1,61 @@
+"""Runs every fshard-vs-native benchmark and prints one summary table.
+
+    python bench/run_all.py [--steps 10] [--only fsdp ddp tp pp overhead collectives]
+
+Each benchmark runs in its own process (they start their own ranks), one after the
+other, so they never share the 2 cores. The summary keeps each script's ratio lines;
+the full outputs follow it. Paste the result into bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# name -> (script, extra args, what it compares)
+BENCHES = {
+    "fsdp": ("fsdp.py", [], "fshard scan_layers FSDP vs fully_shard"),
+    "ddp": ("ddp.py", [], "fshard replicate vs DistributedDataParallel"),
+    "tp": ("tp.py", [], "fshard TP (and TP+SP) vs parallelize_module"),
+    "pp": ("pp.py", [], "fshard pipeline_step vs torch.distributed.pipelining"),
+    "overhead": ("overhead.py", [], "one process: pure function + fs.optim vs nn.Module + torch.optim"),
+    "collectives": ("collectives.py", ["--iters", "50"], "fs.lax vs torch.distributed calls"),
+}
+
+
+def run(name: str, steps: int) -> tuple[str, float, int]:
+    script, extra, _ = BENCHES[name]
+    args = [sys.executable, os.path.join(HERE, script)] + extra
+    if name != "collectives":
+        args += ["--steps", str(steps)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return proc.stdout + (proc.stderr if proc.returncode else ""), time.perf_counter() - t0, proc.returncode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--only", nargs="+", choices=sorted(BENCHES), default=list(BENCHES))
+    args = ap.parse_args()
+    outputs = {}
+    for name in args.only:
+        out, secs, rc = run(name, args.steps)
+        outputs[name] = (out, secs, rc)
+        print(f"[{name}] done in {secs:.0f} s (exit {rc})", flush=True)
+    print("\n| benchmark | compares | ratio lines (fshard / torch) |\n|---|---|---|")
+    for name, (out, _, rc) in outputs.items():
+        lines = [ln.strip() for ln in out.splitlines() if "ratio" in ln.lower() or ln.startswith("|")]
+        summary = "<br>".join(lines[:8]) if rc == 0 else f"failed (exit {rc})"
+        print(f"| {name} | {BENCHES[name][2]} | {summary} |")
+    for name, (out, _, _) in outputs.items():
+        print(f"\n===== {name} =====\n{out}")
+
+
+if __name__ == "__main__":
+    main()
