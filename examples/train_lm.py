@@ -1,30 +1,36 @@
 """Train a character-level Transformer language model with fshard, on any mesh.
 
-One process (CPU or one GPU)::
+One process (CPU or one GPU), about half a minute on two CPU cores::
 
     python examples/train_lm.py
 
-Several processes, one flag for the layout (axes: dp = replicate, fsdp = shard)::
+Several processes: one flag for the layout, axes pp (pipeline), dp (replicate),
+fsdp (shard) and tp (tensor parallel), any product equal to the number of ranks::
 
-    torchrun --nproc-per-node 4 examples/train_lm.py                     # fsdp=4
-    torchrun --nproc-per-node 4 examples/train_lm.py --mesh dp=2,fsdp=2  # HSDP
-    torchrun --nproc-per-node 2 examples/train_lm.py --mesh dp=2         # DDP
+    torchrun --nproc-per-node 4 examples/train_lm.py                      # fsdp=4
+    torchrun --nproc-per-node 4 examples/train_lm.py --mesh dp=2,fsdp=2   # HSDP
+    torchrun --nproc-per-node 4 examples/train_lm.py --mesh fsdp=2,tp=2   # FSDP x Megatron TP
+    torchrun --nproc-per-node 4 examples/train_lm.py --mesh pp=2,fsdp=2   # 1F1B pipeline x FSDP
+    torchrun --nproc-per-node 4 examples/train_lm.py --mesh pp=2,tp=2 --schedule zbv --layers 4
 
 The model is fshard's pure-function Transformer (``fshard.models``); the parameters are
 a pytree of DTensors laid out by specs ``P(...)`` on a named mesh; the step is one
-per-device function run by ``fs.shard_map``, with FSDP's gathers and reductions in
-``fs.parallel.scan_layers``. The global batch of step ``s`` depends only on ``--seed``
-and ``s``, and every mesh starts from the same initial values, so the loss curve is
-the same on every mesh (to rounding: ``--dtype float64`` agrees to 1e-9).
+per-device function run by ``fs.shard_map`` (FSDP's gathers and reductions in
+``fs.parallel.scan_layers``, TP's collectives in ``fs.parallel.tp``), or, with pp, by
+``fs.sched.pipeline_step`` following a schedule. The global batch of step ``s`` depends
+only on ``--seed`` and ``s``, and every mesh starts from the same initial values, so the
+loss curve is the same on every mesh (to rounding: ``--dtype float64`` agrees to 1e-9),
+and a checkpoint written on one mesh resumes exactly on any other.
 
-Everything a reader needs is in this file, top to bottom: command line, data, layout
-(the "plan"), per-device loss, train step, checkpoints, sampling, and ``main``.
+Top to bottom: command line, data, layout (the "plan"), the model per device, the train
+step, the pipeline step, checkpoints, sampling, output, and ``main``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -40,15 +46,19 @@ import torch.nn.functional as F
 import fshard as fs
 from fshard import P
 from fshard.models import TransformerConfig, block, embed, head, transformer_apply, transformer_init
+from fshard.sched.__main__ import build_schedule, resolve_name
 
 DATA = Path(__file__).resolve().parent / "data" / "kjv_shakespeare.txt"
 
 # Mesh axes, outermost first. The order is fixed whatever order --mesh names them in:
 # the innermost axes get the closest ranks (same host, NVLink), where traffic is highest.
 AXES = ("pp", "dp", "fsdp", "tp")
-AVAILABLE = ("dp", "fsdp")  # tp and pp arrive with fshard.parallel.tp and fs.sched.pipeline_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class ConfigError(ValueError):
+    """Flags that do not fit together (or this world size); reported without a traceback."""
 
 
 # ---------------------------------------------------------------------------
@@ -62,13 +72,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     run = p.add_argument_group("layout")
     run.add_argument("--mesh", default=None,
-                     help="axis=size,... over all ranks, e.g. fsdp=4, dp=2,fsdp=2, dp=2 "
+                     help="axis=size,... over all ranks, axes pp, dp, fsdp, tp; e.g. fsdp=4, dp=2,fsdp=2, "
+                          "fsdp=2,tp=2, pp=2,fsdp=2 "
                           "(default: every rank on fsdp)")
-    run.add_argument("--schedule", default="1f1b", help="pipeline schedule when the mesh has pp")
-    run.add_argument("--microbatches", type=int, default=1,
-                     help="microbatches per step (pipeline microbatches with pp, else "
-                          "gradient accumulation)")
+    run.add_argument("--schedule", default="1f1b",
+                     help="pipeline schedule when the mesh has pp: gpipe, 1f1b, interleaved, bfs, "
+                          "zb, zbh2, zbv, dualpipev (python -m fshard.sched --list)")
+    run.add_argument("--virtual", type=int, default=None,
+                     help="pipeline stages per rank (default: the schedule's own, 1 or 2)")
+    run.add_argument("--microbatches", type=int, default=None,
+                     help="microbatches per step: pipeline microbatches with pp (default 2 x pp), "
+                          "else gradient accumulation (default 1)")
     run.add_argument("--remat", action="store_true", help="recompute each block in backward")
+    run.add_argument("--sequence-parallel", action="store_true",
+                     help="with tp: split the activations between TP regions over the sequence")
     run.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                      help="bfloat16 = bf16 compute and gathers over fp32 master weights")
     train = p.add_argument_group("training")
@@ -103,8 +120,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--checkpoint-every needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
-    for flag in ("steps", "batch_size", "seq_len", "microbatches", "dim", "layers", "heads"):
-        if getattr(args, flag) < 1:
+    try:
+        resolve_name(args.schedule)
+    except ValueError as e:
+        p.error(f"--schedule: {e}")
+    for flag in ("steps", "batch_size", "seq_len", "microbatches", "virtual", "dim", "layers", "heads"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     return args
 
@@ -113,8 +134,8 @@ def parse_mesh(text: str | None, world_size: int) -> dict[str, int]:
     """``"dp=2,fsdp=2"`` -> ``{"dp": 2, "fsdp": 2}`` in :data:`AXES` order.
 
     Raises:
-      ValueError: bad syntax, an unknown or repeated axis, sizes whose product is not
-        the world size, or an axis whose support has not landed yet.
+      ConfigError: bad syntax, an unknown or repeated axis, or sizes whose product is not
+        the world size.
     """
     if not text:
         return {"fsdp": world_size}
@@ -122,21 +143,16 @@ def parse_mesh(text: str | None, world_size: int) -> dict[str, int]:
     for item in text.split(","):
         name, sep, size = item.strip().partition("=")
         if not sep or not size.strip().isdigit() or int(size) < 1:
-            raise ValueError(f"--mesh {text!r}: expected axis=size items like 'dp=2,fsdp=2', got {item!r}")
+            raise ConfigError(f"--mesh {text!r}: expected axis=size items like 'dp=2,fsdp=2', got {item!r}")
         if name not in AXES:
-            raise ValueError(f"--mesh {text!r}: unknown axis {name!r}; axes are {', '.join(AXES)}")
+            raise ConfigError(f"--mesh {text!r}: unknown axis {name!r}; axes are {', '.join(AXES)}")
         if name in shape:
-            raise ValueError(f"--mesh {text!r}: axis {name!r} given twice")
+            raise ConfigError(f"--mesh {text!r}: axis {name!r} given twice")
         shape[name] = int(size)
     if math.prod(shape.values()) != world_size:
-        raise ValueError(f"--mesh {text!r}: the sizes multiply to {math.prod(shape.values())}, but "
-                         f"there are {world_size} ranks (torchrun --nproc-per-node {world_size})")
-    missing = [a for a in shape if a not in AVAILABLE]
-    if missing:
-        raise NotImplementedError(
-            f"--mesh {text!r}: {' and '.join(missing)} is not available yet in this example "
-            f"(tensor parallelism waits for fshard.parallel.tp, pipelines for "
-            f"fs.sched.pipeline_step); use the axes {', '.join(AVAILABLE)}")
+        n = math.prod(shape.values())
+        raise ConfigError(f"--mesh {text}: the sizes multiply to {n}, but {world_size} rank(s) run this; "
+                          f"launch {n} with `torchrun --nproc-per-node {n} examples/train_lm.py --mesh {text}`")
     return {a: shape[a] for a in AXES if a in shape}
 
 
@@ -179,11 +195,21 @@ class CharCorpus:
         rank its rows.
         """
         if len(self.ids) <= seq_len:
-            raise ValueError(f"the corpus has {len(self.ids)} characters; --seq-len {seq_len} needs more")
+            raise ConfigError(f"the corpus has {len(self.ids)} characters; --seq-len {seq_len} needs more")
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(0, len(self.ids) - seq_len, (batch_size,), generator=g)
         windows = torch.stack([self.ids[s:s + seq_len + 1] for s in starts.tolist()])  # (B, T + 1)
         return windows[:, :-1], windows[:, 1:]
+
+
+def padded_vocab(n_chars: int, multiple: int = 64) -> int:
+    """The model's vocabulary: the characters, rounded up to a multiple of 64.
+
+    The padding ids never occur in the data. Padding makes the embedding and output
+    tables split evenly over any tp x fsdp grid up to 64 ranks, and it is the same on
+    every mesh, so the model (and its loss) does not depend on the layout.
+    """
+    return -(-n_chars // multiple) * multiple
 
 
 # ---------------------------------------------------------------------------
@@ -200,6 +226,10 @@ class Plan:
       shard_axis: the axis parameters are sharded over (FSDP), or None.
       replicate_axis: the axis parameters are replicated over with gradients all-reduced
         (DDP; with ``shard_axis`` that is HSDP), or None.
+      tp_axis: the tensor-parallel axis (Megatron: heads, MLP width and vocabulary split),
+        or None.
+      pp_axis: the pipeline axis (blocks split into stages), or None.
+      sequence_parallel: between TP regions, split activations over the sequence too.
       data_axes: the axes the batch's rows are split over.
       policy: mixed precision for the gathers and the compute (None: the masters' dtype).
       remat: recompute blocks in backward instead of keeping their activations.
@@ -208,34 +238,49 @@ class Plan:
     mesh: fs.Mesh
     shard_axis: str | None
     replicate_axis: str | None
+    tp_axis: str | None
+    pp_axis: str | None
+    sequence_parallel: bool
     data_axes: tuple[str, ...]
     policy: fs.Policy | None
     remat: bool
 
     @classmethod
-    def for_mesh(cls, mesh: fs.Mesh, compute_dtype: torch.dtype, master_dtype: torch.dtype,
-                 remat: bool) -> "Plan":
+    def for_mesh(cls, mesh: fs.Mesh, *, compute_dtype: torch.dtype, master_dtype: torch.dtype,
+                 remat: bool, sequence_parallel: bool) -> "Plan":
         axes = mesh.axis_names
-        # With only dp the parameters are replicated (DDP); fsdp alone or with dp shards them.
+        # Only dp: parameters replicated (DDP). fsdp, alone or with dp (HSDP): sharded.
         shard = "fsdp" if "fsdp" in axes else None
         replicate = "dp" if "dp" in axes else None
-        data = tuple(a for a in ("dp", "fsdp") if a in axes)
+        tp = "tp" if "tp" in axes else None
+        pp = "pp" if "pp" in axes else None
+        if sequence_parallel and tp is None:
+            raise ConfigError("--sequence-parallel needs a tp axis in --mesh")
+        data = tuple(a for a in ("dp", "fsdp") if a in axes)  # tp ranks share their rows
         policy = None
         if compute_dtype != master_dtype:
             # Gather and compute in bf16, reduce gradients in the masters' precision.
             policy = fs.Policy(param_dtype=compute_dtype, reduce_dtype=master_dtype)
-        return cls(mesh, shard, replicate, data, policy, remat)
+        return cls(mesh, shard, replicate, tp, pp, sequence_parallel, data, policy, remat)
 
-    @property
-    def group_axes(self) -> dict[str, Any]:
+    def group_axes(self, acc: fs.parallel.GradAccumulator | None = None, sync: bool = True) -> dict[str, Any]:
         """The keyword arguments of ``gather_params`` and ``scan_layers``."""
-        return dict(axis=self.shard_axis, replicate_axis=self.replicate_axis, policy=self.policy)
+        return dict(axis=self.shard_axis, replicate_axis=self.replicate_axis, policy=self.policy,
+                    accumulate=acc, sync=sync)
 
     def param_specs(self, params: Any) -> Any:
-        """One ``P`` per parameter: FSDP shards dim 0 (uneven sizes are padded), DDP replicates."""
-        if self.shard_axis is None:
-            return fs.parallel.replicate_specs(params)
-        return fs.parallel.fsdp_specs(params, self.shard_axis)
+        """One ``P`` per parameter.
+
+        FSDP shards dim 0 (uneven sizes are padded); DDP replicates; TP splits the
+        Megatron way (wq/wk/wv/w1 by rows, wo/w2 by columns, embeddings by vocabulary),
+        with FSDP on dim 0 as the minor split.
+        """
+        if self.tp_axis is not None:
+            return fs.parallel.tp_specs(params, fs.parallel.TRANSFORMER_TP_PLAN, self.tp_axis,
+                                        fsdp_axis=self.shard_axis)
+        if self.shard_axis is not None:
+            return fs.parallel.fsdp_specs(params, self.shard_axis)
+        return fs.parallel.replicate_specs(params)
 
     @property
     def batch_spec(self) -> fs.PartitionSpec:
@@ -243,45 +288,95 @@ class Plan:
         return P(self.data_axes)
 
 
-def init_params(cfg: TransformerConfig, plan: Plan, seed: int, dtype: torch.dtype) -> tuple[Any, Any]:
+def init_params(cfg: TransformerConfig, plan: Plan, seed: int, dtype: torch.dtype,
+                pipe: "Pipeline | None" = None) -> tuple[Any, Any]:
     """The parameters of ``transformer_init(cfg, seed)``, built directly as shards.
+
+    With a pipeline, only this rank's stages are built.
 
     Returns:
       ``(params, specs)``: a pytree of DTensors equal, on every mesh, to the one-process
       init; and their specs.
     """
     def init_fn(s: int) -> Any:
-        return transformer_init(cfg, s, dtype=dtype)
+        params = transformer_init(cfg, s, dtype=dtype)
+        return params if pipe is None else pipe.keep_held(params)
 
     with torch.device("meta"):  # shapes only, for the spec rules: no memory, no RNG
         shapes = init_fn(seed)
     specs = plan.param_specs(shapes)
+    if pipe is not None:
+        check_even_shards(specs, shapes, plan)
     return fs.init_sharded(init_fn, specs, plan.mesh, seed, uneven=True), specs
 
 
 # ---------------------------------------------------------------------------
-# The per-device loss and the train step
+# The model on this layout, per device
 # ---------------------------------------------------------------------------
 
 
-def per_device_loss(params: Any, tokens: torch.Tensor, targets: torch.Tensor, *,
-                    cfg: TransformerConfig, plan: Plan) -> torch.Tensor:
+@attrs.frozen
+class Model:
+    """The Transformer's three pieces as this layout runs them on local shards.
+
+    Without tp they are ``fshard.models``' own ``embed``/``block``/``head``; with tp,
+    their Megatron versions from ``fshard.parallel``, which call the collectives over
+    tp by hand (an all-reduce after attention and after the MLP; the logits stay split
+    over the vocabulary and the loss is computed without gathering them).
+    """
+
+    cfg: TransformerConfig
+    tp_axis: str | None = None
+    sequence_parallel: bool = False
+
+    def embed(self, root: Any, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp_axis is None:
+            return embed(root, tokens, self.cfg)                                              # (b, T, D)
+        return fs.parallel.tp_embed(root, tokens, self.cfg, self.tp_axis, self.sequence_parallel)
+
+    def block(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_axis is None:
+            return block(layer, x, self.cfg)                                                  # (b, T, D)
+        return fs.parallel.tp_transformer_block(layer, x, self.cfg, self.tp_axis, self.sequence_parallel)
+
+    def logits(self, root: Any, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_axis is None:
+            return head(root, x, self.cfg)                                                    # (b, T, V)
+        return fs.parallel.tp_logits(root, x, self.cfg, self.tp_axis, self.sequence_parallel)  # (b, T, V/tp)
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean over this rank's rows, the softmax in at least fp32."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.tp_axis is None:
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return fs.parallel.vocab_parallel_cross_entropy(logits, targets, self.tp_axis,
+                                                        vocab_size=self.cfg.vocab_size)
+
+
+def per_device_loss(params: Any, tokens: torch.Tensor, targets: torch.Tensor,
+                    acc: fs.parallel.GradAccumulator | None, sync: bool, *,
+                    model: Model, plan: Plan) -> torch.Tensor:
     """Mean next-character loss of the global batch, computed from this rank's rows.
 
     Runs inside ``shard_map``: ``params`` are local shards and ``tokens``/``targets``
     this rank's rows. The embeddings and head (the "root" group) are gathered once and
-    kept; each block is gathered just before use with the next one prefetched, and
-    its gradients are reduce-scattered as soon as backward produces them.
+    kept; each block is gathered just before use with the next one prefetched, and its
+    gradients are reduce-scattered as soon as backward produces them (or, with
+    ``sync=False``, summed into ``acc`` for one reduction at the last microbatch).
     """
-    root = fs.parallel.gather_params({k: v for k, v in params.items() if k != "layers"}, **plan.group_axes)
-    x = embed(root, tokens, cfg)                                                      # (b, T, D)
-    x = fs.parallel.scan_layers(lambda layer, h: block(layer, h, cfg), params["layers"], x,
-                                remat=plan.remat, **plan.group_axes)                  # (b, T, D)
-    logits = head(root, x, cfg)                                                       # (b, T, V)
-    # The softmax in at least fp32, whatever the compute dtype.
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    axes = plan.group_axes(acc, sync)
+    root = fs.parallel.gather_params({k: v for k, v in params.items() if k != "layers"}, **axes)
+    x = model.embed(root, tokens)                                                     # (b, T, D)
+    x = fs.parallel.scan_layers(model.block, params["layers"], x, remat=plan.remat, **axes)
+    loss = model.cross_entropy(model.logits(root, x), targets)
+    if not plan.data_axes:  # e.g. tp only: every rank holds the whole batch
+        return loss
     return fs.lax.pmean(loss, plan.data_axes)  # every data rank holds the same number of rows
+
+
+# ---------------------------------------------------------------------------
+# Optimizer and train step
+# ---------------------------------------------------------------------------
 
 
 def lr_schedule(args: argparse.Namespace) -> fs.optim.Schedule:
@@ -292,55 +387,213 @@ def lr_schedule(args: argparse.Namespace) -> fs.optim.Schedule:
 
 
 def make_optimizer(args: argparse.Namespace) -> fs.optim.GradientTransformation:
-    """AdamW on the schedule above, after clipping the global gradient norm."""
-    adamw = fs.optim.adamw(lr_schedule(args), b1=0.9, b2=0.95, weight_decay=args.weight_decay)
-    if args.grad_clip > 0:
-        return fs.optim.chain(fs.optim.clip_by_global_norm(args.grad_clip), adamw)
-    return adamw
+    """AdamW on the schedule above; its state is sharded exactly like the parameters."""
+    return fs.optim.adamw(lr_schedule(args), b1=0.9, b2=0.95, weight_decay=args.weight_decay)
 
 
-TrainStep = Callable[[Any, Any, torch.Tensor, torch.Tensor], tuple[Any, Any, torch.Tensor]]
+def clip_by_global_norm(grads: Any, max_norm: float, plan: Plan) -> tuple[Any, float]:
+    """Scales the gradients by ``min(1, max_norm / (norm + 1e-6))``; returns them and the norm.
+
+    ``fs.optim.global_norm`` is the norm of the whole tree as if every DTensor were
+    gathered. With a pipeline each pp rank holds other layers, so their squared norms
+    are added over pp. (Without one, ``fs.optim.chain(fs.optim.clip_by_global_norm(...),
+    adamw)`` does the same inside the optimizer.) ``max_norm <= 0`` only measures.
+    """
+    norm = fs.optim.global_norm(grads)
+    if plan.pp_axis is not None:
+        squares = norm.square()
+        dist.all_reduce(squares, group=plan.mesh.group(plan.pp_axis))
+        norm = squares.sqrt()
+    norm_value = float(norm)
+    if max_norm <= 0 or norm_value + 1e-6 <= max_norm:
+        return grads, norm_value
+    coef = max_norm / (norm_value + 1e-6)
+    return fs.tree.tree_map(lambda g: g * coef, grads), norm_value
 
 
-def make_train_step(cfg: TransformerConfig, plan: Plan, specs: Any,
-                    opt: fs.optim.GradientTransformation, microbatches: int) -> TrainStep:
-    """``step(params, opt_state, tokens, targets) -> (params, opt_state, loss)`` on global values.
+# step(params, opt_state, tokens, targets) -> (params, opt_state, loss, grad_norm)
+TrainStep = Callable[[Any, Any, torch.Tensor, torch.Tensor], tuple[Any, Any, torch.Tensor, float]]
+
+
+def apply_gradients(params: Any, opt_state: Any, grads: Any, opt: fs.optim.GradientTransformation,
+                    plan: Plan, max_norm: float) -> tuple[Any, Any, float]:
+    """Clip, then one optimizer step; returns the new params and state, and the gradient norm."""
+    grads, norm = clip_by_global_norm(grads, max_norm, plan)
+    with fs.optim.donate():  # the old params and state are not used again: update in place
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = fs.optim.apply_updates(params, updates)
+    return params, opt_state, norm
+
+
+def make_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.GradientTransformation,
+                    microbatches: int, max_norm: float) -> TrainStep:
+    """The train step on global values (DTensor params, the whole batch on every rank).
 
     With ``microbatches > 1`` the global batch is cut into that many slices (the same
-    slices on every mesh), their gradients summed and averaged: gradient accumulation.
+    slices on every mesh) and their gradients accumulated: only the last slice
+    reduces them, once, as FSDP2's ``set_requires_gradient_sync(False)`` would.
     """
-    def loss_fn(params: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return per_device_loss(params, tokens, targets, cfg=cfg, plan=plan)
+    def loss_fn(params, tokens, targets, acc, sync):
+        return per_device_loss(params, tokens, targets, acc, sync, model=model, plan=plan)
 
-    sharded_loss = fs.shard_map(loss_fn, mesh=plan.mesh, out_specs=P(),
-                                in_specs=(specs, plan.batch_spec, plan.batch_spec))
-    grad_fn = fs.value_and_grad(sharded_loss)
+    # None in in_specs: the accumulator and the sync flag pass through as they are.
+    grad_fn = fs.value_and_grad(fs.shard_map(
+        loss_fn, mesh=plan.mesh, in_specs=(specs, plan.batch_spec, plan.batch_spec, None, None), out_specs=P()))
 
     def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = accumulate(grad_fn, params, tokens.chunk(microbatches), targets.chunk(microbatches))
-        with fs.optim.donate():  # the old params and state are not used again: update in place
-            updates, opt_state = opt.update(grads, opt_state, params)
-            params = fs.optim.apply_updates(params, updates)
-        return params, opt_state, loss
+        acc = fs.parallel.GradAccumulator() if microbatches > 1 else None
+        losses = []
+        for k, (tok, tgt) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
+            loss, grads = grad_fn(params, tok, tgt, acc, k == microbatches - 1)
+            losses.append(loss)
+        if microbatches > 1:  # the last call's gradients are the sum over the microbatches
+            grads = fs.tree.tree_map(lambda g: g / microbatches, grads)
+        params, opt_state, norm = apply_gradients(params, opt_state, grads, opt, plan, max_norm)
+        return params, opt_state, sum(losses) / microbatches, norm
 
     return step
 
 
-def accumulate(grad_fn: Callable, params: Any, tokens: Sequence[torch.Tensor],
-               targets: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any]:
-    """Mean loss and mean gradients over microbatches (one backward each)."""
-    total_loss, total_grads = None, None
-    for tok, tgt in zip(tokens, targets):
-        loss, grads = grad_fn(params, tok, tgt)
-        if total_grads is None:
-            total_loss, total_grads = loss, grads
-        else:
-            total_loss = total_loss + loss
-            total_grads = fs.tree.tree_map(torch.add, total_grads, grads)
-    n = len(tokens)
-    if n == 1:
-        return total_loss, total_grads
-    return total_loss / n, fs.tree.tree_map(lambda g: g / n, total_grads)
+# ---------------------------------------------------------------------------
+# Pipeline parallelism: the layers cut into stages, run by a schedule
+# ---------------------------------------------------------------------------
+
+EMBED_KEYS = ("tok_embeddings", "pos_embeddings")  # the first stage's root parameters
+HEAD_KEYS = ("norm", "output")                      # the last stage's
+
+
+@attrs.frozen
+class Pipeline:
+    """Which blocks each pipeline stage holds, and the schedule that runs the stages.
+
+    Attributes:
+      schedule: an ``fs.sched`` schedule for the pp ranks and ``--microbatches``.
+      layers: per stage, the global indices of its blocks (contiguous, as even as possible).
+      rank: this rank's index on the pp axis.
+    """
+
+    schedule: fs.sched.Schedule
+    layers: tuple[tuple[int, ...], ...]
+    rank: int
+
+    @classmethod
+    def build(cls, name: str, mesh: fs.Mesh, n_layers: int, microbatches: int,
+              n_virtual: int | None) -> "Pipeline":
+        """Raises ConfigError: an unknown schedule, sizes it rejects, or fewer blocks than stages."""
+        try:
+            schedule = build_schedule(name, mesh.shape["pp"], microbatches, n_virtual=n_virtual)
+        except ValueError as e:  # the generator's message names the rule
+            raise ConfigError(f"--schedule {name}: {e}") from None
+        n = schedule.n_stages
+        if n_layers < n:
+            raise ConfigError(f"--schedule {name} on pp={mesh.shape['pp']} has {n} stages "
+                             f"({schedule.n_virtual} per rank) but the model has --layers {n_layers}; "
+                             f"give it at least {n} layers")
+        cuts = [s * n_layers // n for s in range(n + 1)]
+        return cls(schedule, tuple(tuple(range(cuts[s], cuts[s + 1])) for s in range(n)),
+                   mesh.axis_index("pp"))
+
+    def root_keys(self, stage: int) -> tuple[str, ...]:
+        last = self.schedule.n_stages - 1
+        return (EMBED_KEYS if stage == 0 else ()) + (HEAD_KEYS if stage == last else ())
+
+    def keep_held(self, params: Any) -> dict[str, Any]:
+        """This rank's part of the model's tree: the blocks and root groups of its stages.
+
+        Blocks keep their global index as key (``layers.5``), so a checkpoint written on a
+        pipeline has the same names as one written without, and either loads the other.
+        """
+        held = self.schedule.stages_of(self.rank)
+        out: dict[str, Any] = {k: params[k] for s in held for k in self.root_keys(s)}
+        out["layers"] = {str(i): params["layers"][i] for s in held for i in self.layers[s]}
+        return out
+
+    def split(self, held: dict[str, Any]) -> list[Any]:
+        """The held tree as ``pipeline_step``'s ``stage_params``: one entry per stage, None elsewhere."""
+        mine = self.schedule.stages_of(self.rank)
+        return [{**{k: held[k] for k in self.root_keys(s)},
+                 "layers": {str(i): held["layers"][str(i)] for i in self.layers[s]}} if s in mine else None
+                for s in range(self.schedule.n_stages)]
+
+    def merge(self, per_stage: Sequence[Any]) -> dict[str, Any]:
+        """The inverse of :meth:`split` (e.g. for the gradients ``pipeline_step`` returns)."""
+        out: dict[str, Any] = {"layers": {}}
+        for entry in per_stage:
+            if entry is not None:
+                out.update({k: v for k, v in entry.items() if k != "layers"})
+                out["layers"].update(entry["layers"])
+        return out
+
+
+def make_pipeline_step(model: Model, plan: Plan, pipe: Pipeline, opt: fs.optim.GradientTransformation,
+                       max_norm: float) -> TrainStep:
+    """The train step with the layers spread over the pp axis: ``fs.sched.pipeline_step``.
+
+    Every rank runs its row of the schedule: forward and backward of its stages for each
+    microbatch, activations and their gradients sent to the neighbouring stages. Inside
+    a stage the blocks run as without a pipeline (TP collectives included); FSDP shards
+    are gathered by :func:`unshard_stage`.
+    """
+    last = pipe.schedule.n_stages - 1
+
+    def stage_fn(params: Any, x: torch.Tensor, stage: int) -> torch.Tensor:
+        params = unshard_stage(params, plan)
+        if stage == 0:  # x: token ids
+            x = model.embed(params, x)                                                      # (b, T, D)
+        block_fn = fs.remat(model.block) if plan.remat else model.block
+        for i in pipe.layers[stage]:
+            x = block_fn(params["layers"][str(i)], x)                                       # (b, T, D)
+        if stage == last:
+            x = model.logits(params, x)                                                     # (b, T, V[/tp])
+        return x
+
+    def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
+        loss, grads = fs.sched.pipeline_step(stage_fn, model.cross_entropy, pipe.split(params),
+                                             (tokens, targets), schedule=pipe.schedule, mesh=plan.mesh,
+                                             axis="pp", data_axes=plan.data_axes)
+        params, opt_state, norm = apply_gradients(params, opt_state, pipe.merge(grads), opt, plan, max_norm)
+        return params, opt_state, loss, norm
+
+    return step
+
+
+def unshard_stage(params: Any, plan: Plan) -> Any:
+    """A stage's parameters for compute: gathered over fsdp, cast to the compute dtype.
+
+    ``pipeline_step`` hands a stage its local shards without their global shapes, which
+    ``gather_params``/``scan_layers`` need, so here each leaf is all-gathered whole, by
+    hand, for every microbatch (even shards only: :func:`check_even_shards`). The
+    all-gather's transpose reduce-scatters the gradient over fsdp and ``pvary``'s
+    all-reduces it over dp (HSDP). Gradients of parameters replicated over every data
+    axis are all-reduced by ``pipeline_step`` itself.
+    """
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if plan.shard_axis is not None:
+            if plan.replicate_axis is not None:
+                t = fs.lax.pvary(t, plan.replicate_axis)
+            t = fs.lax.all_gather(t, plan.shard_axis, tiled=True)  # dim 0, fsdp minor under tp
+        # Cast after the gather, so the reduce-scatter of the gradient runs in fp32.
+        return t if plan.policy is None else t.to(plan.policy.param_dtype)
+
+    return fs.tree.tree_map(one, params)
+
+
+def check_even_shards(specs: Any, shapes: Any, plan: Plan) -> None:
+    """Under a pipeline, FSDP shards must be even (see :func:`unshard_stage`).
+
+    Raises:
+      ConfigError: naming the parameter, its rows and the ranks they are split over.
+    """
+    if plan.shard_axis is None:
+        return
+    paths, leaves, _ = fs.tree.zip_with_path(shapes)
+    for path, x, spec in zip(paths, leaves, fs.tree.leaves(specs, is_leaf=lambda v: isinstance(v, fs.PartitionSpec))):
+        axes = spec.dim_axes(0)
+        n = plan.mesh.axis_size(axes) if axes else 1
+        if x.shape[0] % n:
+            raise ConfigError(f"--mesh {dict(plan.mesh.shape)}: {path} has {x.shape[0]} rows, which do "
+                             f"not split evenly over {' x '.join(axes)} ({n} ranks); a pipeline with fsdp "
+                             f"needs even shards: change --dim, --seq-len or the mesh")
 
 
 # ---------------------------------------------------------------------------
@@ -358,12 +611,12 @@ def load_checkpoint(path: str, params: Any, opt_state: Any, cfg: TransformerConf
     """Reads a checkpoint onto this run's mesh (it may have been written on another one).
 
     Raises:
-      ValueError: the checkpoint holds another model shape.
+      ConfigError: the checkpoint holds another model shape.
     """
     like = {"params": params, "opt": opt_state, "step": 0, "model": attrs.asdict(cfg)}
     saved = fs.checkpoint.load(path, like=like)
     if saved["model"] != attrs.asdict(cfg):
-        raise ValueError(f"--resume: the checkpoint at {path} is of model {saved['model']}, "
+        raise ConfigError(f"--resume: the checkpoint at {path} is of model {saved['model']}, "
                          f"this run builds {attrs.asdict(cfg)}")
     return saved["params"], saved["opt"], int(saved["step"])
 
@@ -381,15 +634,37 @@ def has_checkpoint(path: str) -> bool:
 # ---------------------------------------------------------------------------
 
 
+def gather_model(params: Any, cfg: TransformerConfig, pipe: Pipeline | None) -> Any:
+    """The whole model as plain tensors on every rank (collective), for sampling.
+
+    ``fs.gather`` puts each stage's shards together among the ranks that hold it; with a
+    pipeline the stages then travel to every rank as Python objects (fine for a small
+    model: a large one would sample through the pipeline instead).
+    """
+    # torch warns that a strided (FSDP x TP) layout takes two all-gathers; here that is fine.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    full = fs.tree.tree_map(lambda t: t.cpu(), fs.gather(params))
+    if pipe is None:
+        return full
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, full)
+    merged = pipe.merge(parts)
+    merged["layers"] = [merged["layers"][str(i)] for i in range(cfg.n_layers)]
+    return merged
+
+
 @torch.no_grad()
 def generate(params: Any, cfg: TransformerConfig, prompt: list[int], n_new: int, *,
-             seed: int, temperature: float = 0.8) -> list[int]:
-    """Samples ``n_new`` ids after ``prompt`` from full (gathered) parameters, on one rank."""
+             seed: int, n_real: int, temperature: float = 0.8) -> list[int]:
+    """Samples ``n_new`` ids after ``prompt`` from full (gathered) parameters, on one rank.
+
+    Only the first ``n_real`` ids are characters; the padding ids are never drawn.
+    """
     g = torch.Generator().manual_seed(seed)
     ids = list(prompt) or [0]
     for _ in range(n_new):
         context = torch.tensor([ids[-cfg.max_seq_len:]])                        # (1, t)
-        logits = transformer_apply(params, context, cfg)[0, -1].float()         # (V,)
+        logits = transformer_apply(params, context, cfg)[0, -1, :n_real].float()  # (n_real,)
         probs = torch.softmax(logits / temperature, dim=-1)
         ids.append(int(torch.multinomial(probs, 1, generator=g)))
     return ids
@@ -456,14 +731,22 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     say = print if rank0 and not args.quiet else (lambda *a, **k: None)
 
     corpus = CharCorpus.load(args.data)
-    cfg = TransformerConfig(vocab_size=corpus.vocab_size, dim=args.dim, n_layers=args.layers,
+    cfg = TransformerConfig(vocab_size=padded_vocab(corpus.vocab_size), dim=args.dim, n_layers=args.layers,
                             n_heads=args.heads, max_seq_len=args.seq_len)
     compute_dtype = DTYPES[args.dtype]
     master_dtype = torch.float32 if compute_dtype == torch.bfloat16 else compute_dtype
-    plan = Plan.for_mesh(mesh, compute_dtype, master_dtype, args.remat)
-    check_batch(args, mesh, plan)
+    plan = Plan.for_mesh(mesh, compute_dtype=compute_dtype, master_dtype=master_dtype, remat=args.remat,
+                         sequence_parallel=args.sequence_parallel)
+    if plan.tp_axis and cfg.n_heads % mesh.shape["tp"]:
+        raise ConfigError(f"--heads {cfg.n_heads} must be divisible by tp={mesh.shape['tp']} (whole heads per rank)")
+    model = Model(cfg, plan.tp_axis, plan.sequence_parallel)
+    microbatches = args.microbatches or (2 * mesh.shape["pp"] if plan.pp_axis else 1)
+    check_batch(args.batch_size, microbatches, mesh, plan)
+    pipe = None
+    if plan.pp_axis:
+        pipe = Pipeline.build(args.schedule, mesh, cfg.n_layers, microbatches, args.virtual)
 
-    params, specs = init_params(cfg, plan, args.seed, master_dtype)
+    params, specs = init_params(cfg, plan, args.seed, master_dtype, pipe)
     opt = make_optimizer(args)
     opt_state = opt.init(params)
     lr_at = lr_schedule(args)  # for the log; the optimizer counts its own steps
@@ -473,11 +756,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         say(f"resumed from {args.checkpoint_dir} at step {start}")
     elif args.resume:
         say(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
-    n_params = sum(math.prod(x.shape) for x in fs.tree.leaves(params))
+    with torch.device("meta"):
+        n_params = sum(x.numel() for x in fs.tree.leaves(transformer_init(cfg, 0)))
     say(f"mesh {dict(mesh.shape)} on {world} rank(s), {args.dtype}; {n_params:,} parameters; "
         f"{len(corpus.ids):,} characters, vocabulary {corpus.vocab_size}")
-
-    step_fn = make_train_step(cfg, plan, specs, opt, args.microbatches)
+    if pipe is not None:
+        say(f"pipeline: schedule {pipe.schedule.name!r}, {pipe.schedule.n_stages} stages, "
+            f"{microbatches} microbatches; blocks per stage {[list(b) for b in pipe.layers]}")
+        step_fn = make_pipeline_step(model, plan, pipe, opt, args.grad_clip)
+    else:
+        step_fn = make_train_step(model, plan, specs, opt, microbatches, args.grad_clip)
     tokens_per_step = args.batch_size * args.seq_len
     records: list[dict[str, Any]] = []
     progress = Progress(start, args.steps, rank0 and not args.quiet, args.log_every)
@@ -485,11 +773,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     for step in range(start, end):
         tokens, targets = corpus.batch(step, args.batch_size, args.seq_len, args.seed)
         t0 = time.perf_counter()
-        params, opt_state, loss = step_fn(params, opt_state, tokens.to(mesh.device), targets.to(mesh.device))
+        params, opt_state, loss, grad_norm = step_fn(params, opt_state, tokens.to(mesh.device),
+                                                     targets.to(mesh.device))
         loss_value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)  # waits for the step
         dt = time.perf_counter() - t0
         records.append({"step": step + 1, "loss": loss_value, "tokens_per_s": tokens_per_step / dt,
-                        "lr": float(lr_at(step)), "step_time_s": dt})
+                        "lr": float(lr_at(step)), "grad_norm": grad_norm, "step_time_s": dt})
         progress.update(records[-1])
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < end:
             save_checkpoint(args.checkpoint_dir, params, opt_state, step + 1, cfg)
@@ -504,29 +793,34 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         say(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over steps "
             f"{records[0]['step']}-{records[-1]['step']}")
     if args.sample_chars and not args.quiet:
-        full = fs.gather(params)  # collective: every rank takes part, rank 0 samples
+        full = gather_model(params, cfg, pipe)  # collective: every rank takes part, rank 0 samples
         if rank0:
-            ids = generate(full, cfg, corpus.encode(args.prompt), args.sample_chars, seed=args.seed)
+            ids = generate(full, cfg, corpus.encode(args.prompt), args.sample_chars, seed=args.seed,
+                           n_real=corpus.vocab_size)
             say("-" * 60 + "\n" + corpus.decode(ids) + "\n" + "-" * 60)
     return records
 
 
-def check_batch(args: argparse.Namespace, mesh: fs.Mesh, plan: Plan) -> None:
+def check_batch(batch_size: int, microbatches: int, mesh: fs.Mesh, plan: Plan) -> None:
     """Every microbatch must split evenly over the data-parallel ranks.
 
     Raises:
-      ValueError: naming the batch, the microbatches and the data ranks.
+      ConfigError: naming the batch, the microbatches and the data ranks.
     """
     n_data = mesh.axis_size(plan.data_axes) if plan.data_axes else 1
-    if args.batch_size % (args.microbatches * n_data):
-        raise ValueError(
-            f"--batch-size {args.batch_size} must be a multiple of --microbatches {args.microbatches} "
+    if batch_size % (microbatches * n_data):
+        raise ConfigError(
+            f"--batch-size {batch_size} must be a multiple of {microbatches} microbatches "
             f"x {n_data} data-parallel ranks ({' x '.join(plan.data_axes) or 'none'})")
 
 
 if __name__ == "__main__":
     try:
         main()
+    except ConfigError as e:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"train_lm.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
