@@ -36,7 +36,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
@@ -231,7 +231,8 @@ class Plan:
       pp_axis: the pipeline axis (blocks split into stages), or None.
       sequence_parallel: between TP regions, split activations over the sequence too.
       data_axes: the axes the batch's rows are split over.
-      policy: mixed precision for the gathers and the compute (None: the masters' dtype).
+      master_dtype: the dtype of the parameters and the optimizer state.
+      policy: mixed precision for the gathers and the compute (None: compute in master_dtype).
       remat: recompute blocks in backward instead of keeping their activations.
     """
 
@@ -242,6 +243,7 @@ class Plan:
     pp_axis: str | None
     sequence_parallel: bool
     data_axes: tuple[str, ...]
+    master_dtype: torch.dtype
     policy: fs.Policy | None
     remat: bool
 
@@ -261,7 +263,7 @@ class Plan:
         if compute_dtype != master_dtype:
             # Gather and compute in bf16, reduce gradients in the masters' precision.
             policy = fs.Policy(param_dtype=compute_dtype, reduce_dtype=master_dtype)
-        return cls(mesh, shard, replicate, tp, pp, sequence_parallel, data, policy, remat)
+        return cls(mesh, shard, replicate, tp, pp, sequence_parallel, data, master_dtype, policy, remat)
 
     def group_axes(self, acc: fs.parallel.GradAccumulator | None = None, sync: bool = True) -> dict[str, Any]:
         """The keyword arguments of ``gather_params`` and ``scan_layers``."""
@@ -288,7 +290,20 @@ class Plan:
         return P(self.data_axes)
 
 
-def init_params(cfg: TransformerConfig, plan: Plan, seed: int, dtype: torch.dtype,
+def check_batch(batch_size: int, microbatches: int, mesh: fs.Mesh, plan: Plan) -> None:
+    """Every microbatch must split evenly over the data-parallel ranks.
+
+    Raises:
+      ConfigError: naming the batch, the microbatches and the data ranks.
+    """
+    n_data = mesh.axis_size(plan.data_axes) if plan.data_axes else 1
+    if batch_size % (microbatches * n_data):
+        raise ConfigError(
+            f"--batch-size {batch_size} must be a multiple of {microbatches} microbatches "
+            f"x {n_data} data-parallel ranks ({' x '.join(plan.data_axes) or 'none'})")
+
+
+def init_params(cfg: TransformerConfig, plan: Plan, seed: int,
                 pipe: "Pipeline | None" = None) -> tuple[Any, Any]:
     """The parameters of ``transformer_init(cfg, seed)``, built directly as shards.
 
@@ -299,7 +314,7 @@ def init_params(cfg: TransformerConfig, plan: Plan, seed: int, dtype: torch.dtyp
       init; and their specs.
     """
     def init_fn(s: int) -> Any:
-        params = transformer_init(cfg, s, dtype=dtype)
+        params = transformer_init(cfg, s, dtype=plan.master_dtype)
         return params if pipe is None else pipe.keep_held(params)
 
     with torch.device("meta"):  # shapes only, for the spec rules: no memory, no RNG
@@ -718,6 +733,48 @@ def write_log(path: str, records: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------------
 
 
+def train_loop(args: argparse.Namespace, corpus: CharCorpus, step_fn: TrainStep, params: Any, opt_state: Any,
+               steps: range, device: torch.device, progress: Progress,
+               cfg: TransformerConfig) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """Runs ``steps``; returns the final params and optimizer state, and one record per step."""
+    lr_at = lr_schedule(args)  # for the log; the optimizer counts its own steps
+    tokens_per_step = args.batch_size * args.seq_len
+    records: list[dict[str, Any]] = []
+    for step in steps:
+        tokens, targets = corpus.batch(step, args.batch_size, args.seq_len, args.seed)
+        t0 = time.perf_counter()
+        params, opt_state, loss, grad_norm = step_fn(params, opt_state, tokens.to(device), targets.to(device))
+        loss_value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)  # waits for the step
+        dt = time.perf_counter() - t0
+        records.append({"step": step + 1, "loss": loss_value, "tokens_per_s": tokens_per_step / dt,
+                        "lr": float(lr_at(step)), "grad_norm": grad_norm, "step_time_s": dt})
+        progress.update(records[-1])
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < steps.stop:
+            save_checkpoint(args.checkpoint_dir, params, opt_state, step + 1, cfg)
+    return params, opt_state, records
+
+
+def configure(args: argparse.Namespace, mesh: fs.Mesh,
+              corpus: CharCorpus) -> tuple[TransformerConfig, Plan, Model, Pipeline | None, int]:
+    """The model's shapes and this run's layout: ``(cfg, plan, model, pipeline or None, microbatches)``.
+
+    Raises:
+      ConfigError: flags that do not fit together or this mesh.
+    """
+    cfg = TransformerConfig(vocab_size=padded_vocab(corpus.vocab_size), dim=args.dim, n_layers=args.layers,
+                            n_heads=args.heads, max_seq_len=args.seq_len)
+    compute_dtype = DTYPES[args.dtype]
+    master_dtype = torch.float32 if compute_dtype == torch.bfloat16 else compute_dtype  # bf16: fp32 masters
+    plan = Plan.for_mesh(mesh, compute_dtype=compute_dtype, master_dtype=master_dtype, remat=args.remat,
+                         sequence_parallel=args.sequence_parallel)
+    if plan.tp_axis and cfg.n_heads % mesh.shape["tp"]:
+        raise ConfigError(f"--heads {cfg.n_heads} must be divisible by tp={mesh.shape['tp']} (whole heads per rank)")
+    microbatches = args.microbatches or (2 * mesh.shape["pp"] if plan.pp_axis else 1)
+    check_batch(args.batch_size, microbatches, mesh, plan)
+    pipe = Pipeline.build(args.schedule, mesh, cfg.n_layers, microbatches, args.virtual) if plan.pp_axis else None
+    return cfg, plan, Model(cfg, plan.tp_axis, plan.sequence_parallel), pipe, microbatches
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Trains; returns the per-step records (the same on every rank).
 
@@ -731,25 +788,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     say = print if rank0 and not args.quiet else (lambda *a, **k: None)
 
     corpus = CharCorpus.load(args.data)
-    cfg = TransformerConfig(vocab_size=padded_vocab(corpus.vocab_size), dim=args.dim, n_layers=args.layers,
-                            n_heads=args.heads, max_seq_len=args.seq_len)
-    compute_dtype = DTYPES[args.dtype]
-    master_dtype = torch.float32 if compute_dtype == torch.bfloat16 else compute_dtype
-    plan = Plan.for_mesh(mesh, compute_dtype=compute_dtype, master_dtype=master_dtype, remat=args.remat,
-                         sequence_parallel=args.sequence_parallel)
-    if plan.tp_axis and cfg.n_heads % mesh.shape["tp"]:
-        raise ConfigError(f"--heads {cfg.n_heads} must be divisible by tp={mesh.shape['tp']} (whole heads per rank)")
-    model = Model(cfg, plan.tp_axis, plan.sequence_parallel)
-    microbatches = args.microbatches or (2 * mesh.shape["pp"] if plan.pp_axis else 1)
-    check_batch(args.batch_size, microbatches, mesh, plan)
-    pipe = None
-    if plan.pp_axis:
-        pipe = Pipeline.build(args.schedule, mesh, cfg.n_layers, microbatches, args.virtual)
+    cfg, plan, model, pipe, microbatches = configure(args, mesh, corpus)
 
-    params, specs = init_params(cfg, plan, args.seed, master_dtype, pipe)
+    params, specs = init_params(cfg, plan, args.seed, pipe)
     opt = make_optimizer(args)
     opt_state = opt.init(params)
-    lr_at = lr_schedule(args)  # for the log; the optimizer counts its own steps
     start = 0
     if args.resume and has_checkpoint(args.checkpoint_dir):
         params, opt_state, start = load_checkpoint(args.checkpoint_dir, params, opt_state, cfg)
@@ -766,22 +809,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         step_fn = make_pipeline_step(model, plan, pipe, opt, args.grad_clip)
     else:
         step_fn = make_train_step(model, plan, specs, opt, microbatches, args.grad_clip)
-    tokens_per_step = args.batch_size * args.seq_len
-    records: list[dict[str, Any]] = []
-    progress = Progress(start, args.steps, rank0 and not args.quiet, args.log_every)
     end = min(args.steps, args.stop_at) if args.stop_at is not None else args.steps
-    for step in range(start, end):
-        tokens, targets = corpus.batch(step, args.batch_size, args.seq_len, args.seed)
-        t0 = time.perf_counter()
-        params, opt_state, loss, grad_norm = step_fn(params, opt_state, tokens.to(mesh.device),
-                                                     targets.to(mesh.device))
-        loss_value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)  # waits for the step
-        dt = time.perf_counter() - t0
-        records.append({"step": step + 1, "loss": loss_value, "tokens_per_s": tokens_per_step / dt,
-                        "lr": float(lr_at(step)), "grad_norm": grad_norm, "step_time_s": dt})
-        progress.update(records[-1])
-        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < end:
-            save_checkpoint(args.checkpoint_dir, params, opt_state, step + 1, cfg)
+    progress = Progress(start, args.steps, rank0 and not args.quiet, args.log_every)
+    params, opt_state, records = train_loop(args, corpus, step_fn, params, opt_state, range(start, end),
+                                            mesh.device, progress, cfg)
     progress.close()
 
     if args.checkpoint_dir and end > start:
@@ -799,19 +830,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                            n_real=corpus.vocab_size)
             say("-" * 60 + "\n" + corpus.decode(ids) + "\n" + "-" * 60)
     return records
-
-
-def check_batch(batch_size: int, microbatches: int, mesh: fs.Mesh, plan: Plan) -> None:
-    """Every microbatch must split evenly over the data-parallel ranks.
-
-    Raises:
-      ConfigError: naming the batch, the microbatches and the data ranks.
-    """
-    n_data = mesh.axis_size(plan.data_axes) if plan.data_axes else 1
-    if batch_size % (microbatches * n_data):
-        raise ConfigError(
-            f"--batch-size {batch_size} must be a multiple of {microbatches} microbatches "
-            f"x {n_data} data-parallel ranks ({' x '.join(plan.data_axes) or 'none'})")
 
 
 if __name__ == "__main__":
