@@ -142,11 +142,11 @@ def test_script_under_torchrun(tmp_path):
     torchrun = str(Path(sys.executable).parent / "torchrun") if (Path(sys.executable).parent / "torchrun").exists() \
         else shutil.which("torchrun")
     log = tmp_path / "log.json"
-    run = _run_script([torchrun, "--nproc-per-node", "2", str(EXAMPLES / "train_lm.py"), "--mesh", "pp=2",
+    run = _run_script([torchrun, "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "train_lm.py"), "--mesh", "pp=2",
                        "--layers", "2", "--steps", "3", "--sample-chars", "20", "--log-json", str(log)], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "pipeline: schedule '1f1b', 2 stages, 4 microbatches" in run.stdout
     assert [r["step"] for r in json.loads(log.read_text())] == [1, 2, 3]
-    bad = _run_script([torchrun, "--nproc-per-node", "2", str(EXAMPLES / "train_lm.py"), "--mesh", "fsdp=4"],
+    bad = _run_script([torchrun, "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "train_lm.py"), "--mesh", "fsdp=4"],
                       tmp_path)
     assert bad.returncode != 0 and "the sizes multiply to 4, but 2 rank(s) run this" in bad.stderr
