@@ -16,6 +16,7 @@ real gloo path that ``torchrun`` runs; both would hide ordering bugs.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -296,6 +297,11 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
       RankTimeoutError: no result in time; the message shows each stuck rank's stack.
     """
     _INHERITED["task"] = (fn, args, kwargs)
+    # Children must never collect the parent's objects: a store or process group from an
+    # earlier call (kept alive by a traceback cycle) would run a destructor that waits on
+    # a thread that did not survive the fork. gc.freeze() puts them out of the collector's reach.
+    gc.collect()
+    gc.freeze()
     try:
         pool = WorkerPool(world_size, start_method="fork", timeout_s=timeout_s, name="fshard-local-rank")
         try:
@@ -304,5 +310,7 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
             return pool._collect(None, timeout_s=timeout_s, what=getattr(fn, "__name__", "fn"))
         finally:
             pool.shutdown(kill=not pool.alive)
+            pool._store = None  # release the rendezvous server now, not at some later collection
     finally:
+        gc.unfreeze()
         _INHERITED.clear()

@@ -177,7 +177,9 @@ def _claim(owners: dict, groups: list[list[torch.Tensor]]) -> None:
     for g, leaves in enumerate(groups):
         members = frozenset(id(x) for x in leaves)
         for k, x in enumerate(leaves):
-            prev = owners.setdefault(id(x), members)
+            # The record keeps the leaf alive: a freed tensor's id could otherwise be reused
+            # by a later microbatch's leaf and look like a second claim.
+            prev, _ = owners.setdefault(id(x), (members, x))
             if prev != members:
                 raise ValueError(
                     f"fs.parallel: leaf {k} of group {g} (shape {tuple(x.shape)}) is already managed by "
