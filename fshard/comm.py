@@ -161,14 +161,13 @@ class Handle:
         return self._post(out) if self._post is not None else out
 
 
-def all_reduce(x: torch.Tensor, group, op: str, *, kind: str, axes: Sequence[str]) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group, op: str, *, axes: Sequence[str]) -> torch.Tensor:
     """All-reduce (``op`` in sum/max/min/avg) of ``x`` over ``group``; a new tensor."""
     with _named(axes):
         return _F.wait_tensor(_F.all_reduce(x.contiguous(), op, group.group_name))
 
 
-def all_gather_async(x: torch.Tensor, group, n: int, *, kind: str = "all_gather",
-                     axes: Sequence[str] = ()) -> Handle:
+def all_gather_async(x: torch.Tensor, group, n: int, *, axes: Sequence[str] = ()) -> Handle:
     """Starts an all-gather along dim 0 (result ``(n * x.shape[0], ...)``, group rank order)."""
     with _named(axes):
         return Handle(_F.all_gather_into_tensor(x.contiguous(), n, group.group_name))
@@ -180,7 +179,7 @@ def all_gather(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.
 
 
 def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *,
-                         kind: str = "psum_scatter", axes: Sequence[str] = ()) -> Handle:
+                         axes: Sequence[str] = ()) -> Handle:
     """Starts a reduce-scatter along dim 0 (``x.shape[0]`` divisible by ``n``)."""
     with _named(axes):
         return Handle(_F.reduce_scatter_tensor(x.contiguous(), op, n, group.group_name))

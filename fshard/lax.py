@@ -131,8 +131,8 @@ def _reorder(stacked: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tens
 
 
 # --- local (tensor-level) implementations, shared by forward and backward --------------
-def _psum_raw(x, ax: _Axes, op: str = "sum", kind: str = "psum"):
-    return comm.all_reduce(x, ax.group, op, kind=kind, axes=ax.names)
+def _psum_raw(x, ax: _Axes, op: str = "sum"):
+    return comm.all_reduce(x, ax.group, op, axes=ax.names)
 
 
 def _gather_raw(x, ax: _Axes, axis: int, tiled: bool):
@@ -219,7 +219,7 @@ class _Pvary(torch.autograd.Function):
 class _PReduceNoGrad(torch.autograd.Function):
     @staticmethod
     def forward(x, ax, op):
-        return _psum_raw(x, ax, op, kind="p" + op)
+        return _psum_raw(x, ax, op)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -344,7 +344,7 @@ class Groups:
                 if prev is not None:
                     flat = flat + prev
             if self._rn > 1:  # HSDP: reduce-scatter over the shard axis, then all-reduce over replicas
-                flat = comm.all_reduce(flat, self._rgroup, "sum", kind="psum", axes=self.replicate_axes)
+                flat = comm.all_reduce(flat, self._rgroup, "sum", axes=self.replicate_axes)
         elif ar is not None:
             shared, off, numel = ar
             flat = shared.result()[off:off + numel]
