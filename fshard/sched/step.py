@@ -30,10 +30,12 @@ from fshard import comm
 from fshard import lax
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
+from fshard.mesh.sharding import spec_of
 from fshard.sched.ir import Action, Kind, Schedule
 from fshard.sched.lower import add_reduce_grad, lower
 from fshard.sched.runtime import Executor
 from fshard.sched.validate import validate
+from fshard.transforms.shard_map import set_global_shape
 
 __all__ = ["StepStats", "pipeline_step"]
 
@@ -245,6 +247,10 @@ def _local_params(stage_params: Sequence[Any], schedule: Schedule, rank: int, na
             if isinstance(t, torch.Tensor):
                 # A fresh leaf sharing storage: the caller's tensors get no .grad and no graph.
                 t = t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
+                if isinstance(leaf, DTensor):
+                    # As shard_map does: fs.parallel.scan_layers inside a stage needs the
+                    # global shape and spec of each shard (uneven FSDP shards, gathers).
+                    set_global_shape(t, tuple(leaf.shape), spec_of(leaf))
             local.append(t)
         originals[s] = leaves
         held[s] = (local, treedef)

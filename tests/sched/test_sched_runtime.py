@@ -190,6 +190,14 @@ def _fsdp_stage_fn(params, x, stage):
     return _layers(full, x)
 
 
+def _scan_stage_fn(params, x, stage):
+    # FSDP through the layer loop: one flat gather per layer, reshard after forward,
+    # regather in backward, one reduce-scatter per layer per microbatch.
+    keys = sorted(params, key=int)
+    return fs.parallel.scan_layers(lambda lp, h: torch.tanh(h @ lp["weight"].T + lp["bias"]),
+                                   [params[k] for k in keys], x, axis="dp")
+
+
 def _dp_pp_body(cases):
     mesh = fs.make_mesh({"dp": 2, "pp": 2})
     rank, dp = mesh.axis_index("pp"), mesh.axis_index("dp")
@@ -201,7 +209,7 @@ def _dp_pp_body(cases):
         ref_loss, ref_grads = _reference(params, x, y)
         half = slice(8 * dp, 8 * dp + 8)
         _, half_grads = _reference(params, x[half], y[half])
-        if mode == "fsdp":  # compare this rank's shard of every gradient
+        if mode in ("fsdp", "scan"):  # compare this rank's shard of every gradient
             shard = lambda t: t.chunk(2)[dp]  # noqa: E731
             ref_grads = fs.tree.tree_map(shard, ref_grads)
             half_grads = fs.tree.tree_map(shard, half_grads)
@@ -211,7 +219,7 @@ def _dp_pp_body(cases):
             sp = _stage_params(params, sch, rank, mesh if mode == "dtensor" else None)
         with fs.comm_log() as log:
             loss, grads = fs.sched.pipeline_step(
-                _fsdp_stage_fn if mode == "fsdp" else _stage_fn, _loss_fn, sp, (x, y),
+                {"fsdp": _fsdp_stage_fn, "scan": _scan_stage_fn}.get(mode, _stage_fn), _loss_fn, sp, (x, y),
                 schedule=sch, mesh=mesh, data_axes="dp")
         kinds = {type(leaf).__name__ for e in grads if e is not None for lv in e.values()
                  for leaf in lv.values()}
@@ -225,6 +233,7 @@ def _dp_pp_body(cases):
             "kinds": kinds,
             "dp_psums": log.by_axis[("psum", ("dp",))],
             "dp_scatters": log.by_axis[("psum_scatter", ("dp",))],
+            "dp_gathers": log.by_axis[("all_gather", ("dp",))],
             "n_held": len(sch.stages_of(rank)),
             "n_leaves": 2 * N_LAYERS // 2,
         })
@@ -236,7 +245,8 @@ def test_dp_x_pp_grads_averaged_over_dp_equal_global_batch_reference():
              ("interleaved_1f1b", {}, "plain"), ("looped_bfs", {}, "dtensor"),
              ("zero_bubble", {"n_virtual": 2}, "plain"), ("zbv", {}, "dtensor"),
              ("one_f_one_b", {}, "fsdp"), ("interleaved_1f1b", {}, "fsdp"),
-             ("zero_bubble", {"n_virtual": 2}, "fsdp"), ("zbv", {}, "fsdp")]
+             ("zero_bubble", {"n_virtual": 2}, "fsdp"), ("zbv", {}, "fsdp"),
+             ("one_f_one_b", {}, "scan"), ("zero_bubble", {"n_virtual": 2}, "scan")]
     for rank_results in run_on_ranks(_dp_pp_body, cases, world_size=4):
         for r in rank_results:
             assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
@@ -246,6 +256,12 @@ def test_dp_x_pp_grads_averaged_over_dp_equal_global_batch_reference():
                 # Sharded leaves are reduced by the body's own psum_scatter (one per leaf per
                 # microbatch); only the loss is summed over dp.
                 assert r["dp_psums"] == 1 and r["dp_scatters"] == 4 * r["n_leaves"], r
+            elif r["mode"] == "scan":
+                # scan_layers: per layer and microbatch one flat reduce-scatter, and one gather
+                # in forward plus one regather in backward (reshard after forward).
+                n_layers = N_LAYERS // 2
+                assert r["dp_psums"] == 1 and r["dp_scatters"] == 4 * n_layers, r
+                assert r["dp_gathers"] == 2 * 4 * n_layers, r
             else:
                 # One all-reduce per held stage (launched at its REDUCE_GRAD) + the loss.
                 assert r["dp_psums"] == r["n_held"] + 1 and r["dp_scatters"] == 0, r
