@@ -73,9 +73,10 @@ def tree_map(fn: Callable[..., Any], tree: Tree, *rest: Tree, is_leaf=None) -> T
 
 def tree_map_with_path(fn: Callable[..., Any], tree: Tree, *rest: Tree, is_leaf=None) -> Tree:
     """Maps ``fn(path_str, leaf, *rest_leaves)`` over ``tree``; paths render as ``layers.0.wq``."""
-    return optree.tree_map_with_path(
-        lambda p, *xs: fn(keystr(p), *xs), tree, *rest, is_leaf=is_leaf
-    )
+    paths, leaves_, spec = zip_with_path(tree, is_leaf=is_leaf)
+    others = [spec.flatten_up_to(r) for r in rest]
+    return optree.tree_unflatten(spec, [fn(p, x, *(o[i] for o in others))
+                                        for i, (p, x) in enumerate(zip(paths, leaves_))])
 
 
 def leaves(tree: Tree, is_leaf=None) -> list[Any]:
@@ -85,8 +86,8 @@ def leaves(tree: Tree, is_leaf=None) -> list[Any]:
 
 def leaves_with_path(tree: Tree, is_leaf=None) -> list[tuple[str, Any]]:
     """``[(path_str, leaf), ...]`` in flattening order."""
-    paths, lvs, _ = optree.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [(keystr(p), x) for p, x in zip(paths, lvs)]
+    paths, lvs, _ = zip_with_path(tree, is_leaf=is_leaf)
+    return list(zip(paths, lvs))
 
 
 def structure(tree: Tree, is_leaf=None) -> Any:
@@ -187,6 +188,14 @@ def _plain_seq(x: Any) -> bool:
 
 
 def zip_with_path(tree: Tree, is_leaf=None) -> tuple[Sequence[str], list[Any], Any]:
-    """``(path_strs, leaves, treespec)`` for ``tree``."""
-    paths, lvs, spec = optree.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [keystr(p) for p in paths], lvs, spec
+    """``(path_strs, leaves, treespec)`` for ``tree``.
+
+    Namedtuple fields render by name (``opt.mu.layers.0.wq``), as checkpoint keys do.
+    """
+    accessors, lvs, spec = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf)
+    return [keystr(_entry_key(e) for e in a) for a in accessors], lvs, spec
+
+
+def _entry_key(entry: Any) -> Any:
+    field = getattr(entry, "field", None)
+    return field if field is not None else entry.entry
