@@ -55,6 +55,7 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
     torch.set_num_threads(1)
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(file=stack_file, all_threads=True)  # a crashing rank leaves its stack
     if dist.is_initialized():
         _forget_inherited_groups()
     from fshard.mesh import mesh as _mesh
@@ -207,13 +208,24 @@ class WorkerPool:
         if stuck:
             self.shutdown(kill=True)
         if errors:
-            r = min(errors)
+            # The first rank to fail is the likely cause; the others often only saw its
+            # connection go away. Python dicts keep arrival order.
+            r = next(iter(errors))
             exc, tb = errors[r]
             note = f"raised on rank {r} of {self.world_size} during {what}"
+            others = {k: v for k, v in errors.items() if k != r}
+            for k, (_, other_tb) in others.items():
+                last = other_tb.strip().splitlines()[-1] if other_tb.strip() else "?"
+                note += f"\nrank {k} also failed: {last}"
+                if "died" in last:
+                    crash = self._read_stack(k)
+                    if crash:
+                        note += f"\n--- rank {k} stack at exit ---\n{crash}"
             if stuck:
-                note += f"; ranks {stuck} were still blocked and were killed:\n{stacks}"
+                note += f"\nranks {stuck} were still blocked and were killed:\n{stacks}"
             if exc is None:
-                exc = RuntimeError(f"{note}\n{tb}")
+                crash = self._read_stack(r) if "died" in tb else ""
+                exc = RuntimeError(f"{note}\n{tb}" + (f"\n--- rank {r} stack at exit ---\n{crash}" if crash else ""))
             elif hasattr(exc, "add_note"):
                 exc.add_note(note)
             raise exc from RemoteTraceback(tb)
@@ -224,6 +236,13 @@ class WorkerPool:
                 f"Where each was stuck:\n{stacks}"
             )
         return [results[r] for r in range(self.world_size)]
+
+    def _read_stack(self, r: int) -> str:
+        try:
+            with open(self._stack_paths[r]) as f:
+                return _trim_stack(f.read().strip())
+        except OSError:
+            return ""
 
     def _dump_stacks(self, ranks: list[int]) -> str:
         for r in ranks:
