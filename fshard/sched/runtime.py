@@ -8,7 +8,7 @@ generator and :func:`fshard.sched.lower` built. Per action:
   graph ends at its own input) and keeps input and output (the loss on the last stage).
 * ``B`` differentiates the output w.r.t. input and parameters in one pass; ``I`` only
   w.r.t. the input; ``W`` later only w.r.t. the parameters, from gradients captured
-  during ``I`` (:class:`SplitBackward`): neither the forward nor the input-gradient
+  during ``I`` (:class:`fshard.sched.split.SplitBackward`): neither the forward nor the input-gradient
   chain runs twice. The stage's graph is dropped as soon as its B or W ran.
 * Each run of consecutive SEND/RECV actions is posted as one ``batch_isend_irecv``
   (validated deadlock-free); receives are posted in list order, on gloo up to 2 ahead
@@ -36,8 +36,9 @@ import torch.distributed as dist
 from fshard import comm
 from fshard import tree as tree_util
 from fshard.sched.ir import Action, Kind, Schedule, ScheduleError
+from fshard.sched.split import SplitBackward, differentiable, grad, wants_grad
 
-__all__ = ["Executor", "SplitBackward"]
+__all__ = ["Executor"]
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 _SENDS = (Kind.SEND_F, Kind.SEND_B)
@@ -217,7 +218,7 @@ class Executor:
             return
         if self.schedule.rank_of(s + 1) == self.rank:
             # A new leaf, so the next stage's graph (and its I/W split) stops here.
-            self._local[(F, s + 1, mb)] = y.detach().requires_grad_(_differentiable(y))
+            self._local[(F, s + 1, mb)] = y.detach().requires_grad_(differentiable(y))
         else:
             self._outbox[(Kind.SEND_F, s, mb)] = y.detach()
 
@@ -264,17 +265,17 @@ class Executor:
         saved = self._saved_of(s, mb, B, drop=True)
         g = self._grad_output(s, mb, saved)
         leaves = self.params[s][0]
-        wrt = [i for i, p in enumerate(leaves) if _wants_grad(p)]
-        xs = [saved.x] if _wants_grad(saved.x) else []
-        grads = _grad(saved.root, xs + [leaves[i] for i in wrt], g)
+        wrt = [i for i, p in enumerate(leaves) if wants_grad(p)]
+        xs = [saved.x] if wants_grad(saved.x) else []
+        grads = grad(saved.root, xs + [leaves[i] for i in wrt], g)
         self._accumulate(s, wrt, grads[len(xs):])
         self._emit_input_grad(s, mb, saved.x, grads[0] if xs else None)
 
     def _backward_input(self, s: int, mb: int) -> None:
         saved = self._saved_of(s, mb, I, drop=False)
         g = self._grad_output(s, mb, saved)
-        saved.split = SplitBackward(saved.root, g, saved.x if _wants_grad(saved.x) else None,
-                                    [p if _wants_grad(p) else None for p in self.params[s][0]])
+        saved.split = SplitBackward(saved.root, g, saved.x if wants_grad(saved.x) else None,
+                                    [p if wants_grad(p) else None for p in self.params[s][0]])
         saved.root = None  # the split holds what W needs; the rest of the graph may go
         self._emit_input_grad(s, mb, saved.x, saved.split.input_grad)
 
@@ -395,153 +396,9 @@ class Executor:
                                 f"{Action(kind, s, mb)}, which was not posted before it")
         self._wait([entry[0]])
         buf = entry[1]
-        return buf.requires_grad_(_differentiable(buf)) if kind is Kind.RECV_F else buf
-
-
-class SplitBackward:
-    """One stage's backward in two passes: the input gradient now (I), weights later (W).
-
-    I runs autograd from the stage output to its input only, with pre-hooks that
-    capture the gradient reaching each *frontier* node: a node on a path to the input
-    with an edge that leaves those paths toward a parameter. W starts from the
-    captured gradients (``GradientEdge``) and goes to the parameters only, so neither
-    the forward nor the input-gradient chain is recomputed. Frontier nodes that reach
-    a common parameter form one group; W of a group may pass through one of its
-    frontier nodes on the way from another, so each one's incoming gradient is pinned
-    to its captured value (the idea of torch.distributed.pipelining's
-    ``stage_backward_weight``, written anew).
-
-    Args:
-        root: the stage output (or loss) with its graph.
-        seed: the gradient of ``root``.
-        x: the stage input leaf, or None when no input gradient is wanted.
-        leaves: the stage's parameter leaves; None where no gradient is wanted.
-
-    Attributes:
-        input_grad: d root / d x (None when x is None or root does not depend on it).
-    """
-
-    def __init__(self, root: torch.Tensor, seed: torch.Tensor, x: torch.Tensor | None,
-                 leaves: Sequence[torch.Tensor | None]) -> None:
-        self._leaves = list(leaves)
-        self._captured: dict[Any, tuple] = {}
-        self._groups: list[tuple[list[Any], list[int]]] = []
-        self._full: tuple[torch.Tensor, torch.Tensor] | None = (root, seed)
-        self.input_grad: torch.Tensor | None = None
-        if x is None or root.grad_fn is None:
-            if x is not None and root.requires_grad:  # root is x itself
-                self.input_grad = _grad(root, [x], seed, retain=True)[0]
-            return  # no input gradient to split off: W is the whole backward
-        children, post = _walk(root.grad_fn)
-        x_node = _node(x)
-        if x_node not in children:
-            return
-        params = {_node(p): i for i, p in enumerate(leaves) if p is not None}
-        on_path: set[Any] = set()
-        reach: dict[Any, frozenset[int]] = {}  # params a node reaches off the input paths
-        for n in post:
-            if n is x_node or any(k in on_path for k in children[n]):
-                on_path.add(n)
-            else:
-                own = frozenset((params[n],)) if n in params else frozenset()
-                reach[n] = own.union(*(reach[k] for k in children[n]))
-        # In post-order, not set order: W issues any collectives of the weight path
-        # (FSDP's reduce-scatters) group by group, and every rank must issue them alike.
-        frontier = {n: frozenset().union(*(reach[k] for k in children[n] if k not in on_path))
-                    for n in post if n in on_path}
-        self._groups = _group({n: ps for n, ps in frontier.items() if ps})
-        self._full = None
-        handles = [n.register_prehook(_capture(self._captured, n))
-                   for nodes, _ in self._groups for n in nodes]
-        try:
-            self.input_grad = _grad(root, [x], seed, retain=True)[0]
-        finally:
-            for h in handles:
-                h.remove()
-
-    def weight_grads(self) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Runs W once; returns (leaf indices, their gradients) and frees the graph."""
-        if self._full is not None:
-            (root, seed), self._full = self._full, None
-            wrt = [i for i, p in enumerate(self._leaves) if p is not None]
-            return wrt, list(_grad(root, [self._leaves[i] for i in wrt], seed))
-        idx: list[int] = []
-        out: list[torch.Tensor | None] = []
-        for nodes, params in self._groups:
-            edges = [(torch.autograd.graph.GradientEdge(n, k), g)
-                     for n in nodes for k, g in enumerate(self._captured[n]) if g is not None]
-            if not edges:
-                continue
-            pins = [n.register_prehook(lambda _, v=self._captured[n]: v)
-                    for n in nodes] if len(nodes) > 1 else []
-            try:
-                got = torch.autograd.grad([e for e, _ in edges], [self._leaves[i] for i in params],
-                                          [g for _, g in edges], retain_graph=True,
-                                          allow_unused=True)
-            finally:
-                for h in pins:
-                    h.remove()
-            idx += params
-            out += got
-        self._groups, self._captured = [], {}
-        return idx, out
-
-
-def _differentiable(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
-def _wants_grad(p: Any) -> bool:
-    return isinstance(p, torch.Tensor) and p.requires_grad
-
-
-def _grad(root: torch.Tensor, wrt: list[torch.Tensor], seed: torch.Tensor,
-          retain: bool = False) -> tuple[torch.Tensor | None, ...]:
-    if not wrt or not root.requires_grad:
-        return (None,) * len(wrt)
-    return torch.autograd.grad([root], wrt, [seed], retain_graph=retain, allow_unused=True)
+        return buf.requires_grad_(differentiable(buf)) if kind is Kind.RECV_F else buf
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
     h = [t.dim(), _DTYPES.index(t.dtype), *t.shape]
     return torch.tensor(h + [0] * (2 + _MAX_DIMS - len(h)), dtype=torch.int64, device=t.device)
-
-
-def _node(t: torch.Tensor) -> Any:
-    """The autograd node of ``t`` (its AccumulateGrad for a leaf)."""
-    return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
-
-
-def _walk(root: Any) -> tuple[dict[Any, list[Any]], list[Any]]:
-    """Children of every node below ``root``, and the nodes in post-order (children first)."""
-    children: dict[Any, list[Any]] = {}
-    post: list[Any] = []
-    stack = [(root, False)]
-    while stack:
-        n, done = stack.pop()
-        if done:
-            post.append(n)
-        elif n not in children:
-            children[n] = [k for k, _ in n.next_functions if k is not None]
-            stack.append((n, True))
-            stack.extend((k, False) for k in children[n] if k not in children)
-    return children, post
-
-
-def _group(frontier: dict[Any, frozenset[int]]) -> list[tuple[list[Any], list[int]]]:
-    """Frontier nodes merged into groups that share no parameter."""
-    groups: list[tuple[list[Any], set[int]]] = []
-    for n, ps in frontier.items():
-        merged: tuple[list[Any], set[int]] = ([n], set(ps))
-        for g in [g for g in groups if g[1] & ps]:
-            groups.remove(g)
-            merged[0].extend(g[0])
-            merged[1].update(g[1])
-        groups.append(merged)
-    return [(nodes, sorted(ps)) for nodes, ps in groups]
-
-
-def _capture(store: dict[Any, tuple], node: Any) -> Callable[[tuple], None]:
-    def hook(grad_outputs: tuple) -> None:
-        store[node] = grad_outputs
-    return hook

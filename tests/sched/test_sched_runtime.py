@@ -409,7 +409,7 @@ def test_generators_reject_microbatch_counts_naming_schedule_and_rule():
 
 
 def test_split_backward_matches_full_backward_with_shared_weights():
-    from fshard.sched.runtime import SplitBackward
+    from fshard.sched.split import SplitBackward
 
     g = torch.Generator().manual_seed(0)
     w = [torch.randn(4, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
