@@ -31,6 +31,7 @@ from fshard.sched.simulate import SimReport as SimReport
 from fshard.sched.simulate import Span as Span
 from fshard.sched.simulate import simulate as simulate
 from fshard.sched.simulate import timeline as timeline
+from fshard.sched.stage_fsdp import StageFSDP as StageFSDP
 from fshard.sched.step import StepStats as StepStats
 from fshard.sched.step import pipeline_step as pipeline_step
 from fshard.sched.validate import validate as validate
@@ -41,6 +42,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SimReport",
+    "StageFSDP",
     "Span",
     "StepStats",
     "add_reduce_grad",

@@ -25,6 +25,7 @@ take the shape of the stage output this rank computed itself.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -109,6 +110,10 @@ class Executor:
         hooks: ``{Kind.UNSHARD | RESHARD | REDUCE_GRAD: fn(stage, executor)}`` (optional).
         prefetch: receives kept posted ahead of their place in the list (gloo only;
             optional, default 2).
+        stages: optional per-stage parameter view (FSDP at stage level,
+            :class:`fshard.sched.stage_fsdp.StageShards`): ``stages.forward(s, leaves)``
+            gives the leaves ``stage_fn`` sees and a context to run it in;
+            ``stages.backward_done(s)`` is called after each B/I/W of stage ``s``.
 
     Attributes (after :meth:`run`):
         grads: per held stage, one gradient (or None) per leaf, summed over microbatches.
@@ -127,11 +132,12 @@ class Executor:
                  params: Mapping[int, tuple[list[Any], Any]], inputs: Sequence[Any],
                  targets: Sequence[Any], seed: float, device: torch.device,
                  hooks: Mapping[Kind, Callable[[int, Executor], None]] | None = None,
-                 prefetch: int = 2) -> None:
+                 prefetch: int = 2, stages: Any = None) -> None:
         self.schedule, self.rank, self.group, self.axis = schedule, rank, group, axis
         self.stage_fn, self.loss_fn, self.params = stage_fn, loss_fn, params
         self.inputs, self.targets, self.seed, self.device = inputs, targets, seed, device
         self.hooks = dict(hooks or {})
+        self.stages = stages
         self.last = schedule.n_stages - 1
         self.grads: dict[int, list[torch.Tensor | None]] = {
             s: [None] * len(leaves) for s, (leaves, _) in params.items()}
@@ -195,6 +201,8 @@ class Executor:
         for p in action.parts:
             {F: self._forward, B: self._backward, I: self._backward_input,
              W: self._backward_weight}[p.kind](p.stage, p.microbatch)
+            if p.kind is not F and self.stages is not None:
+                self.stages.backward_done(p.stage)
         self._live -= sum(1 for p in action.parts if p.kind in (B, W))
         t1, waited = time.perf_counter(), self.wait_s - wait0
         self.busy_s += t1 - t0 - waited
@@ -211,7 +219,11 @@ class Executor:
             x = self._take(Kind.RECV_F, s, mb, F) if x is None else x
         leaves, treedef = self.params[s]
         with torch.enable_grad():
-            y = self.stage_fn(tree_util.tree_unflatten(treedef, leaves), x, s)
+            context = contextlib.nullcontext()
+            if self.stages is not None:
+                leaves, context = self.stages.forward(s, leaves)
+            with context:
+                y = self.stage_fn(tree_util.tree_unflatten(treedef, leaves), x, s)
             root = self._loss(y, mb) if s == self.last else self._check_output(s, mb, y)
         self._saved[(s, mb)] = _Saved(x, root)
         if s == self.last:

@@ -32,12 +32,13 @@ from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.sharding import spec_of
 from fshard.sched.ir import Action, Kind, Schedule
-from fshard.sched.lower import add_reduce_grad, lower
+from fshard.sched.lower import add_reduce_grad, add_unshard_reshard, lower
 from fshard.sched.runtime import Executor
+from fshard.sched.stage_fsdp import StageFSDP, StageShards
 from fshard.sched.validate import validate
 from fshard.transforms.shard_map import set_global_shape
 
-__all__ = ["StepStats", "pipeline_step"]
+__all__ = ["StageFSDP", "StepStats", "pipeline_step"]
 
 
 @attrs.frozen
@@ -77,9 +78,9 @@ class StepStats:
         return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-# id(schedule) -> (schedule, needs REDUCE_GRAD, prepared); the schedule is kept alive so
-# that its id is not reused while cached.
-_PREPARED: dict[int, tuple[Schedule, bool, Schedule]] = {}
+# id(schedule) -> (schedule, (needs REDUCE_GRAD, needs UNSHARD/RESHARD), prepared); the
+# schedule is kept alive so that its id is not reused while cached.
+_PREPARED: dict[int, tuple[Schedule, tuple[bool, bool], Schedule]] = {}
 _MAX_CACHED = 64
 
 
@@ -93,6 +94,7 @@ def pipeline_step(
     mesh: Mesh | None = None,
     axis: str = "pp",
     data_axes: str | Sequence[str] = (),
+    fsdp: StageFSDP | str | Sequence[str] | None = None,
     return_stats: bool = False,
 ) -> tuple[torch.Tensor, list[Any]] | tuple[torch.Tensor, list[Any], StepStats]:
     """Runs forward and backward of every microbatch through the pipeline on ``axis``.
@@ -134,6 +136,13 @@ def pipeline_step(
         mesh: the mesh (default: the current mesh).
         axis: the pipeline axis (default ``"pp"``).
         data_axes: data-parallel mesh axes (default none).
+        fsdp: FSDP per stage (a :class:`~fshard.sched.StageFSDP`, or its axis): leaves
+            sharded over that axis are gathered by the executor, one flat all-gather per
+            stage (per step, or per microbatch with ``reshard_after_forward=True``), so
+            ``stage_fn`` sees them whole over it; their gradients are summed over
+            microbatches and reduce-scattered once per stage per step. The axis must be
+            one of ``data_axes``. Default None: the body gathers what it needs itself
+            (e.g. with ``fs.parallel.scan_layers``, per microbatch).
         return_stats: also return a :class:`StepStats` (default False).
 
     Returns:
@@ -175,23 +184,41 @@ def pipeline_step(
                          f"{schedule.n_virtual} = {schedule.n_stages}, got {got}")
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError("pipeline_step: batch must be a pair (inputs, targets)")
+    config = _fsdp_config(fsdp, mesh, axis, data)
     rank = mesh.axis_index(axis)
     n_data = mesh.axis_size(data) if data else 1
     originals, held = _local_params(stage_params, schedule, rank, name)
     reduce = {s: [i for i, leaf in enumerate(leaves) if _reduced(leaf, held[s][0][i], data)]
               for s, leaves in originals.items()} if n_data > 1 else {}
-    prepared = _prepare(schedule, any(reduce.values()))
     m = schedule.n_microbatches
     inputs, targets = _microbatches(batch, m, n_data, mesh.axis_index(data) if data else 0, name)
 
-    reducer = _GradReducer(mesh, data, reduce)
-    executor = Executor(prepared, rank, mesh.group(axis), axis, stage_fn, loss_fn, held,
-                        inputs, targets, 1.0 / (m * n_data), mesh.device,
-                        hooks={Kind.REDUCE_GRAD: reducer.launch})
     token = lax.BODY.set(lax.Body(mesh, False))
     try:
+        shards = None
+        if config is not None:
+            paths = {s: list(tree_util.zip_with_path(stage_params[s])[0]) for s in held}
+            shards = StageShards(config, held, tuple(a for a in data if a not in config.axis),
+                                 paths) or None
+        unshard = shards is not None and not config.reshard_after_forward
+        prepared = _prepare(schedule, any(reduce.values()) or shards is not None, unshard)
+        reducer = _GradReducer(mesh, data, reduce)
+
+        def reduce_grad(stage: int, executor: Executor) -> None:
+            if shards is not None:
+                shards.reduce(stage)
+            reducer.launch(stage, executor)
+
+        hooks = {Kind.REDUCE_GRAD: reduce_grad}
+        if shards is not None:
+            hooks.update({Kind.UNSHARD: shards.unshard, Kind.RESHARD: shards.reshard})
+        executor = Executor(prepared, rank, mesh.group(axis), axis, stage_fn, loss_fn, held,
+                            inputs, targets, 1.0 / (m * n_data), mesh.device, hooks=hooks,
+                            stages=shards)
         with mesh:
             executor.run()
+            if shards is not None:
+                shards.finish(executor)
             reducer.finish(executor)
     finally:
         lax.BODY.reset(token)
@@ -210,10 +237,11 @@ def pipeline_step(
     return loss, grads, stats
 
 
-def _prepare(schedule: Schedule, reduce: bool) -> Schedule:
-    """Validated, lowered schedule (with REDUCE_GRAD when grads are reduced), cached."""
+def _prepare(schedule: Schedule, reduce: bool, unshard: bool = False) -> Schedule:
+    """Validated, lowered schedule (with REDUCE_GRAD when grads are reduced, and
+    UNSHARD/RESHARD for stage-level FSDP that keeps parameters), cached."""
     hit = _PREPARED.get(id(schedule))
-    if hit is not None and hit[0] is schedule and hit[1] == reduce:
+    if hit is not None and hit[0] is schedule and hit[1] == (reduce, unshard):
         return hit[2]
     if not schedule.is_lowered:
         # Checks work and compute order first, so its errors name compute actions.
@@ -221,13 +249,33 @@ def _prepare(schedule: Schedule, reduce: bool) -> Schedule:
         prepared = lower(schedule)
     else:
         prepared = schedule
-    if reduce and not any(a.kind is Kind.REDUCE_GRAD for row in prepared.actions for a in row):
+    kinds = {a.kind for row in prepared.actions for a in row}
+    if unshard and Kind.UNSHARD not in kinds:
+        prepared = add_unshard_reshard(prepared)
+    if reduce and Kind.REDUCE_GRAD not in kinds:
         prepared = add_reduce_grad(prepared)
     validate(prepared, p2p="batched")
     if len(_PREPARED) >= _MAX_CACHED:
         _PREPARED.clear()
-    _PREPARED[id(schedule)] = (schedule, reduce, prepared)
+    _PREPARED[id(schedule)] = (schedule, (reduce, unshard), prepared)
     return prepared
+
+
+def _fsdp_config(fsdp: Any, mesh: Mesh, axis: str, data: tuple[str, ...]) -> StageFSDP | None:
+    if fsdp is None:
+        return None
+    config = fsdp if isinstance(fsdp, StageFSDP) else StageFSDP(fsdp)
+    axes = mesh.check_axes(config.axis, what="pipeline_step: fsdp axis")
+    if axis in axes:
+        raise ValueError(f"pipeline_step: fsdp={config} shards over the pipeline axis {axis!r}; "
+                         f"pipeline ranks hold different stages, so shard over another axis")
+    missing = [a for a in axes if a not in data]
+    if missing:
+        raise ValueError(
+            f"pipeline_step: fsdp={config} shards over {missing}, which are not in data_axes="
+            f"{data}; FSDP ranks must see different rows of the batch (their gradients are "
+            f"summed by the reduce-scatter), so pass data_axes={tuple(data) + tuple(missing)}")
+    return config
 
 
 def _local_params(stage_params: Sequence[Any], schedule: Schedule, rank: int, name: str
