@@ -17,3 +17,6 @@ from fshard.parallel.tp import vocab_parallel_embed as vocab_parallel_embed
 __all__ += ["MLP_STACK_TP_PLAN", "TRANSFORMER_TP_PLAN", "tp_rules", "tp_specs", "tp_enter", "tp_exit", "sp_params",
             "vocab_parallel_embed", "vocab_parallel_cross_entropy", "tp_mlp", "tp_embed", "tp_transformer_block",
             "tp_logits"]
+
+from fshard.parallel.ep import ep_rules as ep_rules, ep_specs as ep_specs, moe_ffn as moe_ffn, moe_init as moe_init
+__all__ += ["ep_rules", "ep_specs", "moe_ffn", "moe_init"]
