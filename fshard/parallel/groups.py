@@ -75,7 +75,9 @@ def gathered_shape(x: torch.Tensor, shard_axes: tuple[str, ...], mesh) -> tuple[
         return tuple(shape)
     out, coord = list(shape), mesh.coordinate()
     for d in range(len(spec)):
-        axes = spec.dim_axes(d)
+        # Size-1 axes split nothing, so their place in the order does not matter (and
+        # DTensor placements do not keep it).
+        axes = tuple(a for a in spec.dim_axes(d) if mesh.shape[a] > 1)
         others = [a for a in axes if a not in shard_axes]
         if tuple(axes[:len(others)]) != tuple(others):  # the gathered axes are not the minor ones
             raise ValueError(

@@ -85,10 +85,12 @@ class _Once:
 class _Saved:
     """What the backward of one (stage, microbatch) needs; dropped once it ran."""
 
-    __slots__ = ("x", "root", "split")
+    __slots__ = ("x", "root", "wrt", "split")
 
-    def __init__(self, x: Any, root: torch.Tensor) -> None:
-        self.x, self.root, self.split = x, root, None
+    def __init__(self, x: Any, root: torch.Tensor, wrt: list[Any]) -> None:
+        # wrt[i]: what to differentiate for parameter i (its leaf, or the GradientEdge of
+        # the gathered tensor the stage used, which keeps no gathered storage alive), or None.
+        self.x, self.root, self.wrt, self.split = x, root, wrt, None
 
 
 class Executor:
@@ -218,14 +220,16 @@ class Executor:
             x = self._local.pop((F, s, mb), None)
             x = self._take(Kind.RECV_F, s, mb, F) if x is None else x
         leaves, treedef = self.params[s]
+        used, context = leaves, contextlib.nullcontext()
         with torch.enable_grad():
-            context = contextlib.nullcontext()
             if self.stages is not None:
-                leaves, context = self.stages.forward(s, leaves)
+                used, context = self.stages.forward(s, leaves)
             with context:
-                y = self.stage_fn(tree_util.tree_unflatten(treedef, leaves), x, s)
+                y = self.stage_fn(tree_util.tree_unflatten(treedef, used), x, s)
             root = self._loss(y, mb) if s == self.last else self._check_output(s, mb, y)
-        self._saved[(s, mb)] = _Saved(x, root)
+        wrt = [None if not wants_grad(p) else p if u is p else
+               torch.autograd.graph.get_gradient_edge(u) for p, u in zip(leaves, used)]
+        self._saved[(s, mb)] = _Saved(x, root, wrt)
         if s == self.last:
             return
         if self.schedule.rank_of(s + 1) == self.rank:
@@ -276,10 +280,9 @@ class Executor:
     def _backward(self, s: int, mb: int) -> None:
         saved = self._saved_of(s, mb, B, drop=True)
         g = self._grad_output(s, mb, saved)
-        leaves = self.params[s][0]
-        wrt = [i for i, p in enumerate(leaves) if wants_grad(p)]
+        wrt = [i for i, p in enumerate(saved.wrt) if p is not None]
         xs = [saved.x] if wants_grad(saved.x) else []
-        grads = grad(saved.root, xs + [leaves[i] for i in wrt], g)
+        grads = grad(saved.root, xs + [saved.wrt[i] for i in wrt], g)
         self._accumulate(s, wrt, grads[len(xs):])
         self._emit_input_grad(s, mb, saved.x, grads[0] if xs else None)
 
@@ -287,7 +290,7 @@ class Executor:
         saved = self._saved_of(s, mb, I, drop=False)
         g = self._grad_output(s, mb, saved)
         saved.split = SplitBackward(saved.root, g, saved.x if wants_grad(saved.x) else None,
-                                    [p if wants_grad(p) else None for p in self.params[s][0]])
+                                    saved.wrt)
         saved.root = None  # the split holds what W needs; the rest of the graph may go
         self._emit_input_grad(s, mb, saved.x, saved.split.input_grad)
 
@@ -297,6 +300,8 @@ class Executor:
 
     def _accumulate(self, s: int, wrt: list[int], grads: Sequence[torch.Tensor | None]) -> None:
         acc = self.grads[s]
+        if self.stages is not None:  # gathered parameters' grads go to their unreduced sums
+            wrt, grads = self.stages.take_grads(s, wrt, grads)
         for i, g in zip(wrt, grads):
             if g is None:
                 continue

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["SplitBackward", "differentiable", "grad", "wants_grad"]
+__all__ = ["SplitBackward", "differentiable", "edge_of", "grad", "wants_grad"]
 
 
 class SplitBackward:
@@ -29,18 +29,26 @@ class SplitBackward:
     to its captured value (the idea of torch.distributed.pipelining's
     ``stage_backward_weight``, written anew).
 
+    Parameters are identified by the graph edge through which the stage used them (a
+    leaf's AccumulateGrad, or output k of the node that made a tensor), not by node:
+    one FSDP gather node makes all of a stage's gathered parameters, and keying by
+    that node would merge every frontier node into one group, so that W would re-run
+    the input path (and its collectives) between them.
+
     Args:
         root: the stage output (or loss) with its graph.
         seed: the gradient of ``root``.
         x: the stage input leaf, or None when no input gradient is wanted.
-        leaves: the stage's parameter leaves; None where no gradient is wanted.
+        leaves: what to differentiate for each parameter: the leaf itself, or the
+            tensor (or its ``GradientEdge``) the stage used it as, e.g. its gathered
+            form; None where no gradient is wanted.
 
     Attributes:
         input_grad: d root / d x (None when x is None or root does not depend on it).
     """
 
     def __init__(self, root: torch.Tensor, seed: torch.Tensor, x: torch.Tensor | None,
-                 leaves: Sequence[torch.Tensor | None]) -> None:
+                 leaves: Sequence[Any]) -> None:
         self._leaves = list(leaves)
         self._captured: dict[Any, tuple] = {}
         self._groups: list[tuple[list[Any], list[int]]] = []
@@ -51,21 +59,26 @@ class SplitBackward:
                 self.input_grad = grad(root, [x], seed, retain=True)[0]
             return  # no input gradient to split off: W is the whole backward
         children, post = _walk(root.grad_fn)
-        x_node = _node(x)
+        x_node = edge_of(x)[0]
         if x_node not in children:
             return
-        params = {_node(p): i for i, p in enumerate(leaves) if p is not None}
+        params = {edge_of(p): i for i, p in enumerate(leaves) if p is not None}
+        none: frozenset[int] = frozenset()
+
+        def via(k: Any, nr: int) -> frozenset[int]:  # params reached through edge (k, nr)
+            i = params.get((k, nr))
+            return frozenset((i,)) if i is not None else reach.get(k, none)
+
         on_path: set[Any] = set()
         reach: dict[Any, frozenset[int]] = {}  # params a node reaches off the input paths
         for n in post:
-            if n is x_node or any(k in on_path for k in children[n]):
+            if n is x_node or any(k in on_path for k, _ in children[n]):
                 on_path.add(n)
             else:
-                own = frozenset((params[n],)) if n in params else frozenset()
-                reach[n] = own.union(*(reach[k] for k in children[n]))
+                reach[n] = none.union(*(via(k, nr) for k, nr in children[n]))
         # In post-order, not set order: W issues any collectives of the weight path
         # (FSDP's reduce-scatters) group by group, and every rank must issue them alike.
-        frontier = {n: frozenset().union(*(reach[k] for k in children[n] if k not in on_path))
+        frontier = {n: none.union(*(via(k, nr) for k, nr in children[n] if k not in on_path))
                     for n in post if n in on_path}
         self._groups = _group({n: ps for n, ps in frontier.items() if ps})
         self._full = None
@@ -120,14 +133,21 @@ def grad(root: torch.Tensor, wrt: list[torch.Tensor], seed: torch.Tensor,
     return torch.autograd.grad([root], wrt, [seed], retain_graph=retain, allow_unused=True)
 
 
-def _node(t: torch.Tensor) -> Any:
-    """The autograd node of ``t`` (its AccumulateGrad for a leaf)."""
-    return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
+def edge_of(t: Any) -> tuple[Any, int]:
+    """``(node, output_nr)``: where the gradient of ``t`` enters the graph.
+
+    ``t`` is a tensor (a leaf: its AccumulateGrad, input 0) or a ``GradientEdge``.
+    """
+    if isinstance(t, torch.autograd.graph.GradientEdge):
+        return t.node, t.output_nr
+    edge = torch.autograd.graph.get_gradient_edge(t)
+    return edge.node, edge.output_nr
 
 
-def _walk(root: Any) -> tuple[dict[Any, list[Any]], list[Any]]:
-    """Children of every node below ``root``, and the nodes in post-order (children first)."""
-    children: dict[Any, list[Any]] = {}
+def _walk(root: Any) -> tuple[dict[Any, list[tuple[Any, int]]], list[Any]]:
+    """Edges ``(child, input_nr)`` of every node below ``root``, and the nodes in
+    post-order (children first)."""
+    children: dict[Any, list[tuple[Any, int]]] = {}
     post: list[Any] = []
     stack = [(root, False)]
     while stack:
@@ -135,9 +155,9 @@ def _walk(root: Any) -> tuple[dict[Any, list[Any]], list[Any]]:
         if done:
             post.append(n)
         elif n not in children:
-            children[n] = [k for k, _ in n.next_functions if k is not None]
+            children[n] = [(k, nr) for k, nr in n.next_functions if k is not None]
             stack.append((n, True))
-            stack.extend((k, False) for k in children[n] if k not in children)
+            stack.extend((k, False) for k, _ in children[n] if k not in children)
     return children, post
 
 

@@ -69,7 +69,13 @@ class StageFSDP:
 
 
 class _Gather(torch.autograd.Function):
-    """A stage's shards -> its gathered parameters; backward adds to the unreduced sum."""
+    """A stage's shards -> its gathered parameters.
+
+    The outputs are not leaves, so autograd keeps no reference to them (with reshard
+    after forward only tokens are saved). The executor differentiates w.r.t. their
+    ``GradientEdge``s and hands the gradients to :meth:`StageShards.take_grads`, so
+    this backward runs only if someone differentiates w.r.t. the shards themselves.
+    """
 
     @staticmethod
     def forward(owner: StageShards, s: int, *leaves: torch.Tensor):
@@ -162,7 +168,11 @@ class StageShards:
                 self.full[s] = full  # until RESHARD (or the end of the step)
         out = list(leaves)
         for k, f in zip(idx, full):
-            out[k] = f
+            # One autograd node per parameter (an alias), so that the executor's gradient
+            # edges are distinct per parameter: through the shared gather node, autograd
+            # would run every path that reaches any of them (I/W split: W would re-run the
+            # input path, collectives included, down to the first layer).
+            out[k] = f.view_as(f)
         if not self.config.reshard_after_forward:
             return out, contextlib.nullcontext()
         i = self.index[s]
@@ -174,6 +184,7 @@ class StageShards:
             self.groups.drop(self.index[s])
 
     def accumulate(self, s: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Adds gradients of stage ``s``'s gathered parameters (in group order)."""
         dtype = (self.config.policy or Policy()).grad_reduce_dtype
         sums = self.sums[s]
         for k, g in enumerate(grads):
@@ -182,6 +193,24 @@ class StageShards:
             g = g.to(dtype) if dtype is not None else g
             # The first gradient may alias another tensor of the graph: copy before adding.
             sums[k] = g.clone() if sums[k] is None else sums[k].add_(g)
+
+    def take_grads(self, s: int, wrt: Sequence[int], grads: Sequence[torch.Tensor | None]
+                   ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Keeps the gradients of managed leaves (by leaf index); returns the others."""
+        idx = self.managed.get(s)
+        if not idx:
+            return list(wrt), list(grads)
+        pos = {k: j for j, k in enumerate(idx)}
+        mine: list[torch.Tensor | None] = [None] * len(idx)
+        rest_i, rest_g = [], []
+        for i, g in zip(wrt, grads):
+            if i in pos:
+                mine[pos[i]] = g
+            else:
+                rest_i.append(i)
+                rest_g.append(g)
+        self.accumulate(s, mine)
+        return rest_i, rest_g
 
     def reduce(self, s: int, executor: Any = None) -> None:
         """REDUCE_GRAD: start the stage's one reduce-scatter (+ all-reduce for HSDP)."""

@@ -321,3 +321,92 @@ def test_bad_stage_fsdp_config_names_axis_and_remedy():
         for line in ("stage 0 '0.weight': spec P('a')", "stage 0 '1.bias': spec P('a')",
                      "fsdp_specs(params, ('a', 'b'))"):
             assert line in msgs["partial"], msgs["partial"]
+
+
+# --- seed scenario 30: pp x tp x fsdp, five AdamW steps against one process ----------------
+
+def _tp_stage_fn(params, x, stage):
+    for key in sorted(params["layers"], key=int):
+        x = fs.parallel.tp_mlp(params["layers"][key], x, "tp")  # (N, D): in_proj col, out_proj row
+    return x
+
+
+def _scenario30_body(cases):
+    out = []
+    cfg = fs.models.MLPStackConfig(dim=8, dim_multipliers=(2,) * N_LAYERS)
+    params = fs.models.mlp_stack_init(cfg, 0, dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 16, 8, generator=g, dtype=torch.float64)  # 5 steps x 16 rows
+    y = torch.randn(5, 16, 8, generator=g, dtype=torch.float64)
+    opt = fs.optim.adamw(0.01, b1=0.9, b2=0.95, weight_decay=0.1)
+
+    ref, ref_state, ref_losses = params, opt.init(params), []
+    for step in range(5):
+        loss, grads = fs.value_and_grad(
+            lambda p: _loss_fn(fs.models.mlp_stack_apply(p, x[step], cfg), y[step]))(ref)
+        updates, ref_state = opt.update(grads, ref_state, ref)
+        ref = fs.optim.apply_updates(ref, updates)
+        ref_losses.append(loss.item())
+
+    for shape, name, kw in cases:
+        mesh = fs.make_mesh(shape)
+        rank = mesh.axis_index("pp")
+        sch = getattr(fs.sched, name)(2, 8, **kw)
+        per = N_LAYERS // sch.n_stages
+        sp = []
+        for s in range(sch.n_stages):
+            if s not in sch.stages_of(rank):
+                sp.append(None)
+                continue
+            entry = {"layers": {str(i): params["layers"][i] for i in range(s * per, (s + 1) * per)}}
+            specs = fs.parallel.tp_specs(entry, fs.parallel.MLP_STACK_TP_PLAN, "tp", fsdp_axis="fsdp")
+            sp.append(fs.shard(entry, specs, mesh))
+        state = [None if e is None else opt.init(e) for e in sp]
+        losses = []
+        with fs.comm_log() as log:
+            for step in range(5):
+                loss, grads = fs.sched.pipeline_step(
+                    _tp_stage_fn, _loss_fn, sp, (x[step], y[step]), schedule=sch, mesh=mesh,
+                    data_axes="fsdp", fsdp="fsdp")
+                for s, e in enumerate(sp):
+                    if e is not None:
+                        updates, state[s] = opt.update(grads[s], state[s], e)
+                        sp[s] = fs.optim.apply_updates(e, updates)
+                losses.append(loss.item())
+        err = 0.0
+        for e in sp:
+            if e is not None:
+                for k, layer in e["layers"].items():
+                    for path, leaf in fs.tree.leaves_with_path(layer):
+                        want = fs.tree.leaves_with_path(ref["layers"][int(k)])
+                        want = dict(want)[path]
+                        err = max(err, (fs.gather(leaf) - want).abs().max().item())
+        n_held = len(sch.stages_of(rank))
+        out.append({
+            "case": f"{shape} {name}{kw}",
+            "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "param_err": err,
+            "moved": max(abs(a - b) for a, b in zip(losses[1:], losses[:1])) > 1e-3,
+            # Per step and microbatch: per layer one psum over tp in forward (Megatron "g")
+            # and one in backward (the transpose of "f"), except on stage 0's first layer,
+            # whose input (the data) needs no gradient; one all-gather and one
+            # reduce-scatter per stage over fsdp.
+            "tp_psums": log.by_axis[("psum", ("tp",))] / 5,
+            "expected_tp_psums": 8 * (2 * per * n_held - (0 in sch.stages_of(rank)))
+            if shape["tp"] > 1 else 0,
+            "fsdp": (log.by_axis[("all_gather", ("fsdp",))] / 5, log.by_axis[("psum_scatter", ("fsdp",))] / 5),
+            "expected_fsdp": (n_held, n_held) if shape["fsdp"] > 1 else (0, 0),
+        })
+    return out
+
+
+def test_scenario30_pp_x_tp_x_fsdp_five_adamw_steps_match_one_process():
+    schedules = [("gpipe", {}), ("one_f_one_b", {}), ("interleaved_1f1b", {}), ("looped_bfs", {}),
+                 ("zero_bubble", {"n_virtual": 2})]
+    cases = [(shape, name, kw) for shape in ({"pp": 2, "fsdp": 1, "tp": 2}, {"pp": 2, "fsdp": 2, "tp": 1})
+             for name, kw in schedules]
+    for rank_results in run_on_ranks(_scenario30_body, cases, world_size=4):
+        for r in rank_results:
+            assert r["loss_err"] < TOL and r["param_err"] < TOL and r["moved"], r
+            assert r["tp_psums"] == r["expected_tp_psums"], r
+            assert r["fsdp"] == r["expected_fsdp"], r
