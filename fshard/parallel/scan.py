@@ -12,14 +12,26 @@ backward (see :mod:`fshard.parallel.groups`).
 Communication per step and layer: with reshard, 2 all-gathers and 1 reduce-scatter;
 without, 1 and 1; replicate (no shard axis): 1 all-reduce and no all-gather; HSDP: a
 reduce-scatter over the shard axis and an all-reduce over the replicate axis.
+
+``reshard_after_forward`` may also name a smaller group to stay sharded over between
+forward and backward (FSDP2's int ``reshard_after_forward``): with
+``axis=("fsdp_out", "fsdp_in")`` and ``reshard_after_forward="fsdp_in"`` each rank keeps
+a ``1/k`` slice of the gathered layer (``k = mesh.shape["fsdp_in"]``), and backward's
+regather is one all-gather over ``"fsdp_in"`` only (e.g. within a node).
+
+``offload=True`` keeps the shards (hence the optimizer state) on the CPU and copies each
+layer's flat shard buffer to the mesh's device just before its all-gather.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fshard import lax
 from fshard import tree as tree_util
@@ -27,7 +39,7 @@ from fshard.parallel.groups import Gather, Groups, Sink
 from fshard.transforms.policy import Policy
 from fshard.transforms.remat import remat as remat_fn
 
-__all__ = ["scan_layers", "gather_params", "fsdp_loop"]
+__all__ = ["scan_layers", "gather_params", "fsdp_loop", "offload_shards"]
 
 
 def _as_axes(axis: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -63,6 +75,102 @@ def _check_same_structure(layer_params: Sequence[Any]) -> None:
             )
 
 
+def _post_forward_axes(raf: Any, shard_axes: tuple[str, ...], mesh: Any, remat: bool) -> tuple[bool, tuple[str, ...]]:
+    """Resolves ``reshard_after_forward`` to ``(reshard, post_axes)``.
+
+    ``reshard`` False: keep the gathered parameters for backward (no regather).
+    ``reshard`` True with ``post_axes == ()``: free them; backward regathers from the
+    shards over all of ``shard_axes``. With ``post_axes``: keep a ``1/k`` slice, ``k`` the
+    size of ``post_axes``; backward regathers over ``post_axes`` only.
+
+    An int ``k`` names the trailing (minor) axes of ``shard_axes`` whose sizes multiply to
+    ``k``: on the usual rank layout those are the ranks of one node. As in FSDP2, ``1``
+    means ``False`` (a group of one keeps everything; warned, since ``True`` was probably
+    meant) and the full size means ``True``. Axis names may be any of ``shard_axes``;
+    naming all of them means ``True``.
+
+    Raises:
+      TypeError: not a bool, int, axis name or tuple of axis names.
+      ValueError: an int that is no product of trailing axes (with the valid values and,
+        on one axis, how to split it), an axis not in ``axis``, or a partial reshard
+        together with ``remat``.
+    """
+    if isinstance(raf, bool):
+        return raf, ()
+    sizes = {a: mesh.shape[a] for a in shard_axes}
+    full = math.prod(sizes.values())
+    if isinstance(raf, int):
+        # Trailing sub-tuples, shortest first: the smallest group of minor axes of size k.
+        trailing = {}
+        for j in range(len(shard_axes) - 1, -1, -1):
+            trailing.setdefault(math.prod(sizes[a] for a in shard_axes[j:]), shard_axes[j:])
+        if raf == 1:
+            warnings.warn(
+                "scan_layers: reshard_after_forward=1 (int) reshards to groups of 1 rank, i.e. keeps the "
+                "gathered parameters for backward, the same as reshard_after_forward=False; pass "
+                "True to free them after forward.", stacklevel=3)
+            return False, ()
+        if raf == full and shard_axes:
+            return True, ()
+        if raf in trailing:
+            post = trailing[raf]
+        else:
+            raise ValueError(_bad_int_message(raf, shard_axes, sizes, trailing))
+    elif isinstance(raf, str) or (isinstance(raf, (tuple, list)) and raf and all(isinstance(a, str) for a in raf)):
+        names = (raf,) if isinstance(raf, str) else tuple(raf)
+        unknown = [a for a in names if a not in shard_axes]
+        if unknown or len(set(names)) != len(names):
+            hint = (f"e.g. reshard_after_forward={shard_axes[-1]!r}" if shard_axes else
+                    "but with no shard axis (axis=None) nothing is gathered: use False")
+            raise ValueError(
+                f"scan_layers: reshard_after_forward={raf!r} names {unknown or list(names)!r}, but the "
+                f"parameters are sharded over axis={shard_axes!r} (sizes {sizes}); the post-forward "
+                f"group must be made of those axes, each once ({hint})."
+            )
+        if set(names) == set(shard_axes):
+            return True, ()
+        post = tuple(a for a in shard_axes if a in names)  # the order of ``axis``
+    else:
+        raise TypeError(
+            f"scan_layers: reshard_after_forward={raf!r} ({type(raf).__name__}); use True, False, an int "
+            f"(the size of the group to stay sharded over) or a mesh axis name from axis={shard_axes!r}."
+        )
+    k = math.prod(sizes[a] for a in post)
+    if k == 1:  # size-1 axes: a group of one rank keeps everything
+        return False, ()
+    if remat:
+        raise ValueError(
+            f"scan_layers: reshard_after_forward={raf!r} with remat=True: remat recomputes each layer "
+            f"in backward with its full gather over {shard_axes!r}, so nothing is kept between forward "
+            f"and backward and a partial reshard over {post!r} would have no effect. Use "
+            f"reshard_after_forward=True with remat."
+        )
+    return True, post
+
+
+def _bad_int_message(raf: int, shard_axes: tuple[str, ...], sizes: dict[str, int],
+                     trailing: dict[int, tuple[str, ...]]) -> str:
+    head = f"scan_layers: reshard_after_forward={raf!r}"
+    if not shard_axes:
+        return (f"{head}, but there is no shard axis (axis=None): nothing is gathered, so nothing can be "
+                f"resharded. Use False.")
+    full = math.prod(sizes.values())
+    if len(shard_axes) == 1:
+        (a, n), = sizes.items()
+        example = (f"make_mesh({{'{a}_out': {n // raf}, '{a}_in': {raf}}}), shard over "
+                   f"axis=('{a}_out', '{a}_in') (fsdp_specs(params, ('{a}_out', '{a}_in'))) and pass "
+                   f"reshard_after_forward='{a}_in' (or {raf})" if raf > 1 and n % raf == 0 else
+                   f"make_mesh({{'{a}_out': {n} // k, '{a}_in': k}}) for a k that divides {n}, shard over "
+                   f"axis=('{a}_out', '{a}_in') and pass reshard_after_forward='{a}_in'")
+        return (f"{head} with axis={a!r} of size {n}: the group to stay sharded over after forward must "
+                f"be a mesh axis, and one axis only allows 1 (= False) or {n} (= True). Split the axis "
+                f"in two: {example}.")
+    valid = ", ".join(f"{k} ({'= True' if k == full else repr(t)})" for k, t in sorted(trailing.items()) if k > 1)
+    return (f"{head} is not the size of a trailing group of axis={shard_axes!r} (sizes {sizes}): an int k "
+            f"keeps the parameters sharded over the last axes of `axis` whose sizes multiply to k. Valid: "
+            f"1 (= False), {valid}; or name the axes, e.g. reshard_after_forward={shard_axes[-1]!r}.")
+
+
 def scan_layers(
     block_fn: Callable[[Any, Any], Any],
     layer_params: Sequence[Any],
@@ -71,7 +179,7 @@ def scan_layers(
     axis: str | Sequence[str] | None = "fsdp",
     replicate_axis: str | Sequence[str] | None = None,
     prefetch: int = 1,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | str | Sequence[str] = True,
     remat: bool = False,
     remat_policy: Any = None,
     policy: Policy | None = None,
@@ -81,6 +189,7 @@ def scan_layers(
     bucket_bytes: int = 25 * 2**20,
     accumulate: Any = None,
     sync: bool | str = True,
+    offload: bool = False,
 ) -> Any:
     """Runs ``x = block_fn(layer_params[i], x)`` for every layer with FSDP-style gathering.
 
@@ -96,8 +205,18 @@ def scan_layers(
       replicate_axis: mesh axis (or axes) over which parameters are replicated and
         gradients all-reduced (DDP, or HSDP together with ``axis``).
       prefetch: how many layers ahead the forward all-gathers run.
-      reshard_after_forward: free gathered parameters after each layer's forward and
-        gather them again in backward (2 all-gathers per layer instead of 1).
+      reshard_after_forward: ``True``: free gathered parameters after each layer's
+        forward and gather them again in backward (2 all-gathers per layer instead of
+        1). ``False``: keep them until the layer's backward. A mesh axis name (or tuple
+        of names) from ``axis``: keep them sharded over that smaller group only (FSDP2's
+        int ``reshard_after_forward``): each rank keeps a copy of its ``1/k`` slice of
+        the gathered layer, ``k`` the group's size, and backward's regather is one
+        all-gather over that group (e.g. with ``axis=("fsdp_out", "fsdp_in")`` and
+        ``"fsdp_in"`` the ranks of one node: inter-node traffic only in forward). An int
+        ``k`` means the trailing axes of ``axis`` whose sizes multiply to ``k``
+        (``mesh.shape["fsdp_in"]`` above); ``1`` means ``False`` (with a warning) and
+        the full size ``True``, as in FSDP2. On a single axis only those two exist: split
+        it (``make_mesh({"fsdp_out": 2, "fsdp_in": 2})``, ``axis=("fsdp_out", "fsdp_in")``).
       remat: recompute each layer in backward (activation checkpointing); its gather
         is redone inside the recomputation.
       remat_policy: a :func:`fshard.remat` policy for ``remat``.
@@ -115,31 +234,49 @@ def scan_layers(
         the accumulated gradients and reduces once; ``"reduce_scatter"`` (HSDP)
         reduce-scatters over ``axis`` every microbatch but defers the all-reduce over
         ``replicate_axis`` to the ``True`` microbatch.
+      offload: CPU offload (FSDP2's ``CPUOffloadPolicy``). The shards in
+        ``layer_params`` live on the CPU (so does the optimizer state made from them;
+        :func:`offload_shards` moves a sharded pytree there, pinned when CUDA is
+        available). Each layer's flat shard buffer is built on the host (in pinned
+        memory when the mesh computes on CUDA) and copied to the mesh's device without
+        blocking just before its all-gather, so the copy is prefetched with the gather;
+        gathered parameters, activations and the reduction run on the device, and the
+        reduced shard gradients are copied back to the CPU at the end of backward (one
+        synchronization for all layers): the gradients returned for these leaves live on
+        the CPU. Partial reshard slices stay on the device. Tested on CPU meshes only
+        (where the copies are no-ops); the CUDA path is unverified:
+        ``bench/gpu_checks/offload_check.py`` checks it on a GPU machine.
 
     Returns:
       The output of the last layer.
 
     Raises:
-      ValueError: layers differ in structure; an int ``reshard_after_forward``.
+      ValueError: layers differ in structure; a ``reshard_after_forward`` that names no
+        sub-group of ``axis`` (the message lists the valid values and the remedy) or a
+        partial one with ``remat``; ``offload=True`` with shards not on the CPU, or CPU
+        shards on a GPU mesh without ``offload``.
+      TypeError: ``reshard_after_forward`` of another type.
       RuntimeError: called outside a shard_map body.
     """
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(
-            f"scan_layers: reshard_after_forward={reshard_after_forward!r}: resharding to a "
-            f"smaller group is not supported yet; use True or False."
-        )
     if len(layer_params) == 0:
         return x
-    _check_same_structure(layer_params)
+    body = lax.BODY.get()
+    if body is None:
+        raise RuntimeError("fs.parallel layer loops run inside a shard_map body (they issue collectives).")
     shard_axes, rep_axes = _as_axes(axis), _as_axes(replicate_axis)
+    body.mesh.check_axes(shard_axes, what="axis")
+    reshard, post_axes = _post_forward_axes(reshard_after_forward, shard_axes, body.mesh, remat)
+    _check_same_structure(layer_params)
     flat_layers, defs = [], []
     for p in layer_params:
         leaves, d = tree_util.tree_flatten(p)
         flat_layers.append(leaves)
         defs.append(d)
+    # The partial slice is only worth keeping when the layer is resharded at all.
+    keep_axes = post_axes if reshard and not remat else ()
     state = Groups(flat_layers, shard_axes, rep_axes,
                    [_shard_dims(ls, shard_axes, dim) for ls in flat_layers], policy or Policy(), bucket_bytes,
-                   accumulate, sync)
+                   accumulate, sync, post_axes=keep_axes, offload=offload)
     n_layers = len(flat_layers)
     all_leaves = [x for ls in flat_layers for x in ls]
     sunk = Sink.apply(state, *all_leaves) if torch.is_grad_enabled() and any(
@@ -152,7 +289,7 @@ def scan_layers(
     bwd = backward_prefetch or [[i - 1] if i > 0 else [] for i in range(n_layers)]
     tags = frozenset(shard_axes) | frozenset(rep_axes)
 
-    reshard = reshard_after_forward and state.n > 1 and not remat
+    reshard = reshard and state.n > 1 and not remat
 
     def layer(i: int, leaves: list[torch.Tensor], h: Any) -> Any:
         full = _gather(state, i, leaves, tags)
@@ -224,6 +361,7 @@ def gather_params(
     dim: int | None = None,
     accumulate: Any = None,
     sync: bool | str = True,
+    offload: bool = False,
 ) -> Any:
     """Gathers one group of parameters (e.g. embeddings + head) for use in a shard_map body.
 
@@ -233,7 +371,9 @@ def gather_params(
 
     Args:
       params: pytree of local shards.
-      axis, replicate_axis, policy, dim, accumulate, sync: as in :func:`scan_layers`.
+      axis, replicate_axis, policy, dim, accumulate, sync, offload: as in :func:`scan_layers`
+        (with ``offload``, ``params`` live on the CPU, the gathered result on the mesh's
+        device, and the gradients come back to the CPU).
 
     Returns:
       The pytree of full parameters.
@@ -243,8 +383,42 @@ def gather_params(
         return params
     shard_axes, rep_axes = _as_axes(axis), _as_axes(replicate_axis)
     state = Groups([leaves], shard_axes, rep_axes, [_shard_dims(leaves, shard_axes, dim)], policy or Policy(),
-                   accumulator=accumulate, sync=sync)
+                   accumulator=accumulate, sync=sync, offload=offload)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
     sunk = list(Sink.apply(state, *leaves)) if grad else leaves
     full = _gather(state, 0, sunk, frozenset(shard_axes) | frozenset(rep_axes))
     return tree_util.tree_unflatten(treedef, full)
+
+
+def offload_shards(params: Any, *, pin_memory: bool | None = None) -> Any:
+    """Moves a pytree of shards to the CPU for ``offload=True``, keeping their layout.
+
+    A DTensor keeps its mesh and placements with its local shard on the CPU (FSDP2's CPU
+    offload holds its parameters the same way), so ``shard_map`` hands the CPU shard to
+    the body and the gradient comes back as a DTensor with a CPU shard; optimizer state
+    initialized from the result lives on the CPU too. Plain tensors are moved as they are.
+    Unverified on GPU in CI (no GPU there): see ``bench/gpu_checks/offload_check.py``.
+
+    Args:
+      params: pytree of DTensors (e.g. from ``fs.shard``) or tensors.
+      pin_memory: page-lock the CPU shards; default: when CUDA is available.
+
+    Returns:
+      The pytree with every tensor's local data on the CPU.
+    """
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        local = x.to_local() if isinstance(x, DTensor) else x
+        local = local.detach().to("cpu")
+        if pin and not local.is_pinned():
+            local = local.pin_memory()
+        if isinstance(x, DTensor):
+            # Built directly (as FSDP2 does): DTensor.from_local would move the shard back
+            # to the mesh's device type.
+            return DTensor(local, x._spec, requires_grad=x.requires_grad)
+        return local.requires_grad_(x.requires_grad)
+
+    return tree_util.tree_map(one, params)

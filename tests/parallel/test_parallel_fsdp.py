@@ -1,8 +1,9 @@
 """FSDP / replicate / HSDP through scan_layers, against a single-process reference, on gloo.
 
 Functional ports of seed_tests.md scenarios: 1 (uneven MLP shards), 3 (Transformer,
-reshard after forward on/off, exact comm counts), 11 (remat), 12 (tied weights),
-16/17 (HSDP), 22 (fsdp=1 issues nothing), 24 (replicate). Each rank gets different
+reshard after forward on/off/to the inner axis of a 2x2 mesh, exact comm counts), 5 (host
+offload, on CPU meshes: the copies are no-ops here but the code path runs), 11 (remat),
+12 (tied weights), 16/17 (HSDP), 22 (fsdp=1 issues nothing), 24 (replicate). Each rank gets different
 data (global batch sliced over the data axes); the reference trains on the global batch.
 """
 
@@ -27,13 +28,16 @@ def _setup(shape, mode, tie):
     if mode == "fsdp":
         axes = dict(axis="fsdp", replicate_axis=None)
         specs = fs.parallel.fsdp_specs(params, "fsdp")
+    elif mode == "fsdp2d":  # sharded over both axes of a 2x2 mesh ("nodes" x "GPUs per node")
+        axes = dict(axis=("fsdp_out", "fsdp_in"), replicate_axis=None)
+        specs = fs.parallel.fsdp_specs(params, ("fsdp_out", "fsdp_in"))
     elif mode == "hsdp":
         axes = dict(axis="fsdp", replicate_axis="dp")
         specs = fs.parallel.hsdp_specs(params, "fsdp", "dp")
     else:  # replicate
         axes = dict(axis=None, replicate_axis="dp")
         specs = fs.parallel.replicate_specs(params)
-    data_axes = tuple(a for a in ("dp", "fsdp") if a in shape)
+    data_axes = tuple(a for a in ("dp", "fsdp", "fsdp_out", "fsdp_in") if a in shape)
     return mesh, cfg, params, specs, axes, data_axes
 
 
@@ -54,10 +58,13 @@ def _batch(step, n_rows, cfg):
     return tok, torch.roll(tok, -1, dims=1)
 
 
-def _train(shape, mode, raf, remat, tie, steps, check):
+def _train(shape, mode, raf, remat, tie, steps, check, offload=False, detailed=False):
     mesh, cfg, params, specs, axes, data_axes = _setup(shape, mode, tie)
+    axes = dict(axes, offload=offload)
     n_data = math.prod(shape[a] for a in data_axes)
     sharded = fs.shard(params, specs, mesh, uneven=True)
+    if offload:  # a no-op move on this CPU mesh, but the helper's DTensor rebuild runs
+        sharded = fs.parallel.scan.offload_shards(sharded)
     opt = fs.optim.adam(1e-2)
     state = opt.init(sharded)
     step = fs.shard_map(lambda p, a, b: _loss(p, a, b, cfg, axes, data_axes, raf, remat), mesh=mesh,
@@ -65,11 +72,14 @@ def _train(shape, mode, raf, remat, tie, steps, check):
     ref, ref_opt = params, fs.optim.adam(1e-2)
     ref_state = ref_opt.init(ref)
     losses, counts, worst = [], [], 0.0
+    by_axis, on_cpu = [], True
     for s in range(steps):
         tok, tgt = _batch(s, 2 * n_data, cfg)
         with fs.comm_log() as log:
             loss, grads = fs.value_and_grad(step)(sharded, tok, tgt)
         counts.append(dict(log.counts))
+        by_axis.append(dict(log.by_axis))
+        on_cpu &= all(_local(t).device.type == "cpu" for t in fs.tree.leaves(grads))
         updates, state = opt.update(grads, state, sharded)
         sharded = fs.optim.apply_updates(sharded, updates)
         ref_loss, ref_grads = fs.value_and_grad(
@@ -79,7 +89,31 @@ def _train(shape, mode, raf, remat, tie, steps, check):
         losses.append((loss.item(), ref_loss.item()))
         full = fs.gather(sharded)
         worst = max(worst, max((a - b).abs().max().item() for a, b in zip(fs.tree.leaves(full), fs.tree.leaves(ref))))
-    return losses, counts, worst
+    on_cpu &= all(_local(t).device.type == "cpu" for t in fs.tree.leaves((sharded, state)))
+    return (losses, counts, worst, by_axis, on_cpu) if detailed else (losses, counts, worst)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t  # optimizer state holds plain step counts
+
+
+def _train_detailed(*args, **kwargs):
+    """``_train(..., detailed=True)`` (adds per-step comm_log.by_axis and whether params,
+    grads and optimizer state stayed on the CPU) plus the ``_to_compute`` calls made."""
+    from fshard.parallel import groups as groups_mod
+
+    calls = []
+    original = groups_mod._to_compute
+
+    def spy(flat, device):
+        calls.append((flat.device.type, device.type))
+        return original(flat, device)
+
+    groups_mod._to_compute = spy
+    try:
+        return _train(*args, detailed=True, **kwargs) + (calls,)
+    finally:
+        groups_mod._to_compute = original
 
 
 def _ref_body(p, tok, cfg):
@@ -131,6 +165,50 @@ def test_hsdp_2x2():
         for c in counts:
             assert c["psum_scatter"] == CFG["n_layers"] + 1
             assert c["psum"] == 1 + CFG["n_layers"] + 1  # loss + all-reduce over dp per group
+
+
+@pytest.mark.parametrize("raf", [2, "fsdp_in"])
+def test_fsdp_2x2_reshard_to_inner_axis_regathers_over_it_only(raf):
+    # Scenario 3 with RAF=2 on 2 "nodes" of 2: forward gathers over both axes, backward
+    # regathers each block over ("fsdp_in",) only; the reduce-scatter stays over both.
+    results = run_on_ranks(_train_detailed, {"fsdp_out": 2, "fsdp_in": 2}, "fsdp2d", raf, False, False, 3, True,
+                           world_size=4)
+    _assert_parity([r[:3] for r in results])
+    both, L = ("fsdp_out", "fsdp_in"), CFG["n_layers"]
+    for _, counts, _, by_axis, _, calls in results:
+        for c in by_axis:
+            assert c == {("all_gather", both): 1 + L, ("all_gather", ("fsdp_in",)): L,
+                         ("psum_scatter", both): 1 + L, ("psum", both): 1}
+        assert calls == []  # no offload: the host-to-device copy is never asked for
+
+
+@pytest.mark.parametrize("shape, mode, raf", [
+    ({"fsdp": 2}, "fsdp", True),
+    ({"fsdp": 2}, "fsdp", False),
+    ({"dp": 2, "fsdp": 2}, "hsdp", True),
+    ({"fsdp_out": 2, "fsdp_in": 2}, "fsdp2d", "fsdp_in"),
+    ({"dp": 2}, "replicate", False),
+])
+def test_offload_parity_and_everything_stays_on_the_host(shape, mode, raf):
+    # Scenario 5 on CPU meshes: the compute device is the CPU, so the copies are no-ops,
+    # but every gather goes through _to_compute and every gradient through the host path.
+    steps = 2
+    results = run_on_ranks(_train_detailed, shape, mode, raf, False, False, steps, True, offload=True,
+                           world_size=math.prod(shape.values()))
+    _assert_parity([r[:3] for r in results])
+    base = run_on_ranks(_train, shape, mode, raf, False, False, steps, True, world_size=math.prod(shape.values()))
+    L = CFG["n_layers"]
+    for (losses, counts, _, _, on_cpu, calls), (base_losses, base_counts, _) in zip(results, base):
+        assert losses == base_losses and counts == base_counts  # bitwise the same as without offload
+        assert on_cpu
+        assert all(c == ("cpu", "cpu") for c in calls)
+        if mode == "replicate":
+            assert len(calls) > 0  # no gather: each leaf itself is copied to the device
+        else:
+            # per step, the root group and each block copy their flat shard buffer once per
+            # gather from the shards: a full regather (raf=True) copies again, a regather
+            # from the kept inner-axis slice does not (that slice stays on the device)
+            assert len(calls) == steps * (1 + L + (L if raf is True else 0))
 
 
 def test_unchecked_mode_gives_identical_results():

@@ -1,9 +1,12 @@
 """More seed_tests.md scenarios in functional form: 1 (uneven MLP shards), 2 (shard the
-largest dim), 4 (delays before collectives change nothing), 10 (a layer used twice),
-13 (uneven tied embedding), and the layer-loop bad inputs.
+largest dim), 4 (delays before collectives change nothing), 10 (a layer used twice, also
+with reshard_after_forward=2 on a 2x2 mesh), 13 (uneven tied embedding), 14 (accumulation,
+also with reshard_after_forward=2), the layer-loop bad inputs, and the flat layout of
+parameters sharded over two axes (uneven, or not in mesh order). Scenario 5 (host
+offload) is in test_parallel_fsdp.py.
 
 Not ported, with the reason:
-5 (host offload), 6/34 (recorded prefetch issue order), 8/9/23/32 (module registration
+6/34 (recorded prefetch issue order), 8/9/23/32 (module registration
 and hooks: there are no modules to register in a functional design), 14-15/25 (gradient
 accumulation without sync: not implemented yet), 18, 21 (experts), 35 (streams: one
 gloo queue here), 36 (CUDA graphs: no GPU in CI).
@@ -11,6 +14,7 @@ gloo queue here), 36 (CUDA graphs: no GPU in CI).
 
 import math
 import time
+import warnings
 
 import pytest
 import torch
@@ -174,8 +178,8 @@ def test_layer_loop_outside_shard_map():
 
 def _accumulate(mode, raf, root_only=False, defer="none"):
     n = dist.get_world_size()
-    mesh = fs.make_mesh({"r": 2, "d": n // 2} if mode == "hsdp" else {"d": n})
-    data = ("r", "d") if mode == "hsdp" else "d"
+    mesh = fs.make_mesh({"r": 2, "d": n // 2} if mode == "hsdp" else MESH2D if mode == "fsdp2d" else {"d": n})
+    data = ("r", "d") if mode == "hsdp" else AXES2D if mode == "fsdp2d" else "d"
     g = torch.Generator().manual_seed(0)
     dim = 32
     params = {"lin": {"w": torch.randn(dim, dim, generator=g, dtype=torch.float64) * 0.2},
@@ -183,6 +187,8 @@ def _accumulate(mode, raf, root_only=False, defer="none"):
                           "w2": torch.randn(dim, dim, generator=g, dtype=torch.float64) * 0.2} for _ in range(3)]}
     if mode == "fsdp":
         specs, axes = fs.parallel.fsdp_specs(params, "d"), dict(axis="d")
+    elif mode == "fsdp2d":  # the same 4 ranks as fsdp, as 2 "nodes" of 2 (reshard_after_forward=2)
+        specs, axes = fs.parallel.fsdp_specs(params, AXES2D), dict(axis=AXES2D)
     elif mode == "hsdp":
         specs, axes = fs.parallel.hsdp_specs(params, "d", "r"), dict(axis="d", replicate_axis="r")
     else:
@@ -222,12 +228,12 @@ def _accumulate(mode, raf, root_only=False, defer="none"):
             return ((h - ys[k]) ** 2).mean()
         ref = fs.tree.tree_map(torch.add, ref, fs.grad(ref_loss)(params))
     diff = max((a - b).abs().max().item() for a, b in zip(fs.tree.leaves(fs.gather(total)), fs.tree.leaves(ref)))
-    return diff, dict(log.counts), early_error, acc.pending
+    return diff, dict(log.counts), early_error, acc.pending, dict(log.by_axis)
 
 
 @pytest.mark.parametrize("raf", [True, False])
 def test_scenario14_fsdp_accumulation_reduces_once(raf):
-    for diff, counts, early, pending in run_on_ranks(_accumulate, "fsdp", raf, world_size=4):
+    for diff, counts, early, pending, _ in run_on_ranks(_accumulate, "fsdp", raf, world_size=4):
         assert diff < 1e-10 and not pending
         assert counts["psum_scatter"] == 4                       # one per group, last microbatch only
         # per microbatch: the root group once (gather_params keeps it), each of the 3 layers
@@ -236,16 +242,28 @@ def test_scenario14_fsdp_accumulation_reduces_once(raf):
         assert "sync=True" in early and "never reduced" in early  # no silent step on partial grads
 
 
+@pytest.mark.parametrize("raf", [2, "fsdp_in"])
+def test_scenario14_accumulation_with_reshard_to_inner_axis(raf):
+    # The seed's "24 (RAF True or 2)": 21 here (the root group is kept, not resharded), of
+    # which the 3 x 3 backward regathers run over the inner axis only.
+    for diff, counts, _, pending, by_axis in run_on_ranks(_accumulate, "fsdp2d", raf, world_size=4):
+        assert diff < 1e-10 and not pending
+        assert counts["all_gather"] == 21
+        assert by_axis[("all_gather", AXES2D)] == 3 * (1 + 3)      # forward: root + 3 layers, per microbatch
+        assert by_axis[("all_gather", ("fsdp_in",))] == 3 * 3      # backward: 3 layers, per microbatch
+        assert by_axis[("psum_scatter", AXES2D)] == counts["psum_scatter"] == 4
+
+
 @pytest.mark.parametrize("defer, rs, ar", [("none", 4, 4), ("all_reduce", 12, 4)])
 def test_scenario16_hsdp_accumulation_counts(defer, rs, ar):
-    for diff, counts, _, pending in run_on_ranks(_accumulate, "hsdp", False, False, defer, world_size=4):
+    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "hsdp", False, False, defer, world_size=4):
         assert diff < 1e-10 and not pending
         assert counts["psum_scatter"] == rs
         assert counts["psum"] == ar + 3  # all-reduces over the replicate axis + 3 loss pmeans
 
 
 def test_scenario15_partial_sync_root_only():
-    for diff, counts, _, pending in run_on_ranks(_accumulate, "fsdp", False, True, world_size=4):
+    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "fsdp", False, True, world_size=4):
         assert diff < 1e-10 and not pending
         assert counts["psum_scatter"] == 1 + 3 * 3  # root once, each layer every microbatch
 
@@ -274,7 +292,7 @@ def test_scenario12_tied_leaf_in_two_groups_is_an_error():
 
 
 def test_scenario25_replicate_accumulation_all_reduces_once():
-    for diff, counts, _, pending in run_on_ranks(_accumulate, "replicate", False, world_size=2):
+    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "replicate", False, world_size=2):
         assert diff < 1e-10 and not pending
         assert counts.get("all_gather", 0) == 0
         assert counts["psum"] == 4 + 3  # one all-reduce per group (buckets of one group) + 3 loss pmeans
@@ -322,3 +340,171 @@ def test_scenario6_34_forward_and_backward_prefetch_order():
     assert backward == list(range(n - 1, -1, -1))
     default = run_on_ranks(_prefetch_order, None, n, world_size=2)[0]
     assert default == list(range(n)) + list(range(n - 1, -1, -1))
+
+
+# --- scenario 10 with reshard_after_forward=2: a 2x2 mesh, regathers over the inner axis -----
+
+MESH2D = {"fsdp_out": 2, "fsdp_in": 2}
+AXES2D = ("fsdp_out", "fsdp_in")
+
+
+def _twice_2d(raf, steps, axes=AXES2D):
+    """Two layers, each applied twice, sharded over both axes of a 2x2 mesh; per-rank data.
+
+    Returns per-step (loss, ref loss), the worst grad and param differences against a
+    single-process float64 reference, per-step comm_log.by_axis, and, for every slice
+    kept after forward, (its storage bytes, the gathered buffer's bytes, whether it is a view).
+    """
+    from fshard.parallel import groups as groups_mod
+
+    mesh = fs.make_mesh(MESH2D)
+    g = torch.Generator().manual_seed(0)
+    # w2 has 5 rows over 2 x 2 ranks: cut per axis (3, 2 -> 2, 1, 1, 1), not as one
+    # torch.chunk over 4 (2, 2, 1, 0), and padded in the flat buffer.
+    params = [{"w1": torch.randn(8, 5, generator=g, dtype=torch.float64) * 0.4,
+               "w2": torch.randn(5, 8, generator=g, dtype=torch.float64) * 0.4} for _ in range(2)]
+    specs = fs.parallel.fsdp_specs(params, axes)
+    sharded = fs.shard(params, specs, mesh, uneven=True)
+
+    def body(p, x, y):
+        h = fs.parallel.scan_layers(lambda lp, z: _block(lp, _block(lp, z)), p, x, axis=axes,
+                                    reshard_after_forward=raf)
+        return fs.lax.pmean(((h - y) ** 2).mean(), axes)
+
+    step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(axes), P(axes)), out_specs=P()))
+
+    def ref_loss(p, x, y):
+        h = x
+        for lp in p:
+            h = _block(lp, _block(lp, h))
+        return ((h - y) ** 2).mean()
+
+    kept = []
+    original = groups_mod.Groups._post_chunk
+
+    def spy(self, buf):
+        chunk = original(self, buf)
+        kept.append((chunk.untyped_storage().nbytes(), buf.untyped_storage().nbytes(), chunk._base is not None))
+        return chunk
+
+    opt, ref_opt = fs.optim.adam(1e-2), fs.optim.adam(1e-2)
+    state, ref, ref_state = opt.init(sharded), params, ref_opt.init(params)
+    losses, by_axis, grad_err, param_err = [], [], 0.0, 0.0
+    groups_mod.Groups._post_chunk = spy
+    try:
+        for s in range(steps):
+            gs = torch.Generator().manual_seed(100 + s)
+            x = torch.randn(8, 8, generator=gs, dtype=torch.float64)  # 2 rows per rank
+            y = torch.randn(8, 8, generator=gs, dtype=torch.float64)
+            with fs.comm_log() as log:
+                loss, grads = step(sharded, x, y)
+            by_axis.append(dict(log.by_axis))
+            rl, rg = fs.value_and_grad(ref_loss)(ref, x, y)
+            grad_err = max(grad_err, max((a - b).abs().max().item()
+                                         for a, b in zip(fs.tree.leaves(fs.gather(grads)), fs.tree.leaves(rg))))
+            up, state = opt.update(grads, state, sharded)
+            sharded = fs.optim.apply_updates(sharded, up)
+            up, ref_state = ref_opt.update(rg, ref_state, ref)
+            ref = fs.optim.apply_updates(ref, up)
+            losses.append((loss.item(), rl.item()))
+            param_err = max(param_err, max((a - b).abs().max().item()
+                                           for a, b in zip(fs.tree.leaves(fs.gather(sharded)), fs.tree.leaves(ref))))
+    finally:
+        groups_mod.Groups._post_chunk = original
+    return losses, grad_err, param_err, by_axis, kept
+
+
+@pytest.mark.parametrize("raf, regather_axes", [(2, ("fsdp_in",)), ("fsdp_in", ("fsdp_in",)),
+                                                (("fsdp_in",), ("fsdp_in",)), ("fsdp_out", ("fsdp_out",))])
+def test_scenario10_layer_used_twice_reshard_to_inner_axis(raf, regather_axes):
+    # A named axis need not be the trailing one ("fsdp_out": slices kept across "nodes").
+    for losses, grad_err, param_err, by_axis, kept in run_on_ranks(_twice_2d, raf, 4, world_size=4):
+        assert all(abs(a - b) <= 1e-10 * max(1.0, abs(b)) for a, b in losses)
+        assert grad_err < 1e-10 and param_err < 1e-10
+        for c in by_axis:
+            # forward: one gather per layer over both axes; backward: one regather per layer,
+            # over the post-forward axis only, although each layer is used twice
+            assert c == {("all_gather", AXES2D): 2, ("all_gather", regather_axes): 2,
+                         ("psum_scatter", AXES2D): 2, ("psum", AXES2D): 1}
+        # Peak memory: what stays between forward and backward is a copy of half of each
+        # gathered buffer (k = 2), never a view that keeps the whole buffer alive.
+        assert len(kept) == 2 * 4
+        assert all(chunk * 2 == full and not view for chunk, full, view in kept)
+
+
+@pytest.mark.parametrize("raf, full_gathers, inner_gathers", [(True, 4, 0), (4, 4, 0), (False, 2, 0), (1, 2, 0)])
+def test_reshard_after_forward_trivial_group_sizes(raf, full_gathers, inner_gathers):
+    # FSDP2's rule: an int equal to the whole group is True; 1 is False (with a warning).
+    for losses, grad_err, param_err, by_axis, kept in run_on_ranks(_twice_2d, raf, 2, world_size=4):
+        assert grad_err < 1e-10 and param_err < 1e-10 and not kept
+        for c in by_axis:
+            assert c[("all_gather", AXES2D)] == full_gathers
+            assert c.get(("all_gather", ("fsdp_in",)), 0) == inner_gathers
+
+
+def _raf_error(shape, axis, raf, remat=False):
+    mesh = fs.make_mesh(shape)
+    layers = [{"w": torch.ones(4, 4, dtype=torch.float64)}]
+    specs = fs.parallel.fsdp_specs(layers, axis)
+    sharded = fs.shard(layers, specs, mesh)
+    f = fs.shard_map(lambda p, x: fs.parallel.scan_layers(lambda lp, h: h @ lp["w"], p, x, axis=axis,
+                                                          reshard_after_forward=raf, remat=remat).sum(),
+                     mesh=mesh, in_specs=(specs, P()), out_specs=P(), check=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            f(sharded, torch.ones(1, 4, dtype=torch.float64))
+        except (ValueError, TypeError) as e:
+            return type(e).__name__, str(e)
+    return "ok", " | ".join(str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("shape, axis, raf, kind, needles", [
+    # an int that is no product of trailing axes: the valid values are listed
+    (MESH2D, AXES2D, 3, "ValueError", ["reshard_after_forward=3", "trailing", "'fsdp_out': 2, 'fsdp_in': 2",
+                                       "2 (('fsdp_in',))", "4 (= True)", "reshard_after_forward='fsdp_in'"]),
+    # an axis the parameters are not sharded over
+    (MESH2D, AXES2D, "tp", "ValueError", ["['tp']", "axis=('fsdp_out', 'fsdp_in')", "reshard_after_forward='fsdp_in'"]),
+    # an int on one axis: split the axis
+    ({"fsdp": 4}, "fsdp", 2, "ValueError", ["axis='fsdp' of size 4", "must be a mesh axis", "Split the axis",
+                                            "make_mesh({'fsdp_out': 2, 'fsdp_in': 2})",
+                                            "axis=('fsdp_out', 'fsdp_in')", "reshard_after_forward='fsdp_in'"]),
+    ({"fsdp": 4}, "fsdp", 3, "ValueError", ["axis='fsdp' of size 4", "Split the axis", "divides 4"]),
+    (MESH2D, AXES2D, 2.0, "TypeError", ["reshard_after_forward=2.0", "float"]),
+    (MESH2D, AXES2D, 1, "ok", ["reshard_after_forward=1", "same as reshard_after_forward=False"]),
+])
+def test_reshard_after_forward_bad_values_name_axis_sizes_and_remedy(shape, axis, raf, kind, needles):
+    got_kind, msg = run_on_ranks(_raf_error, shape, axis, raf, world_size=4)[0]
+    assert got_kind == kind, msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_reshard_to_inner_axis_with_remat_is_an_error():
+    kind, msg = run_on_ranks(_raf_error, MESH2D, AXES2D, "fsdp_in", True, world_size=4)[0]
+    assert kind == "ValueError" and "remat=True" in msg and "reshard_after_forward=True" in msg
+
+
+def _axes_not_in_mesh_order():
+    """Sharded over ("fsdp_in", "fsdp_out"), the reverse of the mesh order: the gather's rank
+    order (mesh order) is not the order of the blocks, which the layout must undo."""
+    mesh = fs.make_mesh(MESH2D)
+    axes = ("fsdp_in", "fsdp_out")
+    g = torch.Generator().manual_seed(0)
+    params = [{"w": torch.randn(8, 8, generator=g, dtype=torch.float64)}]
+    specs = fs.parallel.fsdp_specs(params, axes)
+    sharded = fs.shard(params, specs, mesh)
+
+    def body(p, x):
+        h = fs.parallel.scan_layers(lambda lp, z: torch.tanh(z @ lp["w"]), p, x, axis=axes)
+        return fs.lax.pmean(h.sum(), axes)
+
+    x = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    loss, grads = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(axes)), out_specs=P()))(sharded, x)
+    ref_loss, ref_grads = fs.value_and_grad(lambda p: torch.tanh(x @ p[0]["w"]).sum() / 4)(params)
+    return abs(loss.item() - ref_loss.item()), (fs.gather(grads)[0]["w"] - ref_grads[0]["w"]).abs().max().item()
+
+
+def test_shard_axes_not_in_mesh_order():
+    for loss_err, grad_err in run_on_ranks(_axes_not_in_mesh_order, world_size=4):
+        assert loss_err < 1e-10 and grad_err < 1e-10
