@@ -323,7 +323,9 @@ def _make_varying(t: torch.Tensor, ax: _Axes, names: frozenset) -> torch.Tensor:
     missing = names - vma(t)
     if not missing:
         return t
-    out = _Pvary.apply(t, _sub_axes(ax, missing)) if t.requires_grad else t.view_as(t)
+    sub = _sub_axes(ax, missing)
+    # Over size-1 axes the backward psum would be a collective over one rank: skip it.
+    out = _Pvary.apply(t, sub) if t.requires_grad and sub.n > 1 else t.view_as(t)
     return set_vma(out, vma(t) | missing)
 
 

@@ -211,3 +211,28 @@ def test_value_and_grad_has_aux_and_errors():
     with pytest.raises(TypeError, match="scalar tensor"):
         fs.grad(lambda p: p * 2)(torch.ones(3))
     assert torch.equal(fs.grad(lambda a, b: (a * 0).sum())(torch.ones(2), torch.ones(2)), torch.zeros(2))
+
+
+def _size_one_axis_body():
+    # x varies over dp; s over tp (size 1): checked mode makes the product vary over both,
+    # and the implicit pvary over tp must not issue a psum over one rank in backward.
+    mesh = fs.make_mesh({"dp": 2, "tp": 1})
+    params, (x, y) = _mlp_params(), _data()
+    s = torch.ones(1, dtype=torch.float64)
+
+    def loss(p, a, b, scale):
+        return fs.lax.pmean(((_mlp(p, a) * scale - b) ** 2).mean(), ("dp", "tp"))
+
+    step = fs.shard_map(loss, mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P("tp")), out_specs=P())
+    with fs.comm_log() as log:
+        value, grads = fs.value_and_grad(step)(fs.shard(params, P(), mesh), x, y, s)
+    ref_loss, ref_grads = fs.value_and_grad(lambda p: ((_mlp(p, x) - y) ** 2).mean())(params)
+    grads = fs.gather(grads)
+    return (abs(value.item() - ref_loss.item()),
+            max((grads[k] - ref_grads[k]).abs().max().item() for k in params), dict(log.by_axis))
+
+
+def test_implicit_pvary_over_a_size_one_axis_issues_nothing():
+    for dl, dg, by_axis in run_on_ranks(_size_one_axis_body, world_size=2):
+        assert dl < 1e-12 and dg < 1e-12
+        assert not any("tp" in axes and axes != ("dp", "tp") for _, axes in by_axis), by_axis
