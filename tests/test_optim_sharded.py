@@ -207,3 +207,30 @@ def test_sharded_optimizers_clipping_and_errors(shape):
                 assert r[f"{name}/state_specs"] and r[f"{name}/param_specs"], (where, name)
             assert r["donated/adamw_wd/max_diff"] < 1e-12, where
             assert r["shard_map_diff"] == 0.0, (where, r["shard_map_diff"])
+
+
+def _pipeline_norm_body():
+    # Pipeline grads: pp rank r holds stage r (fsdp-sharded), None for the other stage.
+    mesh = fs.make_mesh({"pp": 2, "fsdp": 2})
+    r = mesh.axis_index("pp")
+    full = _grads(_params(), 0)
+    stages = [{"w": full["w"], "b": full["b"]}, {"v": full["v"], "layers": full["layers"]}]
+    grads = [None, None]
+    grads[r] = fs.shard(stages[r], fs.parallel.fsdp_specs(stages[r], "fsdp"), mesh, uneven=True)
+    want = math.sqrt(sum(x.double().square().sum().item() for x in tree_util.leaves(full)))
+    local = optim.global_norm(grads).item()  # this pp rank's stages only
+    with mesh:
+        total = optim.global_norm(grads, sum_over="pp").item()
+    outside = optim.global_norm(grads, sum_over="pp").item()  # mesh found from the DTensors
+    clip = optim.clip_by_global_norm(want / 2, sum_over="pp")
+    clipped, _ = clip.update(grads, clip.init(grads))
+    ratio = max(abs(fs.gather(c).double().norm().item() / fs.gather(g).double().norm().item() - 0.5)
+                for c, g in zip(tree_util.leaves(clipped[r]), tree_util.leaves(grads[r])))
+    return want, local, total, outside, ratio
+
+
+def test_global_norm_sums_over_pipeline_ranks_holding_different_stages():
+    for want, local, total, outside, ratio in run_on_ranks(_pipeline_norm_body, world_size=4):
+        assert local < want - 1e-3  # one stage's norm only: the sum over pp is needed
+        assert abs(total - want) < 1e-10 and abs(outside - want) < 1e-10
+        assert ratio < 1e-6  # every leaf scaled by max_norm / norm = 1/2

@@ -8,7 +8,7 @@ over the mesh axes the leaves are sharded on.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from fshard.optim.base import (
 __all__ = ["global_norm", "clip_by_global_norm"]
 
 
-def global_norm(updates: Updates) -> torch.Tensor:
+def global_norm(updates: Updates, *, sum_over: str | Sequence[str] = ()) -> torch.Tensor:
     """The 2-norm of all leaves together, as if every DTensor were gathered first.
 
     For DTensor leaves each rank squares and sums its local shards, and one scalar
@@ -39,8 +39,15 @@ def global_norm(updates: Updates) -> torch.Tensor:
     replicas are never counted twice. Plain tensors are taken as they are: outside
     ``shard_map`` they are whole values; inside, local shards (the norm is then local).
 
+    ``sum_over`` names mesh axes whose ranks hold *different* leaves, as pipeline
+    ranks hold different stages (``pipeline_step``'s grads: a list with None for the
+    stages held elsewhere): the squared norms are summed over them with one more
+    all-reduce, which every rank of the mesh must join.
+
     Args:
       updates: a pytree of tensors / DTensors (e.g. gradients), global shape ``S`` each.
+      sum_over: mesh axes (of the current mesh, or of the DTensors' mesh) over which
+        ranks hold disjoint leaves (optional, default none).
 
     Returns:
       A 0-dim tensor, the same on every rank: float64 if any leaf is float64, else
@@ -53,6 +60,9 @@ def global_norm(updates: Updates) -> torch.Tensor:
       >>> norm = fs.optim.global_norm(grads)  # doctest: +SKIP
     """
     paths, leaves, _ = tree_util.zip_with_path(updates)
+    sum_over = (sum_over,) if isinstance(sum_over, str) else tuple(sum_over)
+    if sum_over:
+        return _sum_over(global_norm(updates).square(), sum_over, leaves).sqrt()
     if not leaves:
         return torch.zeros(())
     acc = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
@@ -71,6 +81,26 @@ def global_norm(updates: Updates) -> torch.Tensor:
         for group in by_mesh.values():
             total = total + _mesh_sum_squares(group, acc).to(device)
     return total.sqrt()
+
+
+def _sum_over(squares: torch.Tensor, axes: tuple[str, ...], leaves: list[Any]) -> torch.Tensor:
+    """Sums ``squares`` over the mesh axes ``axes`` (ranks holding disjoint leaves)."""
+    from fshard.mesh.mesh import _MESH_CACHE, current_mesh
+
+    mesh = current_mesh()
+    if mesh is None:  # the mesh of the DTensor leaves
+        dms = {id(x.device_mesh): x.device_mesh for x in leaves if isinstance(x, DTensor)}
+        mesh = next((m for m in _MESH_CACHE.values() if id(m.device_mesh) in dms), None)
+    if mesh is None:
+        raise ValueError(f"global_norm(sum_over={axes}) needs a mesh: call it inside `with mesh:` "
+                         f"(a rank that holds no DTensor leaf cannot find one).")
+    mesh.check_axes(axes, what="global_norm: sum_over")
+    if mesh.axis_size(axes) == 1:
+        return squares
+    # Every rank computes in the same dtype, whatever leaves it holds (or none).
+    out = squares.to(dtype=torch.float64, device=mesh.device)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.group(axes))
+    return out.to(torch.float64 if squares.dtype == torch.float64 else torch.float32)
 
 
 def _sum_squares(locals_: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
@@ -114,7 +144,7 @@ def _groups_over(mesh: Any, dims: list[int]) -> list[Any]:
     return [mesh.get_group(d) for d in dims]
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+def clip_by_global_norm(max_norm: float, *, sum_over: str | Sequence[str] = ()) -> GradientTransformation:
     """Scales all updates by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` = :func:`global_norm`.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_``; the norm is the global one on
@@ -125,6 +155,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     Args:
       max_norm: the largest norm let through, > 0.
+      sum_over: mesh axes whose ranks hold different leaves (the pipeline axis, for
+        ``pipeline_step``'s per-stage grads): see :func:`global_norm`.
 
     Returns:
       A stateless :class:`GradientTransformation`.
@@ -144,7 +176,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     def update_fn(updates: Updates, state: EmptyState, params: Params | None = None):
         del params
-        coef = torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0)
+        coef = torch.clamp(max_norm / (global_norm(updates, sum_over=sum_over) + 1e-6), max=1.0)
 
         factors: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
