@@ -320,8 +320,6 @@ def init_params(cfg: TransformerConfig, plan: Plan, seed: int,
     with torch.device("meta"):  # shapes only, for the spec rules: no memory, no RNG
         shapes = init_fn(seed)
     specs = plan.param_specs(shapes)
-    if pipe is not None:
-        check_even_shards(specs, shapes, plan)
     return fs.init_sharded(init_fn, specs, plan.mesh, seed, uneven=True), specs
 
 
@@ -411,14 +409,11 @@ def clip_by_global_norm(grads: Any, max_norm: float, plan: Plan) -> tuple[Any, f
 
     ``fs.optim.global_norm`` is the norm of the whole tree as if every DTensor were
     gathered. With a pipeline each pp rank holds other layers, so their squared norms
-    are added over pp. (Without one, ``fs.optim.chain(fs.optim.clip_by_global_norm(...),
-    adamw)`` does the same inside the optimizer.) ``max_norm <= 0`` only measures.
+    are added over pp (``sum_over``). ``fs.optim.chain(fs.optim.clip_by_global_norm(
+    max_norm, sum_over=...), adamw)`` does the same inside the optimizer; here the norm
+    is also wanted for the log. ``max_norm <= 0`` only measures.
     """
-    norm = fs.optim.global_norm(grads)
-    if plan.pp_axis is not None:
-        squares = norm.square()
-        dist.all_reduce(squares, group=plan.mesh.group(plan.pp_axis))
-        norm = squares.sqrt()
+    norm = fs.optim.global_norm(grads, sum_over=plan.pp_axis or ())
     norm_value = float(norm)
     if max_norm <= 0 or norm_value + 1e-6 <= max_norm:
         return grads, norm_value
@@ -546,13 +541,18 @@ def make_pipeline_step(model: Model, plan: Plan, pipe: Pipeline, opt: fs.optim.G
 
     Every rank runs its row of the schedule: forward and backward of its stages for each
     microbatch, activations and their gradients sent to the neighbouring stages. Inside
-    a stage the blocks run as without a pipeline (TP collectives included); FSDP shards
-    are gathered by :func:`unshard_stage`.
+    a stage the blocks run as without a pipeline (TP collectives included). FSDP is the
+    executor's (``fsdp=StageFSDP``): each stage's shards are gathered in one flat
+    all-gather per step, kept over the microbatches, and their gradients reduce-scattered
+    once per step (then all-reduced over dp for HSDP).
     """
     last = pipe.schedule.n_stages - 1
+    fsdp = None if plan.shard_axis is None else fs.sched.StageFSDP(plan.shard_axis, policy=plan.policy)
+    dtype = None if plan.policy is None else plan.policy.param_dtype
 
     def stage_fn(params: Any, x: torch.Tensor, stage: int) -> torch.Tensor:
-        params = unshard_stage(params, plan)
+        if dtype is not None:  # gathered leaves already are; replicated ones (no fsdp) not
+            params = fs.tree.tree_map(lambda t: t.to(dtype), params)
         if stage == 0:  # x: token ids
             x = model.embed(params, x)                                                      # (b, T, D)
         block_fn = fs.remat(model.block) if plan.remat else model.block
@@ -565,50 +565,11 @@ def make_pipeline_step(model: Model, plan: Plan, pipe: Pipeline, opt: fs.optim.G
     def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
         loss, grads = fs.sched.pipeline_step(stage_fn, model.cross_entropy, pipe.split(params),
                                              (tokens, targets), schedule=pipe.schedule, mesh=plan.mesh,
-                                             axis="pp", data_axes=plan.data_axes)
+                                             axis="pp", data_axes=plan.data_axes, fsdp=fsdp)
         params, opt_state, norm = apply_gradients(params, opt_state, pipe.merge(grads), opt, plan, max_norm)
         return params, opt_state, loss, norm
 
     return step
-
-
-def unshard_stage(params: Any, plan: Plan) -> Any:
-    """A stage's parameters for compute: gathered over fsdp, cast to the compute dtype.
-
-    ``pipeline_step`` hands a stage its local shards without their global shapes, which
-    ``gather_params``/``scan_layers`` need, so here each leaf is all-gathered whole, by
-    hand, for every microbatch (even shards only: :func:`check_even_shards`). The
-    all-gather's transpose reduce-scatters the gradient over fsdp and ``pvary``'s
-    all-reduces it over dp (HSDP). Gradients of parameters replicated over every data
-    axis are all-reduced by ``pipeline_step`` itself.
-    """
-    def one(t: torch.Tensor) -> torch.Tensor:
-        if plan.shard_axis is not None:
-            if plan.replicate_axis is not None:
-                t = fs.lax.pvary(t, plan.replicate_axis)
-            t = fs.lax.all_gather(t, plan.shard_axis, tiled=True)  # dim 0, fsdp minor under tp
-        # Cast after the gather, so the reduce-scatter of the gradient runs in fp32.
-        return t if plan.policy is None else t.to(plan.policy.param_dtype)
-
-    return fs.tree.tree_map(one, params)
-
-
-def check_even_shards(specs: Any, shapes: Any, plan: Plan) -> None:
-    """Under a pipeline, FSDP shards must be even (see :func:`unshard_stage`).
-
-    Raises:
-      ConfigError: naming the parameter, its rows and the ranks they are split over.
-    """
-    if plan.shard_axis is None:
-        return
-    paths, leaves, _ = fs.tree.zip_with_path(shapes)
-    for path, x, spec in zip(paths, leaves, fs.tree.leaves(specs, is_leaf=lambda v: isinstance(v, fs.PartitionSpec))):
-        axes = spec.dim_axes(0)
-        n = plan.mesh.axis_size(axes) if axes else 1
-        if x.shape[0] % n:
-            raise ConfigError(f"--mesh {dict(plan.mesh.shape)}: {path} has {x.shape[0]} rows, which do "
-                             f"not split evenly over {' x '.join(axes)} ({n} ranks); a pipeline with fsdp "
-                             f"needs even shards: change --dim, --seq-len or the mesh")
 
 
 # ---------------------------------------------------------------------------
