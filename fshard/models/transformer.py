@@ -226,7 +226,7 @@ def embed(params: Params, tokens: torch.Tensor, cfg: TransformerConfig, *,
 
 
 def attention(attn_params: Params, x: torch.Tensor, cfg: TransformerConfig, *,
-              training: bool = False) -> torch.Tensor:
+              training: bool = False, output_dropout: bool = True) -> torch.Tensor:
     """Causal multi-head self-attention, ``wo(sdpa(wq x, wk x, wv x))``.
 
     The number of heads is read from ``wq``'s shape (``rows / head_dim``), so the same
@@ -239,6 +239,9 @@ def attention(attn_params: Params, x: torch.Tensor, cfg: TransformerConfig, *,
       x: normalized input of shape ``(B, T, D)``.
       cfg: the model's config (``head_dim`` and ``dropout``).
       training: apply attention and residual dropout.
+      output_dropout: with ``training``, also drop out the output (the residual
+        dropout). A tensor-parallel caller passes False: its output is a partial sum,
+        and the dropout belongs after the reduction.
 
     Returns:
       Output of shape ``(B, T, D)`` (a partial sum when the weights are TP shards).
@@ -256,7 +259,7 @@ def attention(attn_params: Params, x: torch.Tensor, cfg: TransformerConfig, *,
     y = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop, is_causal=True)  # (B, H, T, hd)
     y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H * hd)
     y = F.linear(y, attn_params["wo"]["weight"])  # (B, T, D)
-    return _dropout(y, cfg, training)
+    return _dropout(y, cfg, training and output_dropout)
 
 
 def feed_forward(ffn_params: Params, x: torch.Tensor, cfg: TransformerConfig, *,

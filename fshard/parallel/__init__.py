@@ -13,10 +13,11 @@ from fshard.parallel.tp import tp_embed as tp_embed, tp_logits as tp_logits, tp_
 from fshard.parallel.tp import tp_rules as tp_rules, tp_specs as tp_specs, tp_transformer_block as tp_transformer_block
 from fshard.parallel.tp import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from fshard.parallel.tp import vocab_parallel_embed as vocab_parallel_embed
+from fshard.parallel.tp import tp_dropout as tp_dropout, tp_rng as tp_rng
 
 __all__ += ["MLP_STACK_TP_PLAN", "TRANSFORMER_TP_PLAN", "tp_rules", "tp_specs", "tp_enter", "tp_exit", "sp_params",
             "vocab_parallel_embed", "vocab_parallel_cross_entropy", "tp_mlp", "tp_embed", "tp_transformer_block",
-            "tp_logits"]
+            "tp_logits", "tp_dropout", "tp_rng"]
 
 from fshard.parallel.ep import ep_rules as ep_rules, ep_specs as ep_specs, moe_ffn as moe_ffn, moe_init as moe_init
 __all__ += ["ep_rules", "ep_specs", "moe_ffn", "moe_init"]

@@ -23,6 +23,7 @@ names it. How to write TP for a new block: ``docs/tp.md``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping
 
 import torch
@@ -36,7 +37,7 @@ from fshard.parallel.specs import match_specs
 
 __all__ = ["MLP_STACK_TP_PLAN", "TRANSFORMER_TP_PLAN", "tp_rules", "tp_specs", "tp_enter", "tp_exit",
            "sp_params", "vocab_parallel_embed", "vocab_parallel_cross_entropy", "tp_mlp", "tp_embed",
-           "tp_transformer_block", "tp_logits"]
+           "tp_transformer_block", "tp_logits", "tp_dropout", "tp_rng"]
 
 MLP_STACK_TP_PLAN: dict[str, str] = {
     r"layers\.\d+\.in_proj\.(weight|bias)": "colwise",
@@ -246,13 +247,54 @@ def _norm(p: Any, x: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), p["weight"], p["bias"], cfg.norm_eps)
 
 
+def tp_dropout(x: torch.Tensor, cfg: TransformerConfig, axis: str = "tp", *, training: bool = False,
+               split: bool = False) -> torch.Tensor:
+    """Dropout in a TP program, Megatron's way: ``F.dropout`` with ``p = cfg.dropout``.
+
+    Where ``x`` is the same on every tp rank (``split=False``), every rank must draw the
+    same mask, or the replicas drift apart: it draws from torch's global RNG, which
+    must therefore be seeded alike on every rank (``torch.manual_seed(seed)``
+    everywhere, as Megatron's default generator). Where ``x`` differs per tp rank
+    (heads, sequence-parallel slices: ``split=True``), each rank needs its own mask:
+    see :func:`tp_rng`.
+
+    The masks are not the single-process model's (that one draws the full tensor at
+    once), so dropout runs are statistically, not numerically, mesh-invariant; keep
+    ``cfg.dropout = 0`` (the default) where curves must match exactly.
+    """
+    if not training or cfg.dropout == 0.0:
+        return x
+    with tp_rng(axis, x.device) if split else contextlib.nullcontext():
+        return F.dropout(x, cfg.dropout, training=True)
+
+
+@contextlib.contextmanager
+def tp_rng(axis: str, device: torch.device):
+    """Inside, torch's RNG on ``device`` differs per rank of ``axis``; outside it is untouched.
+
+    The seed is drawn from the shared global stream (so it changes every call and
+    advances every rank's global RNG alike) plus this rank's index on ``axis``.
+    """
+    seed = int(torch.randint(0, 2**62, (1,))) + lax.axis_index(axis)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed(seed)
+        yield
+
+
 def tp_transformer_block(layer_params: Any, x: torch.Tensor, cfg: TransformerConfig, axis: str = "tp",
-                         sequence_parallel: bool = False) -> torch.Tensor:
+                         sequence_parallel: bool = False, *, training: bool = False) -> torch.Tensor:
     """:func:`fshard.models.block` on tp-local shards: 2 collectives forward, 2 backward.
 
     Without SP: ``psum`` after attention and after the MLP (backward: ``psum`` of
     the gradient at each ``tp_enter``). With SP: ``all_gather`` / ``psum_scatter``
     pairs instead, plus one ``psum`` of the norms' and ``w2`` bias' gradients.
+
+    Dropout (``training`` and ``cfg.dropout > 0``): attention probabilities of this
+    rank's heads with a per-rank RNG, residual dropouts after the reductions (shared
+    RNG, or per-rank with SP): see :func:`tp_dropout`.
 
     Args:
       layer_params: ``params["layers"][i]`` laid out by :data:`TRANSFORMER_TP_PLAN`:
@@ -262,6 +304,7 @@ def tp_transformer_block(layer_params: Any, x: torch.Tensor, cfg: TransformerCon
       cfg: the model's config.
       axis: the tensor-parallel axis.
       sequence_parallel: the residual stream is split over the sequence (dim 1).
+      training: apply dropout.
 
     Returns:
       The residual stream after the block, laid out like ``x``.
@@ -278,16 +321,19 @@ def tp_transformer_block(layer_params: Any, x: torch.Tensor, cfg: TransformerCon
     rep = {"attention_norm": p["attention_norm"], "ffn_norm": p["ffn_norm"], "b2": p["feed_forward"]["w2"]["bias"]}
     if sequence_parallel:
         rep = sp_params(rep, axis)
+    drop = dict(training=training, split=sequence_parallel)
     h = tp_enter(_norm(rep["attention_norm"], x, cfg), axis, **sp)  # (B, T, D)
-    x = x + tp_exit(attention(p["attention"], h, cfg), axis, **sp)  # heads are local; (B, T[/tp], D)
+    with tp_rng(axis, h.device) if training and cfg.dropout > 0 else contextlib.nullcontext():
+        a = attention(p["attention"], h, cfg, training=training, output_dropout=False)  # local heads
+    x = x + tp_dropout(tp_exit(a, axis, **sp), cfg, axis, **drop)  # (B, T[/tp], D)
     h = tp_enter(_norm(rep["ffn_norm"], x, cfg), axis, **sp)  # (B, T, D)
     ffn = {"w1": p["feed_forward"]["w1"], "w2": {"weight": p["feed_forward"]["w2"]["weight"], "bias": None}}
     y = feed_forward(ffn, h, cfg)  # partial sum (B, T, D); w2's bias is added once, after it
-    return x + tp_exit(y, axis, **sp) + rep["b2"]
+    return x + tp_dropout(tp_exit(y, axis, **sp) + rep["b2"], cfg, axis, **drop)
 
 
 def tp_embed(params: Any, tokens: torch.Tensor, cfg: TransformerConfig, axis: str = "tp",
-             sequence_parallel: bool = False) -> torch.Tensor:
+             sequence_parallel: bool = False, *, training: bool = False) -> torch.Tensor:
     """Vocab-parallel token embedding plus position embedding.
 
     Args:
@@ -296,6 +342,7 @@ def tp_embed(params: Any, tokens: torch.Tensor, cfg: TransformerConfig, axis: st
       cfg: the model's config.
       axis: the tensor-parallel axis.
       sequence_parallel: return this rank's ``T / tp`` positions.
+      training: apply dropout (:func:`tp_dropout`).
 
     Returns:
       ``(B, T, D)``, or ``(B, T / tp, D)`` with SP.
@@ -307,7 +354,7 @@ def tp_embed(params: Any, tokens: torch.Tensor, cfg: TransformerConfig, axis: st
     if sequence_parallel:
         t = x.shape[1]
         pos = sp_params(pos, axis)[lax.axis_index(axis) * t:(lax.axis_index(axis) + 1) * t]  # (T / tp, D)
-    return x + pos
+    return tp_dropout(x + pos, cfg, axis, training=training, split=sequence_parallel)
 
 
 def tp_logits(params: Any, x: torch.Tensor, cfg: TransformerConfig, axis: str = "tp",

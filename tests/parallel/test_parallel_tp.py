@@ -201,7 +201,7 @@ def test_mlp_stack_parity_and_megatron_counts(layout, sp):
 
 @pytest.mark.parametrize("layout, sp", CASES)
 def test_transformer_loss_parallel_parity_and_megatron_counts(layout, sp):
-    results = run_on_ranks(_train, "transformer", layout, sp, 5, world_size=4)
+    results = run_on_ranks(_train, "transformer", layout, sp, 10, world_size=4)
     _assert_parity(results)
     want = _expected_counts("transformer", layout, sp, True, TF["n_layers"])
     for r in results:
@@ -323,3 +323,51 @@ def test_tp_rules_are_data():
     assert rules == [(r"a\.weight", P(("tp", "fsdp"))), (r"b\.weight", P("fsdp", "tp"))]
     with pytest.raises(ValueError, match=r"style 'diagonal'.*'colwise', 'rowwise', 'vocab'"):
         fs.parallel.tp_rules({r"a": "diagonal"})
+
+
+def _dropout_body(sp):
+    # Megatron-style dropout: the residual stream stays identical on both tp ranks (shared
+    # RNG where it is replicated), heads and sequence slices draw their own masks.
+    mesh = fs.make_mesh({"tp": 2, "fsdp": 2})
+    cfg = TransformerConfig(**{**TF, "dropout": 0.3})
+    params = transformer_init(cfg, 42, dtype=torch.float64)
+    sharded = fs.shard(params, tp_specs(params, TRANSFORMER_TP_PLAN, "tp"), mesh)
+    specs = fs.tree.tree_map(fs.spec_of, sharded)
+    tok = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=torch.Generator().manual_seed(3))
+
+    def body(p, tok, training):
+        x = tp_embed(p, tok, cfg, "tp", sp, training=training)                        # (b, T[/tp], D)
+        for lp in p["layers"]:
+            x = tp_transformer_block(lp, x, cfg, "tp", sp, training=training)
+        if sp:
+            x = fs.lax.all_gather(x, "tp", axis=1, tiled=True)                         # (b, T, D)
+        copies = fs.lax.all_gather(x.detach(), "tp")                                    # (tp, b, T, D)
+        with fs.parallel.tp_rng("tp", x.device):
+            draws = fs.lax.all_gather(torch.rand(3, dtype=torch.float64), "tp")       # (tp, 3)
+        after = fs.lax.all_gather(torch.rand(3, dtype=torch.float64), "tp")            # (tp, 3)
+        return (x, (copies[0] - copies[1]).abs().max(), (draws[0] - draws[1]).abs().min(),
+                (after[0] - after[1]).abs().max())
+
+    out = {}
+    for training in (False, True):
+        torch.manual_seed(7)  # the same on every rank, as tp_dropout requires
+        f = fs.shard_map(lambda p, t: body(p, t, training), mesh=mesh, in_specs=(specs, P("fsdp")),
+                         out_specs=(P("fsdp"), P(), P(), P()), check=False)
+        x, drift, rank_draws, shared_after = f(sharded, tok)
+        out[training] = (fs.gather(x), drift.item(), rank_draws.item(), shared_after.item())
+    ref = embed(params, tok, cfg)
+    for lp in params["layers"]:
+        ref = block(lp, ref, cfg)
+    return out, ref
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+def test_dropout_keeps_tp_replicas_identical_and_per_rank_masks_independent(sp):
+    for out, ref in run_on_ranks(_dropout_body, sp, world_size=4):
+        x_eval, drift_eval, _, _ = out[False]
+        x_train, drift, rank_draws, shared_after = out[True]
+        assert (x_eval - ref).abs().max() < 1e-10  # training=False: no dropout anywhere
+        assert (x_train - ref).abs().max() > 1e-2  # training=True: dropout happened
+        assert drift_eval == 0.0 and drift == 0.0  # replicas did not drift apart
+        assert rank_draws > 0.0  # inside tp_rng each tp rank draws its own numbers
+        assert shared_after == 0.0  # and the shared global RNG is in step again afterwards
