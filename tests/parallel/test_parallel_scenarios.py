@@ -1,15 +1,18 @@
 """More seed_tests.md scenarios in functional form: 1 (uneven MLP shards), 2 (shard the
-largest dim), 4 (delays before collectives change nothing), 10 (a layer used twice, also
-with reshard_after_forward=2 on a 2x2 mesh), 13 (uneven tied embedding), 14 (accumulation,
-also with reshard_after_forward=2), the layer-loop bad inputs, and the flat layout of
-parameters sharded over two axes (uneven, or not in mesh order). Scenario 5 (host
-offload) is in test_parallel_fsdp.py.
+largest dim), 4 (delays before collectives change nothing), 6/34 (forward and backward
+prefetch issue order), 10 (a layer used twice, also with reshard_after_forward=2 on a 2x2
+mesh), 12 (a tied leaf in two groups), 13 (uneven tied embedding), 14-16 and 25 (gradient
+accumulation without sync: exact reduce-scatter / all-gather / all-reduce counts, also with
+reshard_after_forward=2), the layer-loop bad inputs, and the flat layout of parameters
+sharded over two axes (uneven, or not in mesh order).
 
-Not ported, with the reason:
-6/34 (recorded prefetch issue order), 8/9/23/32 (module registration
-and hooks: there are no modules to register in a functional design), 14-15/25 (gradient
-accumulation without sync: not implemented yet), 18, 21 (experts), 35 (streams: one
-gloo queue here), 36 (CUDA graphs: no GPU in CI).
+Elsewhere: 3, 5 (host offload), 11, 12, 16/17 (HSDP), 22, 24 in test_parallel_fsdp.py; 19, 20, 26
+in test_parallel_tp.py; 21 (experts) in test_parallel_ep.py; 18 (1F1B emulation) and 32
+(UNSHARD/RESHARD actions) in tests/sched/test_sched_stage_fsdp.py.
+
+Not ported, with the reason: 8/9/23 (module registration and hooks, custom entry points:
+there are no modules to register in a functional design; any function can be the step),
+35 (streams: one gloo queue here), 36 (CUDA graphs: no GPU in CI).
 """
 
 import math
