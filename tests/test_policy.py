@@ -7,7 +7,6 @@ and follow tests/parallel/test_parallel_fsdp.py: a Transformer with uneven shard
 ``scan_layers``, each rank on its slice of the global batch.
 """
 
-import math
 
 import pytest
 import torch

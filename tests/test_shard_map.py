@@ -2,7 +2,6 @@
 unchecked mode, replication promises, spec errors, static args and kwargs, comm counts,
 torch.func compatibility and remat."""
 
-import math
 
 import pytest
 import torch

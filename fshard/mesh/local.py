@@ -21,7 +21,6 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
-import sys
 import tempfile
 import time
 import traceback

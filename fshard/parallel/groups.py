@@ -621,3 +621,28 @@ class Gather(torch.autograd.Function):
         ctx.state.reduce(ctx.i, grads)
         ctx.state.drop(ctx.i)
         return (None, None) + (None,) * len(grads)
+
+
+def saved_as_tokens(full: Sequence[torch.Tensor], regather):
+    """A ``saved_tensors_hooks`` context: saved tensors living in ``full``'s storage
+    become tokens, and unpacking one calls ``regather()`` (which returns tensors laid out
+    as ``full``, the same gather; cache it per backward step) and views into it.
+
+    This is "reshard after forward" without recompute: autograd keeps no gathered
+    parameter between forward and backward.
+    """
+    storages = {f.untyped_storage()._cdata: k for k, f in enumerate(full)}
+
+    def pack(t: torch.Tensor):
+        k = storages.get(t.untyped_storage()._cdata)
+        if k is None:
+            return t
+        return (k, tuple(t.shape), t.stride(), t.storage_offset())
+
+    def unpack(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj
+        k, shape, stride, offset = obj
+        return regather()[k].as_strided(shape, stride, offset)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -25,7 +25,6 @@ layer's flat shard buffer to the mesh's device just before its all-gather.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from typing import Any, Callable, Sequence
@@ -35,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from fshard import lax
 from fshard import tree as tree_util
-from fshard.parallel.groups import Gather, Groups, Sink
+from fshard.parallel.groups import Gather, Groups, Sink, saved_as_tokens
 from fshard.transforms.policy import Policy
 from fshard.transforms.remat import remat as remat_fn
 
@@ -331,25 +330,9 @@ def _gather(state: Groups, i: int, leaves: list[torch.Tensor], tags: frozenset) 
     return full
 
 
-@contextlib.contextmanager
 def _reshard_hooks(state: Groups, i: int, prefetch: Sequence[int], full: list[torch.Tensor]):
     """Saved tensors that live in group i's gathered storage become tokens; backward regathers."""
-    storages = {f.untyped_storage()._cdata: k for k, f in enumerate(full)}
-
-    def pack(t: torch.Tensor):
-        k = storages.get(t.untyped_storage()._cdata)
-        if k is None:
-            return t
-        return (k, tuple(t.shape), t.stride(), t.storage_offset())
-
-    def unpack(obj):
-        if isinstance(obj, torch.Tensor):
-            return obj
-        k, shape, stride, offset = obj
-        return state.regathered(i, prefetch)[k].as_strided(shape, stride, offset)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    return saved_as_tokens(full, lambda: state.regathered(i, prefetch))
 
 
 def gather_params(

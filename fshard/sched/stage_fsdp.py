@@ -32,13 +32,13 @@ by the microbatch count.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
 
 from fshard import lax
-from fshard.parallel.groups import Groups
+from fshard.parallel.groups import Groups, saved_as_tokens
 from fshard.transforms.policy import Policy
 from fshard.transforms.shard_map import input_spec
 
@@ -245,26 +245,3 @@ def _shard_dim(t: Any, axes: tuple[str, ...]) -> int | None:
         return None
     named = {a for d in hits for a in spec.dim_axes(d)} & set(axes)
     return -1 if len(hits) > 1 or named != set(axes) else hits[0]
-
-
-def saved_as_tokens(full: Sequence[torch.Tensor], regather: Callable[[], Sequence[torch.Tensor]]):
-    """Saved tensors living in ``full``'s storage become tokens; unpacking regathers.
-
-    ``regather()`` returns tensors laid out as ``full`` (the same gather); it should
-    cache its result for the current backward action.
-    """
-    storages = {f.untyped_storage()._cdata: k for k, f in enumerate(full)}
-
-    def pack(t: torch.Tensor):
-        k = storages.get(t.untyped_storage()._cdata)
-        if k is None:
-            return t
-        return (k, tuple(t.shape), t.stride(), t.storage_offset())
-
-    def unpack(obj):
-        if isinstance(obj, torch.Tensor):
-            return obj
-        k, shape, stride, offset = obj
-        return regather()[k].as_strided(shape, stride, offset)
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -1,6 +1,5 @@
 """Process start (fs.init), run_local and the multi-rank harness: results, failures, deadlocks."""
 
-import os
 import time
 
 import pytest

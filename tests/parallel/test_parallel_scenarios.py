@@ -15,7 +15,6 @@ there are no modules to register in a functional design; any function can be the
 35 (streams: one gloo queue here), 36 (CUDA graphs: no GPU in CI).
 """
 
-import math
 import time
 import warnings
 

@@ -15,11 +15,9 @@ data axis instead of reduce-scattered).
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import fshard as fs
-from fshard import P
 from fshard.testing import run_on_ranks
 
 D, N_LAYERS = 5, 8
