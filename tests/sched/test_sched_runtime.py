@@ -267,6 +267,69 @@ def test_dp_x_pp_grads_averaged_over_dp_equal_global_batch_reference():
                 assert r["dp_psums"] == r["n_held"] + 1 and r["dp_scatters"] == 0, r
 
 
+def _bf16_stage_fn(params, x, stage):
+    # Mixed precision by hand: fp32 masters cast to bf16 for compute; the cast's backward
+    # hands fp32 gradients to the masters, so the all-reduce over dp runs in fp32.
+    p16 = fs.tree.tree_map(lambda t: t.to(torch.bfloat16), params)
+    return _layers(p16, x.to(torch.bfloat16))
+
+
+def _bf16_loss_fn(y, t):
+    return ((y.float() - t) ** 2).mean()
+
+
+def _scenario31_body(names):
+    # pp x replicate, bf16 compute, fp32 masters and reduction: per-microbatch losses of 5
+    # AdamW steps against the same bf16 math on one process over the global batch.
+    mesh = fs.make_mesh({"dp": 2, "pp": 2})
+    rank, dp = mesh.axis_index("pp"), mesh.axis_index("dp")
+    params = fs.tree.tree_map(lambda t: t.float(), _init())
+    opt = fs.optim.adamw(0.01, b1=0.9, b2=0.95, weight_decay=0.1)
+    g = torch.Generator().manual_seed(9)
+    xs, ys = torch.randn(5, 16, D, generator=g), torch.randn(5, 16, D, generator=g)
+    ref, ref_state, ref_mb = params, opt.init(params), []
+    for step in range(5):
+        rows = [slice(8 * dp + 2 * i, 8 * dp + 2 * i + 2) for i in range(4)]  # this dp rank's mbs
+        ref_mb.append([_bf16_loss_fn(_bf16_stage_fn(ref, xs[step][r], 0), ys[step][r]).item()
+                       for r in rows])
+        _, grads = fs.value_and_grad(lambda p: _bf16_loss_fn(_bf16_stage_fn(p, xs[step], 0), ys[step]))(ref)
+        updates, ref_state = opt.update(grads, ref_state, ref)
+        ref = fs.optim.apply_updates(ref, updates)
+    out = []
+    for name in names:
+        sch = _make(name, 2, 4, {"n_virtual": 2} if name == "zero_bubble" else {})
+        sp = _stage_params(params, sch, rank, mesh)
+        state = [None if e is None else opt.init(e) for e in sp]
+        worst, bf16_gap = 0.0, 0.0
+        for step in range(5):
+            _, grads, stats = fs.sched.pipeline_step(
+                _bf16_stage_fn, _bf16_loss_fn, sp, (xs[step], ys[step]), schedule=sch, mesh=mesh,
+                data_axes="dp", return_stats=True)
+            if stats.losses is not None:
+                got = [v.item() for v in stats.losses]
+                worst = max(worst, max(abs(a - b) / abs(b) for a, b in zip(got, ref_mb[step])))
+            for s, e in enumerate(sp):
+                if e is not None:
+                    updates, state[s] = opt.update(grads[s], state[s], e)
+                    sp[s] = fs.optim.apply_updates(e, updates)
+        err = max((fs.gather(leaf) - ref[k][n]).abs().max().item()
+                  for e in sp if e is not None for k, lv in e.items() for n, leaf in lv.items())
+        out.append((name, stats.losses is not None, worst, err))
+    return out
+
+
+def test_scenario31_pp_x_replicate_bf16_losses_match_single_process_bf16():
+    names = ["gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs", "zero_bubble"]
+    for rank_results in run_on_ranks(_scenario31_body, names, world_size=4):
+        for name, last, worst, err in rank_results:
+            if last:  # per-microbatch losses at bf16 tolerance, every step
+                assert worst < 1e-2, (name, worst)
+            # fp32 masters after 5 steps (measured up to 2e-3): AdamW moves each entry by
+            # about lr = 0.01 per step, so bf16 rounding may flip a step's sign on a near-zero
+            # gradient; the float64 dp x pp test above pins the reduction itself exactly.
+            assert err < 2e-2, (name, err)
+
+
 def _pp1_body():
     # A pipeline axis of size 1 (no transfers) next to dp=2.
     mesh = fs.make_mesh({"dp": 2, "pp": 1})
