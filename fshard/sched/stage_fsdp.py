@@ -64,8 +64,17 @@ class StageFSDP:
     """
 
     axis: tuple[str, ...] = attrs.field(default=("fsdp",), converter=_axes)
-    reshard_after_forward: bool = False
-    policy: Policy | None = None
+    reshard_after_forward: bool = attrs.field(default=False)
+    policy: Policy | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(Policy)))
+
+    @reshard_after_forward.validator
+    def _check_raf(self, attribute: attrs.Attribute, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"StageFSDP.reshard_after_forward={value!r}: use True (gather per microbatch and "
+                f"again in backward) or False (once per stage per step); resharding to a smaller "
+                f"axis is scan_layers' option, inside the stage body")
 
 
 class _Gather(torch.autograd.Function):

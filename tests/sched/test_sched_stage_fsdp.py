@@ -309,6 +309,14 @@ def _bad_body():
     return msgs
 
 
+def test_stage_fsdp_config_values_are_checked():
+    with pytest.raises(ValueError, match="reshard_after_forward=2"):
+        fs.sched.StageFSDP("fsdp", reshard_after_forward=2)
+    with pytest.raises(TypeError):
+        fs.sched.StageFSDP("fsdp", policy="bf16")
+    assert fs.sched.StageFSDP(("a", "b")).axis == ("a", "b")
+
+
 def test_bad_stage_fsdp_config_names_axis_and_remedy():
     for msgs in run_on_ranks(_bad_body, world_size=2):
         assert "not in data_axes" in msgs["not_data"] and "data_axes=('fsdp',)" in msgs["not_data"]
