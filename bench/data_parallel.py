@@ -7,7 +7,18 @@ The model is native_baseline.md's: decoder-only Transformer, vocab 512, dim 256,
 layers, 4 heads, seq 128, MLP 4x, learned positions, untied head, fp32, AdamW lr 1e-3,
 2 gloo ranks x batch 8, one thread per rank. Step time = slowest rank, median of
 ``--steps`` steps after 3 warm-up steps, each side measured alternately in the same
-processes so that machine noise hits both alike.
+processes so that machine noise hits both alike; the ratio is the median of the per-step
+ratios fshard / torch (each pair measured back to back), with its quartiles.
+
+Peak memory per rank: each side is built alone in fresh processes under
+``torch.profiler`` with ``profile_memory=True`` (so every CPU tensor allocation and free is
+recorded from before the model exists), runs 3 steps, and the peak of the profiler's
+running total of live CPU tensor bytes during the third step is reported, with the total
+at that step's start (parameters, optimizer state and whatever a library keeps between
+steps). This counts tensor storage from torch's CPU allocator only: gloo's own transport
+buffers and Python objects are not included (on either side). tracemalloc cannot see
+tensor memory, and ``ru_maxrss`` counts memory malloc keeps after ``free`` and cannot
+tell two sides of one process apart.
 """
 
 from __future__ import annotations
@@ -113,7 +124,51 @@ def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0):
             losses[k].append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
     with fs.comm_log() as log:
         sides["fshard"](*args["fshard"])
-    return {k: statistics.median(v) for k, v in times.items()}, losses, dict(log.bytes), dict(log.counts)
+    return times, losses, dict(log.bytes), dict(log.counts)
+
+
+def _tree_events(roots):
+    stack = list(roots)
+    while stack:
+        e = stack.pop()
+        yield e
+        stack.extend(e.children)
+
+
+def peak_memory(side: str, mode: str, batch: int, bucket_mb: float = 25.0) -> tuple[int, int]:
+    """``(live bytes at the start of the third step, peak live bytes during it)`` of one side.
+
+    Live bytes: the profiler's running total of CPU tensor storage allocated since it
+    started (before the model was built) and not yet freed.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.set_num_threads(1)
+    n = dist.get_world_size()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        mesh = fs.make_mesh({"d": n})
+        cfg = TransformerConfig(**CFG)
+        g = torch.Generator().manual_seed(0)
+        tok = torch.randint(0, cfg.vocab_size, (batch * n, cfg.max_seq_len), generator=g)
+        tgt = torch.roll(tok, -1, 1)
+        r = dist.get_rank()
+        if side == "torch":
+            step, args = _native_step(mode, cfg), (tok[r * batch:(r + 1) * batch], tgt[r * batch:(r + 1) * batch])
+        else:
+            step, args = _fshard_step(mode, cfg, mesh, bucket_mb), (tok, tgt)
+        for i in range(3):
+            dist.barrier()
+            with record_function(f"bench_step_{i}"):
+                step(*args)
+    events = list(_tree_events(prof.profiler.kineto_results.experimental_event_tree()))
+    mark = next(e for e in events if e.name == "bench_step_2")
+    allocs = sorted((e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    before = [e.extra_fields.total_allocated for e in allocs if e.start_time_ns < mark.start_time_ns]
+    during = [e.extra_fields.total_allocated for e in allocs
+              if mark.start_time_ns <= e.start_time_ns <= mark.end_time_ns]
+    start = before[-1] if before else 0
+    return start, max(during, default=start)
 
 
 def main(mode: str) -> None:
@@ -125,14 +180,20 @@ def main(mode: str) -> None:
     args = ap.parse_args()
     times, losses, nbytes, counts = fs.run_local(per_rank, mode, args.steps, args.batch, args.bucket_mb,
                                                  world_size=args.world_size, timeout_s=3000)[0]
+    memory = {side: fs.run_local(peak_memory, side, mode, args.batch, args.bucket_mb,
+                                 world_size=args.world_size, timeout_s=3000) for side in ("torch", "fshard")}
     cfg = TransformerConfig(**CFG)
     init = transformer_init(cfg, 0)
     n_params = sum(x.numel() for x in fs.tree.leaves(init))
     n_block = sum(x.numel() for x in fs.tree.leaves(init["layers"]))
     native = "fully_shard" if mode == "fsdp" else "DistributedDataParallel"
     print(f"{mode}: {args.world_size} gloo ranks x batch {args.batch}, {n_params:,} params, median of {args.steps} steps")
-    print(f"  {native:<24} {times['torch']:.3f} s/step")
-    print(f"  fshard {mode:<17} {times['fshard']:.3f} s/step   ratio fshard/torch = {times['fshard'] / times['torch']:.2f}")
+    ratios = sorted(f / t for f, t in zip(times["fshard"], times["torch"]))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"  {native:<24} {med['torch']:.3f} s/step")
+    print(f"  fshard {mode:<17} {med['fshard']:.3f} s/step   ratio fshard/torch: median of per-step ratios "
+          f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f})")
     print(f"  first losses  torch {losses['torch'][:3]}  fshard {losses['fshard'][:3]}")
     n = args.world_size
     if mode == "fsdp":
@@ -143,3 +204,8 @@ def main(mode: str) -> None:
         minimum = {"psum": 4 * n_params}
     print(f"  fshard collectives per step: {counts}")
     print(f"  bytes per rank (input payload): {nbytes}  theoretical minimum: {minimum}")
+    print("  peak live CPU tensor memory per rank (torch profiler; start of step -> peak during step):")
+    for side in ("torch", "fshard"):
+        name = native if side == "torch" else f"fshard {mode}"
+        cells = "  ".join(f"rank {r}: {s / 2**20:.1f} -> {p / 2**20:.1f} MiB" for r, (s, p) in enumerate(memory[side]))
+        print(f"    {name:<24} {cells}")
