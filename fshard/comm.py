@@ -67,9 +67,7 @@ _GROUP_AXES: dict[str, tuple[str, ...]] = {}
 _CALL_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("fshard_call_axes", default=None)
 _KINDS = {
     _F.all_gather_into_tensor.default: "all_gather",
-    _F.all_gather_into_tensor_out.default: "all_gather",
     _F.reduce_scatter_tensor.default: "psum_scatter",
-    _F.reduce_scatter_tensor_out.default: "psum_scatter",
     _F.all_to_all_single.default: "all_to_all",
 }
 _REDUCE_KINDS = {"sum": "psum", "avg": "pmean", "max": "pmax", "min": "pmin"}
@@ -84,7 +82,7 @@ class _LogMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = _KINDS.get(func)
-        if kind is None and (func is _F.all_reduce.default or func is _F.all_reduce_.default):
+        if kind is None and func is _F.all_reduce.default:
             kind = _REDUCE_KINDS.get(args[1], "all_reduce")
         if kind is not None:
             x = args[0]
@@ -140,16 +138,9 @@ def _named(axes: Sequence[str]):
         _CALL_AXES.reset(token)
 
 
-def all_reduce_async(x: torch.Tensor, group, op: str = "sum", *, axes: Sequence[str] = (),
-                     inplace: bool = False) -> Handle:
-    """Starts an all-reduce of ``x`` over ``group``.
-
-    ``inplace``: reduce into ``x`` itself (contiguous; the caller owns it and does not read
-    it before ``wait()``) instead of a new tensor.
-    """
+def all_reduce_async(x: torch.Tensor, group, op: str = "sum", *, axes: Sequence[str] = ()) -> Handle:
+    """Starts an all-reduce of ``x`` over ``group``."""
     with _named(axes):
-        if inplace:
-            return Handle(_F.all_reduce_(x, op, group.group_name))
         return Handle(_F.all_reduce(x.contiguous(), op, group.group_name))
 
 
@@ -176,15 +167,9 @@ def all_reduce(x: torch.Tensor, group, op: str, *, axes: Sequence[str]) -> torch
         return _F.wait_tensor(_F.all_reduce(x.contiguous(), op, group.group_name))
 
 
-def all_gather_async(x: torch.Tensor, group, n: int, *, axes: Sequence[str] = (),
-                     out: torch.Tensor | None = None) -> Handle:
-    """Starts an all-gather along dim 0 (result ``(n * x.shape[0], ...)``, group rank order).
-
-    ``out``: a contiguous tensor of the result's shape to gather into (else a new one).
-    """
+def all_gather_async(x: torch.Tensor, group, n: int, *, axes: Sequence[str] = ()) -> Handle:
+    """Starts an all-gather along dim 0 (result ``(n * x.shape[0], ...)``, group rank order)."""
     with _named(axes):
-        if out is not None:
-            return Handle(_F.all_gather_into_tensor_out(x.contiguous(), n, group.group_name, out=out))
         return Handle(_F.all_gather_into_tensor(x.contiguous(), n, group.group_name))
 
 
@@ -194,14 +179,9 @@ def all_gather(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.
 
 
 def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *,
-                         axes: Sequence[str] = (), out: torch.Tensor | None = None) -> Handle:
-    """Starts a reduce-scatter along dim 0 (``x.shape[0]`` divisible by ``n``).
-
-    ``out``: a contiguous tensor of the result's shape to reduce into (else a new one).
-    """
+                         axes: Sequence[str] = ()) -> Handle:
+    """Starts a reduce-scatter along dim 0 (``x.shape[0]`` divisible by ``n``)."""
     with _named(axes):
-        if out is not None:
-            return Handle(_F.reduce_scatter_tensor_out(x.contiguous(), op, n, group.group_name, out=out))
         return Handle(_F.reduce_scatter_tensor(x.contiguous(), op, n, group.group_name))
 
 

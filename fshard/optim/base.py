@@ -207,26 +207,6 @@ def donate() -> Iterator[None]:
         _DONATE.reset(token)
 
 
-def zero_buffers(locals_: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Zeros like each tensor, for the kernels to write updates into.
-
-    Contiguous CPU tensors of one dtype get views of one flat buffer from
-    :data:`fshard._pool.POOL`, reused across steps once no one holds the previous step's
-    updates (fresh CPU memory costs page faults every step); others get ``zeros_like``.
-    """
-    if not locals_:
-        return []
-    x0 = locals_[0]
-    if x0.device.type != "cpu" or not all(
-            x.dtype == x0.dtype and x.device == x0.device and x.is_contiguous() for x in locals_):
-        return [torch.zeros_like(x) for x in locals_]
-    from fshard._pool import POOL
-
-    numels = [x.numel() for x in locals_]
-    flat = POOL.take(sum(numels), x0.dtype, x0.device).zero_()
-    return [v.view(x.shape) for v, x in zip(flat.split(numels), locals_)]
-
-
 def state_for_kernel(locals_: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Tensors the in-place kernels may write: the state itself when donated, else copies."""
     if _DONATE.get():

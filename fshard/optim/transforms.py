@@ -35,7 +35,6 @@ from fshard.optim.base import (
     state_for_kernel,
     to_locals,
     wrap_like,
-    zero_buffers,
     zeros_like_tree,
 )
 
@@ -226,7 +225,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
             if nesterov and not all_private(gl):
                 gl = [x.clone() for x in gl]  # the kernel adds decay * b into the grads in place
             bl = state_for_kernel(to_locals(b))
-            out = zero_buffers(gl)  # receives 0 - lr * step with lr = -1
+            out = [torch.zeros_like(x) for x in gl]  # receives 0 - lr * step with lr = -1
             mark_private(out)
             if gl:
                 _torch_sgd(out, gl, bl, foreach=True, weight_decay=0.0, momentum=decay,
@@ -283,7 +282,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             gl = to_locals(g)
             ml = state_for_kernel(to_locals(mu))
             vl = state_for_kernel(to_locals(nu))
-            out = zero_buffers(gl)  # receives 0 - lr * step with lr = -1
+            out = [torch.zeros_like(x) for x in gl]  # receives 0 - lr * step with lr = -1
             mark_private(out)
             # One step counter per leaf, as the kernel increments each of them: views of
             # one tensor, made in one call (a torch.tensor per leaf cost ~5 us each).

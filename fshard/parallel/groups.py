@@ -43,13 +43,10 @@ import attrs
 import torch
 
 from fshard import comm, lax
-from fshard._pool import POOL as _POOL
 from fshard.transforms.policy import Policy
 from fshard.transforms.shard_map import global_shape, input_spec
 
 __all__ = ["GroupLayout", "Groups"]
-
-
 
 
 @attrs.frozen
@@ -502,11 +499,8 @@ class Groups:
         if not self._bucket:
             return
         parts = [p for _, ps in self._bucket for p in ps]
-        # Pooled (fresh CPU memory faults its pages every step; see fshard/_pool.py). The
-        # bucket is ours alone, so it is reduced in place: no second buffer.
-        buf = _POOL.take(sum(p.numel() for p in parts), parts[0].dtype, parts[0].device)
-        torch.cat(parts, out=buf)
-        handle = _Shared(comm.all_reduce_async(buf, self._rgroup, axes=self.replicate_axes, inplace=True))
+        buf = torch.cat(parts) if len(parts) > 1 else parts[0]
+        handle = _Shared(comm.all_reduce_async(buf, self._rgroup, axes=self.replicate_axes))
         off = 0
         for i, ps in self._bucket:
             numel = sum(p.numel() for p in ps)
