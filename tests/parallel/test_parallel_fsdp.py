@@ -99,21 +99,21 @@ def _local(t):
 
 def _train_detailed(*args, **kwargs):
     """``_train(..., detailed=True)`` (adds per-step comm_log.by_axis and whether params,
-    grads and optimizer state stayed on the CPU) plus the ``_to_compute`` calls made."""
-    from fshard.parallel import groups as groups_mod
+    grads and optimizer state stayed on the CPU) plus the ``layout.to_compute`` calls made."""
+    from fshard.parallel import layout as layout_mod
 
     calls = []
-    original = groups_mod._to_compute
+    original = layout_mod.to_compute
 
     def spy(flat, device):
         calls.append((flat.device.type, device.type))
         return original(flat, device)
 
-    groups_mod._to_compute = spy
+    layout_mod.to_compute = spy
     try:
         return _train(*args, detailed=True, **kwargs) + (calls,)
     finally:
-        groups_mod._to_compute = original
+        layout_mod.to_compute = original
 
 
 def _ref_body(p, tok, cfg):
