@@ -3,14 +3,15 @@ largest dim), 4 (delays before collectives change nothing), 6/34 (forward and ba
 prefetch issue order), 10 (a layer used twice, also with reshard_after_forward=2 on a 2x2
 mesh), 12 (a tied leaf in two groups), 13 (uneven tied embedding), 14-16 and 25 (gradient
 accumulation without sync: exact reduce-scatter / all-gather / all-reduce counts, also with
-reshard_after_forward=2), the layer-loop bad inputs, and the flat layout of parameters
-sharded over two axes (uneven, or not in mesh order).
+reshard_after_forward=2), 9 (a step over a sub-stack between full steps), the layer-loop bad
+inputs, and the flat layout of parameters sharded over two axes (uneven, or not in mesh
+order).
 
 Elsewhere: 3, 5 (host offload), 11, 12, 16/17 (HSDP), 22, 24 in test_parallel_fsdp.py; 19, 20, 26
 in test_parallel_tp.py; 21 (experts) in test_parallel_ep.py; 18 (1F1B emulation) and 32
 (UNSHARD/RESHARD actions) in tests/sched/test_sched_stage_fsdp.py.
 
-Not ported, with the reason: 8/9/23 (module registration and hooks, custom entry points:
+Not ported, with the reason: 8/23 (module registration and hooks, custom entry points:
 there are no modules to register in a functional design; any function can be the step),
 35 (streams: one gloo queue here), 36 (CUDA graphs: no GPU in CI).
 """
@@ -510,3 +511,60 @@ def _axes_not_in_mesh_order():
 def test_shard_axes_not_in_mesh_order():
     for loss_err, grad_err in run_on_ranks(_axes_not_in_mesh_order, world_size=4):
         assert loss_err < 1e-10 and grad_err < 1e-10
+
+
+# --- scenario 9: a step over a sub-stack between full steps ----------------------------------
+
+def _substep_body():
+    # A full step over 3 MLPs, then a step that runs only layer 0, then a full step again,
+    # all with SGD on fsdp=2: losses equal the reference's and the unused layers get zero
+    # gradients (and no collectives) in the sub-step.
+    mesh = fs.make_mesh({"d": dist.get_world_size()})
+    g = torch.Generator().manual_seed(0)
+    params = [{"w1": torch.randn(32, 32, generator=g, dtype=torch.float64) * 0.2,
+               "w2": torch.randn(32, 32, generator=g, dtype=torch.float64) * 0.2} for _ in range(3)]
+    specs = fs.parallel.fsdp_specs(params, "d")
+    sharded = fs.shard(params, specs, mesh)
+
+    def mlp(lp, z):
+        return torch.relu(z @ lp["w1"]) @ lp["w2"]
+
+    def body(p, x, y, k):
+        h = fs.parallel.scan_layers(mlp, p[:k], x, axis="d")
+        return fs.lax.pmean(((h - y) ** 2).mean(), "d")
+
+    opt = fs.optim.sgd(0.1)
+    state, ref, ref_state = opt.init(sharded), params, opt.init(params)
+    out = []
+    for step, k in enumerate((3, 1, 3)):
+        x = torch.randn(8, 32, generator=g, dtype=torch.float64)
+        y = torch.randn(8, 32, generator=g, dtype=torch.float64)
+        f = fs.shard_map(lambda p, a, b: body(p, a, b, k), mesh=mesh, in_specs=(specs, P("d"), P("d")),
+                         out_specs=P())
+        with fs.comm_log() as log:
+            loss, grads = fs.value_and_grad(f)(sharded, x, y)
+        updates, state = opt.update(grads, state, sharded)
+        sharded = fs.optim.apply_updates(sharded, updates)
+
+        def ref_loss(p):
+            h = x
+            for lp in p[:k]:
+                h = mlp(lp, h)
+            return ((h - y) ** 2).mean()
+
+        ref_value, ref_grads = fs.value_and_grad(ref_loss)(ref)
+        ref_updates, ref_state = opt.update(ref_grads, ref_state, ref)
+        ref = fs.optim.apply_updates(ref, ref_updates)
+        unused_zero = all(float(fs.gather(gl).abs().max()) == 0.0 for lp in grads[k:] for gl in lp.values())
+        out.append((abs(loss.item() - ref_value.item()), unused_zero, log.counts["psum_scatter"]))
+    err = max((fs.gather(a) - b).abs().max().item()
+              for a, b in zip(fs.tree.leaves(sharded), fs.tree.leaves(ref)))
+    return out, err
+
+
+def test_scenario9_sub_stack_step_between_full_steps():
+    for out, err in run_on_ranks(_substep_body, world_size=2):
+        assert err < 1e-10
+        for (loss_err, unused_zero, scatters), k in zip(out, (3, 1, 3)):
+            assert loss_err < 1e-10 and unused_zero
+            assert scatters == k  # one reduce-scatter per layer that ran
