@@ -55,6 +55,11 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     faulthandler.enable(file=stack_file, all_threads=True)  # a crashing rank leaves its stack
+    # ...and its native stacks, every thread's, on stderr. glibc reports heap corruption
+    # ("malloc(): unaligned tcache chunk detected") in whichever thread allocates next, so
+    # the Python stack alone does not show what the gloo threads were doing.
+    if hasattr(torch._C, "_set_print_stack_traces_on_fatal_signal"):
+        torch._C._set_print_stack_traces_on_fatal_signal(True)
     if dist.is_initialized():
         _forget_inherited_groups()
     from fshard.mesh import mesh as _mesh
