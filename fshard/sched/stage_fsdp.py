@@ -61,12 +61,19 @@ class StageFSDP:
             its RESHARD (``False``, default: one all-gather per stage per step).
         policy: mixed precision: gather in ``param_dtype``, accumulate and reduce
             gradients in ``reduce_dtype`` (default: the parameters' dtypes).
+        max_active_stages: with ``reshard_after_forward=False``, how many of a rank's
+            stages may be gathered at once (:func:`~fshard.sched.add_unshard_reshard`,
+            default 3 as torch's pipelining). A rank with more stages (``n_virtual``
+            > 3) regathers a stage that left the window; raise it to gather each stage
+            once per step at the cost of holding them all.
     """
 
     axis: tuple[str, ...] = attrs.field(default=("fsdp",), converter=_axes)
     reshard_after_forward: bool = attrs.field(default=False)
     policy: Policy | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(Policy)))
+    max_active_stages: int = attrs.field(default=3, validator=[attrs.validators.instance_of(int),
+                                                                attrs.validators.ge(1)])
 
     @reshard_after_forward.validator
     def _check_raf(self, attribute: attrs.Attribute, value: Any) -> None:

@@ -78,9 +78,9 @@ class StepStats:
         return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-# id(schedule) -> (schedule, (needs REDUCE_GRAD, needs UNSHARD/RESHARD), prepared); the
-# schedule is kept alive so that its id is not reused while cached.
-_PREPARED: dict[int, tuple[Schedule, tuple[bool, bool], Schedule]] = {}
+# id(schedule) -> (schedule, (needs REDUCE_GRAD, UNSHARD/RESHARD window or 0), prepared);
+# the schedule is kept alive so that its id is not reused while cached.
+_PREPARED: dict[int, tuple[Schedule, tuple[bool, int], Schedule]] = {}
 _MAX_CACHED = 64
 
 
@@ -200,7 +200,8 @@ def pipeline_step(
             paths = {s: list(tree_util.zip_with_path(stage_params[s])[0]) for s in held}
             shards = StageShards(config, held, tuple(a for a in data if a not in config.axis),
                                  paths) or None
-        unshard = shards is not None and not config.reshard_after_forward
+        # UNSHARD/RESHARD actions, at most max_active_stages stages gathered at once (0: none).
+        unshard = config.max_active_stages if shards is not None and not config.reshard_after_forward else 0
         prepared = _prepare(schedule, any(reduce.values()) or shards is not None, unshard)
         reducer = _GradReducer(mesh, data, reduce)
 
@@ -237,9 +238,10 @@ def pipeline_step(
     return loss, grads, stats
 
 
-def _prepare(schedule: Schedule, reduce: bool, unshard: bool = False) -> Schedule:
+def _prepare(schedule: Schedule, reduce: bool, unshard: int = 0) -> Schedule:
     """Validated, lowered schedule (with REDUCE_GRAD when grads are reduced, and
-    UNSHARD/RESHARD for stage-level FSDP that keeps parameters), cached."""
+    UNSHARD/RESHARD for stage-level FSDP that keeps parameters, at most ``unshard``
+    stages gathered at once), cached."""
     hit = _PREPARED.get(id(schedule))
     if hit is not None and hit[0] is schedule and hit[1] == (reduce, unshard):
         return hit[2]
@@ -251,7 +253,7 @@ def _prepare(schedule: Schedule, reduce: bool, unshard: bool = False) -> Schedul
         prepared = schedule
     kinds = {a.kind for row in prepared.actions for a in row}
     if unshard and Kind.UNSHARD not in kinds:
-        prepared = add_unshard_reshard(prepared)
+        prepared = add_unshard_reshard(prepared, max_active_stages=unshard)
     if reduce and Kind.REDUCE_GRAD not in kinds:
         prepared = add_reduce_grad(prepared)
     validate(prepared, p2p="batched")

@@ -309,12 +309,41 @@ def _bad_body():
     return msgs
 
 
+def _window_body():
+    # 4 stages per rank (n_virtual=4): with the default window of 3 gathered stages, some
+    # stage leaves the window and is gathered again; a window of 4 gathers each once.
+    mesh = fs.make_mesh({"fsdp": 2, "pp": 2})
+    rank = mesh.axis_index("pp")
+    params = _init()
+    x, y = _data(16)
+    ref_loss, ref_grads = fs.value_and_grad(lambda p: _loss_fn(_layers(p, x), y))(params)
+    sch = fs.sched.interleaved_1f1b(2, 8, n_virtual=4)
+    sp = _sharded_stage_params(params, sch, rank, mesh)
+    out = []
+    for window in (3, 4):
+        with fs.comm_log() as log:
+            loss, grads = fs.sched.pipeline_step(
+                _stage_fn, _loss_fn, sp, (x, y), schedule=sch, mesh=mesh, data_axes="fsdp",
+                fsdp=fs.sched.StageFSDP("fsdp", max_active_stages=window))
+        out.append((abs(loss.item() - ref_loss.item()), _max_err(_full_grads(grads), ref_grads),
+                    log.by_axis[("all_gather", ("fsdp",))], log.by_axis[("psum_scatter", ("fsdp",))]))
+    return out
+
+
+def test_more_stages_per_rank_than_the_unshard_window():
+    for (l3, g3, gathers3, rs3), (l4, g4, gathers4, rs4) in run_on_ranks(_window_body, world_size=4):
+        assert max(l3, g3, l4, g4) < TOL
+        assert gathers3 > 4 and gathers4 == 4 and rs3 == rs4 == 4  # 4 held stages
+
+
 def test_stage_fsdp_config_values_are_checked():
     with pytest.raises(ValueError, match="reshard_after_forward=2"):
         fs.sched.StageFSDP("fsdp", reshard_after_forward=2)
     with pytest.raises(TypeError):
         fs.sched.StageFSDP("fsdp", policy="bf16")
     assert fs.sched.StageFSDP(("a", "b")).axis == ("a", "b")
+    with pytest.raises(ValueError):
+        fs.sched.StageFSDP("fsdp", max_active_stages=0)
 
 
 def test_bad_stage_fsdp_config_names_axis_and_remedy():
