@@ -82,7 +82,7 @@ class _LogMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = _KINDS.get(func)
-        if kind is None and func is _F.all_reduce.default:
+        if kind is None and (func is _F.all_reduce.default or func is _F.all_reduce_.default):
             kind = _REDUCE_KINDS.get(args[1], "all_reduce")
         if kind is not None:
             x = args[0]
@@ -138,9 +138,17 @@ def _named(axes: Sequence[str]):
         _CALL_AXES.reset(token)
 
 
-def all_reduce_async(x: torch.Tensor, group, op: str = "sum", *, axes: Sequence[str] = ()) -> Handle:
-    """Starts an all-reduce of ``x`` over ``group``."""
+def all_reduce_async(x: torch.Tensor, group, op: str = "sum", *, axes: Sequence[str] = (),
+                     inplace: bool = False) -> Handle:
+    """Starts an all-reduce of ``x`` over ``group``.
+
+    ``inplace``: reduce into ``x`` itself (contiguous, owned by the caller, not read before
+    ``wait()``) rather than into a new tensor: on CPU a fresh multi-MB buffer costs a page
+    fault per 4 KiB page on first write, every step.
+    """
     with _named(axes):
+        if inplace:
+            return Handle(_F.all_reduce_(x, op, group.group_name))
         return Handle(_F.all_reduce(x.contiguous(), op, group.group_name))
 
 

@@ -275,8 +275,11 @@ class Groups:
         if not self._bucket:
             return
         parts = [p for _, ps in self._bucket for p in ps]
-        buf = torch.cat(parts) if len(parts) > 1 else parts[0]
-        handle = _Shared(comm.all_reduce_async(buf, self._rgroup, axes=self.replicate_axes))
+        # A concatenated bucket is ours alone: reduce it in place (no second buffer). One
+        # part may be a view of a gradient autograd handed out: reduce that into a new one.
+        ours = len(parts) > 1
+        buf = torch.cat(parts) if ours else parts[0]
+        handle = _Shared(comm.all_reduce_async(buf, self._rgroup, axes=self.replicate_axes, inplace=ours))
         off = 0
         for i, ps in self._bucket:
             numel = sum(p.numel() for p in ps)
