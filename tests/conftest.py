@@ -3,6 +3,8 @@
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Rank workers fail a test body that returns with a functional collective never waited.
+os.environ.setdefault("FSHARD_CHECK_LEAKS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

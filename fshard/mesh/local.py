@@ -52,6 +52,9 @@ class RankTimeoutError(TimeoutError):
 
 def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeout_s: float) -> None:
     torch.set_num_threads(1)
+    # The test suite sets this: a task that returns with a collective still in flight
+    # fails (the backend would keep writing its buffers after the test moved on).
+    check_leaks = os.environ.get("FSHARD_CHECK_LEAKS") == "1"
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     faulthandler.enable(file=stack_file, all_threads=True)  # a crashing rank leaves its stack
@@ -87,7 +90,14 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
             break
         try:
             fn, args, kwargs = _INHERITED["task"] if msg == "inherited" else msg
-            conn.send(("ok", fn(*args, **kwargs)))
+            before = _in_flight()
+            result = fn(*args, **kwargs)
+            if check_leaks and _in_flight() > before:
+                raise RuntimeError(
+                    f"{getattr(fn, '__qualname__', fn)} returned with {_in_flight() - before} "
+                    f"functional collective(s) started and never waited (a dropped fs.comm "
+                    f"Handle): their buffers stay in use by the backend")
+            conn.send(("ok", result))
         except BaseException as e:
             conn.send(("err", _pack_exc(e)))
     try:
@@ -97,6 +107,12 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
 
 
 _LEAKED: list[Any] = []
+
+
+def _in_flight() -> int:
+    """Functional collectives started and not yet waited, on this process."""
+    size = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)
+    return size() if size is not None else 0
 
 
 def _forget_inherited_groups() -> None:

@@ -41,6 +41,21 @@ def test_pool_propagates_remote_failure_with_rank():
     assert run_on_ranks(_rank_and_sum, 1.0, world_size=2)[0][1] == 3.0
 
 
+def _leak_a_collective():
+    from fshard import comm
+
+    mesh = fs.make_mesh({"x": dist.get_world_size()})
+    handle = comm.all_reduce_async(torch.ones(4), mesh.group("x"), axes=("x",))
+    return handle is not None  # dropped without wait()
+
+
+def test_collective_left_in_flight_fails_the_test():
+    with pytest.raises(RuntimeError, match="1 functional collective\\(s\\) started and never waited"):
+        run_on_ranks(_leak_a_collective, world_size=2)
+    # The pool is still usable, and later clean tasks pass (only an increase counts).
+    assert run_on_ranks(_rank_and_sum, 1.0, world_size=2)[0][1] == 3.0
+
+
 def _deadlock():
     if dist.get_rank() == 0:
         dist.barrier()  # rank 1 never joins
