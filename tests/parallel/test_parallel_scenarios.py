@@ -3,9 +3,9 @@ largest dim), 4 (delays before collectives change nothing), 6/34 (forward and ba
 prefetch issue order), 10 (a layer used twice, also with reshard_after_forward=2 on a 2x2
 mesh), 12 (a tied leaf in two groups), 13 (uneven tied embedding), 14-16 and 25 (gradient
 accumulation without sync: exact reduce-scatter / all-gather / all-reduce counts, also with
-reshard_after_forward=2), 9 (a step over a sub-stack between full steps), the layer-loop bad
-inputs, and the flat layout of parameters sharded over two axes (uneven, or not in mesh
-order).
+reshard_after_forward=2), 9 (a step over a sub-stack between full steps), 35 (one gather and
+one reduce-scatter queue, nothing left in flight), the layer-loop bad inputs, and the flat
+layout of parameters sharded over two axes (uneven, or not in mesh order).
 
 Elsewhere: 3, 5 (host offload), 11, 12, 16/17 (HSDP), 22, 24 in test_parallel_fsdp.py; 19, 20, 26
 in test_parallel_tp.py; 21 (experts) in test_parallel_ep.py; 18 (1F1B emulation) and 32
@@ -13,7 +13,7 @@ in test_parallel_tp.py; 21 (experts) in test_parallel_ep.py; 18 (1F1B emulation)
 
 Not ported, with the reason: 8/23 (module registration and hooks, custom entry points:
 there are no modules to register in a functional design; any function can be the step),
-35 (streams: one gloo queue here), 36 (CUDA graphs: no GPU in CI).
+36 (CUDA graphs: no GPU in CI).
 """
 
 import time
@@ -568,3 +568,58 @@ def test_scenario9_sub_stack_step_between_full_steps():
         for (loss_err, unused_zero, scatters), k in zip(out, (3, 1, 3)):
             assert loss_err < 1e-10 and unused_zero
             assert scatters == k  # one reduce-scatter per layer that ran
+
+
+# --- scenario 35: one communication context for all groups -------------------------------
+
+def _one_context_body():
+    # 3 MLP(16) groups, no root group: every all-gather goes through one process group and
+    # every reduce-scatter through one (gloo runs one queue per group), none is left in flight
+    # after the step, and loss and grads match the reference.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    funcol = torch.ops._c10d_functional
+
+    class Groups(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.used = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default):
+                self.used.setdefault(func.__name__.split(".")[0], set()).add(args[-1])
+            return func(*args, **(kwargs or {}))
+
+    mesh = fs.make_mesh({"d": dist.get_world_size()})
+    g = torch.Generator().manual_seed(0)
+    params = [{"w1": torch.randn(16, 16, generator=g, dtype=torch.float64) * 0.3,
+               "w2": torch.randn(16, 16, generator=g, dtype=torch.float64) * 0.3} for _ in range(3)]
+    specs = fs.parallel.fsdp_specs(params, "d")
+    x = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    y = torch.randn(8, 16, generator=g, dtype=torch.float64)
+
+    def mlp(lp, z):
+        return torch.relu(z @ lp["w1"]) @ lp["w2"]
+
+    f = fs.shard_map(lambda p, a, b: fs.lax.pmean(((fs.parallel.scan_layers(mlp, p, a, axis="d") - b) ** 2).mean(), "d"),
+                     mesh=mesh, in_specs=(specs, P("d"), P("d")), out_specs=P())
+    with Groups() as mode:
+        loss, grads = fs.value_and_grad(f)(fs.shard(params, specs, mesh), x, y)
+    in_flight = torch._C._distributed_c10d._get_work_registry_size()
+
+    def ref(p):
+        h = x
+        for lp in p:
+            h = mlp(lp, h)
+        return ((h - y) ** 2).mean()
+
+    ref_loss, ref_grads = fs.value_and_grad(ref)(params)
+    err = max((fs.gather(a) - b).abs().max().item() for a, b in zip(fs.tree.leaves(grads), fs.tree.leaves(ref_grads)))
+    return abs(loss.item() - ref_loss.item()), err, {k: len(v) for k, v in mode.used.items()}, in_flight
+
+
+def test_scenario35_one_gather_queue_one_reduce_scatter_queue_nothing_left_in_flight():
+    for loss_err, grad_err, queues, in_flight in run_on_ranks(_one_context_body, world_size=2):
+        assert loss_err < 1e-10 and grad_err < 1e-10
+        assert queues == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, queues
+        assert in_flight == 0
