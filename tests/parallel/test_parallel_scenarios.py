@@ -3,17 +3,19 @@ largest dim), 4 (delays before collectives change nothing), 6/34 (forward and ba
 prefetch issue order), 10 (a layer used twice, also with reshard_after_forward=2 on a 2x2
 mesh), 12 (a tied leaf in two groups), 13 (uneven tied embedding), 14-16 and 25 (gradient
 accumulation without sync: exact reduce-scatter / all-gather / all-reduce counts, also with
-reshard_after_forward=2), 9 (a step over a sub-stack between full steps), 35 (one gather and
-one reduce-scatter queue, nothing left in flight), the layer-loop bad inputs, and the flat
+reshard_after_forward=2), 9 (a step over a sub-stack between full steps), 23 (a step through
+part of the model: conv features only, 4-d weight sharded), 35 (one gather and one
+reduce-scatter queue, nothing left in flight), the layer-loop bad inputs, and the flat
 layout of parameters sharded over two axes (uneven, or not in mesh order).
 
 Elsewhere: 3, 5 (host offload), 11, 12, 16/17 (HSDP), 22, 24 in test_parallel_fsdp.py; 19, 20, 26
 in test_parallel_tp.py; 21 (experts) in test_parallel_ep.py; 18 (1F1B emulation) and 32
 (UNSHARD/RESHARD actions) in tests/sched/test_sched_stage_fsdp.py.
 
-Not ported, with the reason: 8/23 (module registration and hooks, custom entry points:
-there are no modules to register in a functional design; any function can be the step),
-36 (CUDA graphs: no GPU in CI).
+8 (registration semantics) becomes: which gathered parameters outlive forward (weak
+references), with and without reshard_after_forward.
+
+Not ported, with the reason: 36 (CUDA graphs: no GPU in CI).
 """
 
 import time
@@ -623,3 +625,98 @@ def test_scenario35_one_gather_queue_one_reduce_scatter_queue_nothing_left_in_fl
         assert loss_err < 1e-10 and grad_err < 1e-10
         assert queues == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, queues
         assert in_flight == 0
+
+
+# --- scenario 8: what is alive after forward and after backward ------------------------------
+
+def _alive_body(raf):
+    # Functional form of FSDP2's registration semantics: parameters never change form, so
+    # what matters is which gathered (full) parameters outlive forward. Weak references to
+    # the full tensors each layer saw tell: freed after forward with reshard_after_forward
+    # (only shards remain), kept for backward without it, all freed after backward.
+    import gc
+    import weakref
+
+    mesh = fs.make_mesh({"d": dist.get_world_size()})
+    g = torch.Generator().manual_seed(0)
+    params = [{"w": torch.randn(4, 4, generator=g, dtype=torch.float64)} for _ in range(3)]
+    specs = fs.parallel.fsdp_specs(params, "d")
+    refs = []
+
+    def layer(lp, z):
+        refs.append(weakref.ref(lp["w"]))
+        return torch.tanh(z @ lp["w"])
+
+    def body(p, a):
+        return fs.parallel.scan_layers(layer, p, a, axis="d", reshard_after_forward=raf)
+
+    x = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    f = fs.shard_map(body, mesh=mesh, in_specs=(specs, P("d")), out_specs=P("d"))
+    sharded = fs.shard(params, specs, mesh)
+    for leaf in fs.tree.leaves(sharded):
+        leaf.requires_grad_(True)
+    y = f(sharded, x)
+    gc.collect()
+    after_forward = sum(r() is not None for r in refs)
+    y.to_local().sum().backward()
+    gc.collect()
+    after_backward = sum(r() is not None for r in refs)
+    shards_sharded = all(leaf.to_local().shape[0] == 2 for leaf in fs.tree.leaves(sharded))
+    return after_forward, after_backward, shards_sharded
+
+
+# Without reshard, layers 1 and 2 keep their full weight for backward (z @ w saves w for
+# z's gradient); layer 0's input is the data, which needs no gradient, so nothing keeps w.
+@pytest.mark.parametrize("raf, alive", [(True, 0), (False, 2)])
+def test_scenario8_gathered_params_alive_after_forward_only_without_reshard(raf, alive):
+    for after_forward, after_backward, shards_sharded in run_on_ranks(_alive_body, raf, world_size=2):
+        assert after_forward == alive and after_backward == 0 and shards_sharded
+
+
+# --- scenario 23: a step through part of the model (forward_features) ------------------------
+
+def _features_body():
+    # A ViT-like stem (Conv2d, 4-d weight sharded on dim 0) then a head; one step calls only
+    # the features, one the whole model: any function of the params is a step, and the
+    # sharded grads match the reference in both (the head's are zero in the first).
+    import torch.nn.functional as F
+
+    mesh = fs.make_mesh({"d": dist.get_world_size()})
+    g = torch.Generator().manual_seed(0)
+    params = {"features": {"w": torch.randn(8, 3, 4, 4, generator=g, dtype=torch.float64) * 0.2,
+                           "b": torch.zeros(8, dtype=torch.float64)},
+              "head": {"w": torch.randn(6, 8, generator=g, dtype=torch.float64) * 0.3}}
+    specs = fs.parallel.fsdp_specs(params, "d")
+    sharded = fs.shard(params, specs, mesh)
+    img = torch.randn(4, 3, 8, 8, generator=g, dtype=torch.float64)
+    target = torch.randn(4, 8, generator=g, dtype=torch.float64)
+
+    def features(p, x):
+        return F.conv2d(x, p["w"], p["b"], stride=4).mean(dim=(2, 3))               # (b, 8)
+
+    def feature_loss(p, x, t):
+        full = fs.parallel.gather_params(p["features"], axis="d")
+        return fs.lax.pmean(((features(full, x) - t) ** 2).mean(), "d")
+
+    def full_loss(p, x, t):
+        feats = features(fs.parallel.gather_params(p["features"], axis="d"), x)
+        out = feats @ fs.parallel.gather_params(p["head"], axis="d")["w"].T         # (b, 6)
+        return fs.lax.pmean(((out - t[:, :6]) ** 2).mean(), "d")
+
+    out = []
+    for fn, ref_fn in ((feature_loss, lambda p: ((features(p["features"], img) - target) ** 2).mean()),
+                       (full_loss, lambda p: (((features(p["features"], img) @ p["head"]["w"].T)
+                                               - target[:, :6]) ** 2).mean())):
+        f = fs.shard_map(fn, mesh=mesh, in_specs=(specs, P("d"), P("d")), out_specs=P())
+        loss, grads = fs.value_and_grad(f)(sharded, img, target)
+        ref_loss, ref_grads = fs.value_and_grad(ref_fn)(params)
+        err = max((fs.gather(a) - b).abs().max().item()
+                  for a, b in zip(fs.tree.leaves(grads), fs.tree.leaves(ref_grads)))
+        out.append((abs(loss.item() - ref_loss.item()), err, float(fs.gather(grads["head"]["w"]).abs().max())))
+    return out
+
+
+def test_scenario23_step_through_part_of_the_model():
+    for (fl, fg, head_grad), (al, ag, _) in run_on_ranks(_features_body, world_size=2):
+        assert max(fl, fg, al, ag) < 1e-10
+        assert head_grad == 0.0  # the head did not take part in the features-only step
