@@ -61,8 +61,12 @@ def global_norm(updates: Updates, *, sum_over: str | Sequence[str] = ()) -> torc
     """
     paths, leaves, _ = tree_util.zip_with_path(updates)
     sum_over = (sum_over,) if isinstance(sum_over, str) else tuple(sum_over)
-    if sum_over:
-        return _sum_over(global_norm(updates).square(), sum_over, leaves).sqrt()
+    squares = _squares(paths, leaves)
+    return (_sum_over(squares, sum_over, leaves) if sum_over else squares).sqrt()
+
+
+def _squares(paths: list[str], leaves: list[Any]) -> torch.Tensor:
+    """The sum of squares of all leaves, as if every DTensor were gathered."""
     if not leaves:
         return torch.zeros(())
     acc = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
@@ -80,17 +84,18 @@ def global_norm(updates: Updates, *, sum_over: str | Sequence[str] = ()) -> torc
             total = total + _sum_squares(plain, acc).to(device)
         for group in by_mesh.values():
             total = total + _mesh_sum_squares(group, acc).to(device)
-    return total.sqrt()
+    return total
 
 
 def _sum_over(squares: torch.Tensor, axes: tuple[str, ...], leaves: list[Any]) -> torch.Tensor:
     """Sums ``squares`` over the mesh axes ``axes`` (ranks holding disjoint leaves)."""
-    from fshard.mesh.mesh import _MESH_CACHE, current_mesh
+    from fshard.mesh.mesh import current_mesh
+    from fshard.mesh.sharding import _mesh_of
 
     mesh = current_mesh()
     if mesh is None:  # the mesh of the DTensor leaves
-        dms = {id(x.device_mesh): x.device_mesh for x in leaves if isinstance(x, DTensor)}
-        mesh = next((m for m in _MESH_CACHE.values() if id(m.device_mesh) in dms), None)
+        first = next((x for x in leaves if isinstance(x, DTensor)), None)
+        mesh = _mesh_of(first) if first is not None else None
     if mesh is None:
         raise ValueError(f"global_norm(sum_over={axes}) needs a mesh: call it inside `with mesh:` "
                          f"(a rank that holds no DTensor leaf cannot find one).")
