@@ -94,18 +94,26 @@ def _fshard_step(mode: str, cfg: TransformerConfig, mesh, bucket_mb: float = 25.
     return step
 
 
-def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0):
-    torch.set_num_threads(1)
-    n = dist.get_world_size()
-    mesh = fs.make_mesh({"d": n})
-    cfg = TransformerConfig(**CFG)
+def _batches(cfg: TransformerConfig, batch: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per side, the step's arguments: native gets this rank's rows, fshard the global batch."""
+    n, r = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, cfg.vocab_size, (batch * n, cfg.max_seq_len), generator=g)
     tgt = torch.roll(tok, -1, 1)
-    r = dist.get_rank()
-    local_tok, local_tgt = tok[r * batch:(r + 1) * batch], tgt[r * batch:(r + 1) * batch]
-    sides = {"torch": _native_step(mode, cfg), "fshard": _fshard_step(mode, cfg, mesh, bucket_mb)}
-    args = {"torch": (local_tok, local_tgt), "fshard": (tok, tgt)}
+    rows = slice(r * batch, (r + 1) * batch)
+    return {"torch": (tok[rows], tgt[rows]), "fshard": (tok, tgt)}
+
+
+def _make_step(side: str, mode: str, cfg: TransformerConfig, bucket_mb: float):
+    mesh = fs.make_mesh({"d": dist.get_world_size()})
+    return _native_step(mode, cfg) if side == "torch" else _fshard_step(mode, cfg, mesh, bucket_mb)
+
+
+def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0):
+    torch.set_num_threads(1)
+    cfg = TransformerConfig(**CFG)
+    sides = {k: _make_step(k, mode, cfg, bucket_mb) for k in ("torch", "fshard")}
+    args = _batches(cfg, batch)
     times = {k: [] for k in sides}
     losses = {k: [] for k in sides}
     for i in range(steps + 3):
@@ -145,18 +153,9 @@ def peak_memory(side: str, mode: str, batch: int, bucket_mb: float = 25.0) -> tu
     from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.set_num_threads(1)
-    n = dist.get_world_size()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        mesh = fs.make_mesh({"d": n})
         cfg = TransformerConfig(**CFG)
-        g = torch.Generator().manual_seed(0)
-        tok = torch.randint(0, cfg.vocab_size, (batch * n, cfg.max_seq_len), generator=g)
-        tgt = torch.roll(tok, -1, 1)
-        r = dist.get_rank()
-        if side == "torch":
-            step, args = _native_step(mode, cfg), (tok[r * batch:(r + 1) * batch], tgt[r * batch:(r + 1) * batch])
-        else:
-            step, args = _fshard_step(mode, cfg, mesh, bucket_mb), (tok, tgt)
+        step, args = _make_step(side, mode, cfg, bucket_mb), _batches(cfg, batch)[side]
         for i in range(3):
             dist.barrier()
             with record_function(f"bench_step_{i}"):
