@@ -151,7 +151,6 @@ class StageShards:
                 f"\nShard them with fs.parallel.fsdp_specs(params, {axes!r}), or leave them "
                 f"replicated over {config.axis}.")
         self.index = {s: i for i, s in enumerate(self.managed)}
-        self.params = params
         self.groups = Groups(groups, config.axis, replicate_axes, dims,
                              config.policy or Policy()) if groups else None
         self.full: dict[int, tuple[torch.Tensor, ...]] = {}
