@@ -27,6 +27,22 @@ def _data(n_rows=8, d=4, seed=1):
     return torch.randn(n_rows, d, generator=g, dtype=torch.float64), torch.randn(n_rows, d, generator=g, dtype=torch.float64)
 
 
+def _value_and_grad(order, loss, mesh, in_specs, grad_specs, check, argnums=0):
+    """``loss``'s value and gradients over global arguments, in either composition.
+
+    ``"outside"``: ``value_and_grad(shard_map(loss))``; ``"inside"``: JAX's usual
+    ``shard_map(value_and_grad(loss))``, whose gradients come out by ``grad_specs``.
+    """
+    if order == "outside":
+        return fs.value_and_grad(fs.shard_map(loss, mesh=mesh, in_specs=in_specs, out_specs=P(), check=check),
+                                 argnums=argnums)
+    return fs.shard_map(fs.value_and_grad(loss, argnums=argnums), mesh=mesh, in_specs=in_specs,
+                        out_specs=(P(), grad_specs), check=check)
+
+
+ORDERS = ["outside", "inside"]
+
+
 # --- data parallel: params P(), batch P("dp") -----------------------------------------------
 
 def _dp_loss(p, x, y, explicit_pvary):
@@ -35,14 +51,14 @@ def _dp_loss(p, x, y, explicit_pvary):
     return fs.lax.pmean(((_mlp(p, x) - y) ** 2).mean(), "dp")
 
 
-def _dp_body(check, explicit_pvary):
+def _dp_body(check, explicit_pvary, order="outside"):
     mesh = fs.make_mesh({"dp": dist.get_world_size()})
     params, (x, y) = _mlp_params(), _data()
     sharded = fs.shard(params, P(), mesh)
-    step = fs.shard_map(lambda p, a, b: _dp_loss(p, a, b, explicit_pvary), mesh=mesh,
-                        in_specs=(P(), P("dp"), P("dp")), out_specs=P(), check=check)
+    step = _value_and_grad(order, lambda p, a, b: _dp_loss(p, a, b, explicit_pvary), mesh,
+                           (P(), P("dp"), P("dp")), P(), check)
     with fs.comm_log() as log:
-        loss, grads = fs.value_and_grad(step)(sharded, x, y)
+        loss, grads = step(sharded, x, y)
     ref_loss, ref_grads = fs.value_and_grad(lambda p: ((_mlp(p, x) - y) ** 2).mean())(params)
     grads = fs.gather(grads)
     return (abs(loss.item() - ref_loss.item()),
@@ -50,10 +66,11 @@ def _dp_body(check, explicit_pvary):
             dict(log.by_axis))
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_data_parallel_grads_checked_implicit_equal_unchecked_explicit_and_reference(n):
-    checked = run_on_ranks(_dp_body, True, False, world_size=n)
-    unchecked = run_on_ranks(_dp_body, False, True, world_size=n)
+def test_data_parallel_grads_checked_implicit_equal_unchecked_explicit_and_reference(n, order):
+    checked = run_on_ranks(_dp_body, True, False, order, world_size=n)
+    unchecked = run_on_ranks(_dp_body, False, True, order, world_size=n)
     for (dl, dg, log_c), (dl2, dg2, log_u) in zip(checked, unchecked):
         assert dl < 1e-12 and dg < 1e-12 and dl2 < 1e-12 and dg2 < 1e-12
         if n > 1:
@@ -63,9 +80,10 @@ def test_data_parallel_grads_checked_implicit_equal_unchecked_explicit_and_refer
             assert log_c == log_u == {}  # size-1 axes issue nothing
 
 
-def test_data_parallel_without_pvary_in_unchecked_mode_is_per_rank():
+@pytest.mark.parametrize("order", ORDERS)
+def test_data_parallel_without_pvary_in_unchecked_mode_is_per_rank(order):
     # Megatron semantics: without pvary the gradient is each rank's own contribution.
-    dl, dg, _ = run_on_ranks(_dp_body, False, False, world_size=2)[0]
+    dl, dg, _ = run_on_ranks(_dp_body, False, False, order, world_size=2)[0]
     assert dl < 1e-12 and dg > 1e-3
 
 
@@ -78,26 +96,27 @@ def _tp_loss(p, x, y, check):
     return ((out - y) ** 2).mean()
 
 
-def _tp_body(check):
+def _tp_body(check, order="outside"):
     mesh = fs.make_mesh({"tp": dist.get_world_size()})
     params, (x, y) = _mlp_params(), _data()
     specs = {"w1": P("tp", None), "w2": P(None, "tp")}
     sharded = fs.shard(params, specs, mesh)
-    step = fs.shard_map(lambda p, a, b: _tp_loss(p, a, b, check), mesh=mesh,
-                        in_specs=(specs, P(), P()), out_specs=P(), check=check)
+    step = _value_and_grad(order, lambda p, a, b: _tp_loss(p, a, b, check), mesh, (specs, P(), P()),
+                           (specs, P()), check, argnums=(0, 1))
     with fs.comm_log() as log:
-        loss, (grads, gx) = fs.value_and_grad(step, argnums=(0, 1))(sharded, x, y)
+        loss, (grads, gx) = step(sharded, x, y)
     ref_loss, (ref_grads, ref_gx) = fs.value_and_grad(lambda p, a: ((_mlp(p, a) - y) ** 2).mean(), argnums=(0, 1))(params, x)
     grads = fs.gather(grads)
     return (abs(loss.item() - ref_loss.item()),
             max((grads[k] - ref_grads[k]).abs().max().item() for k in params),
-            (gx - ref_gx).abs().max().item(), fs.spec_of(fs.shard(grads, specs, mesh)), dict(log.counts))
+            (fs.gather(gx) - ref_gx).abs().max().item(), fs.spec_of(fs.shard(grads, specs, mesh)), dict(log.counts))
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("n", [2, 4])
-def test_tensor_parallel_grads_checked_equal_unchecked_and_reference(n):
+def test_tensor_parallel_grads_checked_equal_unchecked_and_reference(n, order):
     for check in (True, False):
-        for dl, dg, dx, _, counts in run_on_ranks(_tp_body, check, world_size=n):
+        for dl, dg, dx, _, counts in run_on_ranks(_tp_body, check, order, world_size=n):
             assert dl < 1e-12 and dg < 1e-12 and dx < 1e-12, (check, dl, dg, dx)
             assert counts == {"psum": 2}  # forward g, backward f (for the input's gradient)
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from fshard import lax
+from fshard import meta as meta_util
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.placement import local_block, placements_to_spec, raise_spec_errors, spec_problems, spec_to_placements
@@ -76,8 +77,8 @@ def shard_map(
     @functools.wraps(f)
     def mapped(*args: Any, **kwargs: Any) -> Any:
         m = get_mesh(mesh, what=f"shard_map({name})")
-        locals_ = _enter(name, m, args, in_specs, reshard, check)
         body = lax.Body(m, check)
+        locals_ = _enter(name, body, args, in_specs, reshard)
         token = lax.BODY.set(body)
         try:
             with m:
@@ -93,7 +94,8 @@ def shard_map(
     return mapped
 
 
-def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, check: bool) -> list[Any]:
+def _enter(name: str, body: lax.Body, args: tuple, in_specs: Any, reshard: bool) -> list[Any]:
+    mesh = body.mesh
     specs = in_specs if not is_spec(in_specs) else tuple(in_specs for _ in args)
     paths, values, treedef = tree_util.zip_with_path(list(args))
     flat = tree_util.broadcast_prefix(list(specs) if isinstance(specs, tuple) else specs, list(args),
@@ -119,9 +121,7 @@ def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, che
     for x, spec in zip(values, flat):
         if isinstance(x, torch.Tensor):
             local = _to_local(x, spec, mesh)
-            set_global_shape(local, tuple(x.shape), spec)
-            if check:
-                lax.set_vma(local, frozenset(spec.axes()))
+            meta_util.register_input(body, local, meta_util.Meta(frozenset(spec.axes()), tuple(x.shape), spec))
             out.append(local)
         else:
             out.append(x)
@@ -139,19 +139,20 @@ def _same_layout(x: DTensor, spec: Any, mesh: Mesh) -> bool:
 
 
 def set_global_shape(local: torch.Tensor, shape: tuple[int, ...], spec: PartitionSpec | None = None) -> None:
-    """Records the global shape and spec on a body's local input (FSDP needs them for uneven shards)."""
-    local._fshard_global_shape = shape
-    local._fshard_spec = spec
+    """Records the global shape and spec of a local block (FSDP needs them for uneven
+    shards), keeping its varying axes; the pipeline executor uses it for stage params."""
+    m = meta_util.meta_of(local)
+    meta_util.set_meta(local, meta_util.Meta(m.vma, tuple(shape), spec))
 
 
 def input_spec(local: torch.Tensor) -> PartitionSpec | None:
-    """The in_spec of a shard_map input's local block, if it is one."""
-    return getattr(local, "_fshard_spec", None)
+    """The in_spec of a shard_map input's local block (or an alias of it), if it is one."""
+    return meta_util.meta_of(local).spec
 
 
 def global_shape(local: torch.Tensor) -> tuple[int, ...] | None:
-    """The global shape of a shard_map input's local block, if it is one."""
-    return getattr(local, "_fshard_global_shape", None)
+    """The global shape of a shard_map input's local block (or an alias of it), if it is one."""
+    return meta_util.meta_of(local).global_shape
 
 
 def _is_spec_or_static(x: Any) -> bool:
