@@ -215,9 +215,19 @@ def _exit(name: str, mesh: Mesh, out: Any, out_specs: Any, check: bool) -> Any:
             continue
         if check:
             x = _check_promise(name, mesh, path, x, spec)
-        shape = [s * (mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, s in enumerate(x.shape)]
-        result.append(make_dtensor(x, spec, mesh, shape))
+        result.append(make_dtensor(x, spec, mesh, _global_shape(x, spec, mesh)))
     return tree_util.tree_unflatten(treedef, result)
+
+
+def _global_shape(x: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> tuple[int, ...]:
+    """An output's global shape: an input's (or its gradient's) when it has that input's
+    layout, so uneven FSDP shards come back whole; else the local shape times the axes."""
+    m = meta_util.meta_of(x)
+    if (m.global_shape is not None and m.spec is not None and len(m.global_shape) == x.dim()
+            and m.spec.padded(x.dim()) == spec.padded(x.dim())
+            and tuple(b.stop - b.start for b in local_block(spec, m.global_shape, mesh, uneven=True)) == tuple(x.shape)):
+        return m.global_shape
+    return tuple(s * (mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, s in enumerate(x.shape))
 
 
 def _check_promise(name: str, mesh: Mesh, path: str, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
