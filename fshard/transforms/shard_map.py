@@ -89,7 +89,7 @@ def shard_map(
                     out = f(*locals_, **kwargs)
         finally:
             lax.BODY.reset(token)
-        return _exit(name, m, out, out_specs, check)
+        return _exit(name, body, out, out_specs)
 
     return mapped
 
@@ -195,7 +195,8 @@ class _SplitCotangent(torch.autograd.Function):
         return g / ctx.n, None
 
 
-def _exit(name: str, mesh: Mesh, out: Any, out_specs: Any, check: bool) -> Any:
+def _exit(name: str, body: lax.Body, out: Any, out_specs: Any) -> Any:
+    mesh, check = body.mesh, body.check
     paths, values, treedef = tree_util.zip_with_path(out)
     flat = tree_util.broadcast_prefix(out_specs, out, is_prefix_leaf=_is_spec_or_static,
                                       name=f"shard_map({name}) out_specs", full_name="outputs")
@@ -215,19 +216,22 @@ def _exit(name: str, mesh: Mesh, out: Any, out_specs: Any, check: bool) -> Any:
             continue
         if check:
             x = _check_promise(name, mesh, path, x, spec)
-        result.append(make_dtensor(x, spec, mesh, _global_shape(x, spec, mesh)))
+        result.append(make_dtensor(x, spec, mesh, _global_shape(body, x, spec)))
     return tree_util.tree_unflatten(treedef, result)
 
 
-def _global_shape(x: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> tuple[int, ...]:
-    """An output's global shape: an input's (or its gradient's) when it has that input's
-    layout, so uneven FSDP shards come back whole; else the local shape times the axes."""
+def _global_shape(body: lax.Body, x: torch.Tensor, spec: PartitionSpec) -> tuple[int, ...]:
+    """An output's global shape: that of its metadata when it has the output's layout (an
+    input, an alias of one, or a gradient from ``fs.value_and_grad``, or in checked mode
+    from ``torch.autograd.grad`` and ``.grad``), so uneven FSDP shards come back whole;
+    otherwise the local shape times the axis sizes (even splits, as JAX requires)."""
     m = meta_util.meta_of(x)
     if (m.global_shape is not None and m.spec is not None and len(m.global_shape) == x.dim()
             and m.spec.padded(x.dim()) == spec.padded(x.dim())
-            and tuple(b.stop - b.start for b in local_block(spec, m.global_shape, mesh, uneven=True)) == tuple(x.shape)):
+            and tuple(b.stop - b.start for b in local_block(spec, m.global_shape, body.mesh, uneven=True))
+            == tuple(x.shape)):
         return m.global_shape
-    return tuple(s * (mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, s in enumerate(x.shape))
+    return tuple(s * (body.mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, s in enumerate(x.shape))
 
 
 def _check_promise(name: str, mesh: Mesh, path: str, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:

@@ -24,6 +24,8 @@ Unchecked mode installs nothing, so it adds no per-op cost.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -40,6 +42,8 @@ _AUTOGRAD_ENTRY = frozenset({torch.autograd.grad, torch.autograd.backward, torch
 
 # Ops whose output is the input's value in the same layout (up to dtype or device): it
 # keeps the input's global shape and spec, not only its varying axes.
+_GRAD_GETTER = torch.Tensor.grad.__get__
+
 _SAME_VALUE = frozenset({
     torch.Tensor.detach, torch.detach, torch.Tensor.clone, torch.clone, torch.Tensor.contiguous,
     torch.Tensor.requires_grad_, torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda,
@@ -53,8 +57,16 @@ class VmaMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _AUTOGRAD_ENTRY or lax._IN_LAX.get():
+        if lax._IN_LAX.get():
             return func(*args, **kwargs)
+        if func in _AUTOGRAD_ENTRY:
+            out = func(*args, **kwargs)
+            if func is torch.autograd.grad:
+                _tag_cotangents(args, kwargs, out)
+            return out
+        if func == _GRAD_GETTER:
+            g = func(*args, **kwargs)
+            return g if g is None else meta_util.copy_meta(args[0], g)  # x.grad has x's type
         leaves = [x for x in tree_util.leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         if not leaves:
             return func(*args, **kwargs)
@@ -67,19 +79,39 @@ class VmaMode(TorchFunctionMode):
                 (args, kwargs),
             )
         out = func(*args, **kwargs)
-        first = metas[0]
-        keep = func in _SAME_VALUE and first.global_shape is not None
+        first, x0 = metas[0], leaves[0]
+        keep = first.global_shape is not None
         for o in tree_util.leaves(out):
             if not isinstance(o, torch.Tensor):
                 continue
             if any(o is x for x in leaves):
                 meta_util.set_vma(o, union)  # in place or returned as is: keep its layout
-            elif keep and o.shape == leaves[0].shape:
+            elif keep and o.shape == x0.shape and (func in _SAME_VALUE or _same_memory(o, x0)):
                 meta_util.set_meta(o, meta_util.Meta(union, first.global_shape, first.spec))
             else:
                 # Tagged even when invariant, so that later lookups stop at the attribute.
                 meta_util.set_meta(o, meta_util.Meta(union) if union else meta_util.EMPTY)
         return out
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """An alias of ``b`` with its geometry (``b[:]``, ``b.view(b.shape)``): the same value."""
+    try:
+        return (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype
+                and a.device == b.device)
+    except RuntimeError:
+        return False  # tensors without storage (functorch wrappers, fake tensors)
+
+
+def _tag_cotangents(args: tuple, kwargs: dict, grads: Any) -> None:
+    """``torch.autograd.grad``'s results have the types of its inputs, as in JAX."""
+    inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
+    if inputs is None or grads is None:
+        return
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    for x, g in zip(inputs, grads):
+        if isinstance(g, torch.Tensor):
+            meta_util.copy_meta(x, g)
 
 
 def _lift(x: torch.Tensor, union: frozenset) -> torch.Tensor:
