@@ -188,7 +188,7 @@ def test_specs_dtensor_layouts_static_args_and_kwargs():
 
 # --- torch.func inside a body, and remat ------------------------------------------------------
 
-def _func_and_remat(policy):
+def _func_and_remat(policy, order="outside", check=False):
     mesh = fs.make_mesh({"tp": 2})
     params, (x, y) = _mlp_params(), _data()
     specs = {"w1": P("tp", None), "w2": P(None, "tp")}
@@ -203,16 +203,17 @@ def _func_and_remat(policy):
     g_func = fs.gather(fs.shard_map(body_func, mesh=mesh, in_specs=(specs, P()), out_specs=specs, check=False)(sharded, x))
     body = fs.remat(local_loss, policy=policy)
     with fs.comm_log() as log:
-        _, g_remat = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check=False))(sharded, x)
+        _, g_remat = _value_and_grad(order, body, mesh, (specs, P()), specs, check)(sharded, x)
     ref = fs.grad(lambda p: ((_mlp(p, x) - y) ** 2).mean())(params)
     g_remat = fs.gather(g_remat)
     return (max((g_func[k] - ref[k]).abs().max().item() for k in ref),
             max((g_remat[k] - ref[k]).abs().max().item() for k in ref), log.counts["psum"])
 
 
+@pytest.mark.parametrize("order, check", [("outside", False), ("inside", False), ("inside", True)])
 @pytest.mark.parametrize("policy, psums", [(None, 2), ("nothing_saveable", 2), ("save_collectives", 1), ("dots_saveable", 1)])
-def test_torch_func_grad_in_body_and_remat_policies(policy, psums):
-    d_func, d_remat, n_psum = run_on_ranks(_func_and_remat, policy, world_size=2)[0]
+def test_torch_func_grad_in_body_and_remat_policies(policy, psums, order, check):
+    d_func, d_remat, n_psum = run_on_ranks(_func_and_remat, policy, order, check, world_size=2)[0]
     assert d_func < 1e-12 and d_remat < 1e-12
     assert n_psum == psums  # recomputing the block re-issues its psum unless the policy saves it
 
@@ -231,7 +232,7 @@ def test_value_and_grad_has_aux_and_errors():
     assert torch.equal(fs.grad(lambda a, b: (a * 0).sum())(torch.ones(2), torch.ones(2)), torch.zeros(2))
 
 
-def _size_one_axis_body():
+def _size_one_axis_body(order="outside"):
     # x varies over dp; s over tp (size 1): checked mode makes the product vary over both,
     # and the implicit pvary over tp must not issue a psum over one rank in backward.
     mesh = fs.make_mesh({"dp": 2, "tp": 1})
@@ -241,16 +242,17 @@ def _size_one_axis_body():
     def loss(p, a, b, scale):
         return fs.lax.pmean(((_mlp(p, a) * scale - b) ** 2).mean(), ("dp", "tp"))
 
-    step = fs.shard_map(loss, mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P("tp")), out_specs=P())
+    step = _value_and_grad(order, loss, mesh, (P(), P("dp"), P("dp"), P("tp")), P(), True)
     with fs.comm_log() as log:
-        value, grads = fs.value_and_grad(step)(fs.shard(params, P(), mesh), x, y, s)
+        value, grads = step(fs.shard(params, P(), mesh), x, y, s)
     ref_loss, ref_grads = fs.value_and_grad(lambda p: ((_mlp(p, x) - y) ** 2).mean())(params)
     grads = fs.gather(grads)
     return (abs(value.item() - ref_loss.item()),
             max((grads[k] - ref_grads[k]).abs().max().item() for k in params), dict(log.by_axis))
 
 
-def test_implicit_pvary_over_a_size_one_axis_issues_nothing():
-    for dl, dg, by_axis in run_on_ranks(_size_one_axis_body, world_size=2):
+@pytest.mark.parametrize("order", ORDERS)
+def test_implicit_pvary_over_a_size_one_axis_issues_nothing(order):
+    for dl, dg, by_axis in run_on_ranks(_size_one_axis_body, order, world_size=2):
         assert dl < 1e-12 and dg < 1e-12
         assert not any("tp" in axes and axes != ("dp", "tp") for _, axes in by_axis), by_axis
