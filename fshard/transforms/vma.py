@@ -119,4 +119,4 @@ def _lift(x: torch.Tensor, union: frozenset) -> torch.Tensor:
     if not missing or not x.requires_grad:
         return x  # values are equal either way; only gradients need the psum
     axes = tuple(a for a in lax.BODY.get().mesh.axis_names if a in missing)
-    return lax.pvary(x, axes)
+    return lax.pvary(x, axes) if axes else x
