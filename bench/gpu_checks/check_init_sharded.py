@@ -43,7 +43,7 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def init_and_measure(ck: Checker, mesh: fs.Mesh, seed: int) -> dict:
+def init_and_measure(mesh: fs.Mesh, seed: int) -> dict:
     """Runs init_sharded on ``mesh``; returns the host-side figures and the device peak.
 
     Shared with check_gloo_cuda.py (2 ranks on one GPU), where each rank's result is half.
@@ -93,7 +93,7 @@ def run(ck: Checker, args: argparse.Namespace) -> None:
     one_rank_group()
     mesh = fs.make_mesh({"fsdp": dist.get_world_size()})
     ck.require_on_device("the mesh is a CUDA mesh", lambda: (mesh.device_type == "cuda", mesh))
-    r = init_and_measure(ck, mesh, seed=7)
+    r = init_and_measure(mesh, seed=7)
     ck.figure(**{k: v for k, v in r.items() if k not in ("mismatched", "devices")})
     require_init(ck, r, "1 rank")
 
