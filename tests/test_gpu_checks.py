@@ -97,3 +97,30 @@ def test_runner_keeps_going_and_records_failures(tmp_path):
     assert got["gloo_cuda_ranks"]["status"] == "failed" and "not run" in got["gloo_cuda_ranks"]["error"]
     assert not summary["ok"] and summary["mode"] == "gpu" and summary["machine"]["device"] == "Fake GPU"
     assert "NOT OK" in (out / "summary.md").read_text()
+
+
+def _checker(dry_run):
+    sys.path.insert(0, str(ROOT / "bench" / "gpu_checks"))
+    from common import Checker, CheckFailed
+
+    return Checker("c", dry_run), CheckFailed
+
+
+def test_device_assertions_assert_on_a_gpu_and_are_listed_in_a_dry_run():
+    gpu, CheckFailed = _checker(dry_run=False)
+    gpu.require_on_device("holds", lambda: (True, "detail"))
+    with pytest.raises(CheckFailed, match="does not hold: 3 B > 2 B"):
+        gpu.require_on_device("does not hold", lambda: (False, "3 B > 2 B"))
+    assert gpu.checked == ["holds"] and gpu.skipped == []
+    dry, _ = _checker(dry_run=True)
+
+    def cuda_only():
+        raise RuntimeError("Torch not compiled with CUDA enabled")
+    dry.require_on_device("needs CUDA", cuda_only)        # the CPU cannot answer: skipped
+    dry.require_on_device("false on the CPU", lambda: False)
+    assert dry.skipped == ["needs CUDA", "false on the CPU"] and dry.checked == []
+    # A broken assertion fails even in a dry run, so the GPU run does not find it first.
+    with pytest.raises(CheckFailed, match="is broken"):
+        dry.require_on_device("typo", lambda: {}["peak"] > 0)
+    with pytest.raises(CheckFailed, match="is broken"):
+        dry.require_on_device("bad shape", lambda: (True,))

@@ -84,7 +84,7 @@ def require_init(ck: Checker, r: dict, where: str) -> None:
     ck.require_on_device(f"{where}: the shards are on CUDA", lambda: (r["devices"] == ["cuda"], r["devices"]))
     ck.require_on_device(
         f"{where}: CUDA memory rose by at most the shards plus one full parameter (max_memory_allocated)",
-        lambda: (r["device_peak_rise_bytes"] <= r["device_bound_bytes"],
+        lambda: (r["device_peak_rise_bytes"] is not None and r["device_peak_rise_bytes"] <= r["device_bound_bytes"],
                  f"peak rise {r['device_peak_rise_bytes']} B > shards {r['local_bytes']} B + one parameter "
                  f"{r['max_param_bytes']} B"))
 

@@ -78,11 +78,12 @@ def _local(t):
 def check_ops(ck: Checker, mesh: fs.Mesh) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    xd = x.to(mesh.device)  # on the device, so that its gradient is too
     names = list(_expected(x))
     out_specs = {k: (P() if k in _INVARIANT else P("x")) for k in names}
     ops = fs.shard_map(_ops_body, mesh=mesh, in_specs=P("x"), out_specs=out_specs)
     with fs.comm_log() as log:
-        out = ops(x)
+        out = ops(xd)
     ck.figure(collectives=dict(log.counts))
     want = _expected(x)
     wrong = {k: (tuple(_local(out[k]).shape), tuple(want[k].shape)) for k in names
@@ -98,7 +99,7 @@ def check_ops(ck: Checker, mesh: fs.Mesh) -> None:
         return sum(o[k].sum() for k in _DIFFERENTIABLE)
 
     loss_fn = fs.shard_map(total, mesh=mesh, in_specs=P("x"), out_specs=P())
-    loss, grad = fs.value_and_grad(loss_fn)(x)
+    loss, grad = fs.value_and_grad(loss_fn)(xd)
     grad = _local(grad)
     # Each differentiable op is the identity up to a reshape on one rank, so d(sum)/dx = n_ops.
     ck.require("the gradient through every differentiable fs.lax op is right",

@@ -50,6 +50,10 @@ class CheckFailed(AssertionError):
     """An assertion of a check did not hold; the message says which and by how much."""
 
 
+# What a broken assertion raises, as opposed to a CUDA API on a CPU-only build.
+_SCRIPT_ERRORS = (NameError, KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError)
+
+
 class CheckSkipped(Exception):
     """The check cannot run here; the message is the reason the summary shows."""
 
@@ -95,18 +99,26 @@ class Checker:
         self.checked.append(what)
 
     def require_on_device(self, what: str, test: Callable[[], bool | tuple[bool, Any]]) -> None:
-        """Asserts ``test()`` on a GPU; in a dry run records ``what`` as skipped and does not call it.
+        """Asserts ``test()`` on a GPU; in a dry run records ``what`` as skipped.
 
-        ``test`` returns a bool or ``(bool, detail)``; it may use CUDA APIs freely.
+        ``test`` returns a bool or ``(bool, detail)``; it may use CUDA APIs freely. In a
+        dry run it still runs, unasserted, so that its own code cannot rot: an error that
+        only a broken script raises (NameError, KeyError, TypeError, ...) fails the check;
+        a CUDA API refusing to run on a CPU-only build does not.
 
         Raises:
-          CheckFailed: on a GPU, ``test()`` is false.
+          CheckFailed: on a GPU, ``test()`` is false; in a dry run, ``test`` is broken.
         """
         if self.dry_run:
             self.skipped.append(what)
+            try:
+                _unpack(test())
+            except _SCRIPT_ERRORS as e:
+                raise CheckFailed(f"{self.name}: the device assertion {what!r} is broken: {e!r}") from e
+            except Exception:  # noqa: BLE001 - e.g. "Torch not compiled with CUDA enabled"
+                pass
             return
-        out = test()
-        ok, detail = out if isinstance(out, tuple) else (out, "")
+        ok, detail = _unpack(test())
         self.require(what, bool(ok), detail)
 
     def figure(self, **values: Any) -> None:
@@ -131,6 +143,15 @@ class Checker:
 
     def failed_parts(self) -> list[str]:
         return [k for k, v in self.parts.items() if not v["passed"]]
+
+
+def _unpack(out: Any) -> tuple[Any, Any]:
+    """A device test's ``bool`` or ``(bool, detail)``."""
+    if isinstance(out, tuple):
+        if len(out) != 2:
+            raise TypeError(f"a device assertion returns a bool or (bool, detail), got a {len(out)}-tuple")
+        return out
+    return out, ""
 
 
 def _short_error(e: BaseException) -> str:
