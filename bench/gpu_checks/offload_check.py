@@ -144,7 +144,8 @@ def require_offload(ck: Checker, r: dict[str, Any], where: str) -> None:
     ck.require(f"{where}: offload sends every gathered shard through the host-to-device copy",
                off["to_compute_calls"] > 0 and base["to_compute_calls"] == 0,
                (off["to_compute_calls"], base["to_compute_calls"]))
-    ck.require_on_device(f"{where}: offload_shards pinned the shards", lambda: (off["pinned_shards"] is True, off["pinned_shards"]))
+    ck.require_on_device(f"{where}: offload_shards pinned the shards",
+                         lambda: (off["pinned_shards"] is True, off["pinned_shards"]))
     ck.require_on_device(f"{where}: the gathered parameters are on CUDA (with and without offload)",
                          lambda: (off["devices"] == ["cuda"] and base["devices"] == ["cuda"],
                                   (off["devices"], base["devices"])))
