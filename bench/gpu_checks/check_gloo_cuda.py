@@ -47,8 +47,9 @@ def _local(t):
 
 
 def _mesh(shape: dict[str, int], device_type: str) -> fs.Mesh:
-    if device_type == "cuda":  # set before the mesh, which would otherwise pick cuda:LOCAL_RANK
+    if device_type == "cuda":  # set (and initialized) before the mesh, which would pick cuda:LOCAL_RANK
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.init()
     return fs.make_mesh(shape, device_type=device_type)
 
 

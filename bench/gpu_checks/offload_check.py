@@ -123,6 +123,7 @@ def rank_run(steps: int, device_type: str) -> dict[str, Any]:
     """One rank: the same steps with and without offload; what it observed (no assertions)."""
     if device_type == "cuda" and dist.get_backend() == "gloo":  # several ranks sharing the GPUs
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.init()  # before the mesh, which would otherwise pick cuda:LOCAL_RANK
     base = _run(False, steps, device_type)
     off = _run(True, steps, device_type)
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "backend": dist.get_backend(),
