@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CommLog", "comm_log", "record", "all_reduce", "all_gather", "reduce_scatter",
-           "all_to_all", "permute", "Handle", "all_gather_async", "reduce_scatter_async"]
+           "all_to_all", "permute", "Handle", "all_gather_async", "reduce_scatter_async",
+           "backend_of", "p2p_via_host"]
 
 _F = torch.ops._c10d_functional
 _LOGS: contextvars.ContextVar[tuple["CommLog", ...]] = contextvars.ContextVar("fshard_comm_logs", default=())
@@ -205,20 +206,49 @@ def all_to_all(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.
         return _F.wait_tensor(_F.all_to_all_single(x.contiguous(), split, split, group.group_name))
 
 
+def backend_of(group, device_type: str) -> str:
+    """The backend ``group`` uses for tensors on ``device_type`` (``"gloo"``, ``"nccl"``, ...).
+
+    A group started with one backend (``"gloo"``) uses it for every device; a composite one
+    (``"cpu:gloo,cuda:nccl"``) names one per device type.
+    """
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    per_device = dict(item.strip().split(":", 1) for item in name.split(","))
+    return per_device.get(device_type, name)
+
+
+def p2p_via_host(group, device: torch.device) -> bool:
+    """True when point-to-point transfers of ``device`` tensors over ``group`` must be
+    staged through host memory.
+
+    gloo's collectives copy CUDA tensors through pinned host buffers themselves, but its
+    ``send``/``recv`` hand the tensor's data pointer straight to the TCP transport, which
+    would read device memory as host memory. That is the case of several ranks sharing
+    one GPU through gloo (NCCL refuses two ranks on one device).
+    """
+    return device.type != "cpu" and backend_of(group, device.type) == "gloo"
+
+
 def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *,
             axes: Sequence[str]) -> torch.Tensor:
     """Point-to-point exchange: for each ``(src, dst)`` group ranks, src's ``x`` goes to dst.
 
-    Ranks that receive nothing get zeros (as ``jax.lax.ppermute``).
+    Ranks that receive nothing get zeros (as ``jax.lax.ppermute``). The result is on
+    ``x``'s device; transfers a backend cannot make from that device go through host
+    memory (:func:`p2p_via_host`).
     """
     x = x.contiguous()
-    out = torch.zeros_like(x)
+    via_host = p2p_via_host(group, x.device)
+    wire = x.cpu() if via_host else x
+    out = torch.zeros_like(wire)
     ops = []
     for src, dst in sends:
         if src == me and dst == me:
-            out = x.clone()
+            out = wire.clone()
         elif src == me:
-            ops.append(dist.P2POp(dist.isend, x, dist.get_global_rank(group, dst), group))
+            ops.append(dist.P2POp(dist.isend, wire, dist.get_global_rank(group, dst), group))
         elif dst == me:
             ops.append(dist.P2POp(dist.irecv, out, dist.get_global_rank(group, src), group))
     n_send = sum(1 for s, d in sends if s == me and d != me)
@@ -226,4 +256,4 @@ def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
-    return out
+    return out.to(x.device) if via_host else out
