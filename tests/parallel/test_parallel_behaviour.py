@@ -308,9 +308,24 @@ def test_remat_saves_fewer_activation_bytes():
 
 # --- reshard after forward -----------------------------------------------------------------
 
+class _GatheredBuffers(TorchDispatchMode):
+    """Weak references to the storage of every all-gather's result (the flat gathered buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.all_gather_into_tensor.default:
+            self.refs.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+
 def _reshard_body(shape, axis, raf):
-    """Forward, then (between forward and backward) which gathered storages are alive;
-    then backward, with the regathers logged."""
+    """Forward, then (between forward and backward) which gathered storages are alive:
+    the parameters each block saw, and the flat buffers the all-gathers filled (of which
+    the parameters may be views or copies); then backward, with the regathers logged."""
     mesh = fs.make_mesh(shape)
     n = mesh.axis_size(axis)
     params = _params()
@@ -326,10 +341,11 @@ def _reshard_body(shape, axis, raf):
         return fs.lax.pmean(((h - b) ** 2).mean(), axis)
 
     f = fs.shard_map(body, mesh=mesh, in_specs=(specs, P(axis), P(axis)), out_specs=P())
-    with fs.comm_log() as fwd_log:
+    with fs.comm_log() as fwd_log, _GatheredBuffers() as buffers:
         loss = f(sharded, x, y)
     gc.collect()
     alive_after_forward = sorted({i for i, refs in seen for r in refs if not r.expired()})
+    buffers_alive = sum(not r.expired() for r in buffers.refs)
     with fs.comm_log() as bwd_log:
         (loss.to_local() if hasattr(loss, "to_local") else loss).backward()
     gc.collect()
@@ -338,7 +354,7 @@ def _reshard_body(shape, axis, raf):
     grad_err = max((fs.gather(a.grad) - b).abs().max().item()
                    for a, b in zip(fs.tree.leaves(sharded), fs.tree.leaves(ref_grads)))
     gathers = lambda log: [(e.axes, e.nbytes) for e in log.timeline if e.what == "issue" and e.kind == "all_gather"]  # noqa: E731
-    return alive_after_forward, alive_after_backward, gathers(fwd_log), gathers(bwd_log), grad_err
+    return alive_after_forward, buffers_alive, alive_after_backward, gathers(fwd_log), gathers(bwd_log), grad_err
 
 
 @pytest.mark.parametrize("shape, axis, raf, keep", [
@@ -357,7 +373,7 @@ def test_reshard_after_forward_frees_gathered_storage_and_regathers(shape, axis,
     full_axes = (axis,) if isinstance(axis, str) else axis
     shard_bytes = _gather_bytes(n)
     results = run_on_ranks(_reshard_body, shape, axis, raf, world_size=n)
-    for alive_fwd, alive_bwd, fwd_gathers, bwd_gathers, grad_err in results:
+    for alive_fwd, buffers_alive, alive_bwd, fwd_gathers, bwd_gathers, grad_err in results:
         assert grad_err < TOL
         assert fwd_gathers == [(full_axes, shard_bytes[i]) for i in range(N_LAYERS)]
         assert alive_bwd == []
@@ -365,8 +381,9 @@ def test_reshard_after_forward_frees_gathered_storage_and_regathers(shape, axis,
             # every layer's gathered buffer is saved for backward (w2 at least), no regather
             assert alive_fwd == list(range(N_LAYERS)) and bwd_gathers == []
             continue
-        # nothing gathered outlives forward: not a parameter, not a view of the buffer
-        assert alive_fwd == []
+        # nothing gathered outlives forward: no parameter, no gathered buffer (a kept 1/k
+        # slice must be a copy: a view would keep the whole buffer alive)
+        assert alive_fwd == [] and buffers_alive == 0
         if keep is None:  # regathered from the shards, over every axis
             want = [(full_axes, shard_bytes[i]) for i in reversed(range(N_LAYERS))]
         else:  # from the kept 1/k slice, over the post-forward axes only
