@@ -31,3 +31,22 @@ def test_a_stale_snippet_fails_loudly_naming_the_mutation():
     problems = tool.check_table([stale, stale])
     assert any("duplicate mutation name 'stale_one'" in p for p in problems)
     assert any("'stale_one'" in p and "0 times" in p for p in problems)
+
+
+def test_the_tool_reports_caught_and_survived(monkeypatch, capsys):
+    # Two cheap faults against a test file without ranks: one the tests catch, one they
+    # cannot see (a comment); the tool must tell them apart and exit 1 for the survivor.
+    tool = _tool()
+    fake = (
+        tool.Mutation("keystr_dots_become_slashes", "fshard/tree.py", '    body = ".".join(parts)\n',
+                      '    body = "/".join(parts)\n', ("tests/test_tree.py::test_keystr_paths",), ""),
+        tool.Mutation("comment_only", "fshard/tree.py", '    body = ".".join(parts)\n',
+                      '    body = ".".join(parts)  # harmless\n', ("tests/test_tree.py::test_keystr_paths",), ""),
+    )
+    monkeypatch.setattr(tool, "MUTATIONS", fake)
+    assert tool.main(["--budget-s", "240", "--per-test-timeout", "120"]) == 1
+    out = capsys.readouterr().out
+    names = {m.name for m in fake}
+    rows = {w[0]: w[1] for w in (line.split() for line in out.splitlines()) if len(w) > 1 and w[0] in names}
+    assert rows == {"keystr_dots_become_slashes": "caught", "comment_only": "SURVIVED"}, out
+    assert "tests/test_tree.py::test_keystr_paths" in out and "1/2 caught, 1 survived" in out
