@@ -125,6 +125,8 @@ def test_scenario10_layer_used_twice_gets_both_gradients():
 
 
 def _tied_uneven_embedding():
+    # 10 AdamW steps on a tied embedding whose vocab (4n + 1) does not divide over n ranks:
+    # every step's loss and gathered gradient, and the params after it, against one process.
     n = dist.get_world_size()
     mesh = fs.make_mesh({"fsdp": n})
     vocab, dim = 4 * n + 1, 16
@@ -134,27 +136,103 @@ def _tied_uneven_embedding():
     sharded = fs.shard(params, specs, mesh, uneven=True)
     before = fs.gather(sharded)["emb"].clone()
 
+    def loss_of(emb, tok):
+        x = emb[tok]                                                # (B, D): embedding
+        logits = x @ emb.T                                          # (B, V): tied output
+        return torch.nn.functional.cross_entropy(logits, (tok + 1) % vocab)
+
     def body(p, tok):
         full = fs.parallel.gather_params(p, axis="fsdp")
-        x = full["emb"][tok]                                       # (B, D): embedding
-        logits = x @ full["emb"].T                                 # (B, V): tied output
-        return fs.lax.pmean(torch.nn.functional.cross_entropy(logits, (tok + 1) % vocab), "fsdp")
+        return fs.lax.pmean(loss_of(full["emb"], tok), "fsdp")
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=P()))
-    opt = fs.optim.adamw(1e-2)
-    state = opt.init(sharded)
+    opt, ref_opt = fs.optim.adamw(1e-2), fs.optim.adamw(1e-2)
+    state, ref, ref_state = opt.init(sharded), params, ref_opt.init(params)
     tok = torch.arange(vocab * n) % vocab  # every row is used; vocab * n rows split evenly over n ranks
+    loss_err = grad_err = param_err = 0.0
     for _ in range(10):
-        _, grads = step(sharded, tok)
+        loss, grads = step(sharded, tok)
         up, state = opt.update(grads, state, sharded)
         sharded = fs.optim.apply_updates(sharded, up)
+        ref_loss, ref_grads = fs.value_and_grad(lambda p: loss_of(p["emb"], tok))(ref)
+        up, ref_state = ref_opt.update(ref_grads, ref_state, ref)
+        ref = fs.optim.apply_updates(ref, up)
+        loss_err = max(loss_err, abs(loss.item() - ref_loss.item()))
+        grad_err = max(grad_err, (fs.gather(grads)["emb"] - ref_grads["emb"]).abs().max().item())
+        param_err = max(param_err, (fs.gather(sharded)["emb"] - ref["emb"]).abs().max().item())
     after = fs.gather(sharded)["emb"]
-    return [bool((after[r] != before[r]).any()) for r in range(vocab)]
+    return [bool((after[r] != before[r]).any()) for r in range(vocab)], loss_err, grad_err, param_err
 
 
-def test_scenario13_uneven_tied_embedding_every_row_trains():
-    for changed in run_on_ranks(_tied_uneven_embedding, world_size=4):
+def test_scenario13_uneven_tied_embedding_every_row_trains_with_gradient_parity():
+    for changed, loss_err, grad_err, param_err in run_on_ranks(_tied_uneven_embedding, world_size=4):
         assert all(changed)
+        # Both uses of the tied leaf (lookup and output) reach every shard, the padded last
+        # one included, exactly once: doubled or dropped gradients fail here.
+        assert loss_err < 1e-10 and grad_err < 1e-10 and param_err < 1e-10, (loss_err, grad_err, param_err)
+
+
+# --- scenario 7: parameters cast to float64 after sharding ------------------------------------
+
+def _float64_after_sharding():
+    # MLP(4) in 3 groups (in_proj, out_proj and the root, which holds no leaves of its own):
+    # initialized and sharded in float32, then cast to float64 as sharded arrays. Every
+    # param, local shard, shard metadata and gradient must be float64, and 10 Adam steps
+    # must match a float64 single-process reference.
+    n = dist.get_world_size()
+    mesh = fs.make_mesh({"fsdp": n})
+    g = torch.Generator().manual_seed(42)
+    params = {"in_proj": {"w": torch.randn(16, 4, generator=g) * 0.5, "b": torch.randn(16, generator=g) * 0.1},
+              "out_proj": {"w": torch.randn(4, 16, generator=g) * 0.25, "b": torch.randn(4, generator=g) * 0.1}}
+    specs = fs.parallel.fsdp_specs(params, "fsdp")
+    sharded = fs.shard(params, specs, mesh)
+    cast = fs.tree.tree_map(lambda t: t.to(torch.float64), sharded)
+    ref = fs.tree.tree_map(lambda t: t.to(torch.float64), params)
+
+    def mlp(p, x):
+        h = torch.relu(x @ p["in_proj"]["w"].T + p["in_proj"]["b"])
+        return torch.relu(h @ p["out_proj"]["w"].T + p["out_proj"]["b"])
+
+    def body(p, x):
+        full = {k: fs.parallel.gather_params(p[k], axis="fsdp") for k in ("in_proj", "out_proj")}
+        return fs.lax.pmean(mlp(full, x).sum(-1).mean(), "fsdp")
+
+    step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=P()))
+    opt, ref_opt = fs.optim.adam(1e-2), fs.optim.adam(1e-2)
+    state, ref_state = opt.init(cast), ref_opt.init(ref)
+    x = torch.randn(2 * n, 4, generator=g, dtype=torch.float64)  # fixed; 2 different rows per rank
+
+    def dtypes(tree):  # (global, local shard, DTensor metadata) dtypes of every leaf
+        return {(t.dtype, t.to_local().dtype, t._spec.tensor_meta.dtype) for t in fs.tree.leaves(tree)}
+
+    seen, losses, param_err = dtypes(cast), [], 0.0
+    for _ in range(10):
+        loss, grads = step(cast, x)
+        seen |= dtypes(grads)
+        up, state = opt.update(grads, state, cast)
+        cast = fs.optim.apply_updates(cast, up)
+        seen |= dtypes(cast)
+        ref_loss, ref_grads = fs.value_and_grad(lambda p: mlp(p, x).sum(-1).mean())(ref)
+        up, ref_state = ref_opt.update(ref_grads, ref_state, ref)
+        ref = fs.optim.apply_updates(ref, up)
+        losses.append((loss.item(), ref_loss.item(), loss.dtype))
+        param_err = max(param_err, max((fs.gather(a) - b).abs().max().item()
+                                       for a, b in zip(fs.tree.leaves(cast), fs.tree.leaves(ref))))
+    state_dtypes = {t.dtype for t in fs.tree.leaves(state) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return seen, losses, param_err, state_dtypes
+
+
+def test_scenario7_float64_cast_after_sharding_trains_in_float64():
+    for seen, losses, param_err, state_dtypes in run_on_ranks(_float64_after_sharding, world_size=2):
+        f64 = torch.float64
+        assert seen == {(f64, f64, f64)}, seen
+        assert state_dtypes == {f64}, state_dtypes
+        # Tighter than the seed's float64 default (1e-7): a step silently run in float32
+        # would be off by about 1e-7 relative, and must fail.
+        for got, want, dtype in losses:
+            assert dtype == f64 and abs(got - want) <= 1e-12 * max(1.0, abs(want)), (got, want)
+        assert param_err < 1e-12
+        assert abs(losses[-1][0] - losses[0][0]) > 1e-3  # Adam moved the loss
 
 
 def _layer_structure_mismatch():
@@ -181,7 +259,13 @@ def test_layer_loop_outside_shard_map():
 
 # --- scenarios 14 and 25: gradient accumulation without sync ----------------------------------
 
-def _accumulate(mode, raf, root_only=False, defer="none"):
+# Which of the 4 groups (the root Linear, MLPs 0..2) skip the reduction until the last
+# microbatch: all of them (scenarios 14, 16, 25), only the root, or only MLPs 1 and 2
+# (the count variants of scenarios 15 and 25).
+DEFERRED = {"all": {"root", 0, 1, 2}, "root": {"root"}, "mlps12": {1, 2}}
+
+
+def _accumulate(mode, raf, deferred="all", defer="none"):
     n = dist.get_world_size()
     mesh = fs.make_mesh({"r": 2, "d": n // 2} if mode == "hsdp" else MESH2D if mode == "fsdp2d" else {"d": n})
     data = ("r", "d") if mode == "hsdp" else AXES2D if mode == "fsdp2d" else "d"
@@ -201,11 +285,19 @@ def _accumulate(mode, raf, root_only=False, defer="none"):
     sharded = fs.shard(params, specs, mesh, uneven=True)
     root_axes = {k: v for k, v in axes.items() if k != "bucket_bytes"}
 
+    groups = DEFERRED[deferred]
+    # Consecutive layers that defer alike share one layer loop (sync is per loop).
+    runs = [[0, 1, 2]] if len({i in groups for i in range(3)}) == 1 else [[0], [1, 2]]
+
     def body(p, x, y, acc, sync):
-        h = x @ fs.parallel.gather_params(p["lin"], accumulate=acc, sync=sync, **root_axes)["w"]
-        # root_only: only the root group defers its reduction (scenario 15)
-        h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"], p["layers"], h,
-                                    reshard_after_forward=raf, accumulate=acc, sync=sync or root_only, **axes)
+        def sync_of(group):  # a group that does not defer reduces every microbatch
+            return sync if group in groups else True
+
+        h = x @ fs.parallel.gather_params(p["lin"], accumulate=acc, sync=sync_of("root"), **root_axes)["w"]
+        for run in runs:
+            h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"],
+                                        [p["layers"][i] for i in run], h, reshard_after_forward=raf,
+                                        accumulate=acc, sync=sync_of(run[0]), **axes)
         return fs.lax.pmean(((h - y) ** 2).mean(), data)
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(data), P(data), None, None), out_specs=P()))
@@ -221,9 +313,9 @@ def _accumulate(mode, raf, root_only=False, defer="none"):
                     fs.optim.apply_updates(sharded, grads)
                 except RuntimeError as e:
                     early_error = str(e)
-            # groups that reduce every microbatch return their own share each time
-            total = grads if total is None or not root_only else {
-                "lin": grads["lin"], "layers": fs.tree.tree_map(torch.add, total["layers"], grads["layers"])}
+            # A group that reduces returns its share of this microbatch (everything it
+            # accumulated on its sync microbatch); a deferring one returns zeros meanwhile.
+            total = grads if total is None else fs.tree.tree_map(torch.add, total, grads)
     ref = fs.tree.tree_map(torch.zeros_like, params)
     for k in range(3):
         def ref_loss(p):
@@ -261,16 +353,28 @@ def test_scenario14_accumulation_with_reshard_to_inner_axis(raf):
 
 @pytest.mark.parametrize("defer, rs, ar", [("none", 4, 4), ("all_reduce", 12, 4)])
 def test_scenario16_hsdp_accumulation_counts(defer, rs, ar):
-    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "hsdp", False, False, defer, world_size=4):
+    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "hsdp", False, "all", defer, world_size=4):
         assert diff < 1e-10 and not pending
         assert counts["psum_scatter"] == rs
         assert counts["psum"] == ar + 3  # all-reduces over the replicate axis + 3 loss pmeans
 
 
-def test_scenario15_partial_sync_root_only():
-    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "fsdp", False, True, world_size=4):
+# Per step, 3 microbatches. The root is gathered once per microbatch (gather_params keeps
+# it until backward), each layer once (twice with reshard_after_forward): 3 x (1 + 3) = 12
+# all-gathers, or 3 x (1 + 2 x 3) = 21. The seed's 10 keeps the root and the deferring
+# groups gathered across microbatches (reshard_after_backward=False), which fshard's
+# functional groups do not: each microbatch's step regathers.
+@pytest.mark.parametrize("deferred, raf, scatters, gathers", [
+    ("root", False, 1 + 3 * 3, 12),          # the seed's 4 + 3 x 2 = 10: root once, MLPs every microbatch
+    ("root", True, 1 + 3 * 3, 21),
+    ("mlps12", False, 3 + 3 + 2, 12),        # the seed's 8: root and MLP 0 every microbatch, MLPs 1, 2 once
+])
+def test_scenario15_partial_sync_exact_counts(deferred, raf, scatters, gathers):
+    for diff, counts, early, pending, _ in run_on_ranks(_accumulate, "fsdp", raf, deferred, world_size=4):
         assert diff < 1e-10 and not pending
-        assert counts["psum_scatter"] == 1 + 3 * 3  # root once, each layer every microbatch
+        assert counts["psum_scatter"] == scatters and counts["all_gather"] == gathers, counts
+        assert counts["psum"] == 3 and counts.get("all_to_all", 0) == 0, counts  # the loss pmeans only
+        assert "never reduced" in early  # the deferring groups are still pending after microbatch 0
 
 
 def _tied_in_two_groups():
@@ -296,11 +400,15 @@ def test_scenario12_tied_leaf_in_two_groups_is_an_error():
     assert "already managed by another parameter group" in msg and "shape (2, 4)" in msg
 
 
-def test_scenario25_replicate_accumulation_all_reduces_once():
-    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "replicate", False, world_size=2):
+@pytest.mark.parametrize("deferred, all_reduces", [("all", 4), ("root", 1 + 3 * 3), ("mlps12", 3 + 3 + 2)])
+def test_scenario25_replicate_accumulation_exact_all_reduce_counts(deferred, all_reduces):
+    # The seed's 4 (sync only on the last microbatch), 10 (only the root defers) and 8
+    # (MLPs 1 and 2 defer); one all-reduce per group (buckets of one layer) and microbatch
+    # that reduces, plus the 3 loss pmeans; never an all-gather.
+    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "replicate", False, deferred, world_size=2):
         assert diff < 1e-10 and not pending
-        assert counts.get("all_gather", 0) == 0
-        assert counts["psum"] == 4 + 3  # one all-reduce per group (buckets of one group) + 3 loss pmeans
+        assert counts.get("all_gather", 0) == 0 and counts.get("psum_scatter", 0) == 0, counts
+        assert counts["psum"] == all_reduces + 3, counts
 
 
 # --- scenarios 6 and 34: prefetch issue order -----------------------------------------------
