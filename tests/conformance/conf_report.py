@@ -1,0 +1,42 @@
+"""Prints the conformance mismatches of the programs whose names contain any given substring.
+
+    python tests/conformance/conf_report.py "all_gather/x4" "patterns/fsdp"   # or no argument: all
+
+Shares the JAX disk cache with pytest (``.pytest_cache``), so a rerun only runs fshard.
+Programs that differ from JAX by design are compared against their oracle like the others
+and shown as such: their tests are in test_conformance_differences.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    from conf_oracle import Conformance
+    from conf_programs import programs
+
+    subs = argv[1:]
+    names = [n for n, p in programs().items()
+             if (not subs or any(s in n for s in subs)) and "jax_only" not in p.tags]
+    cache = here.parent.parent / ".pytest_cache" / "d" / "fshard-conformance"
+    c = Conformance(names, cache if os.environ.get("FSHARD_CONFORMANCE_CACHE", "1") != "0" else None)
+    t0 = time.perf_counter()
+    bad = 0
+    for n in names:
+        problem = c.mismatch(n)
+        if problem:
+            bad += 1
+            tag = f"  [differs by design: {c.programs[n].differs}]" if c.programs[n].differs else ""
+            print(f"--- MISMATCH{tag}\n{problem}\n")
+    print(f"{bad} of {len(names)} programs differ from their JAX oracle ({time.perf_counter() - t0:.0f} s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
