@@ -33,6 +33,7 @@ import attrs
 import torch
 
 from fshard import comm
+from fshard import meta as _meta
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh
 
@@ -47,32 +48,20 @@ _MSG_OUTSIDE = (
 )
 
 
-@attrs.frozen
-class Body:
-    """What a shard_map body knows: its mesh, whether varying axes are tracked, and which
-    parameter group owns each local leaf (``fs.parallel`` refuses a leaf in two groups)."""
-
-    mesh: Mesh
-    check: bool
-    owners: dict = attrs.field(factory=dict, eq=False, repr=False)
-
-
-BODY: contextvars.ContextVar[Body | None] = contextvars.ContextVar("fshard_body", default=None)
-
-# --- varying-axes ("vma") tags, used by checked mode --------------------------------
-_VMA_ATTR = "_fshard_vma"
-_EMPTY: frozenset = frozenset()
+# The body context and per-value metadata (varying axes, global shape, spec) live in
+# fshard.meta; the names below are kept here for the collectives and their callers.
+Body = _meta.Body
+BODY = _meta.BODY
 
 
 def vma(x: torch.Tensor) -> frozenset:
     """The mesh axes ``x`` varies over (checked mode; empty = invariant everywhere)."""
-    return getattr(x, _VMA_ATTR, _EMPTY)
+    return _meta.meta_of(x).vma
 
 
 def set_vma(x: torch.Tensor, axes: frozenset) -> torch.Tensor:
-    """Tags ``x`` as varying over ``axes``; returns ``x``."""
-    setattr(x, _VMA_ATTR, axes)
-    return x
+    """Tags ``x`` as varying over ``axes`` (other metadata kept); returns ``x``."""
+    return _meta.set_vma(x, axes)
 
 
 # --- axis groups ----------------------------------------------------------------------

@@ -181,7 +181,7 @@ def test_layer_loop_outside_shard_map():
 
 # --- scenarios 14 and 25: gradient accumulation without sync ----------------------------------
 
-def _accumulate(mode, raf, root_only=False, defer="none"):
+def _accumulate(mode, raf, root_only=False, defer="none", order="outside"):
     n = dist.get_world_size()
     mesh = fs.make_mesh({"r": 2, "d": n // 2} if mode == "hsdp" else MESH2D if mode == "fsdp2d" else {"d": n})
     data = ("r", "d") if mode == "hsdp" else AXES2D if mode == "fsdp2d" else "d"
@@ -208,7 +208,9 @@ def _accumulate(mode, raf, root_only=False, defer="none"):
                                     reshard_after_forward=raf, accumulate=acc, sync=sync or root_only, **axes)
         return fs.lax.pmean(((h - y) ** 2).mean(), data)
 
-    step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(data), P(data), None, None), out_specs=P()))
+    in_specs = (specs, P(data), P(data), None, None)
+    step = (fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P())) if order == "outside" else
+            fs.shard_map(fs.value_and_grad(body), mesh=mesh, in_specs=in_specs, out_specs=(P(), specs)))
     acc = fs.parallel.GradAccumulator()
     xs = torch.randn(3, 2 * n, dim, generator=g, dtype=torch.float64)
     ys = torch.randn(3, 2 * n, dim, generator=g, dtype=torch.float64)
@@ -236,9 +238,9 @@ def _accumulate(mode, raf, root_only=False, defer="none"):
     return diff, dict(log.counts), early_error, acc.pending, dict(log.by_axis)
 
 
-@pytest.mark.parametrize("raf", [True, False])
-def test_scenario14_fsdp_accumulation_reduces_once(raf):
-    for diff, counts, early, pending, _ in run_on_ranks(_accumulate, "fsdp", raf, world_size=4):
+@pytest.mark.parametrize("raf, order", [(True, "outside"), (False, "outside"), (True, "inside")])
+def test_scenario14_fsdp_accumulation_reduces_once(raf, order):
+    for diff, counts, early, pending, _ in run_on_ranks(_accumulate, "fsdp", raf, order=order, world_size=4):
         assert diff < 1e-10 and not pending
         assert counts["psum_scatter"] == 4                       # one per group, last microbatch only
         # per microbatch: the root group once (gather_params keeps it), each of the 3 layers
@@ -259,9 +261,11 @@ def test_scenario14_accumulation_with_reshard_to_inner_axis(raf):
         assert by_axis[("psum_scatter", AXES2D)] == counts["psum_scatter"] == 4
 
 
-@pytest.mark.parametrize("defer, rs, ar", [("none", 4, 4), ("all_reduce", 12, 4)])
-def test_scenario16_hsdp_accumulation_counts(defer, rs, ar):
-    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "hsdp", False, False, defer, world_size=4):
+@pytest.mark.parametrize("defer, rs, ar, order", [("none", 4, 4, "outside"), ("all_reduce", 12, 4, "outside"),
+                                                  ("all_reduce", 12, 4, "inside")])
+def test_scenario16_hsdp_accumulation_counts(defer, rs, ar, order):
+    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "hsdp", False, False, defer, order=order,
+                                                    world_size=4):
         assert diff < 1e-10 and not pending
         assert counts["psum_scatter"] == rs
         assert counts["psum"] == ar + 3  # all-reduces over the replicate axis + 3 loss pmeans
@@ -296,8 +300,9 @@ def test_scenario12_tied_leaf_in_two_groups_is_an_error():
     assert "already managed by another parameter group" in msg and "shape (2, 4)" in msg
 
 
-def test_scenario25_replicate_accumulation_all_reduces_once():
-    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "replicate", False, world_size=2):
+@pytest.mark.parametrize("order", ["outside", "inside"])
+def test_scenario25_replicate_accumulation_all_reduces_once(order):
+    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "replicate", False, order=order, world_size=2):
         assert diff < 1e-10 and not pending
         assert counts.get("all_gather", 0) == 0
         assert counts["psum"] == 4 + 3  # one all-reduce per group (buckets of one group) + 3 loss pmeans

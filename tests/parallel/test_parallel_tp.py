@@ -40,7 +40,7 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(fs.tree.leaves(a), fs.tree.leaves(b)))
 
 
-def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, **tf):
+def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, order="outside", **tf):
     """One rank's run: per step (loss, ref loss), comm counts by axis, worst param/grad diffs."""
     # fs.gather of a strided (FSDP x TP) layout makes torch log a "2 sequential all_gathers" warning.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -58,14 +58,18 @@ def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, 
     init_diff = _max_diff(fs.gather(sharded), params)
     body, ref_loss_fn, batch, in_axes = _MODELS[model](cfg, axes, data_axes, sp, dict(
         reshard_after_forward=raf, remat=remat, **axes))
-    step = fs.shard_map(body, mesh=mesh, in_specs=(specs, P(in_axes), P(in_axes)), out_specs=P(), check=check)
+    in_specs = (specs, P(in_axes), P(in_axes))
+    if order == "outside":  # value_and_grad(shard_map(f))
+        step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(), check=check))
+    else:  # shard_map(value_and_grad(f)), JAX's usual order
+        step = fs.shard_map(fs.value_and_grad(body), mesh=mesh, in_specs=in_specs, out_specs=(P(), specs), check=check)
     opt, ref_opt, ref = fs.optim.adam(1e-2), fs.optim.adam(1e-2), params
     state, ref_state = opt.init(sharded), ref_opt.init(ref)
     losses, counts, p_diff, g_diff = [], [], 0.0, 0.0
     for s in range(steps):
         a, b = batch(s)
         with fs.comm_log() as log:
-            loss, grads = fs.value_and_grad(step)(sharded, a, b)
+            loss, grads = step(sharded, a, b)
         counts.append(dict(log.by_axis))
         ref_loss, ref_grads = fs.value_and_grad(lambda p: ref_loss_fn(p, a, b))(ref)
         g_diff = max(g_diff, _max_diff(fs.gather(grads), ref_grads))
@@ -204,6 +208,19 @@ def test_transformer_loss_parallel_parity_and_megatron_counts(layout, sp):
     results = run_on_ranks(_train, "transformer", layout, sp, 10, world_size=4)
     _assert_parity(results)
     want = _expected_counts("transformer", layout, sp, True, TF["n_layers"])
+    for r in results:
+        assert all(c == want for c in r["counts"]), (r["counts"][0], want)
+
+
+@pytest.mark.parametrize("model, layout, sp, check", [
+    ("mlp", "fsdp_tp", True, True), ("mlp", "dp_tp", False, True), ("transformer", "fsdp_tp", True, True),
+    ("transformer", "hsdp_tp", False, True), ("transformer", "fsdp_tp", True, False)])
+def test_gradients_inside_shard_map_equal_reference_with_the_same_counts(model, layout, sp, check):
+    """shard_map(value_and_grad(f)): same losses, params and Megatron counts as the other order."""
+    results = run_on_ranks(_train, model, layout, sp, 3, check=check, order="inside", world_size=4)
+    _assert_parity(results)
+    n_layers = 3 if model == "mlp" else TF["n_layers"]
+    want = _expected_counts(model, layout, sp, True, n_layers)
     for r in results:
         assert all(c == want for c in r["counts"]), (r["counts"][0], want)
 

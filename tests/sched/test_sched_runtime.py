@@ -392,12 +392,31 @@ def _pp_tp_body(names):
         loss, grads = fs.sched.pipeline_step(_tp_stage_fn, _loss_fn, sp, (x, y), schedule=sch,
                                              mesh=mesh)
         out.append((name, abs(loss.item() - ref_loss.item()), _max_err(grads, ref_local)))
+    # The same stage body, unpipelined, as a shard_map loss over the whole mesh in both
+    # compositions and both modes: the gradients must be the pipeline's (and the reference's).
+    specs = {k: {"w1": P("tp", None), "w2": P(None, "tp")} for k in params}
+    sharded = fs.shard(params, specs, mesh)
+
+    def loss(p, a, b):
+        return _loss_fn(_tp_stage_fn(p, a, 0), b)
+
+    for check in (True, False):
+        for order, step in (
+                ("outside", fs.value_and_grad(fs.shard_map(loss, mesh=mesh, in_specs=(specs, P(), P()),
+                                                           out_specs=P(), check=check))),
+                ("inside", fs.shard_map(fs.value_and_grad(loss), mesh=mesh, in_specs=(specs, P(), P()),
+                                        out_specs=(P(), specs), check=check))):
+            value, g = step(sharded, x, y)
+            g = fs.gather(g)
+            err = max((g[k][w] - ref_grads[k][w]).abs().max().item() for k in g for w in g[k])
+            out.append((f"shard_map {order} check={check}", abs(value.item() - ref_loss.item()), err))
     return out
 
 
 def test_pp_x_tp_collectives_inside_stage_fn_match_reference():
     for rank_results in run_on_ranks(_pp_tp_body, ["one_f_one_b", "zero_bubble", "zbv"],
                                      world_size=4):
+        assert len(rank_results) == 3 + 4
         for name, loss_err, grad_err in rank_results:
             assert loss_err < TOL and grad_err < TOL, (name, loss_err, grad_err)
 
