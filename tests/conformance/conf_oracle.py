@@ -150,9 +150,15 @@ class Conformance:
             try:
                 self._fs.update(merge_ranks(run_on_ranks(run_batch, batch, world_size=WORLD)))
             except Exception as e:  # a hang or a crash: the whole batch carries the error
-                if retry and "start-up" in str(e):
-                    # the ranks could not even start (a loaded machine): once more, as it was
-                    self._run_fshard(batch, retry=False)
+                if "start-up" in str(e):
+                    # The ranks did not even start (a loaded machine): the batch, as it was,
+                    # once more; no program ran, so splitting it would only start more pools.
+                    if retry:
+                        self._run_fshard(batch, retry=False)
+                    else:
+                        for n in batch:
+                            self._fs[n] = {"status": "error", "error": f"the ranks did not start: {e}"[:4000],
+                                           "ranks_disagree": f"the ranks did not start: {e}"[:2000]}
                 elif len(batch) > 1:
                     for n in batch:  # one at a time, to name the program that breaks the ranks
                         self._run_fshard([n], retry=False)

@@ -35,6 +35,17 @@ def main(argv: list[str]) -> int:
             tag = f"  [differs by design: {c.programs[n].differs}]" if c.programs[n].differs else ""
             print(f"--- MISMATCH{tag}\n{problem}\n")
     print(f"{bad} of {len(names)} programs differ from their JAX oracle ({time.perf_counter() - t0:.0f} s)")
+    if os.environ.get("FSHARD_CONFORMANCE_TIMES"):
+        # Where the time goes: seconds per program family, per framework (rank 0; JAX: only
+        # for results computed in this run, not those read from the cache).
+        fam: dict[str, list[float]] = {}
+        for n in names:
+            key = "/".join(n.split("/")[:2])
+            f = fam.setdefault(key, [0.0, 0.0])
+            f[0] += c.fshard(n).get("seconds", 0.0)
+            f[1] += c.jax(c.oracle_of(n)).get("seconds", 0.0) if c.oracle_of(n) == n else 0.0
+        for key, (t_fs, t_jax) in sorted(fam.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {key:40s} fshard {t_fs:7.2f} s   JAX {t_jax:7.2f} s")
     return 1 if bad else 0
 
 
