@@ -385,8 +385,12 @@ def _vmap(mesh: str, ax) -> None:
         mode = "checked" if check else "unchecked"
         _reg(f"{g}/{mode}/func_grad", mesh, check, per_example("func_grad", False), inputs, tags=("vmap",))
         _reg(f"{g}/{mode}/grad", mesh, check, per_example("grad", False), inputs, tags=("vmap",))
-        _reg(f"{g}/{mode}/func_grad_collective", mesh, check, per_example("func_grad", True), inputs,
-             tags=("vmap",))
+        if check:
+            # Checked only: unchecked, this program mixes two designed differences (JAX
+            # transposes the psum to a psum, fshard adds no implicit pvary for the replicated w;
+            # both have their own rows and tests in docs/jax.md), so no single oracle fits.
+            _reg(f"{g}/{mode}/func_grad_collective", mesh, check, per_example("func_grad", True), inputs,
+                 tags=("vmap",))
 
     def collectives(ops, x):                      # vmap over collectives, values only
         def per_device(x):
