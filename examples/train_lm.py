@@ -432,7 +432,8 @@ class NonFinite:
     rank: int | None
 
     def __str__(self) -> str:
-        text = f"the loss is {self.loss:g}" if not math.isfinite(self.loss) else f"the loss is finite ({self.loss:.4f})"
+        finite = math.isfinite(self.loss)
+        text = f"the loss is finite ({self.loss:.4f})" if finite else f"the loss is {self.loss:g}"
         if self.leaf is None:
             return f"{text} and every gradient is finite (global norm {self.grad_norm:g})"
         return f"{text} and the first non-finite gradient is '{self.leaf}' (on rank {self.rank})"
@@ -445,8 +446,8 @@ def first_nonfinite(grads: Any, order: dict[str, int]) -> tuple[str | None, int 
     when every gradient is finite.
     """
     paths, leaves, _ = fs.tree.zip_with_path(grads)
-    mine = [p for p, g in zip(paths, leaves)
-            if isinstance(g, torch.Tensor) and not bool(torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all())]
+    local_of = lambda g: g.to_local() if hasattr(g, "to_local") else g  # noqa: E731 (this rank's shard)
+    mine = [p for p, g in zip(paths, leaves) if isinstance(g, torch.Tensor) and not bool(torch.isfinite(local_of(g)).all())]
     local = min(mine, key=lambda p: order.get(p, len(order))) if mine else None
     found = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:

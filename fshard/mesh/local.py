@@ -211,6 +211,9 @@ class WorkerPool:
                     kind, payload = c.recv()
                 except (EOFError, OSError):
                     kind, payload = "err", (None, _death(r, self._procs[r], what))
+                except Exception as e:  # e.g. an exception class this process cannot import
+                    kind, payload = "err", (None, f"rank {r}'s reply to {what} cannot be unpickled here: "
+                                                  f"{type(e).__name__}: {e}")
                 pending.discard(r)
                 if kind == "err":
                     if not errors:

@@ -142,3 +142,26 @@ def test_one_process_mesh_needs_no_torchrun(monkeypatch):
         if dist.is_initialized():
             dist.destroy_process_group()
         fs.make_mesh({"fsdp": 4})
+
+
+class _Unimportable(Exception):
+    pass
+
+
+def _raise_unimportable():
+    import types
+
+    mod = types.ModuleType("only_on_the_ranks")
+    _Unimportable.__module__ = "only_on_the_ranks"  # the parent cannot import it to unpickle
+    import sys
+
+    sys.modules["only_on_the_ranks"] = mod
+    mod._Unimportable = _Unimportable
+    raise _Unimportable("from a module the caller lacks")
+
+
+def test_error_the_caller_cannot_unpickle_is_reported_and_the_pool_stays_in_step():
+    with pytest.raises(RuntimeError, match=r"cannot be unpickled here: ModuleNotFoundError"):
+        run_on_ranks(_raise_unimportable, world_size=2)
+    # No rank's stale reply is left in the pipes for the next call.
+    assert run_on_ranks(_rank_and_sum, 1.0, world_size=2) == [(0, 3.0, 0), (1, 3.0, 1)]
