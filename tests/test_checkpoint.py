@@ -100,7 +100,7 @@ def _zip_paths(a, b):
 def saved_on_2(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("ck") / "step_3")
     listing = run_on_ranks(_save_body, path, world_size=2)
-    assert listing[0] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert listing[0] == [".fshard-checksums.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]
     return path
 
 
@@ -332,6 +332,69 @@ def test_load_corrupt_metadata_or_data(small, tmp_path):
         f.write(b"not a pickle")
     with pytest.raises(ckpt.CheckpointError, match=r"small' is corrupt: its .metadata cannot be read"):
         ckpt.load(path, like=tree)
+
+
+def _flip_a_bit(path: str, key: str, value: torch.Tensor) -> str:
+    """Flips one bit inside the stored bytes of the tensor ``value`` of ``key``; returns the file."""
+    md = ckpt.read_metadata(path)
+    info = next(v for k, v in md.storage_data.items() if k.fqn == key)
+    with open(os.path.join(path, info.relative_path), "r+b") as f:
+        f.seek(info.offset)
+        item = f.read(info.length)
+        at = item.find(value.numpy().tobytes())  # the raw values inside torch.save's archive
+        assert at >= 0
+        f.seek(info.offset + at + value.numel() * value.element_size() // 2)
+        f.write(bytes([item[at + value.numel() * value.element_size() // 2] ^ 0x01]))
+    return info.relative_path
+
+
+def _file_bytes(path: str) -> dict:
+    return {e: open(os.path.join(path, e), "rb").read() for e in sorted(os.listdir(path))}
+
+
+def test_load_flipped_bit_in_tensor_names_file_and_key_and_changes_nothing(small):
+    path, tree = small
+    data_file = _flip_a_bit(path, "params.w", tree["params"]["w"])  # DCP alone loads a wrong value
+    before = _file_bytes(path)
+    pattern = (rf"data file '{data_file}' of '.*small' is corrupt: the bytes of key 'params.w' "
+               rf"\(offset \d+, \d+ bytes\) have CRC32 0x[0-9a-f]{{8}}, the save wrote 0x[0-9a-f]{{8}}")
+    with pytest.raises(ckpt.CheckpointError, match=pattern):
+        ckpt.load(path, like=tree)
+    with pytest.raises(ckpt.CheckpointError, match=pattern):
+        ckpt.load(path)
+    part = ckpt.load(path, like={"params": {"b": torch.zeros(4)}})  # intact items still load
+    assert torch.equal(part["params"]["b"], tree["params"]["b"])
+    assert _file_bytes(path) == before
+    checksums = os.path.join(path, ".fshard-checksums.json")
+    with open(checksums, "w") as f:
+        f.write("{not json")
+    with pytest.raises(ckpt.CheckpointError, match=r"small' is corrupt: its .fshard-checksums.json cannot be read"):
+        ckpt.load(path, like=tree)
+    os.remove(checksums)  # a checkpoint without checksums (plain DCP, or older) loads unchecked
+    assert not torch.equal(ckpt.load(path, like=tree)["params"]["w"], tree["params"]["w"])
+
+
+def _corrupt_rank_1_file_body(path: str) -> str:
+    mesh = fs.make_mesh({"x": 2})
+    ckpt.save(path, {"w": fs.shard(torch.arange(64.0).reshape(8, 8), P("x"), mesh)})
+    if dist.get_rank() == 0:
+        md = ckpt.read_metadata(path)
+        assert {info.relative_path for info in md.storage_data.values()} == {"__0_0.distcp", "__1_0.distcp"}
+        info = next(v for v in md.storage_data.values() if v.relative_path == "__1_0.distcp")
+        with open(os.path.join(path, info.relative_path), "r+b") as f:
+            f.seek(info.offset + info.length - 8)  # inside the last element's bytes
+            f.write(b"\x7f" * 4)
+    dist.barrier()
+    try:
+        ckpt.load(path, like={"w": fs.shard(torch.zeros(8, 8), P("x"), mesh)})
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_corrupt_file_of_one_rank_stops_every_rank_naming_it(tmp_path):
+    for out in run_on_ranks(_corrupt_rank_1_file_body, str(tmp_path / "ck"), world_size=2, timeout_s=60):
+        assert "data file '__1_0.distcp'" in out and "is corrupt: the bytes of key 'w'" in out, out
 
 
 def test_load_missing_keys_names_them(small):

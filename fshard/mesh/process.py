@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fshard.mesh import failure
+
 __all__ = ["init", "ensure_initialized", "DEFAULT_TIMEOUT"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -64,6 +66,8 @@ def init(*, backend: str | None = None, timeout: timedelta | float | None = None
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout(timeout))
+    if world > 1:  # an uncaught error says whether this rank is the cause or a casualty
+        failure.install(dist.distributed_c10d._get_default_store(), rank, world)
 
 
 def _timeout(timeout: timedelta | float | None) -> timedelta:

@@ -161,3 +161,26 @@ def test_one_process_group_uses_the_machines_backend(monkeypatch, cuda, expected
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: started.append((backend, kw["world_size"])))
     process.ensure_initialized(1)
     assert started == [(expected, 1)]
+
+
+class _Unimportable(Exception):
+    pass
+
+
+def _raise_unimportable():
+    import types
+
+    mod = types.ModuleType("only_on_the_ranks")
+    _Unimportable.__module__ = "only_on_the_ranks"  # the parent cannot import it to unpickle
+    import sys
+
+    sys.modules["only_on_the_ranks"] = mod
+    mod._Unimportable = _Unimportable
+    raise _Unimportable("from a module the caller lacks")
+
+
+def test_error_the_caller_cannot_unpickle_is_reported_and_the_pool_stays_in_step():
+    with pytest.raises(RuntimeError, match=r"cannot be unpickled here: ModuleNotFoundError"):
+        run_on_ranks(_raise_unimportable, world_size=2)
+    # No rank's stale reply is left in the pipes for the next call.
+    assert run_on_ranks(_rank_and_sum, 1.0, world_size=2) == [(0, 3.0, 0), (1, 3.0, 1)]
