@@ -470,6 +470,58 @@ def test_pipeline_stages_keep_global_layer_indices(tmp_path):
             assert len(checks) == (3 if "pp" in shape else 5) and all(checks), (shape, checks)
 
 
+# --- seed scenario 33: 8 pipeline ranks, one chunk each, params and Adam state ---------
+
+
+def _chunk_after_step(r: int) -> dict:
+    """Layer r (an MLPModule(10): net1, net2) and its Adam(0.1) state after one step."""
+    g = torch.Generator().manual_seed(1000 + r)
+    layer = {name: {"weight": torch.randn(10, 10, generator=g, dtype=DT) * 0.3,
+                    "bias": torch.randn(10, generator=g, dtype=DT) * 0.1} for name in ("net1", "net2")}
+    params = {"layers": {str(r): layer}}  # the chunk keeps its global layer index
+    x = torch.randn(4, 10, generator=g, dtype=DT)
+
+    def loss(p):
+        lp = p["layers"][str(r)]
+        return (torch.relu(x @ lp["net1"]["weight"].T + lp["net1"]["bias"]) @ lp["net2"]["weight"].T
+                + lp["net2"]["bias"]).pow(2).sum()
+
+    opt = fs.optim.adam(0.1)
+    state = opt.init(params)
+    updates, state = opt.update(fs.grad(loss)(params), state, params)
+    return {"model": fs.optim.apply_updates(params, updates), "optim": state}
+
+
+def _pp_chunks_body(path: str) -> dict:
+    r, n = dist.get_rank(), dist.get_world_size()
+    mine, neighbour = _chunk_after_step(r), _chunk_after_step((r + 1) % n)
+    ckpt.save(path, mine)
+    keys = sorted(ckpt.read_metadata(path).state_dict_metadata)
+    # Each rank reads back its own chunk and its neighbour's: a key written by the wrong
+    # rank (or once for all, as if replicated) would give another layer's values.
+    out = {}
+    for name, want in (("own", mine), ("neighbour", neighbour)):
+        got = ckpt.load(path, like=tree_util.tree_map(torch.zeros_like, want))
+        a_paths, a_leaves, _ = tree_util.zip_with_path(got)
+        b_paths, b_leaves, _ = tree_util.zip_with_path(want)
+        out[name] = a_paths == b_paths and all(torch.equal(a, b) for a, b in zip(a_leaves, b_leaves))
+    moved = not torch.equal(mine["optim"][1].mu["layers"][str(r)]["net1"]["weight"],
+                            torch.zeros(10, 10, dtype=DT))
+    return {"keys": keys, "local": sorted(tree_util.zip_with_path(mine)[0]), "moved": moved, **out}
+
+
+def test_scenario33_eight_pipeline_chunks_keep_global_keys_with_adam_state(tmp_path):
+    results = run_on_ranks(_pp_chunks_body, str(tmp_path / "pp8"), world_size=8)
+    everything = sorted({k for res in results for k in res["local"]})
+    for r, res in enumerate(results):
+        assert res["own"] and res["neighbour"] and res["moved"], (r, res)
+        # Every rank's model and optimizer keys are in the metadata under their global layer
+        # index (mu and nu per leaf, the step count once), and nothing else is.
+        assert f"model.layers.{r}.net2.bias" in res["local"] and f"optim.1.nu.layers.{r}.net1.weight" in res["local"]
+        assert res["keys"] == everything
+    assert len(everything) == 8 * 4 * 3 + 1  # 8 layers x 4 leaves x (param, mu, nu) + count
+
+
 def test_portable_commit_and_recovery_without_atomic_exchange(tmp_path, monkeypatch):
     from fshard.checkpoint import _dirs
 

@@ -142,3 +142,22 @@ def test_one_process_mesh_needs_no_torchrun(monkeypatch):
         if dist.is_initialized():
             dist.destroy_process_group()
         fs.make_mesh({"fsdp": 4})
+
+
+@pytest.mark.parametrize("cuda, expected", [(True, "nccl"), (False, "gloo")])
+def test_one_process_group_uses_the_machines_backend(monkeypatch, cuda, expected):
+    # A plain `python script.py` on a GPU machine must compute on the GPU, as the same
+    # script under `torchrun --nproc-per-node 1` does (fs.init picks nccl there). This
+    # machine has no GPU, so CUDA's presence is faked and the group start is recorded.
+    from fshard.mesh import process
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for v in _TORCHRUN:
+        monkeypatch.delenv(v, raising=False)
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: started.append((backend, kw["world_size"])))
+    process.ensure_initialized(1)
+    assert started == [(expected, 1)]
