@@ -19,7 +19,11 @@ input is made varying by an explicit ``pvary`` (Megatron style: fshard's uncheck
 inserts none). Where JAX's unchecked mode transposes differently on purpose (psum ->
 psum, pvary -> no-op), the program is registered with ``differs`` and a checked twin
 (same function and inputs, checked mode): fshard's unchecked result must equal JAX's
-checked one (see docs/jax.md).
+checked one (see docs/jax.md and ``_UNCHECKED_INSIDE``).
+
+Where JAX 0.10.2 itself is wrong (``jax_quirk``: untiled all_to_all gradients, negative
+scatter dimensions, ppermute over a tuple of axes not in mesh order), the oracle is JAX
+on an equivalent formulation, registered as ``<family>.ref``.
 """
 
 from __future__ import annotations
@@ -170,9 +174,9 @@ CONFIGS: list[tuple[str, str | tuple[str, ...]]] = [
     ("x4", "x"), ("2x2", "x"), ("2x2", "y"), ("2x2", ("x", "y")), ("2x2", ("y", "x")),
 ]
 
-REDUCING = {"psum_pmean"}
+REDUCING = {"psum_pmean"}  # families whose bodies psum: their inside gradients differ in unchecked JAX
 # The unchecked inside templates pin designed differences, not the ops: two configs suffice.
-DIFFERENCE_CONFIGS = {("x4", "x"), ("2x2", ("y", "x"))}  # families whose bodies psum: their inside gradients differ in unchecked JAX
+DIFFERENCE_CONFIGS = {("x4", "x"), ("2x2", ("y", "x"))}
 
 
 def _spec(ops, code: str, ax):
