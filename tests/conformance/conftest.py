@@ -36,6 +36,6 @@ def conformance(request):
     from conf_oracle import Conformance
 
     cache = None
-    if os.environ.get("FSHARD_CONFORMANCE_CACHE", "1") != "0" and request.config.cache is not None:
+    if os.environ.get("FSHARD_CONFORMANCE_CACHE", "1") != "0" and getattr(request.config, "cache", None) is not None:
         cache = request.config.cache.mkdir("fshard-conformance")
     return Conformance(request.config.stash.get(_WANTED, []), cache)
