@@ -366,12 +366,12 @@ def _vmap(mesh: str, ax) -> None:
     specs = lambda o: (o.P(), o.P(ax), o.P(ax))  # noqa: E731
     g = f"patterns/vmap/{mesh}"
 
-    def per_example(grad_name: str, reduce_inside: bool):
+    def per_example(grad_name: str, reduce_inside: bool, explicit_pvary: bool = False):
         def fn(ops, w, x, y):
             gr = getattr(ops, grad_name)
 
             def one(w, xi, yi):                   # one example; with reduce_inside, a collective inside
-                loss = _mse(xi @ w, yi)
+                loss = _mse(xi @ (ops.pvary(w, ax) if explicit_pvary else w), yi)
                 return ops.psum(loss, ax) if reduce_inside else loss
 
             def per_device(w, x, y):
@@ -385,12 +385,11 @@ def _vmap(mesh: str, ax) -> None:
         mode = "checked" if check else "unchecked"
         _reg(f"{g}/{mode}/func_grad", mesh, check, per_example("func_grad", False), inputs, tags=("vmap",))
         _reg(f"{g}/{mode}/grad", mesh, check, per_example("grad", False), inputs, tags=("vmap",))
-        if check:
-            # Checked only: unchecked, this program mixes two designed differences (JAX
-            # transposes the psum to a psum, fshard adds no implicit pvary for the replicated w;
-            # both have their own rows and tests in docs/jax.md), so no single oracle fits.
-            _reg(f"{g}/{mode}/func_grad_collective", mesh, check, per_example("func_grad", True), inputs,
-                 tags=("vmap",))
+    _reg(f"{g}/checked/func_grad_collective", mesh, True, per_example("func_grad", True), inputs, tags=("vmap",))
+    # Unchecked, Megatron style (explicit pvary, a psum inside the differentiated function):
+    # fshard gives checked mode's per-example gradients, JAX's unchecked psum transpose n times them.
+    _reg(f"{g}/unchecked/func_grad_collective_pvary", mesh, False, per_example("func_grad", True, True), inputs,
+         tags=("vmap",), differs="unchecked_psum_transpose")
 
     def collectives(ops, x):                      # vmap over collectives, values only
         def per_device(x):
