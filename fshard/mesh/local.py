@@ -208,8 +208,7 @@ class WorkerPool:
                 try:
                     kind, payload = c.recv()
                 except (EOFError, OSError):
-                    code = self._procs[r].exitcode
-                    kind, payload = "err", (None, f"rank {r} died (exit code {code}) during {what}")
+                    kind, payload = "err", (None, f"rank {r} died ({self._exit_status(r)}) during {what}")
                 pending.discard(r)
                 if kind == "err":
                     if not errors:
@@ -222,7 +221,7 @@ class WorkerPool:
                     pending.discard(r)
                     if not errors:
                         self._first_error_time = time.monotonic()
-                    errors[r] = (None, f"rank {r} died (exit code {self._procs[r].exitcode}) during {what}")
+                    errors[r] = (None, f"rank {r} died ({self._exit_status(r)}) during {what}")
         stuck = sorted(pending)
         stacks = self._dump_stacks(stuck) if stuck else ""
         if stuck:
@@ -256,6 +255,18 @@ class WorkerPool:
                 f"Where each was stuck:\n{stacks}"
             )
         return [results[r] for r in range(self.world_size)]
+
+    def _exit_status(self, r: int) -> str:
+        """``exit code N`` of a rank whose pipe closed, with the signal's name if one killed it."""
+        proc = self._procs[r]
+        proc.join(timeout=5)  # its pipe closes a moment before the process can be reaped
+        code = proc.exitcode
+        if code is not None and code < 0:
+            try:
+                return f"exit code {code}, {signal.Signals(-code).name}"
+            except ValueError:
+                pass
+        return f"exit code {code}"
 
     def _read_stack(self, r: int) -> str:
         try:
