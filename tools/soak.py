@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -109,12 +110,50 @@ def steps_done(text: str) -> int:
     return int(found[-1][0]) if found else 0
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts each rank in a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stops torchrun and its ranks: SIGTERM (torchrun stops its workers), then SIGKILL."""
+    ranks = _descendants(proc.pid) if os.path.isdir("/proc") else []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in [proc.pid, *ranks]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            proc.wait(timeout=30)
+            if not any(os.path.exists(f"/proc/{p}") for p in ranks):
+                return
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(1)
+
+
 def run_once(index: int, mesh: str, args: argparse.Namespace, workdir: Path) -> Run:
     """Runs the example once under torchrun; never raises for a failed run."""
     log_json = workdir / f"run{index}.json"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
             str(EXAMPLE), *MESHES[mesh], "--steps", str(args.steps), "--log-every", "1",
-            "--sample-chars", "0", "--seed", str(args.seed + index), "--log-json", str(log_json)]
+            "--sample-chars", "0", "--seed", str(args.seed + index), "--log-json", str(log_json),
+            *shlex.split(args.example_args)]
     run = Run(index, mesh, argv[1:])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -131,9 +170,11 @@ def run_once(index: int, mesh: str, args: argparse.Namespace, workdir: Path) -> 
         try:
             proc.wait(timeout=args.run_timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _stop(proc)
             run.status = "timeout"
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): leave no rank behind
+            _stop(proc)
+            raise
     run.seconds = time.monotonic() - t0
     run.returncode = proc.returncode
     text = out_path.read_text(errors="replace")
@@ -172,6 +213,7 @@ def summary(runs: Sequence[Run], seconds: float, args: argparse.Namespace) -> di
             "crashes_by_signal": {s: sum(1 for r in bad if (r.signal or r.status) == s)
                                   for s in sorted({r.signal or r.status for r in bad})},
             "seconds": round(seconds, 1), "steps_per_run": args.steps, "nproc": args.nproc,
+            "example_args": args.example_args,
             "meshes": {m: sum(1 for r in runs if r.mesh == m) for m in dict.fromkeys(r.mesh for r in runs)},
             "env": {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CHECK_", "MALLOC_PERTURB_",
                                                "TORCH_DISTRIBUTED_DEBUG") if k in os.environ},
@@ -190,6 +232,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="run i trains with --seed SEED+i")
     p.add_argument("--run-timeout", type=float, default=1800.0,
                    help="a run still going after this many seconds is killed and counted (default 1800)")
+    p.add_argument("--example-args", default="", metavar="ARGS",
+                   help="more flags for train_lm.py, e.g. --example-args=\"--dim 16 --seq-len 16\" (a smaller model runs "
+                        "more steps, hence more collectives, per minute)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary and every run as JSON")
     p.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "fshard-soak"),
                    help="where the output of failed runs (and core dumps) are kept")
@@ -199,26 +244,37 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # a stopped soak stops its run too
     args.stamp = time.strftime("%Y%m%d-%H%M%S")
     meshes = args.mesh or list(MESHES)
     runs: list[Run] = []
     t0 = time.monotonic()
+    interrupted = False
     with tempfile.TemporaryDirectory(prefix="fshard-soak-") as tmp:
-        while time.monotonic() - t0 < args.minutes * 60 and (args.max_runs is None or len(runs) < args.max_runs):
-            mesh = meshes[len(runs) % len(meshes)]
-            run = run_once(len(runs), mesh, args, Path(tmp))
-            runs.append(run)
-            print(table([run]).splitlines()[-1], flush=True)
+        try:
+            while time.monotonic() - t0 < args.minutes * 60 and (args.max_runs is None or len(runs) < args.max_runs):
+                mesh = meshes[len(runs) % len(meshes)]
+                run = run_once(len(runs), mesh, args, Path(tmp))
+                runs.append(run)
+                print(table([run]).splitlines()[-1], flush=True)
+        except KeyboardInterrupt:  # the run in progress was stopped; report the finished ones
+            interrupted = True
+            print("interrupted: the run in progress is not counted", flush=True)
     result = summary(runs, time.monotonic() - t0, args)
+    result["interrupted"] = interrupted
     print(table(runs))
     print(f"{result['runs']} runs, {result['steps']} steps, {result['crashes']} crashed "
           f"({result['crashes_by_signal'] or 'none'}), {result['seconds'] / 60:.1f} min")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0 if result["crashes"] == 0 else 1
+    return 130 if interrupted else 0 if result["crashes"] == 0 else 1
 
 
 if __name__ == "__main__":
