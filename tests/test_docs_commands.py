@@ -51,6 +51,8 @@ NOT_RUN_HERE = {
     r'pip install -c \.ci/constraints\.txt -e "\.\[(viz|test)\]"': ".ci/run installs from scratch with the "
                                                                     "constraints (the [test] extra holds [viz]'s packages)",
     r"python -m pytest -q": "the suite itself; .ci/run runs the README's test command verbatim",
+    r"python tools/mutations\.py": ".ci/run runs it after the suite (it reruns test files on mutated copies; "
+                                   "tests/test_mutations_table.py checks its table)",
 }
 # Placeholders of the multi-node command, as one node of 2 CPU ranks on loopback.
 MULTI_NODE = [(r"--nnodes N\b", "--nnodes 1"), (r"--node-rank \$NODE_RANK", "--node-rank 0"),
