@@ -10,11 +10,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import fshard as fs
-from conf_compare import error, flatten, leaf_mismatches, ok, tree_map
+from conf_compare import error, leaf_mismatches, ok, tree_map
 from conf_programs import programs
-
-_RELU = torch.relu
-
 
 class FshardOps:
     """``ops`` for fshard: fs.lax, fs.shard_map (results as global tensors), fs.grad, ..."""
@@ -141,4 +138,4 @@ def merge_ranks(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
     return merged
 
 
-__all__ = ["FshardOps", "run_batch", "merge_ranks", "flatten"]
+__all__ = ["FshardOps", "run_batch", "merge_ranks"]
