@@ -21,14 +21,36 @@ SIZES = [1, 3, 17, 256, 4099, 50_000, 200_003]
 
 
 def _group(threads: int):
+    """The world's ranks on a gloo group with ``threads`` worker threads (2: the world group).
+
+    ``new_group`` ignores ``pg_options`` for gloo (always 2 threads), so the backend is
+    built directly and registered by name, which the functional collectives resolve.
+    """
+    import os
+    from datetime import timedelta
+
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     if threads == 2:
         return dist.group.WORLD
+    name = f"stress_overlap_t{threads}_{os.getpid()}_{len(c10d._world.pg_names)}"
+    before = len(os.listdir("/proc/self/task"))
+    store = dist.PrefixStore(f"{name.rsplit('_', 2)[0]}/", c10d._get_default_store())
     opts = dist.ProcessGroupGloo._Options()
     opts._threads = threads
+    opts._timeout = timedelta(seconds=600)
     opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.new_group(backend="gloo", pg_options=opts)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    backend = dist.ProcessGroupGloo(store, rank, size, opts)
+    pg = dist.ProcessGroup(store, rank, size)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    pg._set_group_name(name)
+    torch._C._distributed_c10d._register_process_group(name, pg)
+    added = len(os.listdir("/proc/self/task")) - before
+    assert added == threads + 1, f"expected {threads} gloo workers + 1 I/O thread, got {added} new threads"
+    return pg
 
 
 def body(iters: int, seed: int, threads: int, funcol: int) -> int:
@@ -76,7 +98,7 @@ def body(iters: int, seed: int, threads: int, funcol: int) -> int:
         dist.all_reduce(s, group=g)  # the loss / grad-norm scalar, synchronous
         checks += 4
     if g is not dist.group.WORLD:
-        dist.destroy_process_group(g)
+        torch._C._distributed_c10d._unregister_process_group(g.group_name)
     return checks
 
 
