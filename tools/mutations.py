@@ -12,7 +12,9 @@ at the copy, so the ranks import the mutated package). A test that fails *catche
 mutation; a mutation whose tests all pass *survives*: that is a missing test, and the
 tool exits 1. A snippet that is not found exactly once is an error naming the mutation
 (exit 2): the code moved, refresh the entry. Mutations not started within
-``--budget-s`` are reported as not run (exit 3).
+``--budget-s`` are reported as not run (exit 3). A failure that is only a rank pool
+timing out at start-up (an overloaded machine) proves nothing: it is retried once, then
+reported as an error.
 
 The table is data: keep each ``old`` snippet short and unique, and list the cheapest
 tests that should catch the fault first (``-x`` stops at the first failure).
@@ -256,7 +258,13 @@ def _failed_tests(xml_path: Path) -> tuple[list[str], str]:
     return out, message
 
 
+# A rank pool that could not even start (the machine is overloaded) says nothing about the
+# mutation: such a "catch" is retried once, then reported as an error.
+_STARTUP_TIMEOUT = "start-up: ranks"
+
+
 def run_one(m: Mutation, deadline: float, per_test_timeout: int, keep: bool, stop: threading.Event) -> Outcome:
+    """Applies ``m`` to a fresh copy of the repository and runs its tests there."""
     t0 = time.monotonic()
     if stop.is_set() or t0 >= deadline:
         return Outcome(m.name, "not run", 0.0, detail="budget spent before it started")
@@ -264,36 +272,12 @@ def run_one(m: Mutation, deadline: float, per_test_timeout: int, keep: bool, sto
     try:
         copy = copy_repo(tmp / "repo")
         (copy / m.file).write_text(mutated_source(m, copy))
-        xml = tmp / "junit.xml"
-        env = dict(os.environ, PYTHONPATH=str(copy) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-               "-o", "addopts=", f"--timeout={per_test_timeout}", f"--junitxml={xml}", *m.tests]
-        log = tmp / "pytest.log"
-        with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, cwd=copy, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            with _LOCK:
-                _PROCS.add(proc)
-            try:
-                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _kill(proc)
-                rc = None
-            finally:
-                with _LOCK:
-                    _PROCS.discard(proc)
-        dt = time.monotonic() - t0
-        failed, message = _failed_tests(xml)
-        lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
-        tail = "\n".join(lines[-15:])
-        if rc is None:
-            return Outcome(m.name, "not run", dt, tuple(failed), "killed: budget spent while it ran")
-        if rc == 0:
-            return Outcome(m.name, "SURVIVED", dt, detail=f"{lines[-1] if lines else ''}: no test failed")
-        if rc in (1, 2) and (failed or rc == 1):  # 2: interrupted, e.g. a collection error it caused
-            return Outcome(m.name, "caught", dt, tuple(failed) or ("(collection error)",), message)
-        return Outcome(m.name, "error", dt, detail=f"pytest exit code {rc}\n{tail}")
+        for attempt in (1, 2):
+            o = _pytest(m, copy, tmp / f"try{attempt}", deadline, per_test_timeout, t0)
+            if not (o.status == "caught" and _STARTUP_TIMEOUT in o.detail):
+                return o
+        return attrs.evolve(o, status="error", caught_by=(),
+                            detail=f"rank start-up timed out twice (machine overloaded?): {o.detail}")
     except SnippetError as e:
         return Outcome(m.name, "error", time.monotonic() - t0, detail=str(e))
     finally:
@@ -301,6 +285,39 @@ def run_one(m: Mutation, deadline: float, per_test_timeout: int, keep: bool, sto
             print(f"[{m.name}] kept {tmp}", flush=True)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pytest(m: Mutation, copy: Path, out_dir: Path, deadline: float, per_test_timeout: int, t0: float) -> Outcome:
+    """One pytest run of ``m.tests`` in the mutated ``copy``; its log and report go to ``out_dir``."""
+    out_dir.mkdir()
+    xml, log = out_dir / "junit.xml", out_dir / "pytest.log"
+    env = dict(os.environ, PYTHONPATH=str(copy) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+           "-o", "addopts=", f"--timeout={per_test_timeout}", f"--junitxml={xml}", *m.tests]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=copy, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        with _LOCK:
+            _PROCS.add(proc)
+        try:
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            rc = None
+        finally:
+            with _LOCK:
+                _PROCS.discard(proc)
+    dt = time.monotonic() - t0
+    failed, message = _failed_tests(xml)
+    lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+    if rc is None:
+        return Outcome(m.name, "not run", dt, tuple(failed), "killed: budget spent while it ran")
+    if rc == 0:
+        return Outcome(m.name, "SURVIVED", dt, detail=f"{lines[-1] if lines else ''}: no test failed")
+    if rc in (1, 2) and (failed or rc == 1):  # 2: interrupted, e.g. a collection error it caused
+        return Outcome(m.name, "caught", dt, tuple(failed) or ("(collection error)",), message)
+    return Outcome(m.name, "error", dt, detail=f"pytest exit code {rc}\n" + "\n".join(lines[-15:]))
 
 
 def _kill(proc: subprocess.Popen) -> None:
