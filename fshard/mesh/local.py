@@ -69,6 +69,10 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
         _forget_inherited_groups()
     from fshard.mesh import mesh as _mesh
 
+    # The parent's meshes hold its process groups (perhaps destroyed there, so no longer in
+    # the world forgotten above): dropping the last reference here would run a group's
+    # destructor, which joins gloo threads that did not survive the fork, and hang.
+    _LEAKED.append(dict(_mesh._MESH_CACHE))
     _mesh._MESH_CACHE.clear()
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
