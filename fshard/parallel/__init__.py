@@ -21,3 +21,6 @@ __all__ += ["MLP_STACK_TP_PLAN", "TRANSFORMER_TP_PLAN", "tp_rules", "tp_specs", 
 
 from fshard.parallel.ep import ep_rules as ep_rules, ep_specs as ep_specs, moe_ffn as moe_ffn, moe_init as moe_init
 __all__ += ["ep_rules", "ep_specs", "moe_ffn", "moe_init"]
+
+from fshard.parallel.module import FSDPApply as FSDPApply, fsdp_apply as fsdp_apply
+__all__ += ["FSDPApply", "fsdp_apply"]
