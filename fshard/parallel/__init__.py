@@ -24,3 +24,6 @@ __all__ += ["ep_rules", "ep_specs", "moe_ffn", "moe_init"]
 
 from fshard.parallel.module import FSDPApply as FSDPApply, fsdp_apply as fsdp_apply
 __all__ += ["FSDPApply", "fsdp_apply"]
+from fshard.parallel.module_tp import HF_GPT2_TP_PLAN as HF_GPT2_TP_PLAN, HF_LLAMA_TP_PLAN as HF_LLAMA_TP_PLAN
+from fshard.parallel.module_tp import TPApply as TPApply, tp_apply as tp_apply
+__all__ += ["HF_GPT2_TP_PLAN", "HF_LLAMA_TP_PLAN", "TPApply", "tp_apply"]

@@ -20,6 +20,7 @@ from fshard.testing import run_on_ranks
 import hf_models
 
 STEPS, LR, WD = 5, 1e-2, 0.1
+PLANS = {"gpt2": fs.parallel.HF_GPT2_TP_PLAN, "llama": fs.parallel.HF_LLAMA_TP_PLAN}
 
 
 def _specs(params, mode):
@@ -41,14 +42,25 @@ def _ref_step(ref, opt, tok, tgt):
     return loss.item()
 
 
-def _train(kind, shape, mode, order, raf=True, steps=STEPS, check=True):
+def _wrap(kind, mode, apply, params, raf=True, loss_parallel=False):
+    """The wrapped apply and the specs for ``mode``: ddp, fsdp, hsdp, tp or fsdp_tp."""
+    plan = PLANS[kind]
+    if mode == "tp":
+        return fs.parallel.tp_apply(apply, plan, "tp", loss_parallel=loss_parallel), fs.parallel.tp_specs(params, plan)
+    if mode == "fsdp_tp":
+        inner = fs.parallel.tp_apply(apply, plan, "tp", loss_parallel=loss_parallel)
+        return (fs.parallel.fsdp_apply(inner, blocks=hf_models.BLOCKS[kind], axis="fsdp", reshard_after_forward=raf),
+                fs.parallel.tp_specs(params, plan, fsdp_axis="fsdp"))
+    wrapped = fs.parallel.fsdp_apply(apply, blocks=hf_models.BLOCKS[kind], reshard_after_forward=raf, **_axes(mode))
+    return wrapped, _specs(params, mode)
+
+
+def _train(kind, shape, mode, order, raf=True, steps=STEPS, check=True, loss_parallel=False):
     mesh = fs.make_mesh(shape)
     model = hf_models.MODELS[kind]()
     ref = copy.deepcopy(model)
     apply, params, _ = fs.nn.functionalize(model)
-    wrapped = fs.parallel.fsdp_apply(apply, blocks=hf_models.BLOCKS[kind], reshard_after_forward=raf,
-                                     **_axes(mode))
-    specs = _specs(params, mode)
+    wrapped, specs = _wrap(kind, mode, apply, params, raf, loss_parallel)
     data_axes = tuple(a for a in ("dp", "fsdp") if a in shape)
     n_data = math.prod(shape[a] for a in data_axes)
     sharded = fs.shard(params, specs, mesh, uneven=True)
@@ -57,9 +69,13 @@ def _train(kind, shape, mode, order, raf=True, steps=STEPS, check=True):
 
     def loss_fn(p, tok, tgt):
         logits = wrapped(p, tok).logits
-        return fs.lax.pmean(F.cross_entropy(logits.flatten(0, 1), tgt.flatten()), data_axes)
+        if loss_parallel:
+            loss = fs.parallel.vocab_parallel_cross_entropy(logits, tgt, "tp")
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+        return fs.lax.pmean(loss, data_axes) if data_axes else loss
 
-    in_specs = (specs, P(data_axes), P(data_axes))
+    in_specs = (specs, P(data_axes or None), P(data_axes or None))
     if order == "outside":
         step = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check=check))
     else:
@@ -71,7 +87,7 @@ def _train(kind, shape, mode, order, raf=True, steps=STEPS, check=True):
         tok, tgt = hf_models.batch(s, 2 * n_data)
         with fs.comm_log() as log:
             loss, grads = step(sharded, tok, tgt)
-        counts.append(dict(log.counts))
+        counts.append(dict(log.counts) if mode not in ("tp", "fsdp_tp") else dict(log.by_axis))
         updates, state = opt.update(grads, state, sharded)
         sharded = fs.optim.apply_updates(sharded, updates)
         losses.append((loss.item(), _ref_step(ref, ref_opt, tok, tgt)))
@@ -193,3 +209,110 @@ def test_bad_blocks_name_the_path(blocks, match):
 def test_not_an_apply():
     with pytest.raises(TypeError, match="fs.nn.functionalize"):
         fs.parallel.fsdp_apply(lambda p, x: x, blocks="layers")
+
+
+def _tp_counts(kind, mode, loss_parallel=False):
+    """comm_log.by_axis of one step. TP per block: GPT-2 (attention replicated) psums after
+    c_proj in forward and at c_fc's pvary in backward; Llama twice that (attention and MLP).
+    Plus the embedding's psum and the head's pvary (backward psum); the full logits' gather,
+    or with loss parallel the loss's pmax and psum."""
+    per_block = 2 if kind == "gpt2" else 4
+    c = {("psum", ("tp",)): 2 + per_block * N_BLOCKS}
+    if loss_parallel:
+        c[("psum", ("tp",))] += 1
+        c[("pmax", ("tp",))] = 1
+    else:
+        c[("all_gather", ("tp",))] = 1
+    if mode == "fsdp_tp":
+        c.update({("all_gather", ("fsdp",)): 1 + 2 * N_BLOCKS, ("psum_scatter", ("fsdp",)): 1 + N_BLOCKS,
+                  ("psum", ("fsdp",)): 1})
+    return c
+
+
+@pytest.mark.parametrize("kind, mode, shape, order, loss_parallel", [
+    ("gpt2", "tp", {"tp": 2}, "outside", False), ("llama", "tp", {"tp": 2}, "inside", False),
+    ("llama", "tp", {"tp": 2}, "outside", True),
+    ("gpt2", "fsdp_tp", {"fsdp": 2, "tp": 2}, "inside", False),
+    ("llama", "fsdp_tp", {"fsdp": 2, "tp": 2}, "outside", False),
+])
+def test_tp_and_fsdp_x_tp(kind, mode, shape, order, loss_parallel):
+    results = run_on_ranks(_train, kind, shape, mode, order, loss_parallel=loss_parallel,
+                           world_size=math.prod(shape.values()))
+    _assert_parity(results)
+    for _, counts, _ in results:
+        for c in counts:
+            assert c == _tp_counts(kind, mode, loss_parallel), c
+
+
+def _tp_call_errors():
+    """Errors that need the mesh: a split dim the tp size does not divide, and shards of
+    the wrong shape (a Conv1D sharded as if it were a Linear)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mesh = fs.make_mesh({"tp": 2})
+    torch.manual_seed(0)
+    odd = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=25, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2)).double()
+    gpt = hf_models.gpt2()
+    out = []
+    for model, plan, bad_spec in ((odd, fs.parallel.HF_LLAMA_TP_PLAN, None),
+                                  (gpt, fs.parallel.HF_GPT2_TP_PLAN, "transformer.h.0.mlp.c_fc.weight")):
+        apply, params, _ = fs.nn.functionalize(model)
+        tp = fs.parallel.tp_apply(apply, plan)
+        specs = fs.parallel.tp_specs(params, plan, module=model)
+        if bad_spec:  # Linear's orientation on a Conv1D [in, out]
+            flat = fs.nn.to_state_dict(specs)
+            flat[bad_spec] = P("tp", None)
+            specs = fs.nn.from_state_dict(flat)
+        tok = torch.zeros(2, 4, dtype=torch.long)
+        try:
+            fs.shard_map(lambda p, t: tp(p, t).logits, mesh=mesh, in_specs=(specs, P()), out_specs=P())(
+                fs.shard(params, specs, mesh, uneven=True), tok)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_tp_errors_at_call_name_the_path():
+    for odd, wrong in run_on_ranks(_tp_call_errors, world_size=2):
+        assert odd.startswith("tp_apply: model.layers.0.mlp.gate_proj.weight has shape (25, 16); the colwise split "
+                              "puts dim 0 (size 25) over axis 'tp' of size 2, which does not divide it."), odd
+        assert wrong.startswith("tp_apply: transformer.h.0.mlp.c_fc.weight is (8, 64) on this rank, but the colwise "
+                                "split of its (16, 64) over axis 'tp' (size 2) is (16, 32)."), wrong
+
+
+@pytest.mark.parametrize("plan, match", [
+    ({"model.layerz.*.mlp.up_proj": "colwise"}, r"plan pattern 'model.layerz.\*.mlp.up_proj' matches no module of "
+                                                r"LlamaForCausalLM"),
+    ({"model.layers.*.mlp": "colwise"}, r"module 'model.layers.0.mlp' is a LlamaMLP; style 'colwise' applies to "
+                                        r"nn.Linear, transformers' Conv1D"),
+    ({"model.layers.*.mlp.up_proj": "column"}, r"plan entry 'model.layers.\*.mlp.up_proj' has style 'column'"),
+    ({"model.embed_tokens": "colwise"}, r"module 'model.embed_tokens' is an Embedding; give it style 'vocab'"),
+])
+def test_bad_plans_name_the_pattern(plan, match):
+    apply, params, _ = fs.nn.functionalize(hf_models.llama())
+    with pytest.raises(ValueError, match=match):
+        fs.parallel.tp_apply(apply, plan)
+    with pytest.raises(ValueError, match=match.replace("tp_apply", "tp_specs")):
+        fs.parallel.tp_specs(params, plan, module=apply)
+
+
+def test_tied_tensor_planned_two_ways():
+    apply, _, _ = fs.nn.functionalize(hf_models.gpt2())
+    plan = {k: v for k, v in fs.parallel.HF_GPT2_TP_PLAN.items() if k != "lm_head"}
+    with pytest.raises(ValueError, match=r"'lm_head.weight' is tied to 'transformer.wte.weight', but the plan splits "
+                                         r"them differently"):
+        fs.parallel.tp_apply(apply, plan)
+
+
+def test_specs_without_the_module_read_conv1d_orientation_from_the_bias():
+    model = hf_models.gpt2()
+    _, params, _ = fs.nn.functionalize(model)
+    plan = fs.parallel.HF_GPT2_TP_PLAN
+    assert fs.parallel.tp_specs(params, plan) == fs.parallel.tp_specs(params, plan, module=model)
+    square = {"transformer.h.*.attn.c_proj": "rowwise"}  # [D, D] with a bias [D]: needs the module
+    with pytest.raises(ValueError, match=r"'transformer.h.0.attn.c_proj.weight' is \(16, 16\) with a bias of 16.*"
+                                         r"Pass module="):
+        fs.parallel.tp_specs(params, square)
+    assert fs.tree.leaves(fs.parallel.tp_specs(params, square, module=model))  # fine with it
