@@ -38,6 +38,7 @@ from torch import nn
 
 from fshard import lax
 from fshard import nn as fnn
+from fshard import tree as tree_util
 from fshard.parallel import _modules as mods
 from fshard.parallel.groups import Groups, Sink, saved_as_tokens
 from fshard.parallel.scan import _as_axes, _gather, _post_forward_axes, _refuse_functorch, _shard_dims
@@ -54,6 +55,7 @@ def fsdp_apply(
     reshard_after_forward: bool | int | str | Sequence[str] = True,
     prefetch: int = 1,
     policy: Policy | None = None,
+    sync_buffers: str = "local",
 ) -> "FSDPApply":
     """Wraps ``apply`` so that each block's parameters are gathered per block (FSDP2's
     ``fully_shard`` per block plus the root).
@@ -79,6 +81,15 @@ def fsdp_apply(
         ``False``: keep them; an axis name or int: keep a slice). The root group is kept.
       prefetch: how many blocks ahead the forward all-gathers run.
       policy: mixed precision (gather in ``param_dtype``, reduce in ``reduce_dtype``).
+      sync_buffers: what a call with ``return_buffers=True`` returns for buffers the
+        forward updated (BatchNorm's running statistics). Either way the forward
+        normalizes with this rank's batch statistics, as torch DDP does (no SyncBatchNorm).
+        ``"local"`` (default): rank 0's buffers, on every rank. That is torch DDP's
+        ``broadcast_buffers=True``, which copies rank 0's buffers to every rank before
+        each forward: the running statistics follow rank 0's batches. ``"mean"``: the
+        floating-point buffers averaged over the data axes (``axis`` and
+        ``replicate_axis``); integer ones (``num_batches_tracked``) are the same
+        everywhere and kept.
 
     Returns:
       An :class:`FSDPApply`, with ``apply``'s signature.
@@ -92,8 +103,11 @@ def fsdp_apply(
     module = mods.module_of(apply, "fsdp_apply")
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fsdp_apply: prefetch={prefetch!r}; use an int >= 0.")
+    if sync_buffers not in ("local", "mean"):
+        raise ValueError(f"fsdp_apply: sync_buffers={sync_buffers!r}; use 'local' (rank 0's, as torch DDP) or "
+                         f"'mean' (averaged over the data axes).")
     return FSDPApply(apply, module, _resolve_blocks(module, blocks), _as_axes(axis), _as_axes(replicate_axis),
-                     reshard_after_forward, prefetch, policy or Policy())
+                     reshard_after_forward, prefetch, policy or Policy(), sync_buffers)
 
 
 def _resolve_blocks(module: nn.Module, blocks: str | Sequence[str]) -> list[str]:
@@ -160,8 +174,9 @@ class FSDPApply:
 
     def __init__(self, inner: Any, module: nn.Module, blocks: list[str], shard_axes: tuple[str, ...],
                  replicate_axes: tuple[str, ...], reshard_after_forward: Any, prefetch: int,
-                 policy: Policy) -> None:
+                 policy: Policy, sync_buffers: str = "local") -> None:
         self.inner, self.module, self.blocks = inner, module, blocks
+        self.sync_buffers = sync_buffers
         self.shard_axes, self.replicate_axes = shard_axes, replicate_axes
         self.reshard_after_forward, self.prefetch, self.policy = reshard_after_forward, prefetch, policy
         names = [n for n, _ in module.named_parameters()]  # canonical names, as functionalize's tree
@@ -280,9 +295,42 @@ class FSDPApply:
             block, pre, post = make(kb)
             hooks.add(block, pre, post)
         try:
-            return self.inner(fnn.from_state_dict(bound), *args, **kwargs)
+            result = self.inner(fnn.from_state_dict(bound), *args, **kwargs)
         finally:
             hooks.close()
             for g in range(first, first + n_blocks):
                 if g not in used:
                     state.drop(g)  # a prefetched gather for a block that did not run
+        if kwargs.get("return_buffers"):
+            out, buffers = result
+            axes = tuple(a for a in mesh.axis_names
+                         if a in self.shard_axes + self.replicate_axes and mesh.shape[a] > 1)
+            return out, _sync_buffers(buffers, self.sync_buffers, axes)
+        return result
+
+
+def _sync_buffers(buffers: Any, mode: str, axes: tuple[str, ...]) -> Any:
+    """Makes the buffers a forward updated the same on every rank of the data ``axes``.
+
+    ``"local"``: rank 0's (a psum of rank 0's values and zeros: exact); ``"mean"``: the
+    mean. Floating-point buffers of one dtype travel as one flat buffer (one collective);
+    integer ones (step counters) agree already and are kept.
+    """
+    if not axes:
+        return buffers
+    leaves, treedef = tree_util.tree_flatten(buffers)
+    first = all(lax.axis_index(a) == 0 for a in axes)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for k, b in enumerate(leaves):
+        if isinstance(b, torch.Tensor) and b.is_floating_point():
+            by_dtype.setdefault(b.dtype, []).append(k)
+    out = list(leaves)
+    for ks in by_dtype.values():
+        flat = torch.cat([leaves[k].detach().reshape(-1) for k in ks])  # (sum of numels,)
+        if mode == "mean":
+            flat = lax.pmean(flat, axes)
+        else:
+            flat = lax.psum(flat if first else torch.zeros_like(flat), axes)
+        for k, part in zip(ks, flat.split([leaves[k].numel() for k in ks])):
+            out[k] = part.view(leaves[k].shape)
+    return tree_util.tree_unflatten(treedef, out)
