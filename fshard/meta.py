@@ -33,6 +33,7 @@ in the recomputation; the pipeline executor for stage parameters.
 from __future__ import annotations
 
 import contextvars
+import itertools
 from typing import Any
 
 import attrs
@@ -48,10 +49,12 @@ class Meta:
     vma: frozenset = frozenset()
     global_shape: tuple[int, ...] | None = None
     spec: Any = None  # a PartitionSpec, for a body input and its aliases
+    scope: int = 0    # serial of the body that wrote it (0: none); other bodies ignore it
 
 
 EMPTY = Meta()
 _ATTR = "_fshard_meta"
+_SERIALS = itertools.count(1)
 
 
 @attrs.frozen
@@ -64,6 +67,7 @@ class Body:
     check: bool
     owners: dict = attrs.field(factory=dict, eq=False, repr=False)
     inputs: dict = attrs.field(factory=dict, eq=False, repr=False)
+    serial: int = attrs.field(factory=lambda: next(_SERIALS), eq=False, repr=False)
 
 
 BODY: contextvars.ContextVar[Body | None] = contextvars.ContextVar("fshard_body", default=None)
@@ -82,15 +86,19 @@ def _storage_key(x: torch.Tensor) -> tuple | None:
 
 
 def meta_of(x: torch.Tensor) -> Meta:
-    """The metadata of a body value (:data:`EMPTY` when it has none)."""
+    """The metadata of a body value (:data:`EMPTY` when it has none).
+
+    Metadata written in another body does not count inside this one: a value made by an
+    earlier ``shard_map`` call and closed over by this one is invariant here, as in JAX.
+    """
+    body = BODY.get()
     m = getattr(x, _ATTR, None)
     if m is not None:
-        return m
+        return m if not m.scope or body is None or m.scope == body.serial else EMPTY
     if _functorch.is_functorch_wrapped_tensor(x):
         inner = _functorch.get_unwrapped(x)
         m = meta_of(inner)
-        return m if tuple(inner.shape) == tuple(x.shape) else Meta(m.vma)
-    body = BODY.get()
+        return m if tuple(inner.shape) == tuple(x.shape) else Meta(m.vma, scope=m.scope)
     if body is not None and body.inputs:
         key = _storage_key(x)
         if key is not None:
@@ -100,19 +108,23 @@ def meta_of(x: torch.Tensor) -> Meta:
     return EMPTY
 
 
+def _scoped(m: Meta) -> Meta:
+    body = BODY.get()
+    serial = body.serial if body is not None else 0
+    return m if m.scope == serial else attrs.evolve(m, scope=serial)
+
+
 def set_meta(x: torch.Tensor, m: Meta) -> torch.Tensor:
-    """Attaches ``m`` to ``x``; returns ``x``."""
-    setattr(x, _ATTR, m)
+    """Attaches ``m`` (scoped to the current body) to ``x``; returns ``x``."""
+    setattr(x, _ATTR, _scoped(m))
     return x
 
 
 def set_vma(x: torch.Tensor, axes: frozenset) -> torch.Tensor:
     """Sets ``x``'s varying axes, keeping its other metadata; returns ``x``."""
     m = meta_of(x)
-    if m.vma != axes:
-        setattr(x, _ATTR, attrs.evolve(m, vma=axes))
-    elif getattr(x, _ATTR, None) is None and m is not EMPTY:
-        setattr(x, _ATTR, m)  # found through an alias: pin it on the object itself
+    if m.vma != axes or getattr(x, _ATTR, None) is not m:
+        setattr(x, _ATTR, _scoped(attrs.evolve(m, vma=axes)))
     return x
 
 
@@ -120,13 +132,14 @@ def copy_meta(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """Gives ``dst`` the metadata of ``src`` (same value or its cotangent); returns ``dst``."""
     m = meta_of(src)
     if m is not EMPTY or getattr(dst, _ATTR, None) is not None:
-        setattr(dst, _ATTR, m)
+        setattr(dst, _ATTR, _scoped(m) if m is not EMPTY else m)
     return dst
 
 
 def register_input(body: Body, local: torch.Tensor, m: Meta) -> None:
     """Records a body input's metadata on it and in the body's alias table."""
-    set_meta(local, m)
+    m = attrs.evolve(m, scope=body.serial)
+    setattr(local, _ATTR, m)
     key = _storage_key(local)
     if key is not None:
         body.inputs[key] = (local, m)  # the tensor is held so that its address stays its own

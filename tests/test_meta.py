@@ -181,3 +181,26 @@ def test_value_and_grad_outside_any_body_keeps_static_leaves_and_rejects_integer
     assert g["name"] is None and g["n"] is None and torch.equal(g["w"], torch.ones(2))
     with pytest.raises(TypeError, match=r"args\[0\] has dtype torch.int64"):
         fs.grad(lambda a: a.sum())(torch.arange(3))
+
+
+def _closure_from_an_earlier_body():
+    # A value made by one shard_map call and closed over by the next is invariant there (JAX's
+    # rule for closed-over values), whatever axes it varied over where it was made.
+    mesh = fs.make_mesh({"x": 2})
+    made = fs.shard_map(lambda a: a * 1.0, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(
+        torch.arange(4.0, dtype=torch.float64))
+    inner = made.to_local()                                    # tagged varying over x in the first body
+    seen = fs.shard_map(lambda a: (sorted(meta_of(inner).vma), sorted(meta_of(a).vma)), mesh=mesh,
+                        in_specs=P("x"), out_specs=None)(torch.ones(2, dtype=torch.float64))
+    c = torch.arange(2.0, dtype=torch.float64)
+    # d/dw of sum(pvary(w) * c) for an invariant w is psum(c); an invariant closure adds no pvary
+    g = fs.shard_map(fs.grad(lambda w: (w * c * inner.detach()).sum()), mesh=mesh, in_specs=P(),
+                     out_specs=P())(torch.ones(2, dtype=torch.float64))
+    return seen, fs.gather(g).tolist(), inner.tolist()
+
+
+def test_values_from_an_earlier_body_are_invariant_closures():
+    for r, (seen, g, inner) in enumerate(run_on_ranks(_closure_from_an_earlier_body, world_size=2)):
+        assert seen == ([], ["x"])
+        # w is invariant and so is the closure: no psum, each rank's own c * inner
+        assert g == [c * v for c, v in zip([0.0, 1.0], inner)], (r, g, inner)

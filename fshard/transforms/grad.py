@@ -51,6 +51,12 @@ def value_and_grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any):
+        if any(isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x)
+               for x in tree_util.leaves(args)):
+            # Under torch.func (e.g. vmap(fs.grad(f)): per-example gradients) autograd leaves
+            # cannot be made: torch.func's own grad computes the same values.
+            (g_out, out) = torch.func.grad_and_value(f, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
+            return out, g_out
         args = list(args)
         # Flatten each differentiated argument once and keep its fresh leaves: the grads
         # are taken w.r.t. exactly these (a second flatten after the call cost ~50 us

@@ -67,12 +67,15 @@ class VmaMode(TorchFunctionMode):
         if func == _GRAD_GETTER:
             g = func(*args, **kwargs)
             return g if g is None else meta_util.copy_meta(args[0], g)  # x.grad has x's type
-        leaves = [x for x in tree_util.leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        everything = tree_util.leaves((args, kwargs))
+        leaves = [x for x in everything if isinstance(x, torch.Tensor)]
         if not leaves:
             return func(*args, **kwargs)
         metas = [meta_util.meta_of(x) for x in leaves]
-        union = frozenset().union(*(m.vma for m in metas))
-        if union and any(m.vma != union for m in metas):
+        # An axis_index (an int typed varying, as in JAX) makes the result vary too.
+        indices = [x.axes for x in everything if isinstance(x, lax.AxisIndex)]
+        union = frozenset().union(*(m.vma for m in metas), *indices)
+        if union and (indices or any(m.vma != union for m in metas)):
             inplace_self = args[0] if getattr(func, "__name__", "").endswith("_") and args else None
             args, kwargs = tree_util.tree_map(
                 lambda x: _lift(x, union) if isinstance(x, torch.Tensor) and x is not inplace_self else x,
@@ -119,4 +122,4 @@ def _lift(x: torch.Tensor, union: frozenset) -> torch.Tensor:
     if not missing or not x.requires_grad:
         return x  # values are equal either way; only gradients need the psum
     axes = tuple(a for a in lax.BODY.get().mesh.axis_names if a in missing)
-    return lax.pvary(x, axes)
+    return lax.pvary(x, axes) if axes else x

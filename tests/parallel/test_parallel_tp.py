@@ -1,7 +1,7 @@
 """Tensor / sequence parallelism composed with FSDP, HSDP and replicate, on 4 gloo ranks.
 
 Functional ports of seed_tests.md scenarios 19 (FSDP x TP), 20 (HSDP x TP, 3-D
-mesh), 26 (replicate x TP) and the TP part of 30, for MLPStack and the Transformer
+mesh: 2x2x2 on 8 ranks, and 2x1x2 / 2x2x1 on 4), 26 (replicate x TP) and the TP part of 30, for MLPStack and the Transformer
 with a loss-parallel cross entropy. Every case trains against a single-process
 reference on the global batch (float64): the initial gathered params equal it, and
 every step's loss, gradients and updated params match. Communication per step is
@@ -33,6 +33,8 @@ LAYOUTS = {
     "hsdp_tp": ({"dp": 2, "fsdp": 1, "tp": 2}, dict(axis="fsdp", replicate_axis="dp"), "fsdp"),
     "hsdp_tp1": ({"dp": 2, "fsdp": 2, "tp": 1}, dict(axis="fsdp", replicate_axis="dp"), "fsdp"),
     "tp_fsdp": ({"tp": 2, "fsdp": 2}, dict(axis="fsdp", replicate_axis=None), "fsdp"),
+    # Scenario 20 proper: all three axes larger than 1 (8 ranks).
+    "hsdp_tp_3d": ({"dp": 2, "fsdp": 2, "tp": 2}, dict(axis="fsdp", replicate_axis="dp"), "fsdp"),
 }
 
 
@@ -82,7 +84,9 @@ def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, 
     # Placements, not specs: with a size-1 axis, P(("tp", "fsdp")) and P(("fsdp", "tp")) are one layout.
     layouts_kept = all(tuple(x.placements) == fs.NamedSharding(mesh, s).placements and len(x.placements) == len(shape)
                        for x, s in zip(fs.tree.leaves(sharded), fs.tree.leaves(specs)))
-    return dict(init=init_diff, losses=losses, counts=counts, params=p_diff, grads=g_diff, layouts=layouts_kept)
+    placements = {str(tuple(x.placements)) for x in fs.tree.leaves(sharded)}
+    return dict(init=init_diff, losses=losses, counts=counts, params=p_diff, grads=g_diff, layouts=layouts_kept,
+                placements=placements)
 
 
 def _mlp(cfg, axes, data_axes, sp, loop):
@@ -249,6 +253,21 @@ def test_transformer_tied_uneven_vocab(layout):
     loss-parallel cross entropy find each rank's vocabulary range from the chunk layout."""
     results = run_on_ranks(_train, "transformer", layout, True, 3, vocab_size=33, tie_weights=True, world_size=4)
     _assert_parity(results)
+
+
+def test_scenario20_hsdp_x_tp_on_a_2x2x2_mesh():
+    """dp_replicate=2 x dp_shard=2 x tp=2 on 8 ranks: strided (fsdp x tp) shards are right
+    at init, 5 Adam steps match one process, and every collective runs over the axis the
+    Megatron/HSDP count says, each of the three axes carrying traffic."""
+    results = run_on_ranks(_train, "mlp", "hsdp_tp_3d", False, 5, world_size=8)
+    _assert_parity(results)
+    want = _expected_counts("mlp", "hsdp_tp_3d", False, True, 3)
+    assert {axes for _, axes in want} == {("tp",), ("fsdp",), ("dp",), ("dp", "fsdp")}, want
+    for r in results:
+        assert all(c == want for c in r["counts"]), (r["counts"][0], want)
+        # in_proj's weight: rows split over fsdp (outer) and tp (inner), replicated over dp
+        assert any("Replicate()" in p and "_StridedShard(dim=0" in p and "Shard(dim=0)" in p
+                   for p in r["placements"]), r["placements"]
 
 
 def _uneven_on_fsdp_major_mesh():
