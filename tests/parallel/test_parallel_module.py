@@ -8,6 +8,8 @@ gradient orders: value_and_grad(shard_map(f)) and shard_map(value_and_grad(f)).
 
 import copy
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from fshard.testing import run_on_ranks
 
 import hf_models
 
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 STEPS, LR, WD = 5, 1e-2, 0.1
 PLANS = {"gpt2": fs.parallel.HF_GPT2_TP_PLAN, "llama": fs.parallel.HF_LLAMA_TP_PLAN}
 
@@ -316,3 +319,28 @@ def test_specs_without_the_module_read_conv1d_orientation_from_the_bias():
                                          r"Pass module="):
         fs.parallel.tp_specs(params, square)
     assert fs.tree.leaves(fs.parallel.tp_specs(params, square, module=model))  # fine with it
+
+
+LAYERS, DIM = 4, 64  # bench/hf_fsdp_memory.py's Llama: FFN 2.75 * DIM, vocab 512
+
+
+def _peak_memory():
+    sys.path.insert(0, str(BENCH))
+    import hf_fsdp_memory
+
+    return {side: hf_fsdp_memory.step_peak(side, layers=LAYERS, dim=DIM, rows=1, seq=8, steps=1)
+            for side in ("whole", "per-block")}
+
+
+def test_per_block_peak_memory_is_below_whole_model_gather():
+    # Peak bytes of the tensors the gradient step (forward, backward, reductions) creates on
+    # each rank (bench/hf_fsdp_memory.py, a dispatch mode: exact and repeatable; the
+    # profiler's numbers are in bench/README.md). The whole-model gather holds every
+    # gathered parameter and every full gradient at once; per block holds the root, the
+    # gathered blocks in use and the full gradients of the blocks still being reduced.
+    block_bytes = 4 * (4 * DIM * DIM + 3 * DIM * int(2.75 * DIM))  # one layer's Linear weights, fp32
+    model_bytes = LAYERS * block_bytes + 4 * 2 * 512 * DIM  # the blocks, the embedding and the head
+    for peaks in run_on_ranks(_peak_memory, world_size=2):
+        for (whole, _), (per_block, _) in zip(peaks["whole"], peaks["per-block"]):
+            assert whole >= 2 * model_bytes, whole  # the whole gather holds the model and its gradients
+            assert per_block < whole - 2 * block_bytes, (whole, per_block)
