@@ -344,3 +344,40 @@ def test_per_block_peak_memory_is_below_whole_model_gather():
         for (whole, _), (per_block, _) in zip(peaks["whole"], peaks["per-block"]):
             assert whole >= 2 * model_bytes, whole  # the whole gather holds the model and its gradients
             assert per_block < whole - 2 * block_bytes, (whole, per_block)
+
+
+def _prefetch_and_policy():
+    """Forward only, 4 Llama layers on fsdp=2: for each ``prefetch``, the most all-gathers in
+    flight at once (issued, not yet waited) and the logits' distance to the module's; then
+    ``policy=Policy(param_dtype=float32)``: the gathered bytes and the logits' distance."""
+    mesh = fs.make_mesh({"fsdp": 2})
+    model = hf_models.llama(n_layer=4)
+    apply, params, _ = fs.nn.functionalize(model)
+    specs = fs.parallel.fsdp_specs(params, "fsdp")
+    sharded = fs.shard(params, specs, mesh, uneven=True)
+    tok, _ = hf_models.batch(0, 2)
+    want = model(tok).logits.detach()
+    out = {}
+    for key, kw in [(0, {}), (1, {}), (2, {}), ("f32", {"policy": fs.Policy(param_dtype=torch.float32)})]:
+        wrapped = fs.parallel.fsdp_apply(apply, blocks="model.layers", prefetch=key if key != "f32" else 1, **kw)
+        fwd = fs.shard_map(lambda p, t: wrapped(p, t).logits, mesh=mesh, in_specs=(specs, P()), out_specs=P())
+        with torch.no_grad(), fs.comm_log() as log:
+            logits = fwd(sharded, tok)
+        inflight = peak = 0
+        for e in log.timeline:
+            if e.kind == "all_gather":
+                inflight += 1 if e.what == "issue" else -1
+                peak = max(peak, inflight)
+        out[key] = (peak, log.bytes["all_gather"], (fs.gather(logits).double() - want).abs().max().item())
+    return out
+
+
+def test_prefetch_depth_and_mixed_precision_gathers():
+    for out in run_on_ranks(_prefetch_and_policy, world_size=2):
+        for depth in (0, 1, 2):
+            peak, _, err = out[depth]
+            assert peak == 1 + depth, (depth, peak)  # this block's gather and `depth` blocks ahead
+            assert err < 1e-12, err
+        peak, nbytes, err = out["f32"]
+        assert peak == 2 and nbytes * 2 == out[1][1], (nbytes, out[1][1])  # gathered in float32: half the bytes
+        assert 1e-9 < err < 1e-4, err  # float32 compute: close, and not the float64 result
