@@ -3,8 +3,10 @@
 torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT``. With all of them, :func:`init` starts the default process group
 (nccl when CUDA is available, gloo otherwise). With none of them this is one process
-and :func:`init` does nothing; :func:`ensure_initialized` later starts a one-rank gloo
-group in memory because torch's ``DeviceMesh`` needs a group even for one rank.
+and :func:`init` does nothing; :func:`ensure_initialized` later starts a one-rank group
+in memory because torch's ``DeviceMesh`` needs a group even for one rank: nccl when
+CUDA is available (so one process computes on the GPU, as ``torchrun
+--nproc-per-node 1`` does), else gloo.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from fshard.mesh import failure
 
 __all__ = ["init", "ensure_initialized", "enable_fault_stacks", "DEFAULT_TIMEOUT"]
 
@@ -67,6 +71,8 @@ def init(*, backend: str | None = None, timeout: timedelta | float | None = None
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout(timeout))
+    if world > 1:  # an uncaught error says whether this rank is the cause or a casualty
+        failure.install(dist.distributed_c10d._get_default_store(), rank, world)
 
 
 def enable_fault_stacks(file=None) -> bool:
@@ -104,7 +110,11 @@ def _timeout(timeout: timedelta | float | None) -> timedelta:
 
 
 def ensure_initialized(n_ranks_wanted: int) -> None:
-    """Makes sure a default group exists: torchrun's, or a one-rank in-memory gloo group.
+    """Makes sure a default group exists: torchrun's, or a one-rank in-memory group.
+
+    The one-rank group uses the backend :func:`init` would pick (nccl on a CUDA machine,
+    on the current device), so the mesh of a plain ``python script.py`` computes where
+    the same script under ``torchrun --nproc-per-node 1`` would, not on the CPU.
 
     Raises:
       ValueError: no process group, no torchrun environment, and more than one rank
@@ -123,5 +133,5 @@ def ensure_initialized(n_ranks_wanted: int) -> None:
             f"fs.run_local(fn, world_size={n_ranks_wanted})."
         )
     dist.init_process_group(
-        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=DEFAULT_TIMEOUT
+        _default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=DEFAULT_TIMEOUT
     )

@@ -37,6 +37,7 @@ from fshard import tree as tree_util
 from fshard.parallel.groups import Gather, Groups, Sink, saved_as_tokens
 from fshard.transforms.policy import Policy
 from fshard.transforms.remat import remat as remat_fn
+from fshard.transforms.remat import saves_gathers
 
 __all__ = ["scan_layers", "gather_params", "fsdp_loop", "offload_shards"]
 
@@ -61,6 +62,18 @@ def _shard_dims(leaves: Sequence[torch.Tensor], axes: tuple[str, ...], dim: int 
         hits = [d for d in range(x.dim()) if spec is not None and set(spec.dim_axes(d)) & set(axes)]
         dims.append(hits[0] if hits else 0)
     return dims
+
+
+def _refuse_functorch(what: str, leaves: Sequence[Any]) -> None:
+    """The group machinery reduces gradients as side effects of autograd's backward (async
+    collectives started by one node and collected by another), which torch.func's
+    functional transforms cannot carry: say so instead of failing deep inside backward."""
+    if any(isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves):
+        raise RuntimeError(
+            f"fs.parallel.{what} was called under a torch.func transform (grad, vjp, vmap, ...). Its "
+            f"gathers and gradient reductions run through torch.autograd: differentiate with "
+            f"fs.value_and_grad / fs.grad (inside or outside the shard_map body) or torch.autograd.grad."
+        )
 
 
 def _check_same_structure(layer_params: Sequence[Any]) -> None:
@@ -218,7 +231,10 @@ def scan_layers(
         it (``make_mesh({"fsdp_out": 2, "fsdp_in": 2})``, ``axis=("fsdp_out", "fsdp_in")``).
       remat: recompute each layer in backward (activation checkpointing); its gather
         is redone inside the recomputation.
-      remat_policy: a :func:`fshard.remat` policy for ``remat``.
+      remat_policy: a :func:`fshard.remat` policy for ``remat``. One that saves
+        collectives (``"save_collectives"``, ``"dots_saveable"``) keeps each block's
+        gathered parameters from forward to its backward (no regather there); one that
+        does not redoes the gather inside the recomputation.
       policy: mixed precision (gather in ``param_dtype``, reduce in ``reduce_dtype``).
       dim: the sharded dim of every leaf (default: inferred per leaf).
       forward_prefetch: explicit lists: ``forward_prefetch[i]`` = layers whose gathers
@@ -271,6 +287,7 @@ def scan_layers(
         leaves, d = tree_util.tree_flatten(p)
         flat_layers.append(leaves)
         defs.append(d)
+    _refuse_functorch("scan_layers", [x for ls in flat_layers for x in ls] + tree_util.leaves(x))
     # The partial slice is only worth keeping when the layer is resharded at all.
     keep_axes = post_axes if reshard and not remat else ()
     state = Groups(flat_layers, shard_axes, rep_axes,
@@ -298,11 +315,23 @@ def scan_layers(
         with _reshard_hooks(state, i, bwd[i], full):
             return block_fn(params, h)
 
+    # A policy that saves collectives' results keeps the gathered parameters for backward:
+    # the gather then runs before the checkpointed region (its result is the region's saved
+    # input) and only the block is recomputed. Gathering inside the region instead would
+    # wait there on a gather started outside it, which selective checkpointing cannot replay.
+    gather_outside = remat and saves_gathers(remat_policy)
+
+    def block(i: int, full: list[torch.Tensor], h: Any) -> Any:
+        return block_fn(tree_util.tree_unflatten(defs[i], full), h)
+
     for i in range(n_layers):
         state.start_gather(i)
         for j in fwd[i]:
             state.start_gather(j)
-        if remat:
+        if gather_outside:
+            full = _gather(state, i, sunk_layers[i], tags)
+            x = remat_fn(lambda full, h, i=i: block(i, full, h), policy=remat_policy)(full, x)
+        elif remat:
             x = remat_fn(lambda leaves, h, i=i: layer(i, leaves, h), policy=remat_policy)(sunk_layers[i], x)
         else:
             x = layer(i, sunk_layers[i], x)
@@ -364,6 +393,7 @@ def gather_params(
     leaves, treedef = tree_util.tree_flatten(params)
     if not leaves:
         return params
+    _refuse_functorch("gather_params", leaves)
     shard_axes, rep_axes = _as_axes(axis), _as_axes(replicate_axis)
     state = Groups([leaves], shard_axes, rep_axes, [_shard_dims(leaves, shard_axes, dim)], policy or Policy(),
                    accumulator=accumulate, sync=sync, offload=offload)

@@ -51,14 +51,14 @@ def _assert_crash_report(text: str) -> None:
 
 
 def test_pool_rank_segfault_prints_python_stacks():
-    with pytest.raises(RuntimeError, match=r"rank 1 died \(exit code -11, SIGSEGV\)") as info:
+    with pytest.raises(RuntimeError, match=r"rank 1 died \(killed by SIGSEGV, exit code -11\)") as info:
         run_on_ranks(_segfault_on_rank_1, world_size=2, timeout_s=60)
     _assert_crash_report(str(info.value))
     assert run_on_ranks(_rank_of, world_size=2) == [0, 1]  # the pool is rebuilt
 
 
 def test_run_local_rank_segfault_prints_python_stacks():
-    with pytest.raises(RuntimeError, match=r"rank 1 died \(exit code -11, SIGSEGV\)") as info:
+    with pytest.raises(RuntimeError, match=r"rank 1 died \(killed by SIGSEGV, exit code -11\)") as info:
         fs.run_local(_segfault_on_rank_1, world_size=2, timeout_s=60)
     _assert_crash_report(str(info.value))
 
