@@ -158,10 +158,9 @@ def test_pipeline_data_parallel_gradient_reductions_one_at_a_time():
 def _remat_block_with_collective(policy):
     # The rule waits, inside whichever code starts the next collective, for the previous
     # one on the group. Here that happens inside a checkpointed block: the block's pmean
-    # over the FSDP axis completes a prefetched gather in forward, and a reduce-scatter of
-    # a later layer when backward recomputes it. Selective checkpointing replays saved
-    # collective outputs in order, so an extra wait on one side only would hand a block the
-    # wrong tensor: the gradients would be wrong.
+    # over the FSDP axis completes a prefetched gather in forward. Selective checkpointing
+    # replays saved collective outputs in order, so an extra wait on one side only could
+    # hand a block the wrong tensor: the gradients would be wrong.
     n = dist.get_world_size()
     mesh = fs.make_mesh({"d": n})
     g = torch.Generator().manual_seed(0)
@@ -172,7 +171,9 @@ def _remat_block_with_collective(policy):
 
     def blk(lp, z):
         h = torch.tanh(z @ lp["w"])
-        return h + 0.1 * fs.lax.pmean(h, "d")
+        # tanh after the pmean: backward needs its output, so the recomputation runs
+        # through the collective (it stops at the last saved tensor it needs).
+        return h + 0.1 * torch.tanh(fs.lax.pmean(h, "d"))
 
     def body(p, x, y):
         h = fs.parallel.scan_layers(blk, p["layers"], x, axis="d", prefetch=2, remat=True, remat_policy=policy)
@@ -188,14 +189,22 @@ def _remat_block_with_collective(policy):
         for lp in p["layers"]:
             hs = [torch.tanh(h @ lp["w"]) for h in hs]
             mean = sum(hs) / n
-            hs = [h + 0.1 * mean for h in hs]
+            hs = [h + 0.1 * torch.tanh(mean) for h in hs]
         return sum(((h - t) ** 2).mean() for h, t in zip(hs, y.chunk(n))) / n
 
     expected = fs.grad(ref)(params)
     return max((a - b).abs().max().item() for a, b in zip(fs.tree.leaves(fs.gather(grads)), fs.tree.leaves(expected)))
 
 
-@pytest.mark.parametrize("policy", [None, "save_collectives", "dots_saveable"])
+_SAC_BUG = pytest.mark.xfail(
+    strict=True, raises=Exception,
+    reason="scan_layers(remat=True) with a policy that saves collectives fails on main too (with and without "
+           "one_at_a_time): the recomputation gets a gathered parameter where the block's pmean was "
+           "(CheckpointError, shape (64,) for (2, 8)); scan.py is the lead's, reported there")
+
+
+@pytest.mark.parametrize("policy", [None, pytest.param("save_collectives", marks=_SAC_BUG),
+                                    pytest.param("dots_saveable", marks=_SAC_BUG)])
 def test_remat_block_with_a_collective_on_the_fsdp_group(policy):
     for diff in run_on_ranks(_remat_block_with_collective, policy, world_size=2):
         assert diff < 1e-10
