@@ -968,16 +968,23 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     try:
-        record(main)()  # under torchrun, its report shows the failing rank's traceback
+        main()
     except (ConfigError, NonFiniteError, fs.checkpoint.CheckpointError) as e:
         # Every rank raises these alike (the checkpoint's checks agree across ranks), so
         # one line from rank 0 says it all.
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"train_lm.py: error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
+    except Exception as e:
+        # Under torchrun, the error file puts this traceback in its report (what @record
+        # does). Not for a rank that only lost a peer: torchrun stops such ranks with
+        # SIGTERM, and a file cut short by it crashes torchrun's report.
+        if not fs.mesh.failure.is_peer_lost(e):
+            get_error_handler().record_exception(e)
+        raise
     # Only after a clean run: after an error, other ranks may be gone, and this rank must
     # exit (and fs.init's hook say why) without waiting on them.
     if dist.is_initialized():

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CommLog", "Event", "comm_log", "mark", "record", "all_reduce", "all_gather", "reduce_scatter",
            "all_to_all", "permute", "Handle", "all_gather_async", "reduce_scatter_async",
-           "backend_of", "p2p_via_host"]
+           "backend_of", "p2p_via_host", "one_at_a_time"]
 
 _F = torch.ops._c10d_functional
 _LOGS: contextvars.ContextVar[tuple["CommLog", ...]] = contextvars.ContextVar("fshard_comm_logs", default=())
@@ -214,39 +214,98 @@ def all_reduce_async(x: torch.Tensor, group, op: str = "sum", *, axes: Sequence[
     ``wait()``) rather than into a new tensor: on CPU a fresh multi-MB buffer costs a page
     fault per 4 KiB page on first write, every step.
     """
+    one_at_a_time(group)
     with _named(axes):
         if inplace:
-            return Handle(_F.all_reduce_(x, op, group.group_name))
-        return Handle(_F.all_reduce(x.contiguous(), op, group.group_name))
+            return Handle(_F.all_reduce_(x, op, group.group_name), group=group)
+        return Handle(_F.all_reduce(x.contiguous(), op, group.group_name), group=group)
 
 
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+# One collective in flight per gloo process group (docs/reliability.md).
+#
+# gloo runs a group's collectives on two worker threads, so two collectives in flight on
+# one group (an FSDP layer's reduce-scatter beside the next one's, or beside a prefetched
+# all-gather) execute at the same time. With torch 2.13's gloo that corrupts the heap now
+# and then: a rank dies of SIGSEGV or of glibc's "malloc(): unaligned tcache chunk
+# detected", and a core dump shows a freed chunk overwritten with the vtable pointer of
+# the control block of a gloo tcp::UnboundBuffer while both workers of the group were
+# running all-reduces. fshard therefore starts a collective on a gloo group only after
+# the previous one it started there has completed. Compute still overlaps communication
+# (the worker thread runs beside the caller); what is given up is two collectives of one
+# group running at once, which on one host share the same loopback anyway.
+_LAST: dict[str, "Handle"] = {}
+# Keyed by id, name and device type: a destroyed group's id may be reused by a new group,
+# group names restart after destroy_process_group(), and a composite group
+# ("cpu:gloo,cuda:nccl") uses gloo only for some devices.
+_IS_GLOO: dict[tuple[int, str, str], bool] = {}
+
+
+def _is_gloo(group, device_type: str) -> bool:
+    key = (id(group), group.group_name, device_type)
+    known = _IS_GLOO.get(key)
+    if known is None:
+        try:
+            known = backend_of(group, device_type) == "gloo"
+        except (RuntimeError, ValueError):  # not a registered group (e.g. destroyed): no claim, not cached
+            return False
+        _IS_GLOO[key] = known
+    return known
+
+
+def one_at_a_time(group) -> None:
+    """Waits for the collective fshard still has in flight on ``group`` (gloo groups only).
+
+    Called before every collective fshard issues, so that at most one of them is in
+    flight per gloo process group (see the note above). A no-op on other backends.
+    """
+    prev = _LAST.pop(group.group_name, None)
+    if prev is not None and prev._group is group:
+        prev._complete()
+
+
 class Handle:
-    """A collective in flight; ``wait()`` returns its result."""
+    """A collective in flight; ``wait()`` returns its result.
 
-    __slots__ = ("_tensor", "_post")
+    On a gloo group it is the group's only collective in flight: the next one fshard
+    starts there completes it first (``wait()`` then returns at once).
+    """
 
-    def __init__(self, tensor: torch.Tensor, post=None) -> None:
-        self._tensor, self._post = tensor, post
+    __slots__ = ("_tensor", "_post", "_group", "_done")
+
+    def __init__(self, tensor: torch.Tensor, post=None, group=None) -> None:
+        self._tensor, self._post, self._group, self._done = tensor, post, group, False
+        if group is not None and _is_gloo(group, tensor.device.type):
+            _LAST[group.group_name] = self
+
+    def _complete(self) -> None:
+        if not self._done:
+            self._tensor = _F.wait_tensor(self._tensor)
+            self._done = True
 
     def wait(self) -> torch.Tensor:
-        out = _F.wait_tensor(self._tensor)
-        return self._post(out) if self._post is not None else out
+        self._complete()
+        group = self._group
+        if group is not None and _LAST.get(group.group_name) is self:
+            del _LAST[group.group_name]
+        return self._post(self._tensor) if self._post is not None else self._tensor
 
 
 def all_reduce(x: torch.Tensor, group, op: str, *, axes: Sequence[str]) -> torch.Tensor:
     """All-reduce (``op`` in sum/max/min/avg) of ``x`` over ``group``; a new tensor."""
+    one_at_a_time(group)
     with _named(axes):
         return _F.wait_tensor(_F.all_reduce(x.contiguous(), op, group.group_name))
 
 
 def all_gather_async(x: torch.Tensor, group, n: int, *, axes: Sequence[str] = ()) -> Handle:
     """Starts an all-gather along dim 0 (result ``(n * x.shape[0], ...)``, group rank order)."""
+    one_at_a_time(group)
     with _named(axes):
-        return Handle(_F.all_gather_into_tensor(x.contiguous(), n, group.group_name))
+        return Handle(_F.all_gather_into_tensor(x.contiguous(), n, group.group_name), group=group)
 
 
 def all_gather(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.Tensor:
@@ -257,8 +316,9 @@ def all_gather(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.
 def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *,
                          axes: Sequence[str] = ()) -> Handle:
     """Starts a reduce-scatter along dim 0 (``x.shape[0]`` divisible by ``n``)."""
+    one_at_a_time(group)
     with _named(axes):
-        return Handle(_F.reduce_scatter_tensor(x.contiguous(), op, n, group.group_name))
+        return Handle(_F.reduce_scatter_tensor(x.contiguous(), op, n, group.group_name), group=group)
 
 
 def reduce_scatter(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.Tensor:
@@ -269,6 +329,7 @@ def reduce_scatter(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> to
 def all_to_all(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.Tensor:
     """Splits dim 0 into ``n`` chunks, sends chunk j to group rank j, concatenates received chunks."""
     split = [x.shape[0] // n] * n
+    one_at_a_time(group)
     with _named(axes):
         return _F.wait_tensor(_F.all_to_all_single(x.contiguous(), split, split, group.group_name))
 
@@ -310,6 +371,7 @@ def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *
     via_host = p2p_via_host(group, x.device)
     wire = x.cpu() if via_host else x
     out = torch.zeros_like(wire)
+    one_at_a_time(group)
     ops = []
     for src, dst in sends:
         if src == me and dst == me:

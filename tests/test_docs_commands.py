@@ -53,6 +53,17 @@ NOT_RUN_HERE = {
     r"python -m pytest -q": "the suite itself; .ci/run runs the README's test command verbatim",
     r"python tools/mutations\.py": ".ci/run runs it after the suite (it reruns test files on mutated copies; "
                                    "tests/test_mutations_table.py checks its table)",
+    # docs/reliability.md: the crash hunt's long runs, rerunnable by hand.
+    r"ulimit -c unlimited": "a shell builtin: core files for the hunts that follow it in the same shell",
+    r"(GLIBC_TUNABLES=\S+ LD_PRELOAD=\S+ PYTHONMALLOC=debug |taskset -c 0 )?nice -n (10|19) "
+    r"python tools/soak\.py --minutes \d+ .*": "a soak of 30 minutes to hours; tests/test_soak.py runs "
+                                              "tools/soak.py end to end on a tiny run",
+    r"PYTHONPATH=\. nice -n 10 python tools/stress_(overlap|micro)\.py .*": "a stress hunt of hours; the "
+                                                                        "pattern it stresses is pinned by "
+                                                                        "tests/test_comm_one_at_a_time.py",
+    r"PYTHONPATH=\.:tools python -m pytest .*": "the suite's own multi-rank modules, looped for the hunt",
+    r"python bench/(fsdp|ddp)\.py --steps 10": "a timing benchmark, minutes a run on a CI machine; its "
+                                              "numbers are reported, not checked",
 }
 # Placeholders of the multi-node command, as one node of 2 CPU ranks on loopback.
 MULTI_NODE = [(r"--nnodes N\b", "--nnodes 1"), (r"--node-rank \$NODE_RANK", "--node-rank 0"),

@@ -54,7 +54,8 @@ _ERROR = re.compile(r"Fatal Python error|malloc\(\)|free\(\)|corrupt|double free
 _SIGNAL = re.compile(r"Signal (\d+) \((SIG\w+)\)")
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _RANK = re.compile(r"\brank\s*:\s*(\d+)")
-_STEP = re.compile(r"step\s+(\d+)/(\d+)")
+_STEP = re.compile(r"step\s+(\d+)/(\d+)")  # the example's progress line without tqdm
+_TQDM = re.compile(r"\|\s*(\d+)/(\d+) \[")  # tqdm's bar: " 83%|########  | 331/400 [06:37<02:01, ..."
 
 
 @attrs.define
@@ -76,9 +77,10 @@ class Run:
 
 def first_error_line(text: str) -> str | None:
     """The first line that says what failed (a fatal signal, glibc's heap report, an exception)."""
-    for line in text.splitlines():
-        if _ERROR.search(line):
-            return line.strip()[:300]
+    for line in text.replace("\r", "\n").splitlines():
+        m = _ERROR.search(line)
+        if m:  # from the match on: a progress bar may share the line
+            return line[m.start():].strip()[:300]
     return None
 
 
@@ -105,8 +107,8 @@ def crash_signal(text: str, returncode: int | None) -> str | None:
 
 
 def steps_done(text: str) -> int:
-    """The last step the progress lines (``--log-every 1``) reported."""
-    found = _STEP.findall(text)
+    """The last step the progress output reported (``--log-every 1`` lines, or tqdm's bar)."""
+    found = _STEP.findall(text) or _TQDM.findall(text)
     return int(found[-1][0]) if found else 0
 
 

@@ -102,6 +102,39 @@ def body(iters: int, seed: int, threads: int, funcol: int) -> int:
     return checks
 
 
+def body_hsdp(iters: int, seed: int, sizes: tuple[int, ...]) -> int:
+    """HSDP's backward as fshard issues it on a dp x fsdp mesh: per layer a reduce-scatter
+    over fsdp (on gloo: an all-reduce of a clone, on a worker thread), a layer's prefetched
+    all-gather over fsdp in flight beside it, then, at the end of backward, each
+    reduce-scatter waited and its shard all-reduced over dp (synchronously)."""
+    import torch.distributed as dist
+
+    import fshard as fs
+    from fshard import comm
+
+    mesh = fs.make_mesh({"dp": 2, "fsdp": dist.get_world_size() // 2})
+    fsdp, dp = mesh.group("fsdp"), mesh.group("dp")
+    n = mesh.axis_size("fsdp")
+    r = mesh.axis_index("fsdp")
+    checks = 0
+    for it in range(iters):
+        pending = []
+        for k, m in enumerate(sizes):  # backward, last layer first
+            g = torch.full((n * m,), float(k + 1), dtype=torch.float32)
+            pending.append((k, comm.reduce_scatter_async(g, fsdp, n)))
+            ag = comm.all_gather_async(torch.full((m,), float(r), dtype=torch.float32), fsdp, n)
+            x = torch.randn(64, 64)
+            x = x @ x  # the next layer's backward compute
+            out = ag.wait()
+            assert out[-1] == n - 1, "ag"
+        for k, h in pending:
+            shard = h.wait()
+            total = comm.all_reduce(shard, dp, "sum", axes=("dp",))
+            assert torch.all(total == 2 * n * (k + 1)), "rs+ar"
+            checks += 1
+    return checks
+
+
 class _W:
     def __init__(self, work, out):
         self.work, self.out = work, out
@@ -120,11 +153,18 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2, help="gloo worker threads of the group")
     ap.add_argument("--funcol", type=int, default=1, help="1: functional collectives (as fshard.comm)")
+    ap.add_argument("--hsdp", action="store_true",
+                    help="HSDP's backward on a dp=2 x fsdp mesh (per-layer reduce-scatters beside "
+                         "all-gathers, then all-reduces over dp) instead of the 1-D pattern")
     a = ap.parse_args()
     fails, t0 = 0, time.time()
     for c in range(a.calls):
         try:
-            run_on_ranks(body, a.iters, c, a.threads, a.funcol, world_size=a.world, timeout_s=900)
+            if a.hsdp:
+                run_on_ranks(body_hsdp, a.iters, c, (49_152, 49_152, 8_192, 130_000), world_size=a.world,
+                             timeout_s=900)
+            else:
+                run_on_ranks(body, a.iters, c, a.threads, a.funcol, world_size=a.world, timeout_s=900)
         except Exception as e:  # noqa: BLE001 - count and show every failure
             fails += 1
             print(f"[{c}] FAILED: {''.join(traceback.format_exception_only(type(e), e))[:4000]}", flush=True)

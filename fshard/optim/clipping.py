@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fshard import comm
 from fshard import tree as tree_util
 from fshard.optim.base import (
     EmptyState,
@@ -104,6 +105,7 @@ def _sum_over(squares: torch.Tensor, axes: tuple[str, ...], leaves: list[Any]) -
         return squares
     # Every rank computes in the same dtype, whatever leaves it holds (or none).
     out = squares.to(dtype=torch.float64, device=mesh.device)
+    comm.one_at_a_time(mesh.group(axes))  # one collective at a time per gloo group (fshard.comm)
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.group(axes))
     return out.to(torch.float64 if squares.dtype == torch.float64 else torch.float32)
 
@@ -136,6 +138,7 @@ def _mesh_sum_squares(group: list[tuple[str, DTensor]], acc: torch.dtype) -> tor
     device = to_locals([group[0][1]])[0].device
     total = _sum_squares(local, acc).to(device) if local else torch.zeros((), dtype=acc, device=device)
     for pg in _groups_over(mesh, reduce_dims):
+        comm.one_at_a_time(pg)  # one collective at a time per gloo group (fshard.comm)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pg)
     return total
 

@@ -371,15 +371,16 @@ class _GradReducer:
             by_dtype.setdefault(grads[i].dtype, []).append(i)
         for members in by_dtype.values():
             flat = torch.cat([grads[i].reshape(-1) for i in members])
-            comm.record("psum", self.data, flat.numel() * flat.element_size())
-            work = dist.all_reduce(flat, group=self.mesh.group(self.data), async_op=True)
-            self.pending.append((stage, members, flat, work))
+            # Through fshard.comm: counted by comm_log, and one at a time per gloo group
+            # (docs/reliability.md), reduced in place (the cat is ours alone).
+            handle = comm.all_reduce_async(flat, self.mesh.group(self.data), axes=self.data, inplace=True)
+            self.pending.append((stage, members, flat, handle))
 
     def finish(self, executor: Executor) -> None:
         for stage in sorted(self.reduce):
             self.launch(stage, executor)
-        for stage, members, flat, work in self.pending:
-            work.wait()
+        for stage, members, flat, handle in self.pending:
+            flat = handle.wait()
             grads, offset = executor.grads[stage], 0
             for i in members:
                 n = grads[i].numel()
@@ -399,10 +400,12 @@ def _mean_loss(executor: Executor, schedule: Schedule, mesh: Mesh, axis: str,
     if schedule.n_ranks > 1:
         group = mesh.group(axis)
         comm.record("broadcast", (axis,), buf.numel() * buf.element_size())
+        comm.one_at_a_time(group)
         dist.broadcast(buf, dist.get_global_rank(group, schedule.last_rank), group=group)
     if data and mesh.axis_size(data) > 1:
         value = buf[:1].clone()
         comm.record("psum", data, value.numel() * value.element_size())
+        comm.one_at_a_time(mesh.group(data))
         dist.all_reduce(value, group=mesh.group(data))
         buf[0] = value[0] / mesh.axis_size(data)
     return buf[0].to(codes[int(buf[1])])
