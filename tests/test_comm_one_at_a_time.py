@@ -196,15 +196,7 @@ def _remat_block_with_collective(policy):
     return max((a - b).abs().max().item() for a, b in zip(fs.tree.leaves(fs.gather(grads)), fs.tree.leaves(expected)))
 
 
-_SAC_BUG = pytest.mark.xfail(
-    strict=True, raises=Exception,
-    reason="scan_layers(remat=True) with a policy that saves collectives fails on main too (with and without "
-           "one_at_a_time): the recomputation gets a gathered parameter where the block's pmean was "
-           "(CheckpointError, shape (64,) for (2, 8)); scan.py is the lead's, reported there")
-
-
-@pytest.mark.parametrize("policy", [None, pytest.param("save_collectives", marks=_SAC_BUG),
-                                    pytest.param("dots_saveable", marks=_SAC_BUG)])
+@pytest.mark.parametrize("policy", [None, "save_collectives", "dots_saveable"])
 def test_remat_block_with_a_collective_on_the_fsdp_group(policy):
     for diff in run_on_ranks(_remat_block_with_collective, policy, world_size=2):
         assert diff < 1e-10

@@ -24,12 +24,16 @@ from fshard.transforms.vma import VmaMode
 
 __all__ = ["remat", "checkpoint_policies"]
 
+# The collectives themselves, not ``wait_tensor``: a saved collective's output is replayed
+# already complete, and waiting on it again is a no-op. Saving waits would also record waits
+# on collectives started outside the region (a prefetched gather that the next collective on
+# its gloo group completes first: comm.one_at_a_time), which the recomputation never
+# replays, and selective checkpointing would hand their results to the wrong op.
 _COLLECTIVE_OPS = {
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_to_all_single.default,
-    torch.ops._c10d_functional.wait_tensor.default,
 }
 _DOT_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.baddbmm.default, torch.ops.aten.linear.default,
