@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from fshard import lax
+from fshard import comm, lax
 from fshard import meta as meta_util
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
@@ -247,6 +247,7 @@ def _check_promise(name: str, mesh: Mesh, path: str, x: torch.Tensor, spec: Part
         d = x.detach()
         hi = (d.float() if not d.is_floating_point() else d).clone()
         lo = hi.clone()
+        comm.one_at_a_time(group)  # nothing of fshard's may still be in flight on a gloo group
         dist.all_reduce(hi, dist.ReduceOp.MAX, group=group)
         dist.all_reduce(lo, dist.ReduceOp.MIN, group=group)
         diff = float((hi - lo).abs().max()) if d.numel() else 0.0
