@@ -396,6 +396,9 @@ def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *
     memory (:func:`p2p_via_host`).
     """
     x = x.contiguous()
+    if torch._guards.detect_fake_mode(x) is not None:  # fs.jit tracing: would run once, at trace time
+        raise NotImplementedError("fs.lax.ppermute cannot be captured by fs.jit yet (point-to-point "
+                                  "transfers are not functional collectives); call it outside fs.jit.")
     via_host = p2p_via_host(group, x.device)
     wire = x.cpu() if via_host else x
     out = torch.zeros_like(wire)
