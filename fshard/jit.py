@@ -226,6 +226,7 @@ class Jitted:
             return self._failed("trace", e)
         finally:
             comm._LOGS.reset(outer)
+        _functional_collectives(gm)
         if self._backend is None:
             run = gm
         else:
@@ -263,6 +264,35 @@ class _FirstCallChecked:
 
 
 # --- helpers -------------------------------------------------------------------------------
+def _functional_collectives(gm) -> None:
+    """Rewrites in-place all-reduces (``fs.parallel``'s DDP buckets reduce in place) as
+    out-of-place ones whose waited result is copied back: AOTAutograd cannot functionalize
+    a custom op that mutates its input, and Inductor reorders the copy as it likes."""
+    graph, changed = gm.graph, False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _C10D.all_reduce_.default:
+            continue
+        buf = node.args[0]
+        with graph.inserting_before(node):
+            fresh = graph.call_function(_C10D.all_reduce.default, node.args, node.kwargs)
+        for user in list(node.users):
+            if user.target is not _C10D.wait_tensor.default:
+                raise JitCaptureError(f"fs.jit: an in-place all-reduce is used by {user.format_node()} before "
+                                      f"its wait; only a waited result can be captured.")
+            user.args = (fresh,)
+            with graph.inserting_after(user):
+                back = graph.call_function(torch.ops.aten.copy_.default, (buf, user))
+            user.replace_all_uses_with(back, delete_user_cb=lambda n, back=back: n is not back)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+
+
+_C10D = torch.ops._c10d_functional
+
+
 def _local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local() if isinstance(x, DTensor) else x
 
@@ -337,7 +367,8 @@ def _capture_message(name: str, stage: str, e: BaseException) -> str:
     ours = [fr for fr in frames if fr.filename.startswith(_OUR_DIR) and not fr.filename.endswith("jit.py")]
     where = user[-1] if user else (ours[-1] if ours else None)
     line = f"{where.filename}:{where.lineno}: {where.line}" if where else "(no Python line found)"
-    cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()][:3]
+    cause = f"{type(e).__name__}: " + " / ".join(lines)[:600]
     hint = ""
     text = str(e)
     if any(s in text for s in ("data-dependent", "Data dependent", "DataDependent", "item()", "data pointer",
