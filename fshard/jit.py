@@ -127,8 +127,16 @@ class Jitted:
         locals_ = [_local(x) for x in leaves if isinstance(x, torch.Tensor)]
         # Dynamo compiles no frame while a dispatch mode (comm_log's) is active: the graph
         # runs without them, and its collectives are replayed into the logs instead.
-        with _disable_current_modes():
-            out = entry.run(*locals_)
+        try:
+            with _disable_current_modes():
+                out = entry.run(*locals_)
+        except JitCaptureError as e:  # the backend failed to compile the captured graph
+            if self._on_error != "eager":
+                raise
+            warnings.warn(f"{e}\nfs.jit runs this signature eagerly (on_capture_error='eager').",
+                          RuntimeWarning, stacklevel=2)
+            self._cache[key] = _Entry(None, None, (), (), entry.graph, eager=True)
+            return self._f(*args, **kwargs)
         _replay(entry.timeline)
         flat, k = [], 0
         for kind, meta in entry.out_leaves:

@@ -7,6 +7,7 @@ together take well under 90 s on an idle 2-core machine.
 
 import logging
 import os
+import warnings
 
 import pytest
 import torch
@@ -259,3 +260,18 @@ def test_jit_captures_the_fs_parallel_layer_loop(mode, backend):
         # FSDP with reshard: 3 groups gathered in forward, the 2 layers regathered in
         # backward, 3 reduce-scatters; replicate: one bucketed all-reduce + the loss.
         assert ecounts == ({"all_gather": 5, "psum_scatter": 3, "psum": 1} if mode == "fsdp" else {"psum": 3}), ecounts
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("this backend always fails")
+
+
+def test_jit_backend_failure_is_a_clear_error_or_an_announced_eager_fallback():
+    with pytest.raises(fs.JitCaptureError, match=r"could not compile \(backend=<function _failing_backend.*always fails"):
+        fs.jit(lambda x: x * 2, backend=_failing_backend)(torch.ones(3))
+    f = fs.jit(lambda x: x * 2, backend=_failing_backend, on_capture_error="eager")
+    with pytest.warns(RuntimeWarning, match="always fails(?s:.*)runs this signature eagerly"):
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # eager from now on, without a second warning
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
