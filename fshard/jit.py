@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
+import sysconfig
 import traceback
 import warnings
 from typing import Any, Callable
@@ -365,13 +365,15 @@ def _replay(timeline: tuple) -> None:
 
 
 _OUR_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+# Frames in these are not "the user's line": torch, installed packages, the standard library.
+_LIB_DIRS = tuple({os.path.dirname(os.path.abspath(torch.__file__))} |
+                  {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")})
 
 
 def _capture_message(name: str, stage: str, e: BaseException) -> str:
     """Names the cause and the innermost line of user code (else of fshard) it came from."""
     frames = traceback.extract_tb(e.__traceback__)
-    user = [fr for fr in frames if not fr.filename.startswith((_TORCH_DIR, _OUR_DIR)) and "<" not in fr.filename]
+    user = [fr for fr in frames if not fr.filename.startswith(_LIB_DIRS + (_OUR_DIR,)) and "<" not in fr.filename]
     ours = [fr for fr in frames if fr.filename.startswith(_OUR_DIR) and not fr.filename.endswith("jit.py")]
     where = user[-1] if user else (ours[-1] if ours else None)
     line = f"{where.filename}:{where.lineno}: {where.line}" if where else "(no Python line found)"

@@ -275,3 +275,19 @@ def test_jit_backend_failure_is_a_clear_error_or_an_announced_eager_fallback():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # eager from now on, without a second warning
         assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def _ppermute_body():
+    mesh = fs.make_mesh({"x": torch.distributed.get_world_size()})
+    f = fs.shard_map(lambda x: fs.lax.ppermute(x, "x", [(0, 1), (1, 0)]), mesh=mesh, in_specs=P("x"),
+                     out_specs=P("x"))
+    try:
+        fs.jit(f, backend=None)(torch.ones(4))
+    except fs.JitCaptureError as e:
+        return str(e)
+    return "captured"
+
+
+def test_jit_refuses_ppermute_rather_than_running_it_once_at_trace_time():
+    for msg in run_on_ranks(_ppermute_body, world_size=2):
+        assert "fs.lax.ppermute cannot be captured by fs.jit yet" in msg and "test_jit.py" in msg, msg
