@@ -34,3 +34,5 @@ def test_notebook_executes(tmp_path, monkeypatch):
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 1                                                   # the schedule plot
     assert "pp rank 1 holds stages [1, 2]" in text                            # a real pipelined step
+    assert "GPT-2 on fsdp=2: loss 4.158299 (one process: 4.158299)" in text   # fsdp_apply on an HF module
+    assert "calls {'all_gather': 5, 'psum': 1, 'psum_scatter': 3}" in text

@@ -256,3 +256,12 @@ def test_implicit_pvary_over_a_size_one_axis_issues_nothing(order):
     for dl, dg, by_axis in run_on_ranks(_size_one_axis_body, order, world_size=2):
         assert dl < 1e-12 and dg < 1e-12
         assert not any("tp" in axes and axes != ("dp", "tp") for _, axes in by_axis), by_axis
+
+
+@pytest.mark.parametrize("policy, saves", [(None, False), ("nothing_saveable", False), ("save_collectives", True),
+                                           ("dots_saveable", True), (lambda op: False, False)])
+def test_remat_policy_saves_gathers(policy, saves):
+    from fshard.transforms.remat import saves_gathers
+
+    assert saves_gathers(policy) is saves
+

@@ -89,7 +89,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no regather starts ahead of its layer's backward (default and explicit lists)"),
     Mutation(
         "remat_ignored", "fshard/parallel/scan.py",
-        "        if remat:\n            x = remat_fn(", "        if False:\n            x = remat_fn(",
+        "        elif remat:\n            x = remat_fn(", "        elif False:\n            x = remat_fn(",
         (f"{B}::test_remat_recomputes_each_block_once_in_backward", f"{B}::test_remat_saves_fewer_activation_bytes"),
         "remat=True stores activations like remat=False"),
     Mutation(

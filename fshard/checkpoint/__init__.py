@@ -26,7 +26,9 @@ all of it on a private gloo group so it never interleaves with training collecti
 
 Interop: :func:`export_state_dict` / :func:`import_state_dict` convert to and from a
 plain ``{module name: full tensor}`` dict, and :func:`to_torch_save` turns a
-checkpoint into a ``torch.save`` file named like the ``nn.Module``.
+checkpoint into a ``torch.save`` file named like the ``nn.Module``. :func:`load_hf` /
+:func:`save_hf` read and write a model's own Hugging Face safetensors checkpoints (each
+rank reads only its slices).
 """
 
 from fshard.checkpoint._common import CheckpointError as CheckpointError
@@ -36,6 +38,7 @@ from fshard.checkpoint._interop import (
     import_state_dict as import_state_dict,
     to_torch_save as to_torch_save,
 )
+from fshard.checkpoint._hf import load_hf as load_hf, save_hf as save_hf
 from fshard.checkpoint._load import load as load, read_metadata as read_metadata
 from fshard.checkpoint._save import PendingSave as PendingSave, save as save, wait as wait
 
@@ -46,8 +49,10 @@ __all__ = [
     "export_state_dict",
     "import_state_dict",
     "load",
+    "load_hf",
     "read_metadata",
     "save",
+    "save_hf",
     "to_torch_save",
     "wait",
 ]

@@ -21,3 +21,9 @@ __all__ += ["MLP_STACK_TP_PLAN", "TRANSFORMER_TP_PLAN", "tp_rules", "tp_specs", 
 
 from fshard.parallel.ep import ep_rules as ep_rules, ep_specs as ep_specs, moe_ffn as moe_ffn, moe_init as moe_init
 __all__ += ["ep_rules", "ep_specs", "moe_ffn", "moe_init"]
+
+from fshard.parallel.module import FSDPApply as FSDPApply, fsdp_apply as fsdp_apply
+__all__ += ["FSDPApply", "fsdp_apply"]
+from fshard.parallel.module_tp import HF_GPT2_TP_PLAN as HF_GPT2_TP_PLAN, HF_LLAMA_TP_PLAN as HF_LLAMA_TP_PLAN
+from fshard.parallel.module_tp import TPApply as TPApply, tp_apply as tp_apply
+__all__ += ["HF_GPT2_TP_PLAN", "HF_LLAMA_TP_PLAN", "TPApply", "tp_apply"]

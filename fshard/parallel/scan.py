@@ -37,6 +37,7 @@ from fshard import tree as tree_util
 from fshard.parallel.groups import Gather, Groups, Sink, saved_as_tokens
 from fshard.transforms.policy import Policy
 from fshard.transforms.remat import remat as remat_fn
+from fshard.transforms.remat import saves_gathers
 
 __all__ = ["scan_layers", "gather_params", "fsdp_loop", "offload_shards"]
 
@@ -230,7 +231,10 @@ def scan_layers(
         it (``make_mesh({"fsdp_out": 2, "fsdp_in": 2})``, ``axis=("fsdp_out", "fsdp_in")``).
       remat: recompute each layer in backward (activation checkpointing); its gather
         is redone inside the recomputation.
-      remat_policy: a :func:`fshard.remat` policy for ``remat``.
+      remat_policy: a :func:`fshard.remat` policy for ``remat``. One that saves
+        collectives (``"save_collectives"``, ``"dots_saveable"``) keeps each block's
+        gathered parameters from forward to its backward (no regather there); one that
+        does not redoes the gather inside the recomputation.
       policy: mixed precision (gather in ``param_dtype``, reduce in ``reduce_dtype``).
       dim: the sharded dim of every leaf (default: inferred per leaf).
       forward_prefetch: explicit lists: ``forward_prefetch[i]`` = layers whose gathers
@@ -311,11 +315,23 @@ def scan_layers(
         with _reshard_hooks(state, i, bwd[i], full):
             return block_fn(params, h)
 
+    # A policy that saves collectives' results keeps the gathered parameters for backward:
+    # the gather then runs before the checkpointed region (its result is the region's saved
+    # input) and only the block is recomputed. Gathering inside the region instead would
+    # wait there on a gather started outside it, which selective checkpointing cannot replay.
+    gather_outside = remat and saves_gathers(remat_policy)
+
+    def block(i: int, full: list[torch.Tensor], h: Any) -> Any:
+        return block_fn(tree_util.tree_unflatten(defs[i], full), h)
+
     for i in range(n_layers):
         state.start_gather(i)
         for j in fwd[i]:
             state.start_gather(j)
-        if remat:
+        if gather_outside:
+            full = _gather(state, i, sunk_layers[i], tags)
+            x = remat_fn(lambda full, h, i=i: block(i, full, h), policy=remat_policy)(full, x)
+        elif remat:
             x = remat_fn(lambda leaves, h, i=i: layer(i, leaves, h), policy=remat_policy)(sunk_layers[i], x)
         else:
             x = layer(i, sunk_layers[i], x)

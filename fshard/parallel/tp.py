@@ -77,8 +77,14 @@ def tp_rules(plan: Mapping[str, str], axis: str = "tp", *,
     return rules
 
 
-def tp_specs(params: Any, plan: Mapping[str, str], axis: str = "tp", *, fsdp_axis: str | None = None) -> Any:
+def tp_specs(params: Any, plan: Mapping[str, str], axis: str = "tp", *, fsdp_axis: str | None = None,
+             module: Any = None) -> Any:
     """The specs of a TP (or FSDP x TP) layout: the entry point of this module.
+
+    A plan of module path patterns (``"model.layers.*.mlp.up_proj": "colwise"``, as
+    :data:`fshard.parallel.HF_LLAMA_TP_PLAN`) gives each planned module's weight and bias
+    their split (:func:`fshard.parallel.module_tp.module_tp_specs`; ``module``, the model
+    or its ``apply``, tells ``nn.Linear`` from ``Conv1D`` weights and checks the plan).
 
     Leaves no plan entry matches are replicated over ``axis`` (and FSDP-sharded on
     dim 0 when ``fsdp_axis`` is given). Replicate (DDP) and HSDP axes are the axes no
@@ -89,10 +95,15 @@ def tp_specs(params: Any, plan: Mapping[str, str], axis: str = "tp", *, fsdp_axi
       plan: e.g. :data:`TRANSFORMER_TP_PLAN` or :data:`MLP_STACK_TP_PLAN`.
       axis: the tensor-parallel mesh axis.
       fsdp_axis: the FSDP mesh axis (optional, default None).
+      module: for a module plan, the ``nn.Module`` or its ``apply`` (optional).
 
     Returns:
       A pytree of ``P`` for ``fs.shard(params, specs, mesh, uneven=...)``.
     """
+    from fshard.parallel.module_tp import is_module_plan, module_tp_specs
+
+    if module is not None or is_module_plan(plan):
+        return module_tp_specs(params, plan, axis, fsdp_axis=fsdp_axis, module=module)
     default = P(fsdp_axis) if fsdp_axis else P()
     return match_specs(params, tp_rules(plan, axis, fsdp_axis=fsdp_axis), default=default)
 

@@ -42,6 +42,26 @@ checkpoint_policies: dict[str, Callable[[Any], bool] | None] = {
 }
 
 
+def resolve_policy(policy: str | Callable[[Any], bool] | None) -> Callable[[Any], bool] | None:
+    """The ``op -> bool`` function a policy name stands for (``None``: save nothing).
+
+    Raises:
+      ValueError: an unknown policy name (the known ones are listed).
+    """
+    if isinstance(policy, str):
+        if policy not in checkpoint_policies:
+            raise ValueError(f"remat: unknown policy {policy!r}; choose one of {sorted(checkpoint_policies)} or pass op -> bool.")
+        return checkpoint_policies[policy]
+    return policy
+
+
+def saves_gathers(policy: str | Callable[[Any], bool] | None) -> bool:
+    """Whether ``policy`` saves an all-gather's result (so backward must not regather)."""
+    policy = resolve_policy(policy)
+    return policy is not None and bool(policy(torch.ops._c10d_functional.all_gather_into_tensor.default)
+                                       or policy(torch.ops._c10d_functional.wait_tensor.default))
+
+
 def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = None) -> Callable[..., Any]:
     """Wraps ``f`` so that its intermediate activations are recomputed in backward.
 
@@ -55,10 +75,7 @@ def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = No
     Raises:
       ValueError: an unknown policy name (the known ones are listed).
     """
-    if isinstance(policy, str):
-        if policy not in checkpoint_policies:
-            raise ValueError(f"remat: unknown policy {policy!r}; choose one of {sorted(checkpoint_policies)} or pass op -> bool.")
-        policy = checkpoint_policies[policy]
+    policy = resolve_policy(policy)
 
     def _sac_policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if policy(op) else CheckpointPolicy.PREFER_RECOMPUTE

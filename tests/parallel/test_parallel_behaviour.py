@@ -272,10 +272,9 @@ def test_backward_prefetch_issues_regathers_ahead_of_backward(shape, axis, case)
     (False, False, None, 1, 0),                 # kept: neither
     (True, True, None, 2, 1),                   # recompute, its gather redone inside it
     (True, False, None, 2, 1),                  # remat frees the parameters whatever reshard says
-    pytest.param(True, True, "save_collectives", 2, 0, marks=pytest.mark.xfail(strict=True, reason=(
-        "bug in scan_layers (fshard/parallel/scan.py): with remat_policy the forward region only waits "
-        "on a gather issued outside it, but the recomputation issues it (all_gather_into_tensor), which "
-        "selective checkpointing never stored, so backward raises"))),  # want: the gather's result saved, no regather
+    (True, True, "save_collectives", 2, 0),     # the gather's result saved: no regather
+    (True, True, "dots_saveable", 2, 0),        # saves collectives too
+    (True, True, "nothing_saveable", 2, 1),     # the gather redone inside the recomputation
 ])
 def test_remat_recomputes_each_block_once_in_backward(shape, axis, remat, raf, policy, runs, bwd_gathers):
     cfg = dict(remat=remat, reshard_after_forward=raf, remat_policy=policy)

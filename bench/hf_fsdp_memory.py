@@ -1,0 +1,239 @@
+"""Peak memory of per-block FSDP (``fs.parallel.fsdp_apply``) vs a whole-model gather, on a
+Hugging Face Llama built from a random config.
+
+    python bench/hf_fsdp_memory.py [--layers 8] [--dim 256] [--world-size 2]
+
+Both sides train the same ``transformers.LlamaForCausalLM`` through ``fs.nn.functionalize``
+on the same fsdp mesh, fp32, AdamW: ``whole`` gathers every parameter with one
+``fs.parallel.gather_params`` before the forward (what FSDP over a module was before
+``fsdp_apply``), ``per-block`` wraps the apply with ``fsdp_apply(blocks="model.layers")``
+(one group per decoder layer, prefetch 1, reshard after forward). Each side runs alone in
+fresh processes under ``torch.profiler`` with ``profile_memory=True`` (the method of
+``bench/data_parallel.py``, with a ``gc.collect()`` before each step); reported per rank:
+live CPU tensor bytes before the first step (parameter shards, optimizer state, and the
+module's own full-size tensors, which ``functionalize`` leaves in place) + the smallest
+increase from a step's start to its peak over ``--steps`` steps = the peak (see
+:func:`summary` for why the smallest). gloo's buffers and Python objects are not counted.
+
+The profiler's running total misses some frees done on gloo's threads, so its numbers
+vary by whole buffers from run to run. The first table comes from :class:`LiveTensorBytes`
+instead (a dispatch mode that counts each storage an op creates until its last tensor
+dies): the peak of the tensors created during the gradient step alone, and during the
+whole step with the update; it is exact and repeatable, and it is what
+``tests/parallel/test_parallel_module.py`` checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fshard as fs
+from fshard import P
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _model(layers: int, dim: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=dim, intermediate_size=int(2.75 * dim), num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                      bos_token_id=0, eos_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def make_step(side: str, layers: int, dim: int, rows: int, seq: int, dtype: torch.dtype = torch.float32):
+    """Two closures for one training step of ``side`` ("whole" or "per-block") on this rank:
+    ``grad_step() -> (loss, grads)`` (forward, backward and the gradient reductions) and
+    ``update(grads)`` (the AdamW update of the sharded parameters)."""
+    mesh = fs.make_mesh({"fsdp": dist.get_world_size()})
+    apply, params, _ = fs.nn.functionalize(_model(layers, dim).to(dtype))
+    specs = fs.parallel.fsdp_specs(params, "fsdp")
+    if side == "per-block":
+        wrapped = fs.parallel.fsdp_apply(apply, blocks="model.layers", axis="fsdp")
+    else:
+        def wrapped(p, tok):
+            return apply(fs.parallel.gather_params(p, axis="fsdp"), tok)
+
+    def loss_fn(p, tok):
+        logits = wrapped(p, tok[:, :-1]).logits
+        return fs.lax.pmean(F.cross_entropy(logits.flatten(0, 1), tok[:, 1:].flatten()), "fsdp")
+
+    step = fs.shard_map(fs.value_and_grad(loss_fn), mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=(P(), specs))
+    opt = fs.optim.adamw(1e-3)
+    box = {"p": fs.shard(params, specs, mesh, uneven=True)}
+    box["s"] = opt.init(box["p"])
+    n = rows * dist.get_world_size()
+    tok = torch.randint(0, 512, (n, seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def grad_step():
+        return step(box["p"], tok)
+
+    def update(grads) -> None:
+        updates, box["s"] = opt.update(grads, box["s"], box["p"])
+        box["p"] = fs.optim.apply_updates(box["p"], updates)
+
+    return grad_step, update
+
+
+def step_memory(side: str, layers: int, dim: int, rows: int, seq: int, steps: int = 5,
+                dtype: torch.dtype = torch.float32) -> tuple[list[tuple[int, int]], float]:
+    """Per step, ``(live bytes at its start, peak live bytes during it)`` on this rank, and
+    the last loss. Live bytes: the profiler's running total of CPU tensor storage."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.set_num_threads(1)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        grad_step, update = make_step(side, layers, dim, rows, seq, dtype)
+        for i in range(steps):
+            gc.collect()  # garbage from the previous step (reference cycles) would count as live
+            dist.barrier()
+            with record_function(f"bench_step_{i}"):
+                loss, grads = grad_step()
+                update(grads)
+                loss = loss.item()
+                del grads
+    stack, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while stack:
+        e = stack.pop()
+        events.append(e)
+        stack.extend(e.children)
+    allocs = sorted((e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    out = []
+    for i in range(steps):
+        mark = next(e for e in events if e.name == f"bench_step_{i}")
+        before = [e.extra_fields.total_allocated for e in allocs if e.start_time_ns < mark.start_time_ns]
+        during = [e.extra_fields.total_allocated for e in allocs
+                  if mark.start_time_ns <= e.start_time_ns <= mark.end_time_ns]
+        start = before[-1] if before else 0
+        out.append((start, max(during, default=start)))
+    return out, loss
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Live bytes of the tensor storage that ops create while the mode is on, and their peak.
+
+    Each new storage an op returns is counted until the last tensor on it dies (a
+    ``weakref.finalize`` on each tensor: torch keeps a tensor's Python object as long as
+    autograd or a collective holds the tensor, so it fires when the memory is released, on
+    whichever thread does it). Tensors that existed before the mode are not counted (nor
+    views of them, nor in-place results), nor what a tensor subclass (DTensor) computes
+    inside its own dispatch.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, tensors on it]
+        self.total = self.peak = 0
+        self._lock = threading.Lock()
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            entry = self.live.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.live[key]
+                self.total -= entry[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if type(t) is torch.Tensor}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if type(t) is not torch.Tensor or t.device.type != "cpu":
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key == 0:
+                continue
+            with self._lock:
+                entry = self.live.get(key)
+                if entry is None and key in inputs:
+                    continue  # a view (or in-place result) of memory that existed before the mode
+                if entry is None:
+                    entry = self.live[key] = [t.untyped_storage().nbytes(), 0]
+                    self.total += entry[0]
+                    self.peak = max(self.peak, self.total)
+                entry[1] += 1
+            weakref.finalize(t, self._release, key)
+        return out
+
+
+def step_peak(side: str, layers: int, dim: int, rows: int, seq: int, steps: int = 3,
+              dtype: torch.dtype = torch.float32) -> list[tuple[int, int]]:
+    """Per step on this rank, ``(gradient peak, step peak)``: the peak bytes of tensors
+    created during the gradient step (forward, backward, gradient reductions), and during
+    the whole step (the same, then the optimizer update while the gradients are held).
+    Deterministic (no profiler, no thread races): the numbers the test checks."""
+    torch.set_num_threads(1)
+    grad_step, update = make_step(side, layers, dim, rows, seq, dtype)
+    peaks = []
+    for _ in range(steps):
+        gc.collect()
+        dist.barrier()
+        mode = LiveTensorBytes()
+        with mode:
+            _, grads = grad_step()
+            grad_peak = mode.peak
+            update(grads)
+            del grads
+        peaks.append((grad_peak, mode.peak))
+    return peaks
+
+
+def summary(per_step: list[tuple[int, int]]) -> tuple[int, int]:
+    """``(live bytes before the first step, smallest step increment peak - start)``.
+
+    The running total misses frees that happen on gloo's threads (an async collective's
+    buffer whose last reference the worker drops), so it drifts up by whole flat buffers
+    from step to step, at random (the tensors Python can reach stay constant: checked).
+    A missed free only ever inflates a number, so the first step's start (no collective
+    has run yet) and the smallest per-step increment are the least biased.
+    """
+    return per_step[0][0], min(p - s for s, p in per_step)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=2, help="rows per rank")
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    import transformers  # noqa: F401  (imported once here; the forked ranks inherit it)
+
+    n_params = sum(p.numel() for p in _model(args.layers, args.dim).parameters())
+    print(f"Llama {args.layers} layers, dim {args.dim}: {n_params:,} params ({4 * n_params / 2**20:.1f} MiB fp32), "
+          f"{args.world_size} ranks x {args.rows} rows x {args.seq} tokens")
+    mib = lambda b: f"{b / 2**20:.2f}"
+    print("tensors created during a step (TorchDispatchMode), per rank, max over steps: gradient step / whole step "
+          "with the AdamW update, MiB")
+    for side in ("whole", "per-block"):
+        res = fs.run_local(step_peak, side, args.layers, args.dim, args.rows, args.seq, args.steps,
+                           world_size=args.world_size, timeout_s=3000)
+        print(f"  {side:<10} " + "  ".join(f"rank {r}: {mib(max(g for g, _ in p))} / {mib(max(t for _, t in p))}"
+                                             for r, p in enumerate(res)))
+    print("torch.profiler live CPU tensor bytes, per rank: before the first step + smallest step increment = peak, MiB")
+    for side in ("whole", "per-block"):
+        res = fs.run_local(step_memory, side, args.layers, args.dim, args.rows, args.seq, args.steps,
+                           world_size=args.world_size, timeout_s=3000)
+        cells = []
+        for r, (per_step, _) in enumerate(res):
+            base, inc = summary(per_step)
+            cells.append(f"rank {r}: {mib(base)} + {mib(inc)} = {mib(base + inc)}")
+        print(f"  {side:<10} loss {res[0][1]:.6f}  " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Train a Hugging Face model (GPT-2 or Llama) with fshard on any mesh; save it in HF format.
+
+Bring your own ``nn.Module``: the model is ``transformers``' own class, built from a small
+random config (no hub access needed), trained as a pure function of its parameters::
+
+    python examples/finetune_hf.py --model gpt2                             # one process
+    torchrun --nproc-per-node 4 examples/finetune_hf.py --model llama --mesh fsdp=4
+    torchrun --nproc-per-node 4 examples/finetune_hf.py --model gpt2 --mesh dp=2,fsdp=2
+    torchrun --nproc-per-node 4 examples/finetune_hf.py --model llama --mesh fsdp=2,tp=2
+
+What runs: ``fs.nn.functionalize(model)`` splits the module into ``apply`` and a parameter
+tree; ``fs.parallel.tp_apply`` splits it by a plan (``HF_LLAMA_TP_PLAN``/``HF_GPT2_TP_PLAN``)
+over ``tp``; ``fs.parallel.fsdp_apply`` gathers each block's shards just before it runs over
+``fsdp`` and all-reduces gradients over ``dp``. Tokens are bytes (vocabulary 256) of the
+bundled text. At the end, ``fs.checkpoint.save_hf`` writes ``--out``, rank 0 reloads it with
+``transformers.AutoModelForCausalLM.from_pretrained``, checks that its logits equal the
+trained parameters', and generates a sample. The global batch of step ``s`` depends only on
+``--seed`` and ``s``, so the loss curve is the same on every mesh (``--dtype float64``: to
+rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fshard as fs
+from fshard import P
+
+DATA = Path(__file__).resolve().parent / "data" / "kjv_shakespeare.txt"
+AXES = ("dp", "fsdp", "tp")  # outermost first, whatever order --mesh names them in
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers"}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=sorted(BLOCKS), default="gpt2")
+    p.add_argument("--mesh", default=None, help="axis=size,... over all ranks, axes dp, fsdp, tp "
+                                                "(default: every rank on fsdp)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=16, help="global rows per step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="HF checkpoint directory (default: a temporary one)")
+    p.add_argument("--prompt", default="To be, or not")
+    p.add_argument("--sample-tokens", type=int, default=60)
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def parse_mesh(text: str | None, world: int) -> dict[str, int]:
+    """``"fsdp=2,tp=2"`` -> ``{"fsdp": 2, "tp": 2}`` in :data:`AXES` order; sizes multiply to ``world``."""
+    if not text:
+        return {"fsdp": world}
+    sizes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if name not in AXES or not size.isdigit():
+            raise SystemExit(f"--mesh {text!r}: each part is axis=size with axis one of {AXES}.")
+        sizes[name] = int(size)
+    if math.prod(sizes.values()) != world:
+        raise SystemExit(f"--mesh {text!r} has {math.prod(sizes.values())} ranks, but this job has {world}.")
+    return {a: sizes[a] for a in AXES if a in sizes}
+
+
+def build_model(args: argparse.Namespace, dtype: torch.dtype):
+    """A small random ``transformers`` causal LM over bytes (same values on every rank)."""
+    torch.manual_seed(args.seed)
+    positions = max(256, args.seq_len)  # room for the prompt and the sample
+    if args.model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=256, n_positions=positions, n_embd=args.dim, n_layer=args.layers,
+                         n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(cfg).to(dtype)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=args.dim, intermediate_size=3 * args.dim,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=max(1, args.heads // 2), max_position_embeddings=positions,
+                      bos_token_id=0, eos_token_id=0)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def layout(model_kind: str, shape: dict[str, int], apply: Any, params: Any) -> tuple[Any, Any, tuple[str, ...]]:
+    """The wrapped apply, the parameter specs and the data axes for this mesh."""
+    plan = fs.parallel.HF_GPT2_TP_PLAN if model_kind == "gpt2" else fs.parallel.HF_LLAMA_TP_PLAN
+    fsdp = "fsdp" if "fsdp" in shape else None
+    if "tp" in shape:
+        apply = fs.parallel.tp_apply(apply, plan, "tp")
+        specs = fs.parallel.tp_specs(params, plan, "tp", fsdp_axis=fsdp)
+    elif fsdp:
+        specs = fs.parallel.fsdp_specs(params, "fsdp")
+    else:
+        specs = fs.parallel.replicate_specs(params)
+    data = tuple(a for a in ("dp", "fsdp") if a in shape)
+    if data:  # per-block FSDP over fsdp, gradient all-reduce over dp (HSDP with both)
+        apply = fs.parallel.fsdp_apply(apply, blocks=BLOCKS[model_kind], axis=fsdp,
+                                       replicate_axis="dp" if "dp" in shape else None)
+    return apply, specs, data
+
+
+def batch(data: torch.Tensor, step: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of bytes at random offsets, the same on every rank: inputs and next bytes (B, T)."""
+    g = torch.Generator().manual_seed(args.seed * 100_003 + step)
+    starts = torch.randint(0, len(data) - args.seq_len - 1, (args.batch_size,), generator=g)
+    rows = torch.stack([data[s:s + args.seq_len + 1] for s in starts.tolist()])
+    return rows[:, :-1], rows[:, 1:]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    fs.init()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    shape = parse_mesh(args.mesh, world)
+    mesh = fs.make_mesh(shape)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    dtype = DTYPES[args.dtype]
+    n_data = math.prod(shape.get(a, 1) for a in ("dp", "fsdp"))
+    if args.batch_size % n_data:
+        raise SystemExit(f"--batch-size {args.batch_size} does not split over {n_data} data ranks.")
+    data = torch.frombuffer(bytearray(DATA.read_bytes()), dtype=torch.uint8).long()
+
+    model = build_model(args, dtype)
+    apply, params, _ = fs.nn.functionalize(model)
+    wrapped, specs, data_axes = layout(args.model, shape, apply, params)
+    sharded = fs.shard(params, specs, mesh, uneven=True)
+    opt = fs.optim.adamw(args.lr, weight_decay=0.01)
+    state = opt.init(sharded)
+
+    def loss_fn(p, tokens, targets):  # per device: local shards, this rank's rows
+        logits = wrapped(p, tokens).logits  # (b, T, 256)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return fs.lax.pmean(loss, data_axes) if data_axes else loss
+
+    rows = P(data_axes or None)
+    step = fs.shard_map(fs.value_and_grad(loss_fn), mesh=mesh, in_specs=(specs, rows, rows),
+                        out_specs=(P(), specs))
+    records = []
+    for s in range(1, args.steps + 1):
+        tokens, targets = batch(data, s, args)
+        loss, grads = step(sharded, tokens, targets)
+        updates, state = opt.update(grads, state, sharded)
+        sharded = fs.optim.apply_updates(sharded, updates)
+        records.append({"step": s, "loss": loss.item()})
+        if rank0 and not args.quiet and (s == 1 or s % 10 == 0 or s == args.steps):
+            print(f"step {s:4d}  loss {loss.item():.4f}", flush=True)
+
+    out = args.out or os.path.join(tempfile.gettempdir(), f"fshard-finetune-{args.model}")
+    fs.checkpoint.save_hf(out, sharded, config=model.config)
+    fs.nn.load_state(model, fs.gather(sharded))  # collective; the trained values, for the check below
+    result: dict[str, Any] = {"records": records, "out": out, "mesh": shape}
+    if rank0:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+        tokens, _ = batch(data, 0, args)
+        with torch.no_grad():
+            result["reload_max_diff"] = (reloaded(tokens).logits - model(tokens).logits).abs().max().item()
+            prompt = torch.tensor([list(args.prompt.encode())])
+            ids = reloaded.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                    max_new_tokens=min(args.sample_tokens, 256 - prompt.shape[1]), pad_token_id=0)
+        result["sample"] = bytes(ids[0].tolist()).decode("utf-8", errors="replace")
+        if not args.quiet:
+            print(f"saved {out}; reloaded with transformers (max logit difference "
+                  f"{result['reload_max_diff']:.1e}); greedy sample:\n{result['sample']}")
+    if dist.is_initialized():
+        dist.barrier()
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
