@@ -16,6 +16,13 @@ are recorded by :func:`permute` itself.
 every wait on one (``wait_tensor``), and every :func:`mark` the caller made (e.g. "layer
 3's compute starts"), in program order. Sequence positions, not wall times, so the
 order is deterministic.
+
+``log.wire`` counts the bytes each rank puts on the wire (what it sends): the minimum of
+the algorithm a collective needs (ring all-reduce, direct all-gather / all-to-all), and
+for gloo's native ``reduce_scatter_tensor`` the all-reduce it really runs. On gloo,
+:func:`reduce_scatter_async` is lowered to ``all_to_all_single`` plus a local sum
+(``(n-1)/n`` of the input on the wire instead of ``2(n-1)/n``); it is still logged as
+``psum_scatter``.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class Event:
     axes: tuple[str, ...] = ()
     nbytes: int = 0
     label: object = None
+    wire: int = 0
 
 
 @attrs.define
@@ -68,6 +76,9 @@ class CommLog:
       bytes: ``Counter`` of bytes each rank contributed (its input payload), per kind.
       by_axis: ``Counter`` keyed by ``(kind, axes)``, axes a tuple of mesh axis names.
       bytes_by_axis: like ``by_axis``, in bytes.
+      wire: ``Counter`` of bytes this rank sent on the wire, per kind (see the module
+        docstring: e.g. ``(n-1)/n`` of the input for a reduce-scatter at the minimum).
+      wire_by_axis: like ``by_axis``, in bytes on the wire.
       events: ``(kind, axes, nbytes)`` in issue order.
       timeline: :class:`Event` s in program order: issues, waits (functional
         collectives; point-to-point exchanges are synchronous and log their issue
@@ -78,6 +89,8 @@ class CommLog:
     bytes: Counter = attrs.field(factory=Counter)
     by_axis: Counter = attrs.field(factory=Counter)
     bytes_by_axis: Counter = attrs.field(factory=Counter)
+    wire: Counter = attrs.field(factory=Counter)
+    wire_by_axis: Counter = attrs.field(factory=Counter)
     events: list = attrs.field(factory=list)
     timeline: list = attrs.field(factory=list)
 
@@ -96,6 +109,8 @@ class CommLog:
 # calls name their axes through _CALL_AXES and the registry is only a fallback (DTensor).
 _GROUP_AXES: dict[str, tuple[str, ...]] = {}
 _CALL_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("fshard_call_axes", default=None)
+# The kind a lowered collective is logged as (a reduce-scatter run as an all-to-all).
+_CALL_KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar("fshard_call_kind", default=None)
 _KINDS = {
     _F.all_gather_into_tensor.default: "all_gather",
     _F.reduce_scatter_tensor.default: "psum_scatter",
@@ -129,11 +144,43 @@ class _LogMode(TorchDispatchMode):
             return func(*args, **kwargs)
         x = args[0]
         axes = _CALL_AXES.get() or _GROUP_AXES.get(args[-1], (args[-1],))
-        event = record(kind, axes, x.numel() * x.element_size())
+        wire = _wire_bytes(func, args)
+        event = record(_CALL_KIND.get() or kind, axes, x.numel() * x.element_size(), wire=wire)
         out = func(*args, **kwargs)
         if event is not None and isinstance(out, torch.Tensor):
             self._issued[id(out)] = (weakref.ref(out), event)
         return out
+
+
+def _wire_bytes(func, args) -> int:
+    """Bytes this rank sends for one functional collective (see the module docstring)."""
+    x, name = args[0], args[-1]
+    nb = x.numel() * x.element_size()
+    if func is _F.all_gather_into_tensor.default:
+        return (args[1] - 1) * nb
+    group = _resolve_group(name)
+    n = group.size()
+    if func is _F.all_to_all_single.default:
+        splits = args[2]
+        rows = x.shape[0] if x.dim() else 1
+        mine = splits[group.rank()] if splits else rows // n
+        return nb - nb * mine // max(rows, 1)
+    if func is _F.reduce_scatter_tensor.default and not _is_gloo(group):
+        return nb * (n - 1) // n
+    # all-reduce (ring minimum), and gloo's reduce-scatter, which is an all-reduce.
+    return 2 * nb * (n - 1) // n
+
+
+def _resolve_group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
+def _is_gloo(group) -> bool:
+    try:
+        return backend_of(group, "cpu") == "gloo"
+    except Exception:  # a group torch cannot name a backend for (fake or custom): not gloo
+        return False
 
 
 @contextlib.contextmanager
@@ -156,8 +203,12 @@ def comm_log() -> Iterator[CommLog]:
         _LOGS.reset(token)
 
 
-def record(kind: str, axes: Sequence[str], nbytes: int) -> Event | None:
+def record(kind: str, axes: Sequence[str], nbytes: int, *, wire: int | None = None) -> Event | None:
     """Adds one collective to every active :class:`CommLog`.
+
+    Args:
+      nbytes: the rank's input payload.
+      wire: the bytes the rank sends; ``None``: ``nbytes``.
 
     Returns:
       Its ``"issue"`` :class:`Event`, or ``None`` when no log is active.
@@ -166,12 +217,15 @@ def record(kind: str, axes: Sequence[str], nbytes: int) -> Event | None:
     if not logs:
         return None
     axes = tuple(axes)
-    event = Event("issue", kind, axes, nbytes)
+    wire = nbytes if wire is None else wire
+    event = Event("issue", kind, axes, nbytes, wire=wire)
     for log in logs:
         log.counts[kind] += 1
         log.bytes[kind] += nbytes
         log.by_axis[(kind, axes)] += 1
         log.bytes_by_axis[(kind, axes)] += nbytes
+        log.wire[kind] += wire
+        log.wire_by_axis[(kind, axes)] += wire
         log.events.append((kind, axes, nbytes))
         log.timeline.append(event)
     return event
@@ -194,15 +248,18 @@ def _append(event: Event) -> None:
 
 
 @contextlib.contextmanager
-def _named(axes: Sequence[str]):
-    """Names the mesh axes of the collective issued inside, for comm_log."""
+def _named(axes: Sequence[str], kind: str | None = None):
+    """Names the mesh axes (and, for a lowered collective, the kind) of the collective
+    issued inside, for comm_log."""
     if not _LOGS.get():
         yield
         return
     token = _CALL_AXES.set(tuple(axes))
+    ktoken = _CALL_KIND.set(kind)
     try:
         yield
     finally:
+        _CALL_KIND.reset(ktoken)
         _CALL_AXES.reset(token)
 
 
@@ -315,10 +372,42 @@ def all_gather(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.
 
 def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *,
                          axes: Sequence[str] = ()) -> Handle:
-    """Starts a reduce-scatter along dim 0 (``x.shape[0]`` divisible by ``n``)."""
+    """Starts a reduce-scatter along dim 0 (``x.shape[0]`` divisible by ``n``).
+
+    On gloo it runs as ``all_to_all_single`` (chunk j to group rank j) and the received
+    chunks are reduced locally in ``wait()``: gloo's own ``reduce_scatter_tensor`` is an
+    all-reduce plus a slice, twice the bytes on the wire (and it ignores ``op``).
+    Other backends use their reduce-scatter.
+    """
+    x = x.contiguous()
     one_at_a_time(group)
+    if n > 1 and backend_of(group, x.device.type) == "gloo":
+        rows = [x.shape[0] // n] * n
+        with _named(axes, "psum_scatter"):
+            received = _F.all_to_all_single(x, rows, rows, group.group_name)
+        return Handle(received, _LocalReduce(n, op), group=group)
     with _named(axes):
-        return Handle(_F.reduce_scatter_tensor(x.contiguous(), op, n, group.group_name), group=group)
+        return Handle(_F.reduce_scatter_tensor(x, op, n, group.group_name), group=group)
+
+
+class _LocalReduce:
+    """Reduces the ``n`` chunks an all-to-all received (group rank order) into one."""
+
+    __slots__ = ("n", "op")
+
+    def __init__(self, n: int, op: str) -> None:
+        if op not in ("sum", "avg", "max", "min"):
+            raise ValueError(f"fs.comm.reduce_scatter: op={op!r}; use sum, avg, max or min.")
+        self.n, self.op = n, op
+
+    def __call__(self, received: torch.Tensor) -> torch.Tensor:
+        chunks = received.view(self.n, received.shape[0] // self.n, *received.shape[1:])
+        if self.op == "max":
+            return chunks.amax(0)
+        if self.op == "min":
+            return chunks.amin(0)
+        out = chunks.sum(0)
+        return out.div_(self.n) if self.op == "avg" else out
 
 
 def reduce_scatter(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.Tensor:
@@ -368,6 +457,9 @@ def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *
     memory (:func:`p2p_via_host`).
     """
     x = x.contiguous()
+    if torch._guards.detect_fake_mode(x) is not None:  # fs.jit tracing: would run once, at trace time
+        raise NotImplementedError("fs.lax.ppermute cannot be captured by fs.jit yet (point-to-point "
+                                  "transfers are not functional collectives); call it outside fs.jit.")
     via_host = p2p_via_host(group, x.device)
     wire = x.cpu() if via_host else x
     out = torch.zeros_like(wire)
@@ -381,7 +473,7 @@ def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *
         elif dst == me:
             ops.append(dist.P2POp(dist.irecv, out, dist.get_global_rank(group, src), group))
     n_send = sum(1 for s, d in sends if s == me and d != me)
-    record("ppermute", axes, _nbytes(x) * n_send)
+    record("ppermute", axes, _nbytes(x) * n_send, wire=_nbytes(x) * n_send)
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()

@@ -245,6 +245,24 @@ class ScaleByAdamState(NamedTuple):
     nu: Params  # second moments: like the params
 
 
+def _adam_traced(out, g, m, v, count: torch.Tensor, b1: float, b2: float, eps: float) -> None:
+    """Adam's step with the step count kept a tensor, for :func:`fshard.jit` (which traces
+    without values: torch's non-capturable kernel reads the count in Python, and its
+    capturable one refuses CPU tensors). The formulas of torch's foreach kernel; the bias
+    corrections are tensor ops instead of Python floats (equal to ~1 ulp)."""
+    t = count.to(torch.float64) + 1
+    bc1 = 1 - torch.pow(b1, t)
+    bc2_sqrt = (1 - torch.pow(b2, t)).sqrt()
+    torch._foreach_lerp_(m, g, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, 1 - b2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(out, m, denom)
+    torch._foreach_div_(out, bc1)
+
+
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """Adam's direction, by ``torch.optim.adam.adam`` on local shards.
 
@@ -284,10 +302,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             vl = state_for_kernel(to_locals(nu))
             out = [torch.zeros_like(x) for x in gl]  # receives 0 - lr * step with lr = -1
             mark_private(out)
-            # One step counter per leaf, as the kernel increments each of them: views of
-            # one tensor, made in one call (a torch.tensor per leaf cost ~5 us each).
-            steps = list(torch.full((len(gl),), float(state.count), dtype=torch.float64).unbind())
-            if gl:
+            if gl and torch._guards.detect_fake_mode(state.count) is not None:
+                _adam_traced(out, gl, ml, vl, state.count, b1, b2, eps)  # fs.jit: no value to read
+            elif gl:
+                # One step counter per leaf, as the kernel increments each of them: views of
+                # one tensor, made in one call (a torch.tensor per leaf cost ~5 us each).
+                steps = list(torch.full((len(gl),), float(state.count), dtype=torch.float64).unbind())
                 _torch_adam(
                     out, gl, ml, vl, [], steps, foreach=True, capturable=False, differentiable=False,
                     has_complex=any(torch.is_complex(x) for x in gl), amsgrad=False, beta1=b1,
