@@ -165,7 +165,7 @@ def _wire_bytes(func, args) -> int:
         rows = x.shape[0] if x.dim() else 1
         mine = splits[group.rank()] if splits else rows // n
         return nb - nb * mine // max(rows, 1)
-    if func is _F.reduce_scatter_tensor.default and not _is_gloo(group):
+    if func is _F.reduce_scatter_tensor.default and not _is_gloo(group, x.device.type):
         return nb * (n - 1) // n
     # all-reduce (ring minimum), and gloo's reduce-scatter, which is an all-reduce.
     return 2 * nb * (n - 1) // n
@@ -174,13 +174,6 @@ def _wire_bytes(func, args) -> int:
 def _resolve_group(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
     return _resolve_process_group(name)
-
-
-def _is_gloo(group) -> bool:
-    try:
-        return backend_of(group, "cpu") == "gloo"
-    except Exception:  # a group torch cannot name a backend for (fake or custom): not gloo
-        return False
 
 
 @contextlib.contextmanager
