@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import fshard as fs  # noqa: E402
 import fshard.plan as plan  # noqa: E402
+from fshard.plan.comm import pipeline_payload  # noqa: E402
 from fshard.plan.estimate import simulate_pipeline  # noqa: E402
 
 MODEL = ["--dim", "256", "--layers", "4", "--heads", "4", "--seq-len", "128", "--batch-size", "16"]
@@ -159,9 +160,8 @@ def main() -> None:
                 warm = min(2, args.steps // 3)
                 pp_of_rank = [r // (4 // layout.pp) for r in range(4)]  # pp is the outermost axis
                 costs, measured_bubble = _measured_costs([o["stats"] for o in out], warm, layout, pp_of_rank)
-                b = layout.microbatch_size
                 p2p = plan.collective_time(machine, layout, plan.Collective(
-                    "send", ("pp",), b * model.seq_len * model.hidden * 4))
+                    "send", ("pp",), pipeline_payload(model, layout)))
                 makespan, _ = simulate_pipeline(layout, costs, p2p)
                 outside = est.step_s - est.breakdown["optimizer"] - (est.breakdown["compute"] + est.breakdown["bubble"])
                 wall = makespan + outside

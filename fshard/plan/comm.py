@@ -32,7 +32,7 @@ from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, ModelDesc
 from fshard.plan.shards import layer_shards, stage_layers, stage_shards
 
-__all__ = ["Collective", "collective_time", "log_totals", "step_collectives"]
+__all__ = ["Collective", "collective_time", "log_totals", "pipeline_payload", "step_collectives"]
 
 BUCKET_BYTES = 25 * 2**20  # scan_layers' DDP bucket
 
@@ -114,6 +114,13 @@ def _tp_layer(model: ModelDesc, layout: Layout, i: int, samples: int, calls: int
         n = fwd_calls if phase == "fwd" else calls
         add(kind, int(per_sample * samples * k), n, "loss" if layer.loss else "extra", F if phase == "fwd" else I)
     return out
+
+
+def pipeline_payload(model: ModelDesc, layout: Layout) -> int:
+    """Bytes of one activation (or its gradient) sent between pipeline stages: a
+    microbatch's ``(b, T, D)`` hidden state, ``(b, T / tp, D)`` with sequence parallelism."""
+    t = model.seq_len // (layout.tp if layout.sequence_parallel else 1)
+    return int(layout.microbatch_size * t * model.hidden * DTYPE_BYTES[layout.dtype])
 
 
 def _flat_bytes(numel: int, dtype: str) -> int:
@@ -242,7 +249,7 @@ def _pipeline_collectives(model: ModelDesc, layout: Layout, pp_rank: int) -> lis
                                   None if j == 0 else "fwd"))
         for i, k in stages[s]:
             out += _tp_layer(model, layout, i, b, k * m, remat=layout.remat and i == model.repeated, pipeline=True)
-    act = int(b * model.seq_len * model.hidden * DTYPE_BYTES[pdt])
+    act = pipeline_payload(model, layout)
     sends, recvs = _p2p_counts(sch)[pp_rank]
     if sends:
         out.append(Collective("send", ("pp",), act, sends, "p2p", None, "p2p"))

@@ -31,7 +31,7 @@ from typing import Any
 
 import attrs
 
-from fshard.plan.comm import Collective, collective_time, step_collectives
+from fshard.plan.comm import Collective, collective_time, pipeline_payload, step_collectives
 from fshard.plan.layout import Layout
 from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
@@ -135,6 +135,13 @@ def _act_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
         whole = min(rest, layer.tp_enter * layer.out_bytes)
         rest = (rest - whole) / tp + whole
     return (split + rest) * k
+
+
+def _boundary_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
+    """Bytes per sample of the activation a layer hands on, on one rank (what remat keeps
+    and a pipeline sends): sequence parallelism splits it over tp."""
+    k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
+    return layer.out_bytes * k / (layout.tp if layout.sequence_parallel else 1)
 
 
 @functools.lru_cache(maxsize=8)
@@ -241,7 +248,7 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
     acts = sum(_act_bytes(model.layers[i], layout, model) * b * model.layers[i].count for i in roots)
     if layout.remat:
         # each block keeps its input; backward recomputes one block at a time
-        acts += L * block.out_bytes * b * pb / model.dtype_bytes + _act_bytes(block, layout, model) * b
+        acts += L * _boundary_bytes(block, layout, model) * b + _act_bytes(block, layout, model) * b
     else:
         acts += _act_bytes(block, layout, model) * b * L
     full_grads = sum(sh[i].gathered * model.layers[i].count for i in range(len(model.layers))) * rb
@@ -358,7 +365,7 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
         tp_f = sum(collective_time(machine, layout, c) * c.count for c in colls if c.pipeline == "F") / m
         tp_i = sum(collective_time(machine, layout, c) * c.count for c in colls if c.pipeline == "I") / m
         costs.append((F + tp_f, I + tp_i, W))
-    p2p = collective_time(machine, layout, Collective("send", ("pp",), int(b * model.seq_len * model.hidden * pb)))
+    p2p = collective_time(machine, layout, Collective("send", ("pp",), pipeline_payload(model, layout)))
     makespan, _ = simulate_pipeline(layout, costs, p2p)
     # Outside the schedule: stage gathers before the first F, reductions after the last W.
     blk_f = _phase_time(machine, layout, model, model.layers[rep], "fwd", b)
@@ -401,7 +408,7 @@ def _pipeline_memory(model: ModelDesc, layout: Layout, sch: Any, stages: list, r
         for i, k in stages[s]:
             layer = model.layers[i]
             if layout.remat and i == rep:
-                a += k * layer.out_bytes * b * pb / model.dtype_bytes
+                a += k * _boundary_bytes(layer, layout, model) * b
             else:
                 a += k * _act_bytes(layer, layout, model) * b
         act_per_chunk = max(act_per_chunk, a)

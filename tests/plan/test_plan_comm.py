@@ -32,6 +32,7 @@ CASES = {
     "dp=2,tp=2 sp remat": ["--sequence-parallel", "--remat"],
     "pp=2,fsdp=2": [],
     "pp=2,tp=2 zbv": ["--schedule", "zbv"],
+    "pp=2,tp=2 sp remat": ["--sequence-parallel", "--remat"],
     "pp=2,dp=2 interleaved": ["--schedule", "interleaved"],
     "pp=2,fsdp=2 gpipe remat": ["--schedule", "gpipe", "--remat"],
 }

@@ -108,7 +108,7 @@ def test_pipeline_goes_through_the_simulator(model):
     lay = plan.Layout({"pp": 2, "fsdp": 2}, batch=16, microbatches=4, schedule="1f1b")
     est = plan.estimate(model, m, lay)
     f, i, w = (max(c[j] for c in est.stage_costs) for j in range(3))
-    p2p = plan.collective_time(m, lay, Collective("send", ("pp",), 16 // 2 // 4 * 16 * 32 * 4))
+    p2p = plan.collective_time(m, lay, Collective("send", ("pp",), plan.comm.pipeline_payload(model, lay)))
     rep = __import__("fshard").sched.simulate(lay.build_schedule(), f=f, b=i, w=w, comm=p2p)
     makespan = est.breakdown["compute"] + est.breakdown["bubble"]
     assert makespan == pytest.approx(float(rep.makespan), rel=2e-3)

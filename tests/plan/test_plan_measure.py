@@ -28,7 +28,7 @@ def test_probe_measures_the_peak_of_one_step_after_warmup():
     peak_mib = probe.peak_bytes / 2**20
     assert 10.0 <= peak_mib < 10.5, peak_mib
     s = probe.summary([5.0, 1.0, 9.0, 2.0, 3.0])
-    assert s["measured_step_s"] == 2.5  # the warm-up (5.0) and the profiled step (1.0) left out
+    assert s["measured_step_s"] == 3.0  # median of 9, 2, 3: the warm-up (5.0) and the profiled step (1.0) left out
     assert s["measured_peak_mib"] == pytest.approx(peak_mib)
 
 
