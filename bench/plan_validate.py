@@ -127,10 +127,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--only", default=None, help="comma-separated layout names")
+    ap.add_argument("--only", default=None, help="layout names separated by semicolons")
     ap.add_argument("--out", default=None, help="write all results as JSON")
     args = ap.parse_args()
-    layouts = [x for x in LAYOUTS if args.only is None or x[0] in args.only.split(",")]
+    layouts = [x for x in LAYOUTS if args.only is None or x[0] in args.only.split(";")]
     results = []
     for rep in range(args.repeats):
         load0 = os.getloadavg()

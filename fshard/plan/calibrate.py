@@ -137,6 +137,7 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
         collectives=collectives,
         overlap=overlap,
         cores_per_node=0 if cuda else (os.cpu_count() or 1),
+        comm_temporaries=1.0 if dist.is_initialized() and dist.get_backend() == "gloo" else 0.0,
         calibrated_ranks=0 if cuda else world,
         sources=(f"fs.plan.calibrate on {host} ({device.type}), {world} rank(s) at once, "
                  f"{time.strftime('%Y-%m-%d %H:%M')}; load average {_load()}",),

@@ -130,10 +130,11 @@ def _act_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
     split = layer.act_split / tp
     rest = layer.act_bytes - layer.act_split
     if layout.sequence_parallel:
-        # fshard's tp_enter all-gathers the region input and autograd keeps the gathered
-        # (whole) tensor for the matmuls: one whole activation per region entry.
-        whole = min(rest, layer.tp_enter * layer.out_bytes)
-        rest = (rest - whole) / tp + whole
+        # Measured on fshard's TP block (saved_tensors_hooks, tp=2): with SP autograd keeps
+        # what it keeps without SP, plus half a whole activation per region entry: the
+        # sequence-dim all-gather's result is not contiguous, so the matmuls save a
+        # contiguous copy while the gathered buffer stays alive too.
+        rest += layer.tp_enter * layer.out_bytes / 2
     return (split + rest) * k
 
 
@@ -233,36 +234,45 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
     step = compute + exposed + optimizer_s
 
     # -- memory ---------------------------------------------------------------------------
+    # Three moments: the start of backward (every activation alive), the last block's
+    # backward (every other layer's reduction pending), the optimizer (its temporaries).
     roots = [i for i in range(len(model.layers)) if i != rep]
     sh = {i: layer_shards(model.layers[i], layout) for i in range(len(model.layers))}
-    fsdp = layout.fsdp
+    fsdp, tmp = layout.fsdp, machine.comm_temporaries
     copies = fsdp > 1 or layout.dtype != layout.master_dtype
     gathered_root = sum(sh[i].gathered for i in roots) * pb if copies else 0.0
-    if not copies:
-        gathered_blocks_fwd = gathered_blocks_bwd = 0.0
-    elif layout.resharding or layout.remat:
-        gathered_blocks_fwd = min(L, layout.prefetch + 1) * sh[rep].gathered * pb
-        gathered_blocks_bwd = min(L, 2) * sh[rep].gathered * pb
+    block_gathered = sh[rep].gathered * pb if copies else 0.0
+    in_flight = min(L, layout.prefetch + 1) if fsdp > 1 else 0  # the regather and its prefetch
+    if layout.resharding or layout.remat:
+        gathered_fwd = min(L, layout.prefetch + 1) * block_gathered
     else:  # kept from forward to backward
-        gathered_blocks_fwd = gathered_blocks_bwd = L * sh[rep].gathered * pb
-    acts = sum(_act_bytes(model.layers[i], layout, model) * b * model.layers[i].count for i in roots)
-    if layout.remat:
-        # each block keeps its input; backward recomputes one block at a time
-        acts += L * _boundary_bytes(block, layout, model) * b + _act_bytes(block, layout, model) * b
+        gathered_fwd = L * block_gathered
+    gathered_fwd += tmp * in_flight * sh[rep].gathered * pb  # the backend's gather buffers
+    root_acts = sum(_act_bytes(model.layers[i], layout, model) * b * model.layers[i].count for i in roots)
+    block_acts = _act_bytes(block, layout, model) * b
+    if layout.remat:  # each block keeps its input; backward recomputes one block at a time
+        acts = root_acts + L * _boundary_bytes(block, layout, model) * b + block_acts
     else:
-        acts += _act_bytes(block, layout, model) * b * L
+        acts = root_acts + L * block_acts
     full_grads = sum(sh[i].gathered * model.layers[i].count for i in range(len(model.layers))) * rb
-    # Accumulation keeps the unreduced gradients between microbatches; FSDP keeps every
-    # layer's reduce-scatter input until the end of backward (waited there).
+    block_grads = sh[rep].gathered * rb
+    # Accumulation keeps the unreduced gradients of every group between microbatches.
     acc = full_grads if K > 1 else 0.0
-    grad_buffers_end = full_grads if (fsdp > 1 or layout.dp > 1) else 0.0
+    if fsdp > 1:  # each reduce-scatter input (and the backend's buffer) lives until the end of backward
+        pending = (L - 1) * block_grads * (1 + tmp) + block_grads
+    elif layout.dp > 1:  # DDP: autograd's gradients, then the bucket they are copied into
+        pending = full_grads
+    else:
+        pending = 0.0
     persistent = {"params": master_bytes, "optimizer": 2 * master_bytes}
-    at_bwd_start = {**persistent, "grads": 0.0, "gathered": gathered_root + gathered_blocks_fwd,
+    at_bwd_start = {**persistent, "grads": 0.0, "gathered": gathered_root + gathered_fwd,
                     "activations": acts, "grad_buffers": acc}
-    at_bwd_end = {**persistent, "grads": master_bytes, "gathered": gathered_root + gathered_blocks_bwd,
-                  "activations": 0.0, "grad_buffers": max(acc, grad_buffers_end)}
+    at_bwd_end = {**persistent, "grads": master_bytes, "gathered": gathered_root + block_gathered,
+                  "activations": block_acts + (_boundary_bytes(block, layout, model) * b if layout.remat else 0.0),
+                  "grad_buffers": max(acc, pending)}
+    ow = _optimizer_work(layout.master_dtype)
     at_opt = {**persistent, "grads": master_bytes, "gathered": 0.0, "activations": 0.0,
-              "grad_buffers": master_bytes}  # the update's temporaries
+              "grad_buffers": ow.transient_per_element * numel * DTYPE_BYTES[layout.master_dtype] / 4}
     memory = max((at_bwd_start, at_bwd_end, at_opt), key=lambda d: sum(d.values()))
     peak = sum(memory.values())
     tokens, mfu = _common(model, layout, step, machine)
@@ -336,7 +346,8 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     for r in range(pp):
         layers_r = [p for s in sch.stages_of(r) for p in stages[s]]
         persistent.append(_persistent(model, layout, layers_r))
-        mems.append(_pipeline_memory(model, layout, sch, stages, r, peaks[r], persistent[r][0], pb, rb))
+        mems.append(_pipeline_memory(model, layout, machine, sch, stages, r, peaks[r], persistent[r][0],
+                                     persistent[r][1], pb, rb))
     memory = max(mems, key=lambda d: sum(d.values()))
     peak = sum(memory.values())
     if peak > limit and not time_unfit:
@@ -391,19 +402,22 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
                     bubble_fraction=bubble_fraction, comm=tuple(colls_by_rank[0]), stage_costs=tuple(costs))
 
 
-def _pipeline_memory(model: ModelDesc, layout: Layout, sch: Any, stages: list, r: int, peak_chunks: int,
-                     master_bytes: float, pb: int, rb: int) -> dict[str, float]:
+def _pipeline_memory(model: ModelDesc, layout: Layout, machine: Machine, sch: Any, stages: list, r: int,
+                     peak_chunks: int, master_bytes: float, numel: int, pb: int, rb: int) -> dict[str, float]:
+    """Pipeline rank ``r`` at the larger of two moments: its activation peak (the
+    simulator's most microbatches alive, the stages' gathered parameters, the gradients
+    summed so far over microbatches and one microbatch's new ones), and the optimizer."""
     b = layout.microbatch_size
     rep = model.repeated
     held = sch.stages_of(r)
     gathered = 0.0
-    full_grads = 0.0
+    stage_grads = 0.0
     act_per_chunk = 0.0
     for s in held:
         sh = stage_shards(model, layout, stages[s])
         if layout.fsdp > 1 or layout.dtype != layout.master_dtype:
             gathered += sh.gathered * pb
-        full_grads += sh.gathered * rb
+        stage_grads += sh.gathered * rb
         a = 0.0
         for i, k in stages[s]:
             layer = model.layers[i]
@@ -415,7 +429,15 @@ def _pipeline_memory(model: ModelDesc, layout: Layout, sch: Any, stages: list, r
     if layout.remat:  # one block recomputed at a time during backward
         act_per_chunk += _act_bytes(model.layers[rep], layout, model) * b
     acts = peak_chunks * act_per_chunk
-    # Gradients of gathered parameters accumulate unreduced over the microbatches.
-    buffers = full_grads if (layout.fsdp > 1 or layout.data_axes) else 0.0
-    return {"params": master_bytes, "optimizer": 2 * master_bytes, "grads": master_bytes, "gathered": gathered,
-            "activations": acts, "grad_buffers": buffers}
+    persistent = {"params": master_bytes, "optimizer": 2 * master_bytes}
+    # The executor sums each microbatch's gradients (of the gathered parameters, in the
+    # reduction dtype) into per-stage sums. At the activation peak one microbatch's new
+    # gradients are being made; the sums exist already unless every microbatch is alive
+    # at the peak (all forwards before any backward, as GPipe).
+    sums = stage_grads if peak_chunks < layout.microbatches * len(held) else 0.0
+    at_peak = {**persistent, "grads": 0.0, "gathered": gathered, "activations": acts,
+               "grad_buffers": sums + stage_grads * pb / rb}
+    ow = _optimizer_work(layout.master_dtype)
+    at_opt = {**persistent, "grads": master_bytes, "gathered": 0.0, "activations": 0.0,
+              "grad_buffers": ow.transient_per_element * numel * DTYPE_BYTES[layout.master_dtype] / 4}
+    return max((at_peak, at_opt), key=lambda d: sum(d.values()))

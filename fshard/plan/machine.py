@@ -81,6 +81,9 @@ class Machine:
       calibrated_ranks: ranks per node when the figures were measured (CPU machines:
         compute rates scale by ``min(1, cores / ranks)`` relative to that).
       reserved_bytes: device memory the runtime keeps for itself (CUDA context, NCCL).
+      comm_temporaries: buffers a collective in flight allocates besides its input and
+        output, as a multiple of the larger of them (gloo's all-gather and reduce-scatter
+        stage through one each: 1; NCCL works in place: 0).
       sources: where the figures come from.
       notes: assumptions, in words.
     """
@@ -100,6 +103,7 @@ class Machine:
     cores_per_node: int = 0
     calibrated_ranks: int = 0
     reserved_bytes: float = 0.0
+    comm_temporaries: float = 0.0
     sources: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     notes: str = ""
 
@@ -138,6 +142,7 @@ class Machine:
                 raise DescriptionError(f"{where}: {f} must be in {'[0, 1]' if f == 'overlap' else '(0, 1]'}, got {v!r}")
         _positive(f"{where}: op_overhead_s", self.op_overhead_s, allow_zero=True)
         _positive(f"{where}: reserved_bytes", self.reserved_bytes, allow_zero=True)
+        _positive(f"{where}: comm_temporaries", self.comm_temporaries, allow_zero=True)
         for f in ("cores_per_node", "calibrated_ranks"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -23,6 +23,7 @@ flash attention on CPU, which a ``"meta"`` run decomposes into the math path) or
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -117,12 +118,30 @@ def _nbytes(x: Any) -> int:
 
 
 class _Counter(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, track_memory: bool = False) -> None:
         super().__init__()
         self.flops = 0
         self.bytes = 0
         self.ops = 0
         self.foreach = 0
+        self.track_memory = track_memory
+        self.live = 0
+        self.peak = 0
+
+    def _track(self, args: Any, out: Any) -> None:
+        """Counts new storages the op made until their tensor is freed (in-place results and
+        views are not new)."""
+        inputs = {a.untyped_storage().data_ptr() for a in tree_util.leaves(list(args)) if isinstance(a, torch.Tensor)}
+        for t in tree_util.leaves(out if isinstance(out, (list, tuple)) else [out]):
+            if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() in inputs:
+                continue
+            n = _nbytes(t)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._free, n)
+
+    def _free(self, n: int) -> None:
+        self.live -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -131,6 +150,8 @@ class _Counter(TorchDispatchMode):
         if packet in _FREE:
             return out
         self.ops += 1
+        if self.track_memory:
+            self._track(args, out)
         if packet.__name__.startswith("_foreach_"):
             self.foreach += 1
         if packet in _FLOPS:
@@ -207,21 +228,25 @@ class OptimizerWork:
       ops: kernels per step whatever the leaf count (foreach kernels).
       ops_per_leaf: kernels per parameter leaf.
       foreach_ops: of ``ops``, the foreach kernels (a CPU runs one kernel per leaf each).
+      transient_per_element: peak bytes of temporaries per parameter element (the
+        clipped gradients and the update's intermediates), on top of parameters,
+        gradients and state.
     """
 
     bytes_per_element: float
     ops: float
     ops_per_leaf: float
     foreach_ops: float
+    transient_per_element: float = 0.0
 
 
 def trace_optimizer(dtype: torch.dtype = torch.float32) -> OptimizerWork:
-    """Traces ``fs.optim.adamw`` (with ``global_norm`` for clipping) under ``donate()``,
-    the step ``examples/train_lm.py`` takes, on two small trees to separate the cost per
-    element, per leaf and per step."""
+    """Traces the update ``examples/train_lm.py`` takes: ``fs.optim.global_norm``, the
+    clipping scale (``g * coef`` per leaf), ``fs.optim.adamw`` and ``apply_updates`` under
+    ``donate()``, on small trees to separate the cost per element, per leaf and per step."""
     from fshard import optim
 
-    def run(n_leaves: int, numel: int) -> Work:
+    def run(n_leaves: int, numel: int) -> tuple[Work, int, int]:
         g = torch.Generator().manual_seed(0)
         params = [torch.randn(numel, generator=g, dtype=dtype) for _ in range(n_leaves)]
         grads = [torch.randn(numel, generator=g, dtype=dtype) for _ in range(n_leaves)]
@@ -230,15 +255,17 @@ def trace_optimizer(dtype: torch.dtype = torch.float32) -> OptimizerWork:
         with optim.donate():  # first step builds lazily initialised buffers: trace the second
             updates, state = opt.update(grads, state, params)
             params = optim.apply_updates(params, updates)
-        with _Counter() as c:
-            optim.global_norm(grads)
+        with _Counter(track_memory=True) as c:
+            norm = optim.global_norm(grads)
+            clipped = [x * (1.0 / (float(norm) + 1e-6)) for x in grads]
             with optim.donate():
-                updates, state = opt.update(grads, state, params)
+                updates, state = opt.update(clipped, state, params)
                 params = optim.apply_updates(params, updates)
-        foreach = c.foreach
-        return Work(float(c.flops), float(c.bytes), float(c.ops)), foreach
+            del clipped, updates
+        return Work(float(c.flops), float(c.bytes), float(c.ops)), c.foreach, c.peak
 
-    (a, fa), (b, fb), (c2, _) = run(2, 4096), run(4, 4096), run(2, 8192)
+    (a, fa, peak), (b, _, _), (c2, _, _) = run(2, 4096), run(4, 4096), run(2, 8192)
     per_leaf = (b.ops - a.ops) / 2
     return OptimizerWork(bytes_per_element=(c2.bytes - a.bytes) / (2 * 4096),
-                         ops=a.ops - 2 * per_leaf, ops_per_leaf=per_leaf, foreach_ops=fa)
+                         ops=a.ops - 2 * per_leaf, ops_per_leaf=per_leaf, foreach_ops=fa,
+                         transient_per_element=peak / (2 * 4096))

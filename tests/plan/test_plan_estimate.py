@@ -126,21 +126,25 @@ def test_memory_by_kind(model):
     m = _machine()
     one = plan.estimate(model, m, plan.Layout({"fsdp": 1}, batch=4))
     four = plan.estimate(model, m, plan.Layout({"fsdp": 4}, batch=16))
-    # parameters, grads and optimizer state are sharded; activations are per sample
+    # parameters and optimizer state are sharded; activations are per sample
     assert four.memory["params"] == pytest.approx(one.memory["params"] / 4, rel=0.02)
     assert four.memory["optimizer"] == pytest.approx(2 * four.memory["params"])
-    remat = plan.estimate(model, m, plan.Layout({"fsdp": 4}, batch=16, remat=True))
     base = plan.estimate(model, m, plan.Layout({"fsdp": 4}, batch=16))
-    acts = lambda e: plan.estimate(model, m, e.layout).memory["activations"]  # noqa: E731
     big = plan.estimate(model, m, plan.Layout({"fsdp": 4}, batch=64))
-    assert big.memory["activations"] >= base.memory["activations"]
-    assert remat.step_s > base.step_s
-    del acts
+    assert big.memory["activations"] == pytest.approx(4 * base.memory["activations"])
+    remat = plan.estimate(model, m, plan.Layout({"fsdp": 4}, batch=64, remat=True))
+    assert remat.peak_bytes < big.peak_bytes and remat.step_s > big.step_s
+    accumulate = plan.estimate(model, m, plan.Layout({"fsdp": 4}, batch=64, microbatches=4))
+    assert accumulate.memory["activations"] == pytest.approx(big.memory["activations"] / 4)
     bf16 = plan.estimate(model, m, plan.Layout({"fsdp": 4}, batch=64, dtype="bfloat16"))
     assert bf16.memory["params"] == big.memory["params"]  # fp32 masters
+    assert bf16.memory["activations"] == pytest.approx(big.memory["activations"] / 2)
+    # Measured on fshard's TP block (saved_tensors_hooks, tp=2, 8 samples): sequence
+    # parallelism keeps 11.0 MiB of activations against 10.0 without it (the gathered
+    # region inputs are kept whole, and once more as a contiguous copy).
     sp = plan.estimate(model, m, plan.Layout({"fsdp": 2, "tp": 2}, batch=64, sequence_parallel=True))
     nosp = plan.estimate(model, m, plan.Layout({"fsdp": 2, "tp": 2}, batch=64))
-    assert sp.peak_bytes <= nosp.peak_bytes
+    assert sp.memory["activations"] > nosp.memory["activations"]
 
 
 def test_llama_at_scale_is_compute_bound_and_below_peak():
