@@ -62,7 +62,7 @@ def _native_step(mode: str, cfg: TransformerConfig):
     return step
 
 
-def _fshard_step(mode: str, cfg: TransformerConfig, mesh, bucket_mb: float = 25.0):
+def _fshard_step(mode: str, cfg: TransformerConfig, mesh, bucket_mb: float = 25.0, check: bool = False):
     params = transformer_init(cfg, 0)
     if mode == "fsdp":
         specs, axes = fs.parallel.fsdp_specs(params, "d"), dict(axis="d")
@@ -81,7 +81,7 @@ def _fshard_step(mode: str, cfg: TransformerConfig, mesh, bucket_mb: float = 25.
         return fs.lax.pmean(F.cross_entropy(logits.flatten(0, 1), tgt.flatten()), "d")
 
     grad_fn = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=(specs, P("d"), P("d")),
-                                             out_specs=P(), check=False))
+                                             out_specs=P(), check=check))
     box = {"p": sharded, "s": state}
 
     def step(tok, tgt):
@@ -101,18 +101,21 @@ def _batches(cfg: TransformerConfig, batch: int) -> dict[str, tuple[torch.Tensor
     tok = torch.randint(0, cfg.vocab_size, (batch * n, cfg.max_seq_len), generator=g)
     tgt = torch.roll(tok, -1, 1)
     rows = slice(r * batch, (r + 1) * batch)
-    return {"torch": (tok[rows], tgt[rows]), "fshard": (tok, tgt)}
+    return {"torch": (tok[rows], tgt[rows]), "fshard": (tok, tgt), "fshard_checked": (tok, tgt)}
 
 
 def _make_step(side: str, mode: str, cfg: TransformerConfig, bucket_mb: float):
     mesh = fs.make_mesh({"d": dist.get_world_size()})
-    return _native_step(mode, cfg) if side == "torch" else _fshard_step(mode, cfg, mesh, bucket_mb)
+    if side == "torch":
+        return _native_step(mode, cfg)
+    return _fshard_step(mode, cfg, mesh, bucket_mb, check=side == "fshard_checked")
 
 
-def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0):
+def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0, checked: bool = False):
     torch.set_num_threads(1)
     cfg = TransformerConfig(**CFG)
-    sides = {k: _make_step(k, mode, cfg, bucket_mb) for k in ("torch", "fshard")}
+    names = ("torch", "fshard", "fshard_checked") if checked else ("torch", "fshard")
+    sides = {k: _make_step(k, mode, cfg, bucket_mb) for k in names}
     args = _batches(cfg, batch)
     times = {k: [] for k in sides}
     losses = {k: [] for k in sides}
@@ -176,8 +179,10 @@ def main(mode: str) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="replicate: gradient bucket size")
+    ap.add_argument("--checked", action="store_true",
+                    help="also time fshard in checked mode (shard_map(check=True)), interleaved with the others")
     args = ap.parse_args()
-    times, losses, nbytes, counts = fs.run_local(per_rank, mode, args.steps, args.batch, args.bucket_mb,
+    times, losses, nbytes, counts = fs.run_local(per_rank, mode, args.steps, args.batch, args.bucket_mb, args.checked,
                                                  world_size=args.world_size, timeout_s=3000)[0]
     memory = {side: fs.run_local(peak_memory, side, mode, args.batch, args.bucket_mb,
                                  world_size=args.world_size, timeout_s=3000) for side in ("torch", "fshard")}
@@ -193,6 +198,12 @@ def main(mode: str) -> None:
     print(f"  {native:<24} {med['torch']:.3f} s/step")
     print(f"  fshard {mode:<17} {med['fshard']:.3f} s/step   ratio fshard/torch: median of per-step ratios "
           f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f})")
+    if args.checked:
+        cr = sorted(c / t for c, t in zip(times["fshard_checked"], times["torch"]))
+        cq = statistics.quantiles(cr, n=4) if len(cr) > 1 else cr * 3
+        print(f"  fshard {mode} checked {med['fshard_checked']:.3f} s/step   ratio checked/torch: median "
+              f"{statistics.median(cr):.3f} (quartiles {cq[0]:.3f}-{cq[2]:.3f}); checked/unchecked "
+              f"{statistics.median(c / u for c, u in zip(times['fshard_checked'], times['fshard'])):.3f}")
     print(f"  first losses  torch {losses['torch'][:3]}  fshard {losses['fshard'][:3]}")
     n = args.world_size
     if mode == "fsdp":

@@ -100,14 +100,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     train.add_argument("--weight-decay", type=float, default=0.1)
     train.add_argument("--grad-clip", type=float, default=1.0, help="max global norm (0: off)")
     train.add_argument("--seed", type=int, default=0, help="seeds the init, the data order and the sample")
+    train.add_argument("--skip-nonfinite", action="store_true",
+                       help="skip a step whose loss or gradients are NaN or infinite (no update; the optimizer's "
+                            "step count stays), and say so; default: stop with the step and the first "
+                            "non-finite gradient's parameter path")
     model = p.add_argument_group("model")
     model.add_argument("--dim", type=int, default=64)
-    model.add_argument("--layers", type=int, default=2)
+    model.add_argument("--layers", type=int, default=2,
+                       help="blocks; a pipeline needs one per stage at least: zbv, dualpipev and "
+                            "interleaved on pp=2 need 4")
     model.add_argument("--heads", type=int, default=4)
     io = p.add_argument_group("input and output")
     io.add_argument("--data", default=str(DATA), help="a UTF-8 text file")
     io.add_argument("--checkpoint-dir", default=None, help="save params, optimizer state and step here")
     io.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps (0: at the end only)")
+    io.add_argument("--async-checkpoint", action="store_true",
+                    help="write the --checkpoint-every checkpoints in the background while training goes on "
+                         "(the last one is complete before the script exits)")
     io.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir if it holds a checkpoint")
     io.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                     help="end this run after STEP (saving a checkpoint), as a preempted job would; "
@@ -118,6 +127,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     io.add_argument("--sample-chars", type=int, default=300, help="characters to generate at the end (0: none)")
     io.add_argument("--prompt", default="And God said", help="start of the generated sample")
     io.add_argument("--quiet", action="store_true", help="no progress output and no sample")
+    aid = p.add_argument_group("testing aids")
+    aid.add_argument("--inject-nonfinite", default=None, metavar="STEP[:WHERE[:VALUE]]",
+                     help="testing aid: at STEP, make the loss (WHERE=loss, the default) or the gradient of the "
+                          "parameter WHERE (a path such as layers.1.feed_forward.w2.weight) NaN (VALUE=nan, "
+                          "the default) or inf, to see what --skip-nonfinite and the default stop do")
     args = p.parse_args(argv)
     if args.checkpoint_every and not args.checkpoint_dir:
         p.error("--checkpoint-every needs --checkpoint-dir")
@@ -127,6 +141,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         resolve_name(args.schedule)
     except ValueError as e:
         p.error(f"--schedule: {e}")
+    try:
+        args.inject_nonfinite = Injection.parse(args.inject_nonfinite)
+    except ValueError as e:
+        p.error(f"--inject-nonfinite: {e}")
     for flag in ("steps", "batch_size", "seq_len", "microbatches", "virtual", "dim", "layers", "heads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -391,6 +409,103 @@ def per_device_loss(params: Any, tokens: torch.Tensor, targets: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------
+# Non-finite steps: a NaN or inf loss or gradient stops the run, or skips the step
+# ---------------------------------------------------------------------------
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradients were NaN or infinite (and --skip-nonfinite was not given)."""
+
+
+@attrs.frozen
+class NonFinite:
+    """What was not finite in one step.
+
+    Attributes:
+      loss: the step's loss.
+      grad_norm: the global norm of its gradients.
+      leaf: the path of the first non-finite gradient in the parameter tree's order
+        (``layers.1.feed_forward.w2.weight``), or None when every gradient is finite.
+      rank: the lowest rank holding a non-finite part of that gradient.
+    """
+
+    loss: float
+    grad_norm: float
+    leaf: str | None
+    rank: int | None
+
+    def __str__(self) -> str:
+        finite = math.isfinite(self.loss)
+        text = f"the loss is finite ({self.loss:.4f})" if finite else f"the loss is {self.loss:g}"
+        if self.leaf is None:
+            return f"{text} and every gradient is finite (global norm {self.grad_norm:g})"
+        return f"{text} and the first non-finite gradient is '{self.leaf}' (on rank {self.rank})"
+
+
+def first_nonfinite(grads: Any, order: dict[str, int]) -> tuple[str | None, int | None]:
+    """The first gradient (in ``order``) with a NaN or inf on any rank, and the lowest such rank.
+
+    Collective over every rank: each looks at its own shards. Returns ``(None, None)``
+    when every gradient is finite.
+    """
+    paths, leaves, _ = fs.tree.zip_with_path(grads)
+    local_of = lambda g: g.to_local() if hasattr(g, "to_local") else g  # noqa: E731 (this rank's shard)
+    mine = [p for p, g in zip(paths, leaves) if isinstance(g, torch.Tensor) and not bool(torch.isfinite(local_of(g)).all())]
+    local = min(mine, key=lambda p: order.get(p, len(order))) if mine else None
+    found = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, local)
+    hits = sorted((order.get(p, len(order)), r, p) for r, p in enumerate(found) if p is not None)
+    return (hits[0][2], hits[0][1]) if hits else (None, None)
+
+
+@attrs.define
+class Injection:
+    """Testing aid (``--inject-nonfinite STEP[:WHERE[:VALUE]]``): a NaN or inf at one step.
+
+    ``where`` is ``"loss"`` (the loss is multiplied by the value before backward, so the
+    gradients follow) or a parameter path (one element of that gradient is set, on every
+    rank that holds part of it). ``current`` is set by the train loop to the step being
+    computed (counted from 1, as printed).
+    """
+
+    step: int = 0
+    where: str = "loss"
+    value: float = math.nan
+    current: int = 0
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Injection":
+        """``"3"``, ``"3:loss:inf"``, ``"3:layers.0.attention.wq.weight"``; None: never."""
+        if text is None:
+            return cls()
+        step, _, rest = text.partition(":")
+        where, _, value = rest.partition(":")
+        if not step.isdigit() or int(step) < 1:
+            raise ValueError(f"{text!r}: STEP must be a step number >= 1")
+        if value not in ("", "nan", "inf", "-inf"):
+            raise ValueError(f"{text!r}: VALUE must be nan, inf or -inf")
+        return cls(int(step), where or "loss", float(value or "nan"))
+
+    @property
+    def active(self) -> bool:
+        return self.step > 0 and self.current == self.step
+
+    def loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.value if self.active and self.where == "loss" else loss
+
+    def grads(self, grads: Any) -> Any:
+        if self.active and self.where != "loss":
+            for path, g in zip(*fs.tree.zip_with_path(grads)[:2]):
+                local = g.to_local() if hasattr(g, "to_local") else g
+                if path == self.where and local.numel():
+                    with torch.no_grad():
+                        local[(0,) * local.dim()] = self.value
+        return grads
+
+
+# ---------------------------------------------------------------------------
 # Optimizer and train step
 # ---------------------------------------------------------------------------
 
@@ -407,39 +522,60 @@ def make_optimizer(args: argparse.Namespace) -> fs.optim.GradientTransformation:
     return fs.optim.adamw(lr_schedule(args), b1=0.9, b2=0.95, weight_decay=args.weight_decay)
 
 
-def clip_by_global_norm(grads: Any, max_norm: float, plan: Plan) -> tuple[Any, float]:
-    """Scales the gradients by ``min(1, max_norm / (norm + 1e-6))``; returns them and the norm.
+def global_norm(grads: Any, plan: Plan) -> float:
+    """The norm of all gradients, as if every DTensor were gathered (the same on every rank).
 
-    ``fs.optim.global_norm`` is the norm of the whole tree as if every DTensor were
-    gathered. With a pipeline each pp rank holds other layers, so their squared norms
-    are added over pp (``sum_over``). ``fs.optim.chain(fs.optim.clip_by_global_norm(
-    max_norm, sum_over=...), adamw)`` does the same inside the optimizer; here the norm
-    is also wanted for the log. ``max_norm <= 0`` only measures.
+    With a pipeline each pp rank holds other layers, so their squared norms are added
+    over pp (``sum_over``).
     """
-    norm = fs.optim.global_norm(grads, sum_over=plan.pp_axis or ())
-    norm_value = float(norm)
-    if max_norm <= 0 or norm_value + 1e-6 <= max_norm:
-        return grads, norm_value
-    coef = max_norm / (norm_value + 1e-6)
-    return fs.tree.tree_map(lambda g: g * coef, grads), norm_value
+    return float(fs.optim.global_norm(grads, sum_over=plan.pp_axis or ()))
 
 
-# step(params, opt_state, tokens, targets) -> (params, opt_state, loss, grad_norm)
-TrainStep = Callable[[Any, Any, torch.Tensor, torch.Tensor], tuple[Any, Any, torch.Tensor, float]]
+def clip_by_global_norm(grads: Any, max_norm: float, norm: float) -> Any:
+    """Scales the gradients by ``min(1, max_norm / (norm + 1e-6))``.
+
+    ``fs.optim.chain(fs.optim.clip_by_global_norm(max_norm, sum_over=...), adamw)`` does
+    the same inside the optimizer; here the norm is also wanted for the log and the
+    finiteness check. ``max_norm <= 0`` leaves them as they are.
+    """
+    if max_norm <= 0 or norm + 1e-6 <= max_norm:
+        return grads
+    coef = max_norm / (norm + 1e-6)
+    return fs.tree.tree_map(lambda g: g * coef, grads)
 
 
-def apply_gradients(params: Any, opt_state: Any, grads: Any, opt: fs.optim.GradientTransformation,
-                    plan: Plan, max_norm: float) -> tuple[Any, Any, float]:
-    """Clip, then one optimizer step; returns the new params and state, and the gradient norm."""
-    grads, norm = clip_by_global_norm(grads, max_norm, plan)
+# step(params, opt_state, tokens, targets) -> (params, opt_state, loss, grad_norm, non-finite report or None)
+TrainStep = Callable[[Any, Any, torch.Tensor, torch.Tensor],
+                     tuple[Any, Any, torch.Tensor, float, "NonFinite | None"]]
+
+
+def apply_gradients(params: Any, opt_state: Any, grads: Any, loss: torch.Tensor,
+                    opt: fs.optim.GradientTransformation, plan: Plan, max_norm: float,
+                    order: dict[str, int]) -> tuple[Any, Any, float, NonFinite | None]:
+    """Clip, then one optimizer step; nothing at all when the loss or a gradient is not finite.
+
+    The loss and the global norm are the same on every rank, so every rank takes the same
+    branch (a NaN or inf anywhere makes the norm non-finite).
+
+    Returns:
+      ``(params, opt_state, grad_norm, report)``: the report is None after an update; else
+      the params and state are the ones given, unchanged, and the report says what was
+      not finite.
+    """
+    norm = global_norm(grads, plan)
+    loss_value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+    if not (math.isfinite(norm) and math.isfinite(loss_value)):
+        leaf, rank = first_nonfinite(grads, order)
+        return params, opt_state, norm, NonFinite(loss_value, norm, leaf, rank)
+    grads = clip_by_global_norm(grads, max_norm, norm)
     with fs.optim.donate():  # the old params and state are not used again: update in place
         updates, opt_state = opt.update(grads, opt_state, params)
         params = fs.optim.apply_updates(params, updates)
-    return params, opt_state, norm
+    return params, opt_state, norm, None
 
 
 def make_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.GradientTransformation,
-                    microbatches: int, max_norm: float) -> TrainStep:
+                    microbatches: int, max_norm: float, inject: Injection, order: dict[str, int]) -> TrainStep:
     """The train step on global values (DTensor params, the whole batch on every rank).
 
     With ``microbatches > 1`` the global batch is cut into that many slices (the same
@@ -447,7 +583,7 @@ def make_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.Gradient
     reduces them, once, as FSDP2's ``set_requires_gradient_sync(False)`` would.
     """
     def loss_fn(params, tokens, targets, acc, sync):
-        return per_device_loss(params, tokens, targets, acc, sync, model=model, plan=plan)
+        return inject.loss(per_device_loss(params, tokens, targets, acc, sync, model=model, plan=plan))
 
     # None in in_specs: the accumulator and the sync flag pass through as they are.
     grad_fn = fs.value_and_grad(fs.shard_map(
@@ -461,8 +597,10 @@ def make_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.Gradient
             losses.append(loss)
         if microbatches > 1:  # the last call's gradients are the sum over the microbatches
             grads = fs.tree.tree_map(lambda g: g / microbatches, grads)
-        params, opt_state, norm = apply_gradients(params, opt_state, grads, opt, plan, max_norm)
-        return params, opt_state, sum(losses) / microbatches, norm
+        loss = sum(losses) / microbatches
+        params, opt_state, norm, bad = apply_gradients(params, opt_state, inject.grads(grads), loss, opt, plan,
+                                                       max_norm, order)
+        return params, opt_state, loss, norm, bad
 
     return step
 
@@ -539,7 +677,7 @@ class Pipeline:
 
 
 def make_pipeline_step(model: Model, plan: Plan, pipe: Pipeline, opt: fs.optim.GradientTransformation,
-                       max_norm: float) -> TrainStep:
+                       max_norm: float, inject: Injection, order: dict[str, int]) -> TrainStep:
     """The train step with the layers spread over the pp axis: ``fs.sched.pipeline_step``.
 
     Every rank runs its row of the schedule: forward and backward of its stages for each
@@ -565,12 +703,16 @@ def make_pipeline_step(model: Model, plan: Plan, pipe: Pipeline, opt: fs.optim.G
             x = model.logits(params, x)                                                     # (b, T, V[/tp])
         return x
 
+    def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return inject.loss(model.cross_entropy(output, targets))
+
     def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = fs.sched.pipeline_step(stage_fn, model.cross_entropy, pipe.split(params),
+        loss, grads = fs.sched.pipeline_step(stage_fn, loss_fn, pipe.split(params),
                                              (tokens, targets), schedule=pipe.schedule, mesh=plan.mesh,
                                              axis="pp", data_axes=plan.data_axes, fsdp=fsdp)
-        params, opt_state, norm = apply_gradients(params, opt_state, pipe.merge(grads), opt, plan, max_norm)
-        return params, opt_state, loss, norm
+        params, opt_state, norm, bad = apply_gradients(params, opt_state, inject.grads(pipe.merge(grads)), loss,
+                                                       opt, plan, max_norm, order)
+        return params, opt_state, loss, norm, bad
 
     return step
 
@@ -580,23 +722,36 @@ def make_pipeline_step(model: Model, plan: Plan, pipe: Pipeline, opt: fs.optim.G
 # ---------------------------------------------------------------------------
 
 
-def save_checkpoint(path: str, params: Any, opt_state: Any, step: int, cfg: TransformerConfig) -> None:
-    """Every rank writes its own shards; a crash mid-save keeps the previous checkpoint."""
+def save_checkpoint(path: str, params: Any, opt_state: Any, step: int, cfg: TransformerConfig, *,
+                    blocking: bool = True) -> None:
+    """Every rank writes its own shards; a crash mid-save keeps the previous checkpoint.
+
+    ``blocking=False`` returns once the values are copied to CPU memory and writes in the
+    background; the next save (or load) waits for it.
+    """
     fs.checkpoint.save(path, {"params": params, "opt": opt_state, "step": step,
-                              "model": attrs.asdict(cfg)})
+                              "model": attrs.asdict(cfg)}, blocking=blocking)
 
 
 def load_checkpoint(path: str, params: Any, opt_state: Any, cfg: TransformerConfig) -> tuple[Any, Any, int]:
     """Reads a checkpoint onto this run's mesh (it may have been written on another one).
 
     Raises:
-      ConfigError: the checkpoint holds another model shape.
+      ConfigError: the checkpoint holds another model (checked first, from its small
+        ``model`` entry): the message names each differing field with both values.
+      fs.checkpoint.CheckpointError: the checkpoint is incomplete or corrupt; the message
+        names the data file and the key.
     """
-    like = {"params": params, "opt": opt_state, "step": 0, "model": attrs.asdict(cfg)}
+    want = attrs.asdict(cfg)
+    saved_model = fs.checkpoint.load(path, like={"model": want})["model"]
+    if saved_model != want:
+        diff = ", ".join(f"{k} {saved_model.get(k)!r} (this run: {want.get(k)!r})"
+                         for k in sorted(set(want) | set(saved_model)) if saved_model.get(k) != want.get(k))
+        raise ConfigError(f"--resume: the checkpoint at {path} holds another model: {diff}. Give the flags "
+                          f"it was trained with (--dim, --layers, --heads, --seq-len, --data), or another "
+                          f"--checkpoint-dir. The checkpoint is left as it is.")
+    like = {"params": params, "opt": opt_state, "step": 0}
     saved = fs.checkpoint.load(path, like=like)
-    if saved["model"] != attrs.asdict(cfg):
-        raise ConfigError(f"--resume: the checkpoint at {path} is of model {saved['model']}, "
-                         f"this run builds {attrs.asdict(cfg)}")
     return saved["params"], saved["opt"], int(saved["step"])
 
 
@@ -779,22 +934,35 @@ def prediction_line(r: dict[str, Any]) -> str:
 
 def train_loop(args: argparse.Namespace, corpus: CharCorpus, step_fn: TrainStep, params: Any, opt_state: Any,
                steps: range, device: torch.device, progress: Progress,
-               cfg: TransformerConfig) -> tuple[Any, Any, list[dict[str, Any]]]:
-    """Runs ``steps``; returns the final params and optimizer state, and one record per step."""
+               cfg: TransformerConfig, say: Callable[..., None] = print) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """Runs ``steps``; returns the final params and optimizer state, and one record per step.
+
+    Raises:
+      NonFiniteError: a step's loss or gradients were not finite, without --skip-nonfinite;
+        the message names the step and the first non-finite gradient.
+    """
     lr_at = lr_schedule(args)  # for the log; the optimizer counts its own steps
     tokens_per_step = args.batch_size * args.seq_len
     records: list[dict[str, Any]] = []
     for step in steps:
         tokens, targets = corpus.batch(step, args.batch_size, args.seq_len, args.seed)
+        args.inject_nonfinite.current = step + 1
         t0 = time.perf_counter()
-        params, opt_state, loss, grad_norm = step_fn(params, opt_state, tokens.to(device), targets.to(device))
+        params, opt_state, loss, grad_norm, bad = step_fn(params, opt_state, tokens.to(device), targets.to(device))
         loss_value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)  # waits for the step
         dt = time.perf_counter() - t0
         records.append({"step": step + 1, "loss": loss_value, "tokens_per_s": tokens_per_step / dt,
                         "lr": float(lr_at(step)), "grad_norm": grad_norm, "step_time_s": dt})
+        if bad is not None:
+            if not args.skip_nonfinite:
+                raise NonFiniteError(f"step {step + 1}: {bad}; stopped before the update (--skip-nonfinite "
+                                     f"skips such steps instead)")
+            records[-1]["skipped"] = str(bad)
+            say(f"step {step + 1}: skipped (--skip-nonfinite): {bad}; the parameters and the optimizer "
+                f"state are left as they were")
         progress.update(records[-1])
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < steps.stop:
-            save_checkpoint(args.checkpoint_dir, params, opt_state, step + 1, cfg)
+            save_checkpoint(args.checkpoint_dir, params, opt_state, step + 1, cfg, blocking=not args.async_checkpoint)
     return params, opt_state, records
 
 
@@ -851,21 +1019,27 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     elif args.resume:
         say(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
     with torch.device("meta"):
-        n_params = sum(x.numel() for x in fs.tree.leaves(transformer_init(cfg, 0)))
+        paths, shapes, _ = fs.tree.zip_with_path(transformer_init(cfg, 0))
+    n_params = sum(x.numel() for x in shapes)
+    order = {p: i for i, p in enumerate(paths)}  # "the first" non-finite gradient: in this order
+    inject = args.inject_nonfinite
+    if inject.where != "loss" and inject.where not in order:
+        raise ConfigError(f"--inject-nonfinite: no parameter {inject.where!r}; parameters are e.g. "
+                          f"{', '.join(paths[:3])}")
     say(f"mesh {dict(mesh.shape)} on {world} rank(s), {args.dtype}; {n_params:,} parameters; "
         f"{len(corpus.ids):,} characters, vocabulary {corpus.vocab_size}")
     if pipe is not None:
         say(f"pipeline: schedule {pipe.schedule.name!r}, {pipe.schedule.n_stages} stages, "
             f"{microbatches} microbatches; blocks per stage {[list(b) for b in pipe.layers]}")
-        step_fn = make_pipeline_step(model, plan, pipe, opt, args.grad_clip)
+        step_fn = make_pipeline_step(model, plan, pipe, opt, args.grad_clip, inject, order)
     else:
-        step_fn = make_train_step(model, plan, specs, opt, microbatches, args.grad_clip)
+        step_fn = make_train_step(model, plan, specs, opt, microbatches, args.grad_clip, inject, order)
     probe = fs.plan.StepProbe(warmup=min(2, args.steps // 3)) if (args.log_json or auto) else None
     step_fn = probe.wrap(step_fn) if probe is not None else step_fn  # one step's peak memory, profiled
     end = min(args.steps, args.stop_at) if args.stop_at is not None else args.steps
     progress = Progress(start, args.steps, rank0 and not args.quiet, args.log_every)
     params, opt_state, records = train_loop(args, corpus, step_fn, params, opt_state, range(start, end),
-                                            mesh.device, progress, cfg)
+                                            mesh.device, progress, cfg, say)
     progress.close()
 
     if args.checkpoint_dir and end > start:
@@ -889,12 +1063,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     try:
-        main()
-    except ConfigError as e:
+        record(main)()  # under torchrun, its report shows the failing rank's traceback
+    except (ConfigError, NonFiniteError, fs.checkpoint.CheckpointError) as e:
+        # Every rank raises these alike (the checkpoint's checks agree across ranks), so
+        # one line from rank 0 says it all.
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"train_lm.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        sys.exit(2 if isinstance(e, ConfigError) else 1)
+    # Only after a clean run: after an error, other ranks may be gone, and this rank must
+    # exit (and fs.init's hook say why) without waiting on them.
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -33,11 +33,12 @@ import attrs
 import torch
 
 from fshard import comm
+from fshard import meta as _meta
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
-           "all_to_all", "axis_index", "axis_size", "pvary"]
+           "all_to_all", "axis_index", "axis_size", "pvary", "AxisIndex"]
 
 _MSG_OUTSIDE = (
     "fs.lax.{what} was called outside a shard_map body. Collectives need the mesh and "
@@ -47,32 +48,20 @@ _MSG_OUTSIDE = (
 )
 
 
-@attrs.frozen
-class Body:
-    """What a shard_map body knows: its mesh, whether varying axes are tracked, and which
-    parameter group owns each local leaf (``fs.parallel`` refuses a leaf in two groups)."""
-
-    mesh: Mesh
-    check: bool
-    owners: dict = attrs.field(factory=dict, eq=False, repr=False)
-
-
-BODY: contextvars.ContextVar[Body | None] = contextvars.ContextVar("fshard_body", default=None)
-
-# --- varying-axes ("vma") tags, used by checked mode --------------------------------
-_VMA_ATTR = "_fshard_vma"
-_EMPTY: frozenset = frozenset()
+# The body context and per-value metadata (varying axes, global shape, spec) live in
+# fshard.meta; the names below are kept here for the collectives and their callers.
+Body = _meta.Body
+BODY = _meta.BODY
 
 
 def vma(x: torch.Tensor) -> frozenset:
     """The mesh axes ``x`` varies over (checked mode; empty = invariant everywhere)."""
-    return getattr(x, _VMA_ATTR, _EMPTY)
+    return _meta.meta_of(x).vma
 
 
 def set_vma(x: torch.Tensor, axes: frozenset) -> torch.Tensor:
-    """Tags ``x`` as varying over ``axes``; returns ``x``."""
-    setattr(x, _VMA_ATTR, axes)
-    return x
+    """Tags ``x`` as varying over ``axes`` (other metadata kept); returns ``x``."""
+    return _meta.set_vma(x, axes)
 
 
 # --- axis groups ----------------------------------------------------------------------
@@ -181,10 +170,26 @@ def _permute_raw(x, ax: _Axes, perm: Sequence[tuple[int, int]]):
 
 
 def _apply(fn: type[torch.autograd.Function], t: torch.Tensor, *args: Any) -> torch.Tensor:
-    """``fn.apply`` when autograd will need it; the raw forward otherwise (apply is not free)."""
-    if t.requires_grad and torch.is_grad_enabled():
+    """``fn.apply`` when autograd (or a torch.func transform) will need it; the raw forward
+    otherwise (apply is not free)."""
+    if (t.requires_grad and torch.is_grad_enabled()) or _functorch.is_functorch_wrapped_tensor(t):
         return fn.apply(t, *args)
     return fn.forward(t, *args)
+
+
+_functorch = torch._C._functorch
+
+
+def _batched(fn: type[torch.autograd.Function], shift: tuple[int, ...]):
+    """A ``vmap`` rule: the batch dim moves to the front and the collective runs once on the
+    stacked values (each is elementwise over the leading dims, or takes a dim argument,
+    shifted by one). ``shift`` = the positions of ``fn``'s dim arguments."""
+    def vmap(info, in_dims, x, *args):
+        if in_dims[0] is None:
+            return fn.apply(x, *args), None
+        args = tuple(a + 1 if i in shift else a for i, a in enumerate(args, start=1))
+        return fn.apply(x.movedim(in_dims[0], 0), *args), 0
+    return staticmethod(vmap)
 
 
 # --- autograd functions (setup_context style: torch.func-compatible) --------------------
@@ -213,7 +218,7 @@ class _Pvary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _psum_raw(g, ctx.ax), None
+        return _apply(_Psum, g, ctx.ax), None  # (_apply: a torch.func-wrapped g needs the Function)
 
 
 class _PReduceNoGrad(torch.autograd.Function):
@@ -288,6 +293,11 @@ class _Ppermute(torch.autograd.Function):
     def backward(ctx, g):
         inverse = tuple((d, s) for s, d in ctx.perm)
         return _apply(_Ppermute, g, ctx.ax, inverse), None, None
+
+
+for _fn, _dims in ((_Psum, ()), (_Pvary, ()), (_PReduceNoGrad, ()), (_AllGather, (2,)), (_PsumScatter, (2,)),
+                   (_AllToAll, (2, 3)), (_Ppermute, ())):
+    _fn.vmap = _batched(_fn, _dims)
 
 
 # --- public API -------------------------------------------------------------------------
@@ -471,9 +481,50 @@ def ppermute(x: Any, axis_name: str | Sequence[str], perm: Sequence[tuple[int, i
                 to_varying=True)
 
 
+class AxisIndex(int):
+    """An ``int`` that varies over mesh axes (``axes``), as JAX types ``axis_index``.
+
+    It is a plain int everywhere (slicing, ``range``, arithmetic); integer arithmetic keeps
+    the axes, and in checked mode a tensor op that uses it is typed varying over them (an
+    invariant operand that needs gradients gets the implicit ``pvary``).
+    """
+
+    axes: frozenset
+
+    def __new__(cls, value: int, axes: frozenset) -> "AxisIndex":
+        out = super().__new__(cls, value)
+        out.axes = axes
+        return out
+
+    def _wrap(self, v: Any, other: Any = None) -> Any:
+        if not isinstance(v, int) or isinstance(v, bool):
+            return v
+        axes = self.axes | (other.axes if isinstance(other, AxisIndex) else frozenset())
+        return AxisIndex(v, axes)
+
+    def __add__(self, o): return self._wrap(int.__add__(self, o), o)  # noqa: E704
+    def __radd__(self, o): return self._wrap(int.__radd__(self, o), o)  # noqa: E704
+    def __sub__(self, o): return self._wrap(int.__sub__(self, o), o)  # noqa: E704
+    def __rsub__(self, o): return self._wrap(int.__rsub__(self, o), o)  # noqa: E704
+    def __mul__(self, o): return self._wrap(int.__mul__(self, o), o)  # noqa: E704
+    def __rmul__(self, o): return self._wrap(int.__rmul__(self, o), o)  # noqa: E704
+    def __floordiv__(self, o): return self._wrap(int.__floordiv__(self, o), o)  # noqa: E704
+    def __rfloordiv__(self, o): return self._wrap(int.__rfloordiv__(self, o), o)  # noqa: E704
+    def __mod__(self, o): return self._wrap(int.__mod__(self, o), o)  # noqa: E704
+    def __rmod__(self, o): return self._wrap(int.__rmod__(self, o), o)  # noqa: E704
+    def __neg__(self): return self._wrap(int.__neg__(self))  # noqa: E704
+
+    def __reduce__(self):
+        return (AxisIndex, (int(self), self.axes))
+
+
 def axis_index(axis_name: str | Sequence[str]) -> int:
-    """This rank's index along ``axis_name`` (row-major over a tuple, in its order)."""
-    return _axes("axis_index", axis_name)[1].me
+    """This rank's index along ``axis_name`` (row-major over a tuple, in its order).
+
+    Returns an :class:`AxisIndex`: an int typed varying over the axes, as in JAX.
+    """
+    ax = _axes("axis_index", axis_name)[1]
+    return AxisIndex(ax.me, frozenset(ax.names))
 
 
 def axis_size(axis_name: str | Sequence[str]) -> int:

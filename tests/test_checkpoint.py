@@ -100,7 +100,7 @@ def _zip_paths(a, b):
 def saved_on_2(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("ck") / "step_3")
     listing = run_on_ranks(_save_body, path, world_size=2)
-    assert listing[0] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert listing[0] == [".fshard-checksums.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]
     return path
 
 
@@ -334,6 +334,69 @@ def test_load_corrupt_metadata_or_data(small, tmp_path):
         ckpt.load(path, like=tree)
 
 
+def _flip_a_bit(path: str, key: str, value: torch.Tensor) -> str:
+    """Flips one bit inside the stored bytes of the tensor ``value`` of ``key``; returns the file."""
+    md = ckpt.read_metadata(path)
+    info = next(v for k, v in md.storage_data.items() if k.fqn == key)
+    with open(os.path.join(path, info.relative_path), "r+b") as f:
+        f.seek(info.offset)
+        item = f.read(info.length)
+        at = item.find(value.numpy().tobytes())  # the raw values inside torch.save's archive
+        assert at >= 0
+        f.seek(info.offset + at + value.numel() * value.element_size() // 2)
+        f.write(bytes([item[at + value.numel() * value.element_size() // 2] ^ 0x01]))
+    return info.relative_path
+
+
+def _file_bytes(path: str) -> dict:
+    return {e: open(os.path.join(path, e), "rb").read() for e in sorted(os.listdir(path))}
+
+
+def test_load_flipped_bit_in_tensor_names_file_and_key_and_changes_nothing(small):
+    path, tree = small
+    data_file = _flip_a_bit(path, "params.w", tree["params"]["w"])  # DCP alone loads a wrong value
+    before = _file_bytes(path)
+    pattern = (rf"data file '{data_file}' of '.*small' is corrupt: the bytes of key 'params.w' "
+               rf"\(offset \d+, \d+ bytes\) have CRC32 0x[0-9a-f]{{8}}, the save wrote 0x[0-9a-f]{{8}}")
+    with pytest.raises(ckpt.CheckpointError, match=pattern):
+        ckpt.load(path, like=tree)
+    with pytest.raises(ckpt.CheckpointError, match=pattern):
+        ckpt.load(path)
+    part = ckpt.load(path, like={"params": {"b": torch.zeros(4)}})  # intact items still load
+    assert torch.equal(part["params"]["b"], tree["params"]["b"])
+    assert _file_bytes(path) == before
+    checksums = os.path.join(path, ".fshard-checksums.json")
+    with open(checksums, "w") as f:
+        f.write("{not json")
+    with pytest.raises(ckpt.CheckpointError, match=r"small' is corrupt: its .fshard-checksums.json cannot be read"):
+        ckpt.load(path, like=tree)
+    os.remove(checksums)  # a checkpoint without checksums (plain DCP, or older) loads unchecked
+    assert not torch.equal(ckpt.load(path, like=tree)["params"]["w"], tree["params"]["w"])
+
+
+def _corrupt_rank_1_file_body(path: str) -> str:
+    mesh = fs.make_mesh({"x": 2})
+    ckpt.save(path, {"w": fs.shard(torch.arange(64.0).reshape(8, 8), P("x"), mesh)})
+    if dist.get_rank() == 0:
+        md = ckpt.read_metadata(path)
+        assert {info.relative_path for info in md.storage_data.values()} == {"__0_0.distcp", "__1_0.distcp"}
+        info = next(v for v in md.storage_data.values() if v.relative_path == "__1_0.distcp")
+        with open(os.path.join(path, info.relative_path), "r+b") as f:
+            f.seek(info.offset + info.length - 8)  # inside the last element's bytes
+            f.write(b"\x7f" * 4)
+    dist.barrier()
+    try:
+        ckpt.load(path, like={"w": fs.shard(torch.zeros(8, 8), P("x"), mesh)})
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_corrupt_file_of_one_rank_stops_every_rank_naming_it(tmp_path):
+    for out in run_on_ranks(_corrupt_rank_1_file_body, str(tmp_path / "ck"), world_size=2, timeout_s=60):
+        assert "data file '__1_0.distcp'" in out and "is corrupt: the bytes of key 'w'" in out, out
+
+
 def test_load_missing_keys_names_them(small):
     path, tree = small
     like = {**tree, "opt": {"mu": torch.zeros(3)}, "rng": torch.zeros(2)}
@@ -468,6 +531,58 @@ def test_pipeline_stages_keep_global_layer_indices(tmp_path):
     for shape, n in [({"pp": 2, "fsdp": 2}, 4), ({"fsdp": 2}, 2)]:
         for checks in run_on_ranks(_pp_load_body, path, shape, world_size=n):
             assert len(checks) == (3 if "pp" in shape else 5) and all(checks), (shape, checks)
+
+
+# --- seed scenario 33: 8 pipeline ranks, one chunk each, params and Adam state ---------
+
+
+def _chunk_after_step(r: int) -> dict:
+    """Layer r (an MLPModule(10): net1, net2) and its Adam(0.1) state after one step."""
+    g = torch.Generator().manual_seed(1000 + r)
+    layer = {name: {"weight": torch.randn(10, 10, generator=g, dtype=DT) * 0.3,
+                    "bias": torch.randn(10, generator=g, dtype=DT) * 0.1} for name in ("net1", "net2")}
+    params = {"layers": {str(r): layer}}  # the chunk keeps its global layer index
+    x = torch.randn(4, 10, generator=g, dtype=DT)
+
+    def loss(p):
+        lp = p["layers"][str(r)]
+        return (torch.relu(x @ lp["net1"]["weight"].T + lp["net1"]["bias"]) @ lp["net2"]["weight"].T
+                + lp["net2"]["bias"]).pow(2).sum()
+
+    opt = fs.optim.adam(0.1)
+    state = opt.init(params)
+    updates, state = opt.update(fs.grad(loss)(params), state, params)
+    return {"model": fs.optim.apply_updates(params, updates), "optim": state}
+
+
+def _pp_chunks_body(path: str) -> dict:
+    r, n = dist.get_rank(), dist.get_world_size()
+    mine, neighbour = _chunk_after_step(r), _chunk_after_step((r + 1) % n)
+    ckpt.save(path, mine)
+    keys = sorted(ckpt.read_metadata(path).state_dict_metadata)
+    # Each rank reads back its own chunk and its neighbour's: a key written by the wrong
+    # rank (or once for all, as if replicated) would give another layer's values.
+    out = {}
+    for name, want in (("own", mine), ("neighbour", neighbour)):
+        got = ckpt.load(path, like=tree_util.tree_map(torch.zeros_like, want))
+        a_paths, a_leaves, _ = tree_util.zip_with_path(got)
+        b_paths, b_leaves, _ = tree_util.zip_with_path(want)
+        out[name] = a_paths == b_paths and all(torch.equal(a, b) for a, b in zip(a_leaves, b_leaves))
+    moved = not torch.equal(mine["optim"][1].mu["layers"][str(r)]["net1"]["weight"],
+                            torch.zeros(10, 10, dtype=DT))
+    return {"keys": keys, "local": sorted(tree_util.zip_with_path(mine)[0]), "moved": moved, **out}
+
+
+def test_scenario33_eight_pipeline_chunks_keep_global_keys_with_adam_state(tmp_path):
+    results = run_on_ranks(_pp_chunks_body, str(tmp_path / "pp8"), world_size=8)
+    everything = sorted({k for res in results for k in res["local"]})
+    for r, res in enumerate(results):
+        assert res["own"] and res["neighbour"] and res["moved"], (r, res)
+        # Every rank's model and optimizer keys are in the metadata under their global layer
+        # index (mu and nu per leaf, the step count once), and nothing else is.
+        assert f"model.layers.{r}.net2.bias" in res["local"] and f"optim.1.nu.layers.{r}.net1.weight" in res["local"]
+        assert res["keys"] == everything
+    assert len(everything) == 8 * 4 * 3 + 1  # 8 layers x 4 leaves x (param, mu, nu) + count
 
 
 def test_portable_commit_and_recovery_without_atomic_exchange(tmp_path, monkeypatch):

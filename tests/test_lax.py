@@ -73,7 +73,22 @@ def _run_case(shape, axes, name, check):
     (ref_fn(Xr) * W).sum().backward()
     return (Yfull.shape == ref_fn(X).shape and torch.allclose(Yfull, ref_fn(X), rtol=1e-12, atol=1e-12),
             torch.allclose(Xg.grad, Xr.grad, rtol=1e-12, atol=1e-12),
-            (Yfull - ref_fn(X)).abs().max().item(), (Xg.grad - Xr.grad).abs().max().item(), log.total())
+            (Yfull - ref_fn(X)).abs().max().item(), (Xg.grad - Xr.grad).abs().max().item(), dict(log.counts))
+
+
+# The body's own collectives per case: forward and its transpose in backward (psum's
+# backward is the identity, Megatron's "g"; axis_index issues none).
+_OWN = {"psum": {"psum": 1}, "pmean": {"psum": 1}, "all_gather": {"all_gather": 1, "psum_scatter": 1},
+        "psum_scatter": {"psum_scatter": 1, "all_gather": 1}, "ppermute": {"ppermute": 2},
+        "all_to_all": {"all_to_all": 2}, "axis_index": {}}
+
+
+def _expected_counts(name, out_code, n_dims):
+    """The body's collectives plus DTensor's: Y.full_tensor() of a sharded output and the
+    assembly of X.grad from the shards' gradients, one all_gather per mesh dim each."""
+    counts = dict(_OWN[max((k for k in _OWN if name == k or name.startswith(k + "_")), key=len)])
+    counts["all_gather"] = counts.get("all_gather", 0) + n_dims * (1 + (out_code != "R"))
+    return counts
 
 
 @pytest.mark.parametrize("check", [True, False])
@@ -85,10 +100,13 @@ def test_collective_values_and_grads_equal_global_functions(shape, axes, check):
             # out_spec P() of an all_gather result: its cotangent is split over the identical
             # copies only in checked mode; unchecked (Megatron) mode leaves that to the user.
             continue
-        for rank, (ok_val, ok_grad, dv, dg, _) in enumerate(
+        want = _expected_counts(name, _cases(2)[name][3], len(shape))
+        for rank, (ok_val, ok_grad, dv, dg, counts) in enumerate(
                 run_on_ranks(_run_case, shape, axes, name, check, world_size=math.prod(shape.values()))):
             if not (ok_val and ok_grad):
                 failures.append(f"{name} rank {rank}: value diff {dv:.3g}, grad diff {dg:.3g}")
+            if counts != want:
+                failures.append(f"{name} rank {rank}: collectives {counts}, expected {want}")
     assert not failures, "\n".join(failures)
 
 

@@ -147,21 +147,25 @@ def _max_rel_err(got, want):
     return max(_rel_err(a, b) for a, b in zip(fs.tree.leaves(got), fs.tree.leaves(want)))
 
 
-def _fsdp_body(n, policy, steps):
+def _fsdp_body(n, policy, steps, order="outside"):
     mesh = fs.make_mesh({"fsdp": n})
     cfg = TransformerConfig(**CFG)
     params = transformer_init(cfg, 42, dtype=F32)  # fp32 masters
     specs = fs.parallel.fsdp_specs(params, "fsdp")
     sharded = fs.shard(params, specs, mesh, uneven=True)
-    step = fs.shard_map(lambda p, a, b: _fsdp_loss(p, a, b, cfg, policy), mesh=mesh,
-                        in_specs=(specs, P("fsdp"), P("fsdp")), out_specs=P())
+    def loss_fn(p, a, b):
+        return _fsdp_loss(p, a, b, cfg, policy)
+
+    in_specs = (specs, P("fsdp"), P("fsdp"))
+    step = (fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=in_specs, out_specs=P())) if order == "outside"
+            else fs.shard_map(fs.value_and_grad(loss_fn), mesh=mesh, in_specs=in_specs, out_specs=(P(), specs)))
     opt, ref_opt = fs.optim.adam(1e-2), fs.optim.adam(1e-2)
     state, ref, ref_state = opt.init(sharded), params, ref_opt.init(params)
     out = {"losses": [], "grad_err": 0.0, "grad_err_bf16_rounded": 0.0}
     for s in range(steps):
         tok, tgt = _batch(s, 2 * n, cfg)
         with fs.comm_log() as log:
-            loss, grads = fs.value_and_grad(step)(sharded, tok, tgt)
+            loss, grads = step(sharded, tok, tgt)
         if s == 0:
             out["comm"] = {k: (log.counts[k], log.bytes[k]) for k in ("all_gather", "psum_scatter")}
             out["grad_layout"] = all(
@@ -185,9 +189,9 @@ def _fsdp_body(n, policy, steps):
     return out
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_fsdp_bf16_params_fp32_reduce_matches_bf16_reference(n):
-    results = run_on_ranks(_fsdp_body, n, MIXED, 3, world_size=n)
+@pytest.mark.parametrize("n, order", [(1, "outside"), (2, "outside"), (2, "inside")])
+def test_fsdp_bf16_params_fp32_reduce_matches_bf16_reference(n, order):
+    results = run_on_ranks(_fsdp_body, n, MIXED, 3, order, world_size=n)
     for r in results:
         for got, split, whole in r["losses"]:
             assert got == pytest.approx(whole, rel=BF16_RTOL), r["losses"]

@@ -27,6 +27,22 @@ def _data(n_rows=8, d=4, seed=1):
     return torch.randn(n_rows, d, generator=g, dtype=torch.float64), torch.randn(n_rows, d, generator=g, dtype=torch.float64)
 
 
+def _value_and_grad(order, loss, mesh, in_specs, grad_specs, check, argnums=0):
+    """``loss``'s value and gradients over global arguments, in either composition.
+
+    ``"outside"``: ``value_and_grad(shard_map(loss))``; ``"inside"``: JAX's usual
+    ``shard_map(value_and_grad(loss))``, whose gradients come out by ``grad_specs``.
+    """
+    if order == "outside":
+        return fs.value_and_grad(fs.shard_map(loss, mesh=mesh, in_specs=in_specs, out_specs=P(), check=check),
+                                 argnums=argnums)
+    return fs.shard_map(fs.value_and_grad(loss, argnums=argnums), mesh=mesh, in_specs=in_specs,
+                        out_specs=(P(), grad_specs), check=check)
+
+
+ORDERS = ["outside", "inside"]
+
+
 # --- data parallel: params P(), batch P("dp") -----------------------------------------------
 
 def _dp_loss(p, x, y, explicit_pvary):
@@ -35,14 +51,14 @@ def _dp_loss(p, x, y, explicit_pvary):
     return fs.lax.pmean(((_mlp(p, x) - y) ** 2).mean(), "dp")
 
 
-def _dp_body(check, explicit_pvary):
+def _dp_body(check, explicit_pvary, order="outside"):
     mesh = fs.make_mesh({"dp": dist.get_world_size()})
     params, (x, y) = _mlp_params(), _data()
     sharded = fs.shard(params, P(), mesh)
-    step = fs.shard_map(lambda p, a, b: _dp_loss(p, a, b, explicit_pvary), mesh=mesh,
-                        in_specs=(P(), P("dp"), P("dp")), out_specs=P(), check=check)
+    step = _value_and_grad(order, lambda p, a, b: _dp_loss(p, a, b, explicit_pvary), mesh,
+                           (P(), P("dp"), P("dp")), P(), check)
     with fs.comm_log() as log:
-        loss, grads = fs.value_and_grad(step)(sharded, x, y)
+        loss, grads = step(sharded, x, y)
     ref_loss, ref_grads = fs.value_and_grad(lambda p: ((_mlp(p, x) - y) ** 2).mean())(params)
     grads = fs.gather(grads)
     return (abs(loss.item() - ref_loss.item()),
@@ -50,10 +66,11 @@ def _dp_body(check, explicit_pvary):
             dict(log.by_axis))
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_data_parallel_grads_checked_implicit_equal_unchecked_explicit_and_reference(n):
-    checked = run_on_ranks(_dp_body, True, False, world_size=n)
-    unchecked = run_on_ranks(_dp_body, False, True, world_size=n)
+def test_data_parallel_grads_checked_implicit_equal_unchecked_explicit_and_reference(n, order):
+    checked = run_on_ranks(_dp_body, True, False, order, world_size=n)
+    unchecked = run_on_ranks(_dp_body, False, True, order, world_size=n)
     for (dl, dg, log_c), (dl2, dg2, log_u) in zip(checked, unchecked):
         assert dl < 1e-12 and dg < 1e-12 and dl2 < 1e-12 and dg2 < 1e-12
         if n > 1:
@@ -63,9 +80,10 @@ def test_data_parallel_grads_checked_implicit_equal_unchecked_explicit_and_refer
             assert log_c == log_u == {}  # size-1 axes issue nothing
 
 
-def test_data_parallel_without_pvary_in_unchecked_mode_is_per_rank():
+@pytest.mark.parametrize("order", ORDERS)
+def test_data_parallel_without_pvary_in_unchecked_mode_is_per_rank(order):
     # Megatron semantics: without pvary the gradient is each rank's own contribution.
-    dl, dg, _ = run_on_ranks(_dp_body, False, False, world_size=2)[0]
+    dl, dg, _ = run_on_ranks(_dp_body, False, False, order, world_size=2)[0]
     assert dl < 1e-12 and dg > 1e-3
 
 
@@ -78,26 +96,27 @@ def _tp_loss(p, x, y, check):
     return ((out - y) ** 2).mean()
 
 
-def _tp_body(check):
+def _tp_body(check, order="outside"):
     mesh = fs.make_mesh({"tp": dist.get_world_size()})
     params, (x, y) = _mlp_params(), _data()
     specs = {"w1": P("tp", None), "w2": P(None, "tp")}
     sharded = fs.shard(params, specs, mesh)
-    step = fs.shard_map(lambda p, a, b: _tp_loss(p, a, b, check), mesh=mesh,
-                        in_specs=(specs, P(), P()), out_specs=P(), check=check)
+    step = _value_and_grad(order, lambda p, a, b: _tp_loss(p, a, b, check), mesh, (specs, P(), P()),
+                           (specs, P()), check, argnums=(0, 1))
     with fs.comm_log() as log:
-        loss, (grads, gx) = fs.value_and_grad(step, argnums=(0, 1))(sharded, x, y)
+        loss, (grads, gx) = step(sharded, x, y)
     ref_loss, (ref_grads, ref_gx) = fs.value_and_grad(lambda p, a: ((_mlp(p, a) - y) ** 2).mean(), argnums=(0, 1))(params, x)
     grads = fs.gather(grads)
     return (abs(loss.item() - ref_loss.item()),
             max((grads[k] - ref_grads[k]).abs().max().item() for k in params),
-            (gx - ref_gx).abs().max().item(), fs.spec_of(fs.shard(grads, specs, mesh)), dict(log.counts))
+            (fs.gather(gx) - ref_gx).abs().max().item(), fs.spec_of(fs.shard(grads, specs, mesh)), dict(log.counts))
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("n", [2, 4])
-def test_tensor_parallel_grads_checked_equal_unchecked_and_reference(n):
+def test_tensor_parallel_grads_checked_equal_unchecked_and_reference(n, order):
     for check in (True, False):
-        for dl, dg, dx, _, counts in run_on_ranks(_tp_body, check, world_size=n):
+        for dl, dg, dx, _, counts in run_on_ranks(_tp_body, check, order, world_size=n):
             assert dl < 1e-12 and dg < 1e-12 and dx < 1e-12, (check, dl, dg, dx)
             assert counts == {"psum": 2}  # forward g, backward f (for the input's gradient)
 
@@ -169,7 +188,7 @@ def test_specs_dtensor_layouts_static_args_and_kwargs():
 
 # --- torch.func inside a body, and remat ------------------------------------------------------
 
-def _func_and_remat(policy):
+def _func_and_remat(policy, order="outside", check=False):
     mesh = fs.make_mesh({"tp": 2})
     params, (x, y) = _mlp_params(), _data()
     specs = {"w1": P("tp", None), "w2": P(None, "tp")}
@@ -184,16 +203,17 @@ def _func_and_remat(policy):
     g_func = fs.gather(fs.shard_map(body_func, mesh=mesh, in_specs=(specs, P()), out_specs=specs, check=False)(sharded, x))
     body = fs.remat(local_loss, policy=policy)
     with fs.comm_log() as log:
-        _, g_remat = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check=False))(sharded, x)
+        _, g_remat = _value_and_grad(order, body, mesh, (specs, P()), specs, check)(sharded, x)
     ref = fs.grad(lambda p: ((_mlp(p, x) - y) ** 2).mean())(params)
     g_remat = fs.gather(g_remat)
     return (max((g_func[k] - ref[k]).abs().max().item() for k in ref),
             max((g_remat[k] - ref[k]).abs().max().item() for k in ref), log.counts["psum"])
 
 
+@pytest.mark.parametrize("order, check", [("outside", False), ("inside", False), ("inside", True)])
 @pytest.mark.parametrize("policy, psums", [(None, 2), ("nothing_saveable", 2), ("save_collectives", 1), ("dots_saveable", 1)])
-def test_torch_func_grad_in_body_and_remat_policies(policy, psums):
-    d_func, d_remat, n_psum = run_on_ranks(_func_and_remat, policy, world_size=2)[0]
+def test_torch_func_grad_in_body_and_remat_policies(policy, psums, order, check):
+    d_func, d_remat, n_psum = run_on_ranks(_func_and_remat, policy, order, check, world_size=2)[0]
     assert d_func < 1e-12 and d_remat < 1e-12
     assert n_psum == psums  # recomputing the block re-issues its psum unless the policy saves it
 
@@ -212,7 +232,7 @@ def test_value_and_grad_has_aux_and_errors():
     assert torch.equal(fs.grad(lambda a, b: (a * 0).sum())(torch.ones(2), torch.ones(2)), torch.zeros(2))
 
 
-def _size_one_axis_body():
+def _size_one_axis_body(order="outside"):
     # x varies over dp; s over tp (size 1): checked mode makes the product vary over both,
     # and the implicit pvary over tp must not issue a psum over one rank in backward.
     mesh = fs.make_mesh({"dp": 2, "tp": 1})
@@ -222,16 +242,17 @@ def _size_one_axis_body():
     def loss(p, a, b, scale):
         return fs.lax.pmean(((_mlp(p, a) * scale - b) ** 2).mean(), ("dp", "tp"))
 
-    step = fs.shard_map(loss, mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P("tp")), out_specs=P())
+    step = _value_and_grad(order, loss, mesh, (P(), P("dp"), P("dp"), P("tp")), P(), True)
     with fs.comm_log() as log:
-        value, grads = fs.value_and_grad(step)(fs.shard(params, P(), mesh), x, y, s)
+        value, grads = step(fs.shard(params, P(), mesh), x, y, s)
     ref_loss, ref_grads = fs.value_and_grad(lambda p: ((_mlp(p, x) - y) ** 2).mean())(params)
     grads = fs.gather(grads)
     return (abs(value.item() - ref_loss.item()),
             max((grads[k] - ref_grads[k]).abs().max().item() for k in params), dict(log.by_axis))
 
 
-def test_implicit_pvary_over_a_size_one_axis_issues_nothing():
-    for dl, dg, by_axis in run_on_ranks(_size_one_axis_body, world_size=2):
+@pytest.mark.parametrize("order", ORDERS)
+def test_implicit_pvary_over_a_size_one_axis_issues_nothing(order):
+    for dl, dg, by_axis in run_on_ranks(_size_one_axis_body, order, world_size=2):
         assert dl < 1e-12 and dg < 1e-12
         assert not any("tp" in axes and axes != ("dp", "tp") for _, axes in by_axis), by_axis

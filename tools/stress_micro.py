@@ -1,7 +1,7 @@
 """Micro stress of the raw collectives fshard.comm issues (no model): many small async
 all-gathers / reduce-scatters / all-reduces in flight, with small-tensor churn between.
 
-    PYTHONPATH=. nice -n 19 python tools/stress_micro.py --calls 20 --iters 2000 [--variant V]
+    PYTHONPATH=. nice -n 19 python tools/stress_micro.py --calls 20 --iters 2000 [--variant V] [--world 4]
 """
 import argparse
 import sys
@@ -57,11 +57,12 @@ def main():
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--variant", default="all")
+    ap.add_argument("--world", type=int, default=2, help="ranks (2 or 4)")
     a = ap.parse_args()
     fails, t0 = 0, time.time()
     for c in range(a.calls):
         try:
-            run_on_ranks(body, a.iters, a.variant, c, world_size=2, timeout_s=600)
+            run_on_ranks(body, a.iters, a.variant, c, world_size=a.world, timeout_s=600)
         except Exception as e:  # noqa: BLE001
             fails += 1
             print(f"[{c}] FAILED: {''.join(traceback.format_exception_only(type(e), e))[:3000]}", flush=True)

@@ -1,29 +1,28 @@
 """GPU check for CPU offload in ``fs.parallel.scan_layers`` / ``gather_params`` (``offload=True``).
 
-UNVERIFIED ON GPU: this script was written on a CPU-only machine and has only been run
-there with ``--cpu-dry-run`` (where every "device" is the CPU, so the device assertions
-are skipped). Nobody has run it on CUDA yet; a failure here may be a bug in the script
-as much as in fshard.
+NOT YET RUN ON A GPU: written on a CPU-only machine and run there with ``--cpu-dry-run``
+only (every "device" is the CPU, so the device assertions are skipped, and listed as
+skipped in the record). A failure on CUDA may be a bug in the script as much as in fshard.
 
-What it asserts, on every rank, after each of a few Adam steps of a small MLP stack (a
-root group through ``gather_params`` and 4 layers through ``scan_layers``, float64):
+After each of a few Adam steps of a small MLP stack (a root group through
+``gather_params`` and 4 layers through ``scan_layers``, float64), on every rank:
 
-- the parameter shards, their gradients and the optimizer state stay on the CPU
-  (shards pinned after ``offload_shards``);
+- the parameter shards, their gradients and the optimizer state stay on the CPU (the
+  shards pinned after ``offload_shards``);
 - the gathered parameters ``block_fn`` sees live on CUDA;
-- with more than one rank, every host-to-device copy of a flat shard buffer starts
-  from pinned memory (so ``non_blocking=True`` really is asynchronous);
+- with more than one rank, every host-to-device copy of a flat shard buffer starts from
+  pinned memory (so ``non_blocking=True`` really is asynchronous);
 - losses, shard values and communication counts match the same run with
   ``offload=False`` (shards on the GPU) to 1e-10.
 
-With one GPU the mesh has one rank: nothing is gathered, so only the per-leaf copy
-path runs; use 2+ GPUs to exercise the flat all-gather path.
+Worlds: 2 ranks on one GPU through gloo with CUDA tensors (NCCL refuses two ranks on
+one device; this is the flat all-gather path with pinned staging), then 1 rank over
+nccl (nothing to gather: the per-leaf copy path). Under torchrun every rank checks
+itself over nccl (2+ GPUs: the gather path over NCCL).
 
-Run:
-    torchrun --nproc-per-node 2 bench/gpu_checks/offload_check.py      # 2 GPUs: gather path
-    torchrun --nproc-per-node 1 bench/gpu_checks/offload_check.py      # 1 GPU
-    python bench/gpu_checks/offload_check.py                           # 1 GPU, one process
-    python bench/gpu_checks/offload_check.py --cpu-dry-run --world 2   # no GPU: script logic only
+    python bench/gpu_checks/offload_check.py                      # 1 GPU: gloo x2, then nccl x1
+    torchrun --nproc-per-node 2 bench/gpu_checks/offload_check.py  # 2 GPUs over nccl
+    python bench/gpu_checks/offload_check.py --cpu-dry-run        # no GPU: script logic only
 """
 
 from __future__ import annotations
@@ -33,10 +32,12 @@ import os
 import sys
 from typing import Any
 
-import torch
-import torch.distributed as dist
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from common import Checker, main, one_rank_group  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import fshard as fs  # noqa: E402
 from fshard import P  # noqa: E402
@@ -44,10 +45,12 @@ from fshard.parallel import groups as groups_mod  # noqa: E402
 from fshard.parallel.scan import offload_shards  # noqa: E402
 
 DIM, HIDDEN, N_LAYERS, IN_DIM = 64, 47, 4, 32  # 47: uneven shards, so the flat buffers carry padding
+TOL = 1e-10
 
 
 def _params() -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
+
     def rnd(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64) * 0.2
     return {"proj": {"w": rnd(IN_DIM, DIM)},
@@ -58,16 +61,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _run(offload: bool, steps: int, cuda: bool) -> dict[str, Any]:
+def _run(offload: bool, steps: int, device_type: str) -> dict[str, Any]:
     n = dist.get_world_size()
-    mesh = fs.make_mesh({"fsdp": n})
+    mesh = fs.make_mesh({"fsdp": n}, device_type=device_type)
     params = _params()
     specs = fs.parallel.fsdp_specs(params, "fsdp")
     sharded = fs.shard(params, specs, mesh, uneven=True)
+    pinned = None
     if offload:
         sharded = offload_shards(sharded)
-        if cuda:
-            assert all(_local(t).is_pinned() for t in fs.tree.leaves(sharded)), "offload_shards did not pin"
+        pinned = all(_local(t).is_pinned() for t in fs.tree.leaves(sharded))
     seen_devices: set[str] = set()
 
     def block(lp, h):
@@ -83,15 +86,17 @@ def _run(offload: bool, steps: int, cuda: bool) -> dict[str, Any]:
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("fsdp"), P("fsdp")), out_specs=P()))
     opt = fs.optim.adam(1e-2)
     state = opt.init(sharded)
-    copies: list[tuple[str, bool]] = []  # (source device, source pinned) per _to_compute call
-    original = groups_mod._to_compute
+    calls, copies = [0], []  # copies: (source device, source pinned) per host-to-device copy
+    original = groups_mod.layout.to_compute
 
     def spy(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
-        copies.append((flat.device.type, flat.is_pinned() if flat.device.type == "cpu" else False))
+        calls[0] += 1
+        if flat.device != device:
+            copies.append((flat.device.type, flat.is_pinned() if flat.device.type == "cpu" else False))
         return original(flat, device)
 
-    groups_mod._to_compute = spy
-    losses, counts = [], []
+    groups_mod.layout.to_compute = spy
+    losses, counts, off_host = [], [], []
     try:
         for s in range(steps):
             g = torch.Generator().manual_seed(100 + s)
@@ -99,72 +104,93 @@ def _run(offload: bool, steps: int, cuda: bool) -> dict[str, Any]:
             y = torch.randn(4 * n, DIM, generator=g, dtype=torch.float64)
             with fs.comm_log() as log:
                 loss, grads = step(sharded, x, y)
-            counts.append(dict(log.by_axis))
-            losses.append(loss.item())
-            if offload:
-                bad = [tuple(_local(t).shape) for t in fs.tree.leaves(grads) if _local(t).device.type != "cpu"]
-                assert not bad, f"step {s}: shard gradients not on the CPU: {bad}"
+            counts.append({f"{k}@{','.join(a)}": v for (k, a), v in log.by_axis.items()})
+            losses.append(float(_local(loss)))
             updates, state = opt.update(grads, state, sharded)
             sharded = fs.optim.apply_updates(sharded, updates)
-            if offload:
-                bad = [tuple(_local(t).shape) for t in fs.tree.leaves((sharded, state)) if _local(t).device.type != "cpu"]
-                assert not bad, f"step {s}: shards or optimizer state left the CPU: {bad}"
+            off_host += [f"step {s}: {what} {tuple(_local(t).shape)} on {_local(t).device}"
+                         for what, tree in (("gradient", grads), ("shard", sharded), ("optimizer state", state))
+                         for t in fs.tree.leaves(tree)
+                         if isinstance(t, torch.Tensor) and _local(t).device.type != "cpu"]
     finally:
-        groups_mod._to_compute = original
-    return {"losses": losses, "counts": counts, "devices": seen_devices, "copies": copies,
+        groups_mod.layout.to_compute = original
+    return {"losses": losses, "counts": counts, "devices": sorted(seen_devices), "copies": copies,
+            "to_compute_calls": calls[0], "pinned_shards": pinned, "off_host": off_host,
             "shards": [_local(t).detach().cpu() for t in fs.tree.leaves(sharded)]}
 
 
-def check(steps: int, cuda: bool) -> str:
-    base = _run(False, steps, cuda)
-    off = _run(True, steps, cuda)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        assert off["devices"] == {"cuda"}, f"gathered parameters were on {off['devices']}, not only CUDA"
-        assert base["devices"] == {"cuda"}, base["devices"]
-        assert off["copies"] and all(src == "cpu" for src, _ in off["copies"]), "offload made no host-to-device copy"
-        if n > 1:  # flat buffers are staged in pinned memory; 1 rank copies the (maybe pageable) leaves
-            assert all(pinned for _, pinned in off["copies"]), "a host-to-device copy came from pageable memory"
-    for s, (a, b) in enumerate(zip(base["losses"], off["losses"])):
-        assert abs(a - b) <= 1e-10 * max(1.0, abs(a)), f"step {s}: loss {b} with offload, {a} without"
-    worst = max((a - b).abs().max().item() for a, b in zip(base["shards"], off["shards"]))
-    assert worst <= 1e-10, f"shards differ by {worst} after {steps} steps"
-    assert base["counts"] == off["counts"], (base["counts"], off["counts"])
-    return (f"rank {rank}/{n}: OK on {'CUDA' if cuda else 'CPU (dry run)'}: {steps} steps, losses "
-            f"{['%.6f' % v for v in off['losses']]}, max shard diff {worst:.2e}, "
-            f"{len(off['copies'])} host-to-device copies, collectives per step {sum(off['counts'][0].values())}")
+def rank_run(steps: int, device_type: str) -> dict[str, Any]:
+    """One rank: the same steps with and without offload; what it observed (no assertions)."""
+    if device_type == "cuda" and dist.get_backend() == "gloo":  # several ranks sharing the GPUs
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.init()  # before the mesh, which would otherwise pick cuda:LOCAL_RANK
+    base = _run(False, steps, device_type)
+    off = _run(True, steps, device_type)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "backend": dist.get_backend(),
+            "base": {k: v for k, v in base.items() if k != "shards"},
+            "off": {k: v for k, v in off.items() if k != "shards"},
+            "max_shard_diff": max((a - b).abs().max().item() for a, b in zip(base["shards"], off["shards"]))}
 
 
-def _dry_rank(steps: int) -> str:
-    return check(steps, cuda=False)
+def require_offload(ck: Checker, r: dict[str, Any], where: str) -> None:
+    base, off = r["base"], r["off"]
+    loss_diff = max(abs(a - b) / max(1.0, abs(a)) for a, b in zip(base["losses"], off["losses"]))
+    ck.require(f"{where}: losses with offload equal those without (1e-10)", loss_diff <= TOL, f"{loss_diff:.2e}")
+    ck.require(f"{where}: shards after the steps equal (1e-10)", r["max_shard_diff"] <= TOL,
+               f"{r['max_shard_diff']:.2e}")
+    ck.require(f"{where}: the same collectives per step", base["counts"] == off["counts"],
+               (base["counts"], off["counts"]))
+    ck.require(f"{where}: gradients, shards and optimizer state stay on the host", not off["off_host"],
+               off["off_host"][:5])
+    ck.require(f"{where}: offload sends every gathered shard through the host-to-device copy",
+               off["to_compute_calls"] > 0 and base["to_compute_calls"] == 0,
+               (off["to_compute_calls"], base["to_compute_calls"]))
+    ck.require_on_device(f"{where}: offload_shards pinned the shards",
+                         lambda: (off["pinned_shards"] is True, off["pinned_shards"]))
+    ck.require_on_device(f"{where}: the gathered parameters are on CUDA (with and without offload)",
+                         lambda: (off["devices"] == ["cuda"] and base["devices"] == ["cuda"],
+                                  (off["devices"], base["devices"])))
+    ck.require_on_device(f"{where}: offload copies shards from the host to CUDA",
+                         lambda: (len(off["copies"]) > 0 and all(src == "cpu" for src, _ in off["copies"]),
+                                  off["copies"][:5]))
+    if r["world"] > 1:  # flat buffers are staged in pinned memory; 1 rank copies the (maybe pageable) leaves
+        ck.require_on_device(f"{where}: every host-to-device copy comes from pinned memory",
+                             lambda: (all(p for _, p in off["copies"]), off["copies"][:5]))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="no GPU: run the same script on a CPU mesh, skipping the device assertions")
-    ap.add_argument("--world", type=int, default=1, help="with --cpu-dry-run: ranks to fork (fs.run_local)")
-    args = ap.parse_args()
-    if args.cpu_dry_run:
-        if "RANK" in os.environ:
-            print(_dry_rank(args.steps))
-        else:
-            for line in fs.run_local(_dry_rank, args.steps, world_size=args.world):
-                print(line)
+def _figures(r: dict[str, Any]) -> dict[str, Any]:
+    return {"backend": r["backend"], "losses": [round(v, 8) for v in r["off"]["losses"]],
+            "max_shard_diff": r["max_shard_diff"], "host_to_device_copies": len(r["off"]["copies"]),
+            "collectives_per_step": sum(r["off"]["counts"][0].values()) if r["off"]["counts"] else 0}
+
+
+def run(ck: Checker, args: argparse.Namespace) -> None:
+    steps = args.steps
+    if "RANK" in os.environ:  # torchrun: this rank checks itself over nccl (gloo in a dry run)
+        fs.init(backend=ck.backend)
+        r = rank_run(steps, ck.device_type)
+        ck.figure(**{f"rank{r['rank']}_{k}": v for k, v in _figures(r).items()})
+        require_offload(ck, r, f"rank {r['rank']}/{r['world']}")
         return
-    if not torch.cuda.is_available():
-        sys.exit("offload_check: needs CUDA (or pass --cpu-dry-run to check the script's logic on the CPU).")
-    if "RANK" in os.environ:
-        fs.init(backend="nccl")  # torchrun: binds this process to GPU LOCAL_RANK
-    else:  # one process: a one-rank NCCL group, so the mesh computes on CUDA
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        print(check(args.steps, cuda=True))
-    finally:
-        dist.destroy_process_group()
+    # Forked ranks first: the parent must not have initialized CUDA before it forks.
+    for world in sorted(args.world, reverse=True):
+        with ck.part(f"world{world}"):
+            if world == 1:
+                one_rank_group()
+                results = [rank_run(steps, ck.device_type)]
+            else:
+                results = fs.run_local(rank_run, steps, ck.device_type, world_size=world, timeout_s=args.timeout)
+            ck.figure(**{f"world{world}_{k}": v for k, v in _figures(results[0]).items()})
+            for r in results:
+                require_offload(ck, r, f"{r['backend']} rank {r['rank']}/{r['world']}")
+
+
+def _args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--world", type=int, nargs="+", default=[2, 1],
+                    help="worlds to check: N > 1 forks N ranks on the GPU(s) through gloo; 1 is one rank over nccl")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds for a forked world")
 
 
 if __name__ == "__main__":
-    main()
+    main(run, "offload", _args, doc=__doc__)

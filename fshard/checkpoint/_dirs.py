@@ -26,9 +26,10 @@ from fshard.checkpoint._common import CheckpointError
 __all__ = ["temp_dir_for", "prepare_target", "commit", "resolve", "METADATA", "is_complete"]
 
 METADATA = ".metadata"  # DCP writes it last, after every rank's data
-# What DCP puts in a checkpoint directory; only such directories are ever replaced,
-# so that a save to a wrong path cannot delete a user's files.
-_DCP_ENTRY = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+\.metadata(\.tmp)?)$")
+# What DCP (and fshard's checksums) put in a checkpoint directory; only such directories
+# are ever replaced, so that a save to a wrong path cannot delete a user's files.
+_DCP_ENTRY = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+\.metadata(\.tmp)?"
+                        r"|\.fshard-checksums\.json)$")
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2

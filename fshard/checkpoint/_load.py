@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from fshard import tree as tree_util
 from fshard.checkpoint import _dirs
+from fshard.checkpoint._checksums import VerifyingReader, read_checksums
 from fshard.checkpoint._common import (
     CheckpointError,
     CheckpointException,
@@ -212,16 +213,17 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
         return _load_flat(path)
     keys, leaves, treedef = flatten(like, what="fs.checkpoint.load", path=path)
     g = group()
-    src, error = path, None
+    src, error, checksums = path, None, None
     try:
         src = _dirs.resolve(path)
         md = _read_metadata(src, path, keys)
         _check(src, path, md, keys, leaves)
+        checksums = read_checksums(src)
     except (CheckpointError, ValueError) as e:
         error = e
     agree(error, g)
     state_dict = {k: _empty_like(x) for k, x in zip(keys, leaves)}
-    _read(state_dict, src, path, g)
+    _read(state_dict, src, path, g, checksums)
     out = []
     for k, x in zip(keys, leaves):
         v = state_dict[k]
@@ -231,10 +233,12 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
     return tree_util.tree_unflatten(treedef, out)
 
 
-def _read(state_dict: dict[str, Any], src: str, path: str, g: Any) -> None:
+def _read(state_dict: dict[str, Any], src: str, path: str, g: Any,
+          checksums: dict[str, dict[str, int]] | None) -> None:
     try:
         with single_process_quiet(g):
-            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(src), process_group=g, no_dist=g is None)
+            dcp.load(state_dict, storage_reader=VerifyingReader(src, checksums), process_group=g,
+                     no_dist=g is None)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         raise CheckpointError(f"reading the checkpoint '{path}' failed: {describe_failure(e)}") from e
 
@@ -255,5 +259,5 @@ def _load_flat(path: str) -> dict[str, Any]:
             state_dict[k] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         else:
             state_dict[k] = None  # replaced by the saved value
-    _read(state_dict, src, path, None)
+    _read(state_dict, src, path, None, read_checksums(src))
     return state_dict

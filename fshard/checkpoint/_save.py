@@ -10,10 +10,12 @@ import threading
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from fshard.checkpoint import _dirs
+from fshard.checkpoint._checksums import ChecksumWriter, write_checksums
 from fshard.checkpoint._common import (
     CheckpointError,
     CheckpointException,
@@ -188,8 +190,9 @@ def _write_and_commit(state_dict: dict[str, Any], tmp: str, path: str, g: Any, r
     try:
         # DCP gathers every rank's write errors and raises on all of them, and returns
         # only after rank 0 has written the metadata, that is, after every rank's data.
+        writer = ChecksumWriter(tmp)
         with single_process_quiet(g):
-            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp), process_group=g, no_dist=g is None)
+            dcp.save(state_dict, storage_writer=writer, process_group=g, no_dist=g is None)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -197,9 +200,11 @@ def _write_and_commit(state_dict: dict[str, Any], tmp: str, path: str, g: Any, r
             f"saving the checkpoint '{path}' failed: {describe_failure(e)}. The previous checkpoint "
             f"at '{path}', if any, is unchanged."
         ) from e
+    checksums = _all_ranks(writer.checksums, g)
     error = None
     if rank == 0:
         try:
+            write_checksums(tmp, checksums)
             _dirs.commit(tmp, path)
         except OSError as e:
             error = CheckpointError(
@@ -209,4 +214,10 @@ def _write_and_commit(state_dict: dict[str, Any], tmp: str, path: str, g: Any, r
     agree(error, g)  # every rank returns only once the rename is done
 
 
-
+def _all_ranks(value: Any, g: Any) -> list[Any]:
+    """Every rank's ``value``, by rank (``[value]`` without a group)."""
+    if g is None or dist.get_world_size(g) == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(g)
+    dist.all_gather_object(out, value, group=g)
+    return out

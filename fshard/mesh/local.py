@@ -30,6 +30,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fshard.mesh.failure import PEER_LOST
+
 __all__ = ["run_local", "WorkerPool", "RankTimeoutError", "RemoteTraceback"]
 
 _INHERITED: dict[str, Any] = {}
@@ -67,6 +69,10 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
         _forget_inherited_groups()
     from fshard.mesh import mesh as _mesh
 
+    # The parent's meshes hold its process groups (perhaps destroyed there, so no longer in
+    # the world forgotten above): dropping the last reference here would run a group's
+    # destructor, which joins gloo threads that did not survive the fork, and hang.
+    _LEAKED.append(dict(_mesh._MESH_CACHE))
     _mesh._MESH_CACHE.clear()
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -208,8 +214,10 @@ class WorkerPool:
                 try:
                     kind, payload = c.recv()
                 except (EOFError, OSError):
-                    code = self._procs[r].exitcode
-                    kind, payload = "err", (None, f"rank {r} died (exit code {code}) during {what}")
+                    kind, payload = "err", (None, _death(r, self._procs[r], what))
+                except Exception as e:  # e.g. an exception class this process cannot import
+                    kind, payload = "err", (None, f"rank {r}'s reply to {what} cannot be unpickled here: "
+                                                  f"{type(e).__name__}: {e}")
                 pending.discard(r)
                 if kind == "err":
                     if not errors:
@@ -222,17 +230,16 @@ class WorkerPool:
                     pending.discard(r)
                     if not errors:
                         self._first_error_time = time.monotonic()
-                    errors[r] = (None, f"rank {r} died (exit code {self._procs[r].exitcode}) during {what}")
+                    errors[r] = (None, _death(r, self._procs[r], what))
         stuck = sorted(pending)
         stacks = self._dump_stacks(stuck) if stuck else ""
         if stuck:
             self.shutdown(kill=True)
         if errors:
-            # The first rank to fail is the likely cause; the others often only saw its
-            # connection go away. Python dicts keep arrival order.
-            r = next(iter(errors))
+            r = _cause(errors)
             exc, tb = errors[r]
-            note = f"raised on rank {r} of {self.world_size} during {what}"
+            verb = "died" if exc is None and " died (" in tb else "raised"
+            note = f"{verb} on rank {r} of {self.world_size} during {what}"
             others = {k: v for k, v in errors.items() if k != r}
             for k, (_, other_tb) in others.items():
                 last = other_tb.strip().splitlines()[-1] if other_tb.strip() else "?"
@@ -305,6 +312,34 @@ class WorkerPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _cause(errors: dict[int, tuple[Any, str]]) -> int:
+    """The rank to blame among the failed ones.
+
+    A rank that died beats one that raised, and a rank that raised on its own beats one
+    whose collective failed because a peer went away: when one rank is killed the others
+    often report the broken connection before the parent notices the death. Ties go to
+    the first to arrive (dicts keep arrival order).
+    """
+    def rank_of_blame(r: int) -> int:
+        exc, tb = errors[r]
+        if exc is None and " died (" in tb:
+            return 0
+        return 2 if any(s in tb for s in PEER_LOST) else 1
+
+    return min(errors, key=rank_of_blame)
+
+
+def _death(r: int, proc: Any, what: str) -> str:
+    proc.join(timeout=2)  # its pipe closed first; the exit code comes when it is reaped
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"rank {r} died (killed by {signal.Signals(-code).name}, exit code {code}) during {what}"
+        except ValueError:
+            pass
+    return f"rank {r} died (exit code {code}) during {what}"
 
 
 def _trim_stack(text: str) -> str:

@@ -3,19 +3,25 @@
 torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT``. With all of them, :func:`init` starts the default process group
 (nccl when CUDA is available, gloo otherwise). With none of them this is one process
-and :func:`init` does nothing; :func:`ensure_initialized` later starts a one-rank gloo
-group in memory because torch's ``DeviceMesh`` needs a group even for one rank.
+and :func:`init` does nothing; :func:`ensure_initialized` later starts a one-rank group
+in memory because torch's ``DeviceMesh`` needs a group even for one rank: nccl when
+CUDA is available (so one process computes on the GPU, as ``torchrun
+--nproc-per-node 1`` does), else gloo.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["init", "ensure_initialized", "DEFAULT_TIMEOUT"]
+from fshard.mesh import failure
+
+__all__ = ["init", "ensure_initialized", "enable_fault_stacks", "DEFAULT_TIMEOUT"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("FSHARD_TIMEOUT_S", "300")))
@@ -29,7 +35,9 @@ def init(*, backend: str | None = None, timeout: timedelta | float | None = None
     """Starts the default process group from torchrun's environment.
 
     A no-op when the group already exists or when no torchrun variable is set (one
-    process). On CUDA with nccl, binds this process to GPU ``LOCAL_RANK``.
+    process). On CUDA with nccl, binds this process to GPU ``LOCAL_RANK``. Enables
+    :func:`enable_fault_stacks`, so that a rank killed by a fatal signal prints every
+    thread's Python stack on stderr instead of vanishing without a word.
 
     Args:
       backend: ``"nccl"`` or ``"gloo"``; default nccl when CUDA is available, else gloo.
@@ -58,10 +66,41 @@ def init(*, backend: str | None = None, timeout: timedelta | float | None = None
         raise RuntimeError(f"fs.init(): RANK/WORLD_SIZE must be integers: {e}") from None
     if not 0 <= rank < world:
         raise RuntimeError(f"fs.init(): RANK={rank} is not in [0, WORLD_SIZE={world}).")
+    enable_fault_stacks()
     backend = backend or _default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout(timeout))
+    if world > 1:  # an uncaught error says whether this rank is the cause or a casualty
+        failure.install(dist.distributed_c10d._get_default_store(), rank, world)
+
+
+def enable_fault_stacks(file=None) -> bool:
+    """Makes a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) print every thread's
+    Python stack, as ``PYTHONFAULTHANDLER=1`` would.
+
+    A rank that dies of heap corruption or a segfault otherwise exits without a word,
+    and the other ranks only report a lost connection. Keeps a handler that is already
+    enabled (``PYTHONFAULTHANDLER``, ``python -X faulthandler``, or the caller's own).
+
+    Args:
+      file: where to write (default: the process's stderr).
+
+    Returns:
+      Whether faulthandler is enabled now (False when there is no stream to write to,
+      e.g. a GUI with no stderr).
+    """
+    if faulthandler.is_enabled():
+        return True
+    stream = file if file is not None else (sys.stderr or sys.__stderr__)
+    try:
+        faulthandler.enable(file=stream, all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no real file descriptor (a notebook's
+        try:                                                      # stream): fall back to fd 2
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)
+        except (AttributeError, ValueError, OSError, RuntimeError):
+            return False
+    return True
 
 
 def _timeout(timeout: timedelta | float | None) -> timedelta:
@@ -71,7 +110,11 @@ def _timeout(timeout: timedelta | float | None) -> timedelta:
 
 
 def ensure_initialized(n_ranks_wanted: int) -> None:
-    """Makes sure a default group exists: torchrun's, or a one-rank in-memory gloo group.
+    """Makes sure a default group exists: torchrun's, or a one-rank in-memory group.
+
+    The one-rank group uses the backend :func:`init` would pick (nccl on a CUDA machine,
+    on the current device), so the mesh of a plain ``python script.py`` computes where
+    the same script under ``torchrun --nproc-per-node 1`` would, not on the CPU.
 
     Raises:
       ValueError: no process group, no torchrun environment, and more than one rank
@@ -90,5 +133,5 @@ def ensure_initialized(n_ranks_wanted: int) -> None:
             f"fs.run_local(fn, world_size={n_ranks_wanted})."
         )
     dist.init_process_group(
-        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=DEFAULT_TIMEOUT
+        _default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=DEFAULT_TIMEOUT
     )

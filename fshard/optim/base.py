@@ -139,6 +139,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 def apply_updates(params: Params, updates: Updates) -> Params:
     """Returns ``params + updates``, leaf by leaf, in each parameter's dtype.
 
+    Updates of a wider dtype (float32 updates of bfloat16 params) are added in that
+    dtype and the sum is rounded once to the parameter's, as torch's ``p.add_(u)`` and
+    ``optax.apply_updates`` do (casting the updates first would round twice).
+
     Pure: ``params`` and ``updates`` are left as they are. A DTensor result keeps the
     parameter's mesh and placements; every result keeps the parameter's
     ``requires_grad``, so autograd-based loops can go on using the new leaves.
@@ -167,13 +171,13 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     check_no_pending("fs.optim.apply_updates")
     p, u, treedef = flatten_matching("apply_updates", ("params", params), ("updates", updates))
     with torch.no_grad():
-        pl = to_locals(p)
-        ul = [x.to(y.dtype) if x.dtype != y.dtype else x for x, y in zip(to_locals(u), pl)]
+        pl, ul = to_locals(p), to_locals(u)
         if _DONATE.get():
             if pl:
-                torch._foreach_add_(pl, ul)
+                torch._foreach_add_(pl, ul)  # in the promoted dtype, rounded once into p's
             return params
         out = torch._foreach_add(pl, ul) if pl else []
+        out = [o if o.dtype == x.dtype else o.to(x.dtype) for o, x in zip(out, pl)]
     new = [wrap_like(local, ref) for local, ref in zip(out, p)]
     for x, ref in zip(new, p):
         if ref.requires_grad:

@@ -63,6 +63,18 @@ def _shard_dims(leaves: Sequence[torch.Tensor], axes: tuple[str, ...], dim: int 
     return dims
 
 
+def _refuse_functorch(what: str, leaves: Sequence[Any]) -> None:
+    """The group machinery reduces gradients as side effects of autograd's backward (async
+    collectives started by one node and collected by another), which torch.func's
+    functional transforms cannot carry: say so instead of failing deep inside backward."""
+    if any(isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves):
+        raise RuntimeError(
+            f"fs.parallel.{what} was called under a torch.func transform (grad, vjp, vmap, ...). Its "
+            f"gathers and gradient reductions run through torch.autograd: differentiate with "
+            f"fs.value_and_grad / fs.grad (inside or outside the shard_map body) or torch.autograd.grad."
+        )
+
+
 def _check_same_structure(layer_params: Sequence[Any]) -> None:
     first = tree_util.structure(layer_params[0])
     for i, p in enumerate(layer_params[1:], start=1):
@@ -271,6 +283,7 @@ def scan_layers(
         leaves, d = tree_util.tree_flatten(p)
         flat_layers.append(leaves)
         defs.append(d)
+    _refuse_functorch("scan_layers", [x for ls in flat_layers for x in ls] + tree_util.leaves(x))
     # The partial slice is only worth keeping when the layer is resharded at all.
     keep_axes = post_axes if reshard and not remat else ()
     state = Groups(flat_layers, shard_axes, rep_axes,
@@ -364,6 +377,7 @@ def gather_params(
     leaves, treedef = tree_util.tree_flatten(params)
     if not leaves:
         return params
+    _refuse_functorch("gather_params", leaves)
     shard_axes, rep_axes = _as_axes(axis), _as_axes(replicate_axis)
     state = Groups([leaves], shard_axes, rep_axes, [_shard_dims(leaves, shard_axes, dim)], policy or Policy(),
                    accumulator=accumulate, sync=sync, offload=offload)

@@ -108,7 +108,9 @@ class Executor:
         targets: per microbatch, the loss target pytree.
         seed: the gradient seeded at every microbatch loss: the one place losses are
             scaled (1 / (n_microbatches * data-parallel size)).
-        device: where receive buffers live.
+        device: where stage inputs and received tensors live (transfers go through host
+            memory where the group's backend cannot move ``device`` tensors itself:
+            gloo with CUDA tensors).
         hooks: ``{Kind.UNSHARD | RESHARD | REDUCE_GRAD: fn(stage, executor)}`` (optional).
         prefetch: receives kept posted ahead of their place in the list (gloo only;
             optional, default 2).
@@ -138,6 +140,9 @@ class Executor:
         self.schedule, self.rank, self.group, self.axis = schedule, rank, group, axis
         self.stage_fn, self.loss_fn, self.params = stage_fn, loss_fn, params
         self.inputs, self.targets, self.seed, self.device = inputs, targets, seed, device
+        # Where transfers live: the device, or host memory where the backend's
+        # point-to-point cannot read the device (gloo with CUDA tensors).
+        self.wire = torch.device("cpu") if comm.p2p_via_host(group, device) else device
         self.hooks = dict(hooks or {})
         self.stages = stages
         self.last = schedule.n_stages - 1
@@ -337,7 +342,7 @@ class Executor:
             if t is None:
                 raise ScheduleError(f"rank {self.rank}: {a} has nothing to send; the compute "
                                     f"action producing it has not run")
-            t = t.contiguous()
+            t = t.contiguous() if t.device == self.wire else t.to(self.wire).contiguous()
             if a.kind is Kind.SEND_F and a.stage not in self._headed:
                 self._headed.add(a.stage)
                 ops.append(self._op(dist.isend, _header(t), a))
@@ -361,7 +366,7 @@ class Executor:
                 raise ScheduleError(f"rank {self.rank}: {a} posted out of list order")
             self._posted.add(a)
             if a.kind is Kind.RECV_F and a.stage not in self._in_meta:
-                h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+                h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.wire)
                 works = _Once.post(ops + [self._op(dist.irecv, h, a)])
                 self._register(works[:-1], n_send, keyed)
                 self._wait(works[-1:])
@@ -404,7 +409,7 @@ class Executor:
         else:
             raise ScheduleError(f"rank {self.rank}: {a} is posted before any F of stage "
                                 f"{a.stage}, so the gradient's shape is unknown")
-        return torch.empty(shape, dtype=dtype, device=self.device)
+        return torch.empty(shape, dtype=dtype, device=self.wire)
 
     def _take(self, kind: Kind, s: int, mb: int, consumer: Kind) -> torch.Tensor:
         entry = self._recvs.pop((kind, s, mb), None)
@@ -412,7 +417,7 @@ class Executor:
             raise ScheduleError(f"rank {self.rank}: {Action(consumer, s, mb)} needs "
                                 f"{Action(kind, s, mb)}, which was not posted before it")
         self._wait([entry[0]])
-        buf = entry[1]
+        buf = entry[1] if entry[1].device == self.device else entry[1].to(self.device)
         return buf.requires_grad_(differentiable(buf)) if kind is Kind.RECV_F else buf
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fshard import meta as meta_util
 from fshard import tree as tree_util
 
 __all__ = ["value_and_grad", "grad"]
@@ -34,33 +35,50 @@ def value_and_grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0,
       ``argnums`` is a sequence). Leaves that do not influence the value get zeros,
       as in JAX. The value and aux are detached.
 
+    Inside a shard_map body (JAX's usual ``shard_map(grad(f))``), leaves keep their
+    per-device metadata (:mod:`fshard.meta`) and each gradient has its primal's varying
+    axes and layout; ``torch.autograd.grad`` is called as is, so the collectives'
+    transposes alone decide the reductions (the same values as ``grad(shard_map(f))``).
+
     Raises:
-      TypeError: the value is not a scalar tensor.
+      TypeError: the value is not a scalar tensor; ``argnums`` names a missing
+        argument; a differentiated leaf is an integer or bool tensor (its path named).
     """
     multi = not isinstance(argnums, int)
     nums = tuple(argnums) if multi else (argnums,)
 
+    name = getattr(f, "__name__", "f")
+
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any):
+        if any(isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x)
+               for x in tree_util.leaves(args)):
+            # Under torch.func (e.g. vmap(fs.grad(f)): per-example gradients) autograd leaves
+            # cannot be made: torch.func's own grad computes the same values.
+            (g_out, out) = torch.func.grad_and_value(f, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
+            return out, g_out
         args = list(args)
         # Flatten each differentiated argument once and keep its fresh leaves: the grads
         # are taken w.r.t. exactly these (a second flatten after the call cost ~50 us
         # per 50-leaf tree per step).
         fresh: dict[int, tuple[list[Any], Any]] = {}
         for i in nums:
-            if i >= len(args):
-                raise TypeError(f"value_and_grad: argnums={argnums} but only {len(args)} positional args were given.")
+            if not -len(args) <= i < len(args):
+                raise TypeError(f"value_and_grad({name}): argnums={argnums} asks for argument {i}, but only "
+                                f"{len(args)} positional argument(s) were given.")
+            i = i % len(args)
             if i not in fresh:  # an index listed twice gets the same leaves (and grads) twice
-                leaves, d = tree_util.tree_flatten(args[i])
-                leaves = [_fresh_leaf(x) for x in leaves]
+                paths, leaves, d = tree_util.zip_with_path(args[i])
+                leaves = [_fresh_leaf(x, name, f"args[{i}]" + ("" if p == "<root>" else f".{p}"))
+                          for p, x in zip(paths, leaves)]
                 args[i] = tree_util.tree_unflatten(d, leaves)
                 fresh[i] = (leaves, d)
-        flat, defs = [fresh[i][0] for i in nums], [fresh[i][1] for i in nums]
+        flat, defs = [fresh[i % len(args)][0] for i in nums], [fresh[i % len(args)][1] for i in nums]
         out = f(*args, **kwargs)
         value, aux = (out if has_aux else (out, None))
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise TypeError(
-                f"value_and_grad({getattr(f, '__name__', 'f')}): the function must return a scalar tensor"
+                f"value_and_grad({name}): the function must return a scalar tensor"
                 f"{' as the first element of (value, aux)' if has_aux else ''}; got "
                 f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}."
             )
@@ -73,12 +91,13 @@ def value_and_grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0,
             for x in leaves:
                 if isinstance(x, torch.Tensor) and x.requires_grad:
                     g = next(it)
-                    g_leaves.append(torch.zeros_like(x) if g is None else g)
+                    # A cotangent has its primal's type (varying axes, layout), as in JAX.
+                    g_leaves.append(meta_util.copy_meta(x, torch.zeros_like(x) if g is None else g))
                 else:
                     g_leaves.append(None)
             results.append(tree_util.tree_unflatten(d, g_leaves))
         g_out = tuple(results) if multi else results[0]
-        value = value.detach()
+        value = meta_util.copy_meta(value, value.detach())
         return ((value, aux) if has_aux else value), g_out
 
     return wrapped
@@ -96,7 +115,14 @@ def grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool 
     return wrapped
 
 
-def _fresh_leaf(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
-        return x.detach().requires_grad_(True)
-    return x
+def _fresh_leaf(x: Any, name: str, path: str) -> Any:
+    """A new autograd leaf with ``x``'s value and metadata (see :mod:`fshard.meta`)."""
+    if not isinstance(x, torch.Tensor):
+        return x  # static leaves (None, numbers, strings) get a None gradient
+    if not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(
+            f"value_and_grad({name}): {path} has dtype {x.dtype} and shape {tuple(x.shape)}; gradients "
+            f"need floating or complex leaves (as jax.grad). Pass integer data through an argument "
+            f"not in argnums."
+        )
+    return meta_util.copy_meta(x, x.detach().requires_grad_(True))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from fshard import lax
+from fshard import meta as meta_util
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.placement import local_block, placements_to_spec, raise_spec_errors, spec_problems, spec_to_placements
@@ -76,8 +77,8 @@ def shard_map(
     @functools.wraps(f)
     def mapped(*args: Any, **kwargs: Any) -> Any:
         m = get_mesh(mesh, what=f"shard_map({name})")
-        locals_ = _enter(name, m, args, in_specs, reshard, check)
         body = lax.Body(m, check)
+        locals_ = _enter(name, body, args, in_specs, reshard)
         token = lax.BODY.set(body)
         try:
             with m:
@@ -88,12 +89,13 @@ def shard_map(
                     out = f(*locals_, **kwargs)
         finally:
             lax.BODY.reset(token)
-        return _exit(name, m, out, out_specs, check)
+        return _exit(name, body, out, out_specs)
 
     return mapped
 
 
-def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, check: bool) -> list[Any]:
+def _enter(name: str, body: lax.Body, args: tuple, in_specs: Any, reshard: bool) -> list[Any]:
+    mesh = body.mesh
     specs = in_specs if not is_spec(in_specs) else tuple(in_specs for _ in args)
     paths, values, treedef = tree_util.zip_with_path(list(args))
     flat = tree_util.broadcast_prefix(list(specs) if isinstance(specs, tuple) else specs, list(args),
@@ -119,9 +121,7 @@ def _enter(name: str, mesh: Mesh, args: tuple, in_specs: Any, reshard: bool, che
     for x, spec in zip(values, flat):
         if isinstance(x, torch.Tensor):
             local = _to_local(x, spec, mesh)
-            set_global_shape(local, tuple(x.shape), spec)
-            if check:
-                lax.set_vma(local, frozenset(spec.axes()))
+            meta_util.register_input(body, local, meta_util.Meta(frozenset(spec.axes()), tuple(x.shape), spec))
             out.append(local)
         else:
             out.append(x)
@@ -139,19 +139,20 @@ def _same_layout(x: DTensor, spec: Any, mesh: Mesh) -> bool:
 
 
 def set_global_shape(local: torch.Tensor, shape: tuple[int, ...], spec: PartitionSpec | None = None) -> None:
-    """Records the global shape and spec on a body's local input (FSDP needs them for uneven shards)."""
-    local._fshard_global_shape = shape
-    local._fshard_spec = spec
+    """Records the global shape and spec of a local block (FSDP needs them for uneven
+    shards), keeping its varying axes; the pipeline executor uses it for stage params."""
+    m = meta_util.meta_of(local)
+    meta_util.set_meta(local, meta_util.Meta(m.vma, tuple(shape), spec))
 
 
 def input_spec(local: torch.Tensor) -> PartitionSpec | None:
-    """The in_spec of a shard_map input's local block, if it is one."""
-    return getattr(local, "_fshard_spec", None)
+    """The in_spec of a shard_map input's local block (or an alias of it), if it is one."""
+    return meta_util.meta_of(local).spec
 
 
 def global_shape(local: torch.Tensor) -> tuple[int, ...] | None:
-    """The global shape of a shard_map input's local block, if it is one."""
-    return getattr(local, "_fshard_global_shape", None)
+    """The global shape of a shard_map input's local block (or an alias of it), if it is one."""
+    return meta_util.meta_of(local).global_shape
 
 
 def _is_spec_or_static(x: Any) -> bool:
@@ -194,7 +195,8 @@ class _SplitCotangent(torch.autograd.Function):
         return g / ctx.n, None
 
 
-def _exit(name: str, mesh: Mesh, out: Any, out_specs: Any, check: bool) -> Any:
+def _exit(name: str, body: lax.Body, out: Any, out_specs: Any) -> Any:
+    mesh, check = body.mesh, body.check
     paths, values, treedef = tree_util.zip_with_path(out)
     flat = tree_util.broadcast_prefix(out_specs, out, is_prefix_leaf=_is_spec_or_static,
                                       name=f"shard_map({name}) out_specs", full_name="outputs")
@@ -214,9 +216,22 @@ def _exit(name: str, mesh: Mesh, out: Any, out_specs: Any, check: bool) -> Any:
             continue
         if check:
             x = _check_promise(name, mesh, path, x, spec)
-        shape = [s * (mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, s in enumerate(x.shape)]
-        result.append(make_dtensor(x, spec, mesh, shape))
+        result.append(make_dtensor(x, spec, mesh, _global_shape(body, x, spec)))
     return tree_util.tree_unflatten(treedef, result)
+
+
+def _global_shape(body: lax.Body, x: torch.Tensor, spec: PartitionSpec) -> tuple[int, ...]:
+    """An output's global shape: that of its metadata when it has the output's layout (an
+    input, an alias of one, or a gradient from ``fs.value_and_grad``, or in checked mode
+    from ``torch.autograd.grad`` and ``.grad``), so uneven FSDP shards come back whole;
+    otherwise the local shape times the axis sizes (even splits, as JAX requires)."""
+    m = meta_util.meta_of(x)
+    if (m.global_shape is not None and m.spec is not None and len(m.global_shape) == x.dim()
+            and m.spec.padded(x.dim()) == spec.padded(x.dim())
+            and tuple(b.stop - b.start for b in local_block(spec, m.global_shape, body.mesh, uneven=True))
+            == tuple(x.shape)):
+        return m.global_shape
+    return tuple(s * (body.mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, s in enumerate(x.shape))
 
 
 def _check_promise(name: str, mesh: Mesh, path: str, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:

@@ -142,3 +142,69 @@ def test_one_process_mesh_needs_no_torchrun(monkeypatch):
         if dist.is_initialized():
             dist.destroy_process_group()
         fs.make_mesh({"fsdp": 4})
+
+
+@pytest.mark.parametrize("cuda, expected", [(True, "nccl"), (False, "gloo")])
+def test_one_process_group_uses_the_machines_backend(monkeypatch, cuda, expected):
+    # A plain `python script.py` on a GPU machine must compute on the GPU, as the same
+    # script under `torchrun --nproc-per-node 1` does (fs.init picks nccl there). This
+    # machine has no GPU, so CUDA's presence is faked and the group start is recorded.
+    from fshard.mesh import process
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for v in _TORCHRUN:
+        monkeypatch.delenv(v, raising=False)
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: started.append((backend, kw["world_size"])))
+    process.ensure_initialized(1)
+    assert started == [(expected, 1)]
+
+
+class _Unimportable(Exception):
+    pass
+
+
+def _raise_unimportable():
+    import types
+
+    mod = types.ModuleType("only_on_the_ranks")
+    _Unimportable.__module__ = "only_on_the_ranks"  # the parent cannot import it to unpickle
+    import sys
+
+    sys.modules["only_on_the_ranks"] = mod
+    mod._Unimportable = _Unimportable
+    raise _Unimportable("from a module the caller lacks")
+
+
+def test_error_the_caller_cannot_unpickle_is_reported_and_the_pool_stays_in_step():
+    with pytest.raises(RuntimeError, match=r"cannot be unpickled here: ModuleNotFoundError"):
+        run_on_ranks(_raise_unimportable, world_size=2)
+    # No rank's stale reply is left in the pipes for the next call.
+    assert run_on_ranks(_rank_and_sum, 1.0, world_size=2) == [(0, 3.0, 0), (1, 3.0, 1)]
+
+
+def _rank():
+    return dist.get_rank()
+
+
+def test_run_local_after_this_process_destroyed_its_own_group(monkeypatch):
+    # A one-process mesh stays in the mesh cache after its group is destroyed (as
+    # test_one_process_mesh_needs_no_torchrun leaves it). The forked ranks inherit it and
+    # must not free it: its destructor would join gloo threads that did not survive the
+    # fork (seen as a start-up hang in a shuffled suite run).
+    for v in _TORCHRUN:
+        monkeypatch.delenv(v, raising=False)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    fs.make_mesh({"fsdp": 1})  # cached; no other reference
+    dist.destroy_process_group()
+    assert fs.run_local(_rank, world_size=2, timeout_s=60) == [0, 1]
+    # A new world does not get the stale mesh back from the cache.
+    mesh = fs.make_mesh({"fsdp": 1})
+    t = torch.ones(1)
+    dist.all_reduce(t, group=mesh.group("fsdp"))
+    assert t.item() == 1.0
+    dist.destroy_process_group()

@@ -58,7 +58,7 @@ def _batch(step, n_rows, cfg):
     return tok, torch.roll(tok, -1, dims=1)
 
 
-def _train(shape, mode, raf, remat, tie, steps, check, offload=False, detailed=False):
+def _train(shape, mode, raf, remat, tie, steps, check, offload=False, detailed=False, order="outside"):
     mesh, cfg, params, specs, axes, data_axes = _setup(shape, mode, tie)
     axes = dict(axes, offload=offload)
     n_data = math.prod(shape[a] for a in data_axes)
@@ -67,8 +67,15 @@ def _train(shape, mode, raf, remat, tie, steps, check, offload=False, detailed=F
         sharded = fs.parallel.scan.offload_shards(sharded)
     opt = fs.optim.adam(1e-2)
     state = opt.init(sharded)
-    step = fs.shard_map(lambda p, a, b: _loss(p, a, b, cfg, axes, data_axes, raf, remat), mesh=mesh,
-                        in_specs=(specs, P(data_axes), P(data_axes)), out_specs=P(), check=check)
+    def loss_fn(p, a, b):
+        return _loss(p, a, b, cfg, axes, data_axes, raf, remat)
+
+    in_specs = (specs, P(data_axes), P(data_axes))
+    if order == "outside":  # value_and_grad(shard_map(loss))
+        step = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check=check))
+    else:  # JAX's usual order: shard_map(value_and_grad(loss)), gradients laid out like the params
+        step = fs.shard_map(fs.value_and_grad(loss_fn), mesh=mesh, in_specs=in_specs, out_specs=(P(), specs),
+                            check=check)
     ref, ref_opt = params, fs.optim.adam(1e-2)
     ref_state = ref_opt.init(ref)
     losses, counts, worst = [], [], 0.0
@@ -76,7 +83,7 @@ def _train(shape, mode, raf, remat, tie, steps, check, offload=False, detailed=F
     for s in range(steps):
         tok, tgt = _batch(s, 2 * n_data, cfg)
         with fs.comm_log() as log:
-            loss, grads = fs.value_and_grad(step)(sharded, tok, tgt)
+            loss, grads = step(sharded, tok, tgt)
         counts.append(dict(log.counts))
         by_axis.append(dict(log.by_axis))
         on_cpu &= all(_local(t).device.type == "cpu" for t in fs.tree.leaves(grads))
@@ -130,10 +137,14 @@ def _assert_parity(results, tol=1e-10):
         assert worst < tol, worst
 
 
+ORDERS = ["outside", "inside"]  # value_and_grad(shard_map(f)) and shard_map(value_and_grad(f))
+
+
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("raf", [True, False])
-def test_fsdp_transformer_loss_params_and_comm_counts(n, raf):
-    results = run_on_ranks(_train, {"fsdp": n}, "fsdp", raf, False, False, 3, True, world_size=n)
+def test_fsdp_transformer_loss_params_and_comm_counts(n, raf, order):
+    results = run_on_ranks(_train, {"fsdp": n}, "fsdp", raf, False, False, 3, True, order=order, world_size=n)
     _assert_parity(results)
     g = CFG["n_layers"] + 1  # one group per block plus the root group
     for _, counts, _ in results:
@@ -144,13 +155,15 @@ def test_fsdp_transformer_loss_params_and_comm_counts(n, raf):
             assert c["psum"] == 1  # the loss pmean only: no gradient all-reduce
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("remat, tie", [(True, False), (False, True), (True, True)])
-def test_fsdp_remat_and_tied_weights(remat, tie):
-    _assert_parity(run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, remat, tie, 2, True, world_size=2))
+def test_fsdp_remat_and_tied_weights(remat, tie, order):
+    _assert_parity(run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, remat, tie, 2, True, order=order, world_size=2))
 
 
-def test_replicate_is_ddp():
-    results = run_on_ranks(_train, {"dp": 2}, "replicate", False, False, False, 3, True, world_size=2)
+@pytest.mark.parametrize("order", ORDERS)
+def test_replicate_is_ddp(order):
+    results = run_on_ranks(_train, {"dp": 2}, "replicate", False, False, False, 3, True, order=order, world_size=2)
     _assert_parity(results)
     for _, counts, _ in results:
         for c in counts:
@@ -158,8 +171,9 @@ def test_replicate_is_ddp():
             assert c["psum"] == 1 + 1 + 1  # loss + root group + one bucket for all blocks
 
 
-def test_hsdp_2x2():
-    results = run_on_ranks(_train, {"dp": 2, "fsdp": 2}, "hsdp", True, False, False, 2, True, world_size=4)
+@pytest.mark.parametrize("order", ORDERS)
+def test_hsdp_2x2(order):
+    results = run_on_ranks(_train, {"dp": 2, "fsdp": 2}, "hsdp", True, False, False, 2, True, order=order, world_size=4)
     _assert_parity(results)
     for _, counts, _ in results:
         for c in counts:
@@ -167,12 +181,12 @@ def test_hsdp_2x2():
             assert c["psum"] == 1 + CFG["n_layers"] + 1  # loss + all-reduce over dp per group
 
 
-@pytest.mark.parametrize("raf", [2, "fsdp_in"])
-def test_fsdp_2x2_reshard_to_inner_axis_regathers_over_it_only(raf):
+@pytest.mark.parametrize("raf, order", [(2, "outside"), ("fsdp_in", "outside"), ("fsdp_in", "inside")])
+def test_fsdp_2x2_reshard_to_inner_axis_regathers_over_it_only(raf, order):
     # Scenario 3 with RAF=2 on 2 "nodes" of 2: forward gathers over both axes, backward
     # regathers each block over ("fsdp_in",) only; the reduce-scatter stays over both.
     results = run_on_ranks(_train_detailed, {"fsdp_out": 2, "fsdp_in": 2}, "fsdp2d", raf, False, False, 3, True,
-                           world_size=4)
+                           order=order, world_size=4)
     _assert_parity([r[:3] for r in results])
     both, L = ("fsdp_out", "fsdp_in"), CFG["n_layers"]
     for _, counts, _, by_axis, _, calls in results:
@@ -182,21 +196,24 @@ def test_fsdp_2x2_reshard_to_inner_axis_regathers_over_it_only(raf):
         assert calls == []  # no offload: the host-to-device copy is never asked for
 
 
-@pytest.mark.parametrize("shape, mode, raf", [
-    ({"fsdp": 2}, "fsdp", True),
-    ({"fsdp": 2}, "fsdp", False),
-    ({"dp": 2, "fsdp": 2}, "hsdp", True),
-    ({"fsdp_out": 2, "fsdp_in": 2}, "fsdp2d", "fsdp_in"),
-    ({"dp": 2}, "replicate", False),
+@pytest.mark.parametrize("shape, mode, raf, order", [
+    ({"fsdp": 2}, "fsdp", True, "outside"),
+    ({"fsdp": 2}, "fsdp", True, "inside"),
+    ({"fsdp": 2}, "fsdp", False, "outside"),
+    ({"dp": 2, "fsdp": 2}, "hsdp", True, "outside"),
+    ({"fsdp_out": 2, "fsdp_in": 2}, "fsdp2d", "fsdp_in", "outside"),
+    ({"dp": 2}, "replicate", False, "outside"),
+    ({"dp": 2}, "replicate", False, "inside"),
 ])
-def test_offload_parity_and_everything_stays_on_the_host(shape, mode, raf):
+def test_offload_parity_and_everything_stays_on_the_host(shape, mode, raf, order):
     # Scenario 5 on CPU meshes: the compute device is the CPU, so the copies are no-ops,
     # but every gather goes through _to_compute and every gradient through the host path.
     steps = 2
     results = run_on_ranks(_train_detailed, shape, mode, raf, False, False, steps, True, offload=True,
-                           world_size=math.prod(shape.values()))
+                           order=order, world_size=math.prod(shape.values()))
     _assert_parity([r[:3] for r in results])
-    base = run_on_ranks(_train, shape, mode, raf, False, False, steps, True, world_size=math.prod(shape.values()))
+    base = run_on_ranks(_train, shape, mode, raf, False, False, steps, True, order=order,
+                        world_size=math.prod(shape.values()))
     L = CFG["n_layers"]
     for (losses, counts, _, _, on_cpu, calls), (base_losses, base_counts, _) in zip(results, base):
         assert losses == base_losses and counts == base_counts  # bitwise the same as without offload
@@ -211,10 +228,18 @@ def test_offload_parity_and_everything_stays_on_the_host(shape, mode, raf):
             assert len(calls) == steps * (1 + L + (L if raf is True else 0))
 
 
-def test_unchecked_mode_gives_identical_results():
-    a = run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, False, False, 2, True, world_size=2)
-    b = run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, False, False, 2, False, world_size=2)
+@pytest.mark.parametrize("order", ORDERS)
+def test_unchecked_mode_gives_identical_results(order):
+    a = run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, False, False, 2, True, order=order, world_size=2)
+    b = run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, False, False, 2, False, order=order, world_size=2)
     assert [x[0] for x in a] == [x[0] for x in b]
+
+
+def test_both_orders_give_bitwise_equal_losses_and_params():
+    # Same collectives, same kernels, same order: the two compositions agree exactly.
+    a = run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, False, False, 2, True, order="outside", world_size=2)
+    b = run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, False, False, 2, True, order="inside", world_size=2)
+    assert [x[0] for x in a] == [x[0] for x in b] and [x[1] for x in a] == [x[1] for x in b]
 
 
 def test_fsdp_world_one_issues_nothing():

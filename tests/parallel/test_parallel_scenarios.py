@@ -1,21 +1,60 @@
-"""More seed_tests.md scenarios in functional form: 1 (uneven MLP shards), 2 (shard the
-largest dim), 4 (delays before collectives change nothing), 6/34 (forward and backward
-prefetch issue order), 10 (a layer used twice, also with reshard_after_forward=2 on a 2x2
-mesh), 12 (a tied leaf in two groups), 13 (uneven tied embedding), 14-16 and 25 (gradient
-accumulation without sync: exact reduce-scatter / all-gather / all-reduce counts, also with
-reshard_after_forward=2), 9 (a step over a sub-stack between full steps), 23 (a step through
-part of the model: conv features only, 4-d weight sharded), 35 (one gather and one
-reduce-scatter queue, nothing left in flight), the layer-loop bad inputs, and the flat
+"""seed_tests.md scenarios in functional form, and the map of where each one is tested.
+
+Every scenario of seed_tests.md section 5, by number (files under tests/; "here" is this file):
+
+  1  uneven dim-0 MLP shards, 10 Adam steps    here: test_scenario1_uneven_mlp_shards
+  2  shard the largest dim, contiguous shards  here: test_scenario2_shard_largest_dim_keeps_shards_contiguous
+  3  Transformer, one group per block, counts  parallel/test_parallel_fsdp.py: test_fsdp_transformer_loss_params_and_comm_counts,
+                                               test_fsdp_2x2_reshard_to_inner_axis_regathers_over_it_only
+  4  delays before collectives change nothing  here: test_scenario4_delays_change_nothing_bitwise
+  5  host offload                              parallel/test_parallel_fsdp.py: test_offload_parity_and_everything_stays_on_the_host
+  6  explicit forward prefetch lists           here: test_scenario6_34_forward_and_backward_prefetch_order
+  7  float64 cast after sharding               here: test_scenario7_float64_cast_after_sharding_trains_in_float64
+  8  registration semantics (what outlives     here: test_scenario8_gathered_params_alive_after_forward_only_without_reshard
+     forward: weak references)
+  9  a step over a sub-stack between full ones here: test_scenario9_sub_stack_step_between_full_steps
+ 10  a layer used twice                        here: test_scenario10_layer_used_twice_gets_both_gradients,
+                                               test_scenario10_layer_used_twice_reshard_to_inner_axis
+ 11  remat                                     parallel/test_parallel_fsdp.py: test_fsdp_remat_and_tied_weights;
+                                               parallel/test_parallel_tp.py: test_fsdp_tp_reshard_and_remat
+ 12  tied weights; a tied leaf in two groups   parallel/test_parallel_fsdp.py: test_fsdp_remat_and_tied_weights;
+                                               here: test_scenario12_tied_leaf_in_two_groups_is_an_error
+ 13  uneven tied embedding, grad parity        here: test_scenario13_uneven_tied_embedding_every_row_trains_with_gradient_parity
+ 14  accumulation without sync, counts         here: test_scenario14_fsdp_accumulation_reduces_once,
+                                               test_scenario14_accumulation_with_reshard_to_inner_axis
+ 15  partial sync (root only; MLPs 1-2), counts here: test_scenario15_partial_sync_exact_counts
+ 16  HSDP accumulation counts                  here: test_scenario16_hsdp_accumulation_counts
+ 17  HSDP training                             parallel/test_parallel_fsdp.py: test_hsdp_2x2,
+                                               test_offload_parity_and_everything_stays_on_the_host[hsdp];
+                                               here: test_scenario16_hsdp_accumulation_counts (3 microbatches, parity)
+ 18  1F1B emulation                            sched/test_sched_stage_fsdp.py: test_scenario18_one_gather_and_one_reduce_scatter_over_three_microbatches
+ 19  FSDP x TP                                 parallel/test_parallel_tp.py: test_mlp_stack_parity_and_megatron_counts,
+                                               test_fsdp_tp_reshard_and_remat, test_mlp_stack_uneven_dims
+ 20  HSDP x TP, 3-D mesh (2x2x2, 8 ranks)      parallel/test_parallel_tp.py: test_scenario20_hsdp_x_tp_on_a_2x2x2_mesh
+                                               (and hsdp_tp / hsdp_tp1 cases of test_mlp_stack_parity_and_megatron_counts)
+ 21  EP x TP x FSDP                            parallel/test_parallel_ep.py: test_moe_transformer_parity_and_counts
+ 22  world size 1 issues nothing               parallel/test_parallel_fsdp.py: test_fsdp_world_one_issues_nothing
+ 23  a step through part of the model          here: test_scenario23_step_through_part_of_the_model
+ 24  replicate (DDP)                           parallel/test_parallel_fsdp.py: test_replicate_is_ddp
+ 25  replicate accumulation, counts 4/10/8     here: test_scenario25_replicate_accumulation_exact_all_reduce_counts
+ 26  replicate x TP                            parallel/test_parallel_tp.py: test_mlp_stack_parity_and_megatron_counts[dp_tp-*],
+                                               test_mlp_stack_uneven_dims
+ 27  PP x FSDP gradients (fp32, bf16/fp32)     sched/test_sched_stage_fsdp.py: test_every_generator_pp2_x_fsdp2_matches_reference_with_one_reduction_per_stage,
+                                               test_bf16_params_fp32_reduce_as_close_as_single_process_bf16
+ 28  PP x DDP gradients, per-rank data         sched/test_sched_runtime.py: test_dp_x_pp_grads_averaged_over_dp_equal_global_batch_reference
+ 29  stage placement keeps global layer names  sched/test_sched_runtime.py (every pipeline test: stage params keyed by layer index);
+                                               test_checkpoint.py: test_pipeline_stages_keep_global_layer_indices
+ 30  PP x TP x FSDP against one process        sched/test_sched_stage_fsdp.py: test_scenario30_pp_x_tp_x_fsdp_on_a_2x2x2_mesh (8 ranks),
+                                               test_scenario30_pp_x_tp_x_fsdp_five_adamw_steps_match_one_process
+ 31  PP x replicate, Policy(bf16, fp32)        sched/test_sched_runtime.py: test_scenario31_pp_x_replicate_policy_bf16_losses_match_single_process_policy
+ 32  UNSHARD/RESHARD actions                   sched/test_sched_stage_fsdp.py: test_scenario32_unshard_reshard_actions_set_the_gather_count
+ 33  8 pipeline chunks, params + Adam state    test_checkpoint.py: test_scenario33_eight_pipeline_chunks_keep_global_keys_with_adam_state
+ 34  backward prefetch order                   here: test_scenario6_34_forward_and_backward_prefetch_order
+ 35  one gather and one reduce-scatter queue   here: test_scenario35_one_gather_queue_one_reduce_scatter_queue_nothing_left_in_flight
+ 36  graph capture                             not ported: CUDA graphs need a GPU, and CI has none
+
+Also here: the layer-loop bad inputs, reshard_after_forward's bad values, and the flat
 layout of parameters sharded over two axes (uneven, or not in mesh order).
-
-Elsewhere: 3, 5 (host offload), 11, 12, 16/17 (HSDP), 22, 24 in test_parallel_fsdp.py; 19, 20, 26
-in test_parallel_tp.py; 21 (experts) in test_parallel_ep.py; 18 (1F1B emulation) and 32
-(UNSHARD/RESHARD actions) in tests/sched/test_sched_stage_fsdp.py.
-
-8 (registration semantics) becomes: which gathered parameters outlive forward (weak
-references), with and without reshard_after_forward.
-
-Not ported, with the reason: 36 (CUDA graphs: no GPU in CI).
 """
 
 import time
@@ -125,6 +164,8 @@ def test_scenario10_layer_used_twice_gets_both_gradients():
 
 
 def _tied_uneven_embedding():
+    # 10 AdamW steps on a tied embedding whose vocab (4n + 1) does not divide over n ranks:
+    # every step's loss and gathered gradient, and the params after it, against one process.
     n = dist.get_world_size()
     mesh = fs.make_mesh({"fsdp": n})
     vocab, dim = 4 * n + 1, 16
@@ -134,27 +175,103 @@ def _tied_uneven_embedding():
     sharded = fs.shard(params, specs, mesh, uneven=True)
     before = fs.gather(sharded)["emb"].clone()
 
+    def loss_of(emb, tok):
+        x = emb[tok]                                                # (B, D): embedding
+        logits = x @ emb.T                                          # (B, V): tied output
+        return torch.nn.functional.cross_entropy(logits, (tok + 1) % vocab)
+
     def body(p, tok):
         full = fs.parallel.gather_params(p, axis="fsdp")
-        x = full["emb"][tok]                                       # (B, D): embedding
-        logits = x @ full["emb"].T                                 # (B, V): tied output
-        return fs.lax.pmean(torch.nn.functional.cross_entropy(logits, (tok + 1) % vocab), "fsdp")
+        return fs.lax.pmean(loss_of(full["emb"], tok), "fsdp")
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=P()))
-    opt = fs.optim.adamw(1e-2)
-    state = opt.init(sharded)
+    opt, ref_opt = fs.optim.adamw(1e-2), fs.optim.adamw(1e-2)
+    state, ref, ref_state = opt.init(sharded), params, ref_opt.init(params)
     tok = torch.arange(vocab * n) % vocab  # every row is used; vocab * n rows split evenly over n ranks
+    loss_err = grad_err = param_err = 0.0
     for _ in range(10):
-        _, grads = step(sharded, tok)
+        loss, grads = step(sharded, tok)
         up, state = opt.update(grads, state, sharded)
         sharded = fs.optim.apply_updates(sharded, up)
+        ref_loss, ref_grads = fs.value_and_grad(lambda p: loss_of(p["emb"], tok))(ref)
+        up, ref_state = ref_opt.update(ref_grads, ref_state, ref)
+        ref = fs.optim.apply_updates(ref, up)
+        loss_err = max(loss_err, abs(loss.item() - ref_loss.item()))
+        grad_err = max(grad_err, (fs.gather(grads)["emb"] - ref_grads["emb"]).abs().max().item())
+        param_err = max(param_err, (fs.gather(sharded)["emb"] - ref["emb"]).abs().max().item())
     after = fs.gather(sharded)["emb"]
-    return [bool((after[r] != before[r]).any()) for r in range(vocab)]
+    return [bool((after[r] != before[r]).any()) for r in range(vocab)], loss_err, grad_err, param_err
 
 
-def test_scenario13_uneven_tied_embedding_every_row_trains():
-    for changed in run_on_ranks(_tied_uneven_embedding, world_size=4):
+def test_scenario13_uneven_tied_embedding_every_row_trains_with_gradient_parity():
+    for changed, loss_err, grad_err, param_err in run_on_ranks(_tied_uneven_embedding, world_size=4):
         assert all(changed)
+        # Both uses of the tied leaf (lookup and output) reach every shard, the padded last
+        # one included, exactly once: doubled or dropped gradients fail here.
+        assert loss_err < 1e-10 and grad_err < 1e-10 and param_err < 1e-10, (loss_err, grad_err, param_err)
+
+
+# --- scenario 7: parameters cast to float64 after sharding ------------------------------------
+
+def _float64_after_sharding():
+    # MLP(4) in 3 groups (in_proj, out_proj and the root, which holds no leaves of its own):
+    # initialized and sharded in float32, then cast to float64 as sharded arrays. Every
+    # param, local shard, shard metadata and gradient must be float64, and 10 Adam steps
+    # must match a float64 single-process reference.
+    n = dist.get_world_size()
+    mesh = fs.make_mesh({"fsdp": n})
+    g = torch.Generator().manual_seed(42)
+    params = {"in_proj": {"w": torch.randn(16, 4, generator=g) * 0.5, "b": torch.randn(16, generator=g) * 0.1},
+              "out_proj": {"w": torch.randn(4, 16, generator=g) * 0.25, "b": torch.randn(4, generator=g) * 0.1}}
+    specs = fs.parallel.fsdp_specs(params, "fsdp")
+    sharded = fs.shard(params, specs, mesh)
+    cast = fs.tree.tree_map(lambda t: t.to(torch.float64), sharded)
+    ref = fs.tree.tree_map(lambda t: t.to(torch.float64), params)
+
+    def mlp(p, x):
+        h = torch.relu(x @ p["in_proj"]["w"].T + p["in_proj"]["b"])
+        return torch.relu(h @ p["out_proj"]["w"].T + p["out_proj"]["b"])
+
+    def body(p, x):
+        full = {k: fs.parallel.gather_params(p[k], axis="fsdp") for k in ("in_proj", "out_proj")}
+        return fs.lax.pmean(mlp(full, x).sum(-1).mean(), "fsdp")
+
+    step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=P()))
+    opt, ref_opt = fs.optim.adam(1e-2), fs.optim.adam(1e-2)
+    state, ref_state = opt.init(cast), ref_opt.init(ref)
+    x = torch.randn(2 * n, 4, generator=g, dtype=torch.float64)  # fixed; 2 different rows per rank
+
+    def dtypes(tree):  # (global, local shard, DTensor metadata) dtypes of every leaf
+        return {(t.dtype, t.to_local().dtype, t._spec.tensor_meta.dtype) for t in fs.tree.leaves(tree)}
+
+    seen, losses, param_err = dtypes(cast), [], 0.0
+    for _ in range(10):
+        loss, grads = step(cast, x)
+        seen |= dtypes(grads)
+        up, state = opt.update(grads, state, cast)
+        cast = fs.optim.apply_updates(cast, up)
+        seen |= dtypes(cast)
+        ref_loss, ref_grads = fs.value_and_grad(lambda p: mlp(p, x).sum(-1).mean())(ref)
+        up, ref_state = ref_opt.update(ref_grads, ref_state, ref)
+        ref = fs.optim.apply_updates(ref, up)
+        losses.append((loss.item(), ref_loss.item(), loss.dtype))
+        param_err = max(param_err, max((fs.gather(a) - b).abs().max().item()
+                                       for a, b in zip(fs.tree.leaves(cast), fs.tree.leaves(ref))))
+    state_dtypes = {t.dtype for t in fs.tree.leaves(state) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return seen, losses, param_err, state_dtypes
+
+
+def test_scenario7_float64_cast_after_sharding_trains_in_float64():
+    for seen, losses, param_err, state_dtypes in run_on_ranks(_float64_after_sharding, world_size=2):
+        f64 = torch.float64
+        assert seen == {(f64, f64, f64)}, seen
+        assert state_dtypes == {f64}, state_dtypes
+        # Tighter than the seed's float64 default (1e-7): a step silently run in float32
+        # would be off by about 1e-7 relative, and must fail.
+        for got, want, dtype in losses:
+            assert dtype == f64 and abs(got - want) <= 1e-12 * max(1.0, abs(want)), (got, want)
+        assert param_err < 1e-12
+        assert abs(losses[-1][0] - losses[0][0]) > 1e-3  # Adam moved the loss
 
 
 def _layer_structure_mismatch():
@@ -181,7 +298,13 @@ def test_layer_loop_outside_shard_map():
 
 # --- scenarios 14 and 25: gradient accumulation without sync ----------------------------------
 
-def _accumulate(mode, raf, root_only=False, defer="none"):
+# Which of the 4 groups (the root Linear, MLPs 0..2) skip the reduction until the last
+# microbatch: all of them (scenarios 14, 16, 25), only the root, or only MLPs 1 and 2
+# (the count variants of scenarios 15 and 25).
+DEFERRED = {"all": {"root", 0, 1, 2}, "root": {"root"}, "mlps12": {1, 2}}
+
+
+def _accumulate(mode, raf, deferred="all", defer="none", order="outside"):
     n = dist.get_world_size()
     mesh = fs.make_mesh({"r": 2, "d": n // 2} if mode == "hsdp" else MESH2D if mode == "fsdp2d" else {"d": n})
     data = ("r", "d") if mode == "hsdp" else AXES2D if mode == "fsdp2d" else "d"
@@ -201,14 +324,24 @@ def _accumulate(mode, raf, root_only=False, defer="none"):
     sharded = fs.shard(params, specs, mesh, uneven=True)
     root_axes = {k: v for k, v in axes.items() if k != "bucket_bytes"}
 
+    groups = DEFERRED[deferred]
+    # Consecutive layers that defer alike share one layer loop (sync is per loop).
+    runs = [[0, 1, 2]] if len({i in groups for i in range(3)}) == 1 else [[0], [1, 2]]
+
     def body(p, x, y, acc, sync):
-        h = x @ fs.parallel.gather_params(p["lin"], accumulate=acc, sync=sync, **root_axes)["w"]
-        # root_only: only the root group defers its reduction (scenario 15)
-        h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"], p["layers"], h,
-                                    reshard_after_forward=raf, accumulate=acc, sync=sync or root_only, **axes)
+        def sync_of(group):  # a group that does not defer reduces every microbatch
+            return sync if group in groups else True
+
+        h = x @ fs.parallel.gather_params(p["lin"], accumulate=acc, sync=sync_of("root"), **root_axes)["w"]
+        for run in runs:
+            h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"],
+                                        [p["layers"][i] for i in run], h, reshard_after_forward=raf,
+                                        accumulate=acc, sync=sync_of(run[0]), **axes)
         return fs.lax.pmean(((h - y) ** 2).mean(), data)
 
-    step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(data), P(data), None, None), out_specs=P()))
+    in_specs = (specs, P(data), P(data), None, None)
+    step = (fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P())) if order == "outside" else
+            fs.shard_map(fs.value_and_grad(body), mesh=mesh, in_specs=in_specs, out_specs=(P(), specs)))
     acc = fs.parallel.GradAccumulator()
     xs = torch.randn(3, 2 * n, dim, generator=g, dtype=torch.float64)
     ys = torch.randn(3, 2 * n, dim, generator=g, dtype=torch.float64)
@@ -221,9 +354,9 @@ def _accumulate(mode, raf, root_only=False, defer="none"):
                     fs.optim.apply_updates(sharded, grads)
                 except RuntimeError as e:
                     early_error = str(e)
-            # groups that reduce every microbatch return their own share each time
-            total = grads if total is None or not root_only else {
-                "lin": grads["lin"], "layers": fs.tree.tree_map(torch.add, total["layers"], grads["layers"])}
+            # A group that reduces returns its share of this microbatch (everything it
+            # accumulated on its sync microbatch); a deferring one returns zeros meanwhile.
+            total = grads if total is None else fs.tree.tree_map(torch.add, total, grads)
     ref = fs.tree.tree_map(torch.zeros_like, params)
     for k in range(3):
         def ref_loss(p):
@@ -236,9 +369,9 @@ def _accumulate(mode, raf, root_only=False, defer="none"):
     return diff, dict(log.counts), early_error, acc.pending, dict(log.by_axis)
 
 
-@pytest.mark.parametrize("raf", [True, False])
-def test_scenario14_fsdp_accumulation_reduces_once(raf):
-    for diff, counts, early, pending, _ in run_on_ranks(_accumulate, "fsdp", raf, world_size=4):
+@pytest.mark.parametrize("raf, order", [(True, "outside"), (False, "outside"), (True, "inside")])
+def test_scenario14_fsdp_accumulation_reduces_once(raf, order):
+    for diff, counts, early, pending, _ in run_on_ranks(_accumulate, "fsdp", raf, order=order, world_size=4):
         assert diff < 1e-10 and not pending
         assert counts["psum_scatter"] == 4                       # one per group, last microbatch only
         # per microbatch: the root group once (gather_params keeps it), each of the 3 layers
@@ -259,18 +392,32 @@ def test_scenario14_accumulation_with_reshard_to_inner_axis(raf):
         assert by_axis[("psum_scatter", AXES2D)] == counts["psum_scatter"] == 4
 
 
-@pytest.mark.parametrize("defer, rs, ar", [("none", 4, 4), ("all_reduce", 12, 4)])
-def test_scenario16_hsdp_accumulation_counts(defer, rs, ar):
-    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "hsdp", False, False, defer, world_size=4):
+@pytest.mark.parametrize("defer, rs, ar, order", [("none", 4, 4, "outside"), ("all_reduce", 12, 4, "outside"),
+                                                  ("all_reduce", 12, 4, "inside")])
+def test_scenario16_hsdp_accumulation_counts(defer, rs, ar, order):
+    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "hsdp", False, "all", defer, order=order,
+                                                    world_size=4):
         assert diff < 1e-10 and not pending
         assert counts["psum_scatter"] == rs
         assert counts["psum"] == ar + 3  # all-reduces over the replicate axis + 3 loss pmeans
 
 
-def test_scenario15_partial_sync_root_only():
-    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "fsdp", False, True, world_size=4):
+# Per step, 3 microbatches. The root is gathered once per microbatch (gather_params keeps
+# it until backward), each layer once (twice with reshard_after_forward): 3 x (1 + 3) = 12
+# all-gathers, or 3 x (1 + 2 x 3) = 21. The seed's 10 keeps the root and the deferring
+# groups gathered across microbatches (reshard_after_backward=False), which fshard's
+# functional groups do not: each microbatch's step regathers.
+@pytest.mark.parametrize("deferred, raf, scatters, gathers", [
+    ("root", False, 1 + 3 * 3, 12),          # the seed's 4 + 3 x 2 = 10: root once, MLPs every microbatch
+    ("root", True, 1 + 3 * 3, 21),
+    ("mlps12", False, 3 + 3 + 2, 12),        # the seed's 8: root and MLP 0 every microbatch, MLPs 1, 2 once
+])
+def test_scenario15_partial_sync_exact_counts(deferred, raf, scatters, gathers):
+    for diff, counts, early, pending, _ in run_on_ranks(_accumulate, "fsdp", raf, deferred, world_size=4):
         assert diff < 1e-10 and not pending
-        assert counts["psum_scatter"] == 1 + 3 * 3  # root once, each layer every microbatch
+        assert counts["psum_scatter"] == scatters and counts["all_gather"] == gathers, counts
+        assert counts["psum"] == 3 and counts.get("all_to_all", 0) == 0, counts  # the loss pmeans only
+        assert "never reduced" in early  # the deferring groups are still pending after microbatch 0
 
 
 def _tied_in_two_groups():
@@ -296,11 +443,17 @@ def test_scenario12_tied_leaf_in_two_groups_is_an_error():
     assert "already managed by another parameter group" in msg and "shape (2, 4)" in msg
 
 
-def test_scenario25_replicate_accumulation_all_reduces_once():
-    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "replicate", False, world_size=2):
+@pytest.mark.parametrize("deferred, all_reduces, order", [("all", 4, "outside"), ("all", 4, "inside"),
+                                                          ("root", 1 + 3 * 3, "outside"), ("mlps12", 3 + 3 + 2, "outside")])
+def test_scenario25_replicate_accumulation_exact_all_reduce_counts(deferred, all_reduces, order):
+    # The seed's 4 (sync only on the last microbatch), 10 (only the root defers) and 8
+    # (MLPs 1 and 2 defer); one all-reduce per group (buckets of one layer) and microbatch
+    # that reduces, plus the 3 loss pmeans; never an all-gather.
+    for diff, counts, _, pending, _ in run_on_ranks(_accumulate, "replicate", False, deferred, order=order,
+                                                    world_size=2):
         assert diff < 1e-10 and not pending
-        assert counts.get("all_gather", 0) == 0
-        assert counts["psum"] == 4 + 3  # one all-reduce per group (buckets of one group) + 3 loss pmeans
+        assert counts.get("all_gather", 0) == 0 and counts.get("psum_scatter", 0) == 0, counts
+        assert counts["psum"] == all_reduces + 3, counts
 
 
 # --- scenarios 6 and 34: prefetch issue order -----------------------------------------------
@@ -720,3 +873,19 @@ def test_scenario23_step_through_part_of_the_model():
     for (fl, fg, head_grad), (al, ag, _) in run_on_ranks(_features_body, world_size=2):
         assert max(fl, fg, al, ag) < 1e-10
         assert head_grad == 0.0  # the head did not take part in the features-only step
+
+
+# --- the map above stays true ----------------------------------------------------------------
+
+def test_scenario_map_lists_all_36_and_names_only_existing_tests():
+    import re
+    from pathlib import Path
+
+    rows = re.findall(r"^ {1,2}(\d{1,2})  ", __doc__, flags=re.M)
+    assert [int(n) for n in rows] == list(range(1, 37)), rows
+    sources = "\n".join(p.read_text() for p in Path(__file__).parents[1].rglob("test_*.py"))
+    named = set(re.findall(r"(?<![\w/])(test_\w+)(?!\w)(?!\.py)", __doc__))  # test names, not files
+    assert len(named) > 30, named
+    missing = sorted(n for n in named if f"def {n}(" not in sources)
+    assert not missing, missing
+    assert "36  graph capture                             not ported:" in __doc__

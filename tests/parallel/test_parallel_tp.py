@@ -1,7 +1,7 @@
 """Tensor / sequence parallelism composed with FSDP, HSDP and replicate, on 4 gloo ranks.
 
 Functional ports of seed_tests.md scenarios 19 (FSDP x TP), 20 (HSDP x TP, 3-D
-mesh), 26 (replicate x TP) and the TP part of 30, for MLPStack and the Transformer
+mesh: 2x2x2 on 8 ranks, and 2x1x2 / 2x2x1 on 4), 26 (replicate x TP) and the TP part of 30, for MLPStack and the Transformer
 with a loss-parallel cross entropy. Every case trains against a single-process
 reference on the global batch (float64): the initial gathered params equal it, and
 every step's loss, gradients and updated params match. Communication per step is
@@ -33,6 +33,8 @@ LAYOUTS = {
     "hsdp_tp": ({"dp": 2, "fsdp": 1, "tp": 2}, dict(axis="fsdp", replicate_axis="dp"), "fsdp"),
     "hsdp_tp1": ({"dp": 2, "fsdp": 2, "tp": 1}, dict(axis="fsdp", replicate_axis="dp"), "fsdp"),
     "tp_fsdp": ({"tp": 2, "fsdp": 2}, dict(axis="fsdp", replicate_axis=None), "fsdp"),
+    # Scenario 20 proper: all three axes larger than 1 (8 ranks).
+    "hsdp_tp_3d": ({"dp": 2, "fsdp": 2, "tp": 2}, dict(axis="fsdp", replicate_axis="dp"), "fsdp"),
 }
 
 
@@ -40,7 +42,7 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(fs.tree.leaves(a), fs.tree.leaves(b)))
 
 
-def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, **tf):
+def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, order="outside", **tf):
     """One rank's run: per step (loss, ref loss), comm counts by axis, worst param/grad diffs."""
     # fs.gather of a strided (FSDP x TP) layout makes torch log a "2 sequential all_gathers" warning.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -58,14 +60,18 @@ def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, 
     init_diff = _max_diff(fs.gather(sharded), params)
     body, ref_loss_fn, batch, in_axes = _MODELS[model](cfg, axes, data_axes, sp, dict(
         reshard_after_forward=raf, remat=remat, **axes))
-    step = fs.shard_map(body, mesh=mesh, in_specs=(specs, P(in_axes), P(in_axes)), out_specs=P(), check=check)
+    in_specs = (specs, P(in_axes), P(in_axes))
+    if order == "outside":  # value_and_grad(shard_map(f))
+        step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(), check=check))
+    else:  # shard_map(value_and_grad(f)), JAX's usual order
+        step = fs.shard_map(fs.value_and_grad(body), mesh=mesh, in_specs=in_specs, out_specs=(P(), specs), check=check)
     opt, ref_opt, ref = fs.optim.adam(1e-2), fs.optim.adam(1e-2), params
     state, ref_state = opt.init(sharded), ref_opt.init(ref)
     losses, counts, p_diff, g_diff = [], [], 0.0, 0.0
     for s in range(steps):
         a, b = batch(s)
         with fs.comm_log() as log:
-            loss, grads = fs.value_and_grad(step)(sharded, a, b)
+            loss, grads = step(sharded, a, b)
         counts.append(dict(log.by_axis))
         ref_loss, ref_grads = fs.value_and_grad(lambda p: ref_loss_fn(p, a, b))(ref)
         g_diff = max(g_diff, _max_diff(fs.gather(grads), ref_grads))
@@ -78,7 +84,9 @@ def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, 
     # Placements, not specs: with a size-1 axis, P(("tp", "fsdp")) and P(("fsdp", "tp")) are one layout.
     layouts_kept = all(tuple(x.placements) == fs.NamedSharding(mesh, s).placements and len(x.placements) == len(shape)
                        for x, s in zip(fs.tree.leaves(sharded), fs.tree.leaves(specs)))
-    return dict(init=init_diff, losses=losses, counts=counts, params=p_diff, grads=g_diff, layouts=layouts_kept)
+    placements = {str(tuple(x.placements)) for x in fs.tree.leaves(sharded)}
+    return dict(init=init_diff, losses=losses, counts=counts, params=p_diff, grads=g_diff, layouts=layouts_kept,
+                placements=placements)
 
 
 def _mlp(cfg, axes, data_axes, sp, loop):
@@ -208,6 +216,19 @@ def test_transformer_loss_parallel_parity_and_megatron_counts(layout, sp):
         assert all(c == want for c in r["counts"]), (r["counts"][0], want)
 
 
+@pytest.mark.parametrize("model, layout, sp, check", [
+    ("mlp", "fsdp_tp", True, True), ("mlp", "dp_tp", False, True), ("transformer", "fsdp_tp", True, True),
+    ("transformer", "hsdp_tp", False, True), ("transformer", "fsdp_tp", True, False)])
+def test_gradients_inside_shard_map_equal_reference_with_the_same_counts(model, layout, sp, check):
+    """shard_map(value_and_grad(f)): same losses, params and Megatron counts as the other order."""
+    results = run_on_ranks(_train, model, layout, sp, 3, check=check, order="inside", world_size=4)
+    _assert_parity(results)
+    n_layers = 3 if model == "mlp" else TF["n_layers"]
+    want = _expected_counts(model, layout, sp, True, n_layers)
+    for r in results:
+        assert all(c == want for c in r["counts"]), (r["counts"][0], want)
+
+
 @pytest.mark.parametrize("raf, remat", [(False, False), (True, True)])
 def test_fsdp_tp_reshard_and_remat(raf, remat):
     """Scenario 19's RAF x AC grid: the TP block runs unchanged inside scan_layers."""
@@ -232,6 +253,21 @@ def test_transformer_tied_uneven_vocab(layout):
     loss-parallel cross entropy find each rank's vocabulary range from the chunk layout."""
     results = run_on_ranks(_train, "transformer", layout, True, 3, vocab_size=33, tie_weights=True, world_size=4)
     _assert_parity(results)
+
+
+def test_scenario20_hsdp_x_tp_on_a_2x2x2_mesh():
+    """dp_replicate=2 x dp_shard=2 x tp=2 on 8 ranks: strided (fsdp x tp) shards are right
+    at init, 5 Adam steps match one process, and every collective runs over the axis the
+    Megatron/HSDP count says, each of the three axes carrying traffic."""
+    results = run_on_ranks(_train, "mlp", "hsdp_tp_3d", False, 5, world_size=8)
+    _assert_parity(results)
+    want = _expected_counts("mlp", "hsdp_tp_3d", False, True, 3)
+    assert {axes for _, axes in want} == {("tp",), ("fsdp",), ("dp",), ("dp", "fsdp")}, want
+    for r in results:
+        assert all(c == want for c in r["counts"]), (r["counts"][0], want)
+        # in_proj's weight: rows split over fsdp (outer) and tp (inner), replicated over dp
+        assert any("Replicate()" in p and "_StridedShard(dim=0" in p and "Shard(dim=0)" in p
+                   for p in r["placements"]), r["placements"]
 
 
 def _uneven_on_fsdp_major_mesh():

@@ -32,10 +32,12 @@ def traced_step(argv: list[str]) -> dict:
     params, specs = T.init_params(cfg, plan, args.seed, pipe)
     opt = T.make_optimizer(args)
     state = opt.init(params)
-    step = (T.make_pipeline_step(model, plan, pipe, opt, args.grad_clip) if pipe is not None else
-            T.make_train_step(model, plan, specs, opt, microbatches, args.grad_clip))
+    order = {p: i for i, p in enumerate(fs.tree.zip_with_path(params)[0])}
+    inject = args.inject_nonfinite  # none: the flag is not given
+    step = (T.make_pipeline_step(model, plan, pipe, opt, args.grad_clip, inject, order) if pipe is not None else
+            T.make_train_step(model, plan, specs, opt, microbatches, args.grad_clip, inject, order))
     tokens, targets = corpus.batch(0, args.batch_size, args.seq_len, args.seed)
-    params, state, _, _ = step(params, state, tokens, targets)
+    params, state = step(params, state, tokens, targets)[:2]
     with fs.comm_log() as log:
         step(params, state, tokens, targets)
     totals = {(k, a): (n, log.bytes_by_axis[(k, a)]) for (k, a), n in log.by_axis.items()}

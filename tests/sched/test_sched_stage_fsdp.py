@@ -5,8 +5,9 @@ data, for every generator, with parameters kept (one all-gather per stage per st
 and resharded after forward (one per microbatch forward and one per backward action),
 and one reduce-scatter per stage per step either way, counted in comm_log. Seed
 scenarios 27 (pp x fsdp gradients, fp32 and bf16 params with fp32 reduce), 18 (1F1B
-emulation: RAF False, 3 microbatches, one reduction) and 32 (explicit UNSHARD/RESHARD
-actions) in functional form.
+emulation: RAF False, 3 microbatches, one reduction), 32 (explicit UNSHARD/RESHARD
+actions) and 30 (pp x tp x fsdp against one process, on 4 ranks and on a 2x2x2 mesh of
+8) in functional form.
 
 The model: 8 tanh layers of width 5 (uneven over fsdp=2: torch.chunk rows 3 and 2),
 plus a replicated scalar gain per layer (not sharded, so it is all-reduced over the
@@ -436,6 +437,7 @@ def _scenario30_body(cases):
 
 
 def test_scenario30_pp_x_tp_x_fsdp_five_adamw_steps_match_one_process():
+    # Two axes of size 2 at a time on 4 ranks; all three: test_scenario30_..._2x2x2_mesh.
     schedules = [("gpipe", {}), ("one_f_one_b", {}), ("interleaved_1f1b", {}), ("looped_bfs", {}),
                  ("zero_bubble", {"n_virtual": 2})]
     cases = [(shape, name, kw) for shape in ({"pp": 2, "fsdp": 1, "tp": 2}, {"pp": 2, "fsdp": 2, "tp": 1})
@@ -445,3 +447,17 @@ def test_scenario30_pp_x_tp_x_fsdp_five_adamw_steps_match_one_process():
             assert r["loss_err"] < TOL and r["param_err"] < TOL and r["moved"], r
             assert r["tp_psums"] == r["expected_tp_psums"], r
             assert r["fsdp"] == r["expected_fsdp"], r
+
+
+def test_scenario30_pp_x_tp_x_fsdp_on_a_2x2x2_mesh():
+    # The seed's mesh with all three axes of size 2 (8 ranks): fsdp x pp x tp, five AdamW
+    # steps per schedule against one process, and per axis the counted collectives. Three
+    # schedules, one of each kind the executor runs differently (one stage per rank, several
+    # stages per rank, split I/W backward); all five run on two axes at a time above.
+    schedules = [("one_f_one_b", {}), ("interleaved_1f1b", {}), ("zero_bubble", {"n_virtual": 2})]
+    cases = [({"fsdp": 2, "pp": 2, "tp": 2}, name, kw) for name, kw in schedules]
+    for rank_results in run_on_ranks(_scenario30_body, cases, world_size=8):
+        for r in rank_results:
+            assert r["loss_err"] < TOL and r["param_err"] < TOL and r["moved"], r
+            assert r["expected_tp_psums"] > 0 and r["tp_psums"] == r["expected_tp_psums"], r
+            assert r["expected_fsdp"] > (0, 0) and r["fsdp"] == r["expected_fsdp"], r

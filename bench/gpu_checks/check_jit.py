@@ -1,0 +1,84 @@
+"""GPU check: ``fs.jit`` (compiled) against eager on CUDA, once ``fs.jit`` exists.
+
+Skipped, with the reason "fs.jit not built", while ``fshard`` has no ``jit``. When it
+does: an FSDP train step (``value_and_grad(shard_map(...))`` of an MLP stack through
+``scan_layers``, float32, one-rank nccl mesh) runs eager and through ``fs.jit``; the
+loss and gradients must agree to 1e-5 relative, and the step times (median after 3
+warm-up calls, synchronized) are reported with their ratio. The call form assumed is
+``fs.jit(fn)(*args)``, as ``jax.jit``; if ``fs.jit`` takes another form this check
+fails and says so.
+
+    python bench/gpu_checks/check_jit.py [--cpu-dry-run] [--result out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import Checker, CheckSkipped, main, median, one_rank_group, synchronize  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import fshard as fs  # noqa: E402
+from fshard import P  # noqa: E402
+
+RTOL = 1e-5
+WARMUP = 3
+
+
+def _block(lp, h):
+    return h + torch.tanh(h @ lp["w1"]) @ lp["w2"]
+
+
+def run(ck: Checker, args: argparse.Namespace) -> None:
+    if not hasattr(fs, "jit"):
+        raise CheckSkipped("fs.jit not built")
+    one_rank_group()
+    mesh = fs.make_mesh({"x": dist.get_world_size()})
+    dim, hidden = (16, 32) if ck.dry_run else (1024, 4096)
+    g = torch.Generator().manual_seed(0)
+    params = {"layers": [{"w1": torch.randn(dim, hidden, generator=g) * dim ** -0.5,
+                          "w2": torch.randn(hidden, dim, generator=g) * hidden ** -0.5} for _ in range(4)]}
+    specs = fs.parallel.fsdp_specs(params, "x")
+    sharded = fs.shard(params, specs, mesh)
+
+    def body(p, x):
+        h = fs.parallel.scan_layers(_block, p["layers"], x, axis="x")
+        return fs.lax.pmean((h ** 2).mean(), "x")
+
+    eager = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("x")), out_specs=P()))
+    compiled = fs.jit(eager)
+    x = torch.randn(8 if ck.dry_run else 64, dim, generator=g)
+    times: dict[str, list[float]] = {"eager": [], "jit": []}
+    out = {}
+    for i in range(WARMUP + (2 if ck.dry_run else 20)):
+        for name, fn in (("eager", eager), ("jit", compiled)):
+            synchronize(mesh.device)
+            t0 = time.perf_counter()
+            out[name] = fn(sharded, x)
+            synchronize(mesh.device)
+            if i >= WARMUP:
+                times[name].append(time.perf_counter() - t0)
+    (le, ge), (lj, gj) = out["eager"], out["jit"]
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    err = max([abs(float(local(le)) - float(local(lj))) / abs(float(local(le)))]
+              + [((local(a) - local(b)).abs().max() / local(a).abs().max().clamp_min(1e-30)).item()
+                 for a, b in zip(fs.tree.leaves(ge), fs.tree.leaves(gj))])
+    ck.figure(eager_s=median(times["eager"]), jit_s=median(times["jit"]),
+              speedup=median(times["eager"]) / median(times["jit"]), max_rel_err=err)
+    ck.require(f"fs.jit gives eager's loss and gradients (rtol {RTOL})", err <= RTOL, f"{err:.2e}")
+    devices = {local(t).device.type for t in fs.tree.leaves(out["jit"])}
+    ck.require_on_device("the compiled step's results are on CUDA", lambda: (devices == {"cuda"}, devices))
+
+
+if __name__ == "__main__":
+    main(run, "jit", doc=__doc__)

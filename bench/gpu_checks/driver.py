@@ -1,0 +1,190 @@
+"""Runs every GPU check in sequence under one time limit and writes one summary (see run.sh).
+
+Each check is its own process (a CUDA error or a hung collective cannot take the others
+down), gets at most its own cap or what is left of the total, and is killed with its
+process group when that runs out. A failed, crashed or killed check is recorded and the
+next one runs. The summary is rewritten after every check, so a run cut short still
+leaves what it measured.
+
+Output directory:
+    summary.json   {"mode", "ok", "note", "date", "git", "machine", "time_limit_s",
+                    "total_seconds", "checks": [record per check]}
+    summary.md     the same as a table
+    logs/<check>.log, logs/<check>.json   each check's output and own record
+
+A record (common.py): check, status (passed / failed / skipped), passed, seconds,
+figures, assertions {checked, skipped_on_cpu}, parts, reason (why skipped), error, log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+# (name, script, seconds at most on a GPU; 3x in a dry run): cheap and basic first, the
+# measurements last. Their sum exceeds the default total on purpose: a check that
+# finishes early leaves its time to the next.
+CHECKS: list[tuple[str, str, float]] = [
+    ("nccl_init", "check_nccl.py", 90),
+    ("init_sharded", "check_init_sharded.py", 90),
+    ("train_lm", "check_train_lm.py", 180),
+    ("offload", "offload_check.py", 150),
+    ("gloo_cuda_ranks", "check_gloo_cuda.py", 180),
+    ("fully_shard_overhead", "check_fully_shard.py", 120),
+    ("jit", "check_jit.py", 90),
+]
+# The figures the table shows per check (all of them are in summary.json).
+KEY_FIGURES = {
+    "nccl_init": ["backend", "wire_collectives", "step_grad_err"],
+    "init_sharded": ["device_peak_rise_bytes", "device_bound_bytes", "total_bytes"],
+    "train_lm": ["float32_tokens_per_s_median", "bfloat16_tokens_per_s_median", "float32_last_loss",
+                 "bfloat16_last_loss", "last_window_rel_diff", "max_step_rel_diff"],
+    "offload": ["world2_host_to_device_copies", "world1_host_to_device_copies", "world2_max_shard_diff"],
+    "gloo_cuda_ranks": ["fsdp_grad_err", "tp_grad_err", "pipeline_grad_err", "init_device_peak_rise_bytes"],
+    "fully_shard_overhead": ["torch_s_per_step", "fshard_s_per_step", "ratio_fshard_over_torch"],
+    "jit": ["eager_s", "jit_s", "speedup"],
+}
+DRY_RUN_NOTE = (
+    "CPU dry run: the same check scripts ran on the CPU over gloo. Every assertion about the "
+    "device itself (tensors on CUDA, NCCL picked, pinned copies, CUDA memory) was skipped; each "
+    "check lists them under assertions.skipped_on_cpu. Nothing in this summary ran on a GPU.")
+
+
+def _git() -> dict[str, Any]:
+    def out(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": out("rev-parse", "HEAD"), "dirty": bool(out("status", "--porcelain"))}
+
+
+def _tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def run_check(name: str, script: str, limit_s: float, out: Path, dry_run: bool,
+              python: str) -> dict[str, Any]:
+    """Runs one check in its own process group; returns its record (made up if it left none)."""
+    log, result = out / "logs" / f"{name}.log", out / "logs" / f"{name}.json"
+    result.unlink(missing_ok=True)
+    cmd = [python, str(HERE / script), "--result", str(result)] + (["--cpu-dry-run"] if dry_run else [])
+    t0 = time.perf_counter()
+    timed_out = False
+    with open(log, "w") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)  # the check and any ranks it forked
+            rc = proc.wait()
+    seconds = round(time.perf_counter() - t0, 3)
+    rel_log = str(log.relative_to(out))
+    if result.exists() and not timed_out:
+        record = json.loads(result.read_text())
+        record["log"] = rel_log
+        return record
+    why = (f"killed after {limit_s:.0f} s (its time limit)" if timed_out
+           else f"exited with status {rc} without writing its record")
+    return {"check": name, "status": "failed", "passed": False, "seconds": seconds,
+            "mode": "cpu-dry-run" if dry_run else "gpu", "figures": {}, "assertions": {}, "parts": {},
+            "reason": None, "error": f"{why}; last lines of {rel_log}:\n{_tail(log)}", "log": rel_log}
+
+
+def _table(summary: dict[str, Any]) -> str:
+    lines = [f"# GPU checks: {summary['mode']} on {summary['machine'].get('device', '?')}, {summary['date']}", ""]
+    if summary["mode"] == "cpu-dry-run":
+        lines += [DRY_RUN_NOTE, ""]
+    lines += [f"Overall: {'OK' if summary['ok'] else 'NOT OK'}; {summary['total_seconds']:.0f} s of "
+              f"{summary['time_limit_s']:.0f} s; commit {summary['git']['commit'][:12]}"
+              f"{' (dirty)' if summary['git']['dirty'] else ''}", "",
+              "| check | status | s | key figures | device assertions skipped |", "|---|---|---|---|---|"]
+    for r in summary["checks"]:
+        figs = ", ".join(f"{k}={r['figures'][k]}" for k in KEY_FIGURES.get(r["check"], []) if k in r["figures"])
+        note = r.get("reason") or (r.get("error") or "").split("\n")[0][:200]
+        status = r["status"] + (f" ({note})" if note else "")
+        lines.append(f"| {r['check']} | {status} | {r['seconds']:.1f} | {figs} | "
+                     f"{len(r.get('assertions', {}).get('skipped_on_cpu', []))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="no GPU: run every check on the CPU with the device assertions skipped (and listed)")
+    ap.add_argument("--out", default=None,
+                    help="output directory (default: $OUT if set, else bench/results/gpu_<date>[_cpu-dry-run])")
+    ap.add_argument("--time-limit", type=float, default=540.0, help="seconds for all checks together (max 600)")
+    ap.add_argument("--only", default=None, help="comma-separated check names (default: all)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter for the checks")
+    args = ap.parse_args()
+    if args.time_limit > 600:
+        ap.error("--time-limit: at most 600 s (a GPU is lent for 10 minutes per command)")
+    now = _dt.datetime.now()
+    suffix = "_cpu-dry-run" if args.cpu_dry_run else ""
+    out = Path(args.out or os.environ.get("OUT") or REPO / "bench" / "results" /
+               f"gpu_{now:%Y-%m-%d_%H%M}{suffix}")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    checks = CHECKS
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {c[0] for c in CHECKS})
+        if unknown:
+            ap.error(f"--only: unknown checks {unknown}; checks are {[c[0] for c in CHECKS]}")
+        checks = [c for c in CHECKS if c[0] in wanted]
+    mode = "cpu-dry-run" if args.cpu_dry_run else "gpu"
+    summary: dict[str, Any] = {
+        "mode": mode, "ok": False, "note": DRY_RUN_NOTE if args.cpu_dry_run else "ran on the GPU named in machine",
+        "date": now.isoformat(timespec="seconds"), "git": _git(),
+        "machine": {"host": platform.node(), "python": platform.python_version()},
+        "time_limit_s": args.time_limit, "total_seconds": 0.0, "checks": []}
+    t0 = time.perf_counter()
+    deadline = t0 + args.time_limit
+    for name, script, cap in checks:
+        left = deadline - time.perf_counter()
+        if left < 5:
+            record = {"check": name, "status": "failed", "passed": False, "seconds": 0.0, "mode": mode,
+                      "figures": {}, "assertions": {}, "parts": {}, "reason": None,
+                      "error": f"not run: the total time limit of {args.time_limit:.0f} s was used up", "log": None}
+        else:
+            # The caps are sized for a GPU; a shared CPU running the dry run may be far slower.
+            limit = min(cap * (3 if args.cpu_dry_run else 1), left)
+            print(f"--- {name} (at most {limit:.0f} s)", flush=True)
+            record = run_check(name, script, limit, out, args.cpu_dry_run, args.python)
+        print(f"    {record['status']} in {record['seconds']:.1f} s"
+              + (f": {record['reason']}" if record.get("reason") else "")
+              + (f": {record['error'].splitlines()[0]}" if record.get("error") else ""), flush=True)
+        summary["checks"].append(record)
+        if record.get("device") and summary["machine"].get("device") in (None, "cpu"):
+            summary["machine"].update(record["device"])
+        summary["total_seconds"] = round(time.perf_counter() - t0, 3)
+        summary["ok"] = all(r["status"] == "passed" or (r["status"] == "skipped" and r.get("reason"))
+                            for r in summary["checks"])
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    table = _table(summary)
+    (out / "summary.md").write_text(table)
+    print(table)
+    print(f"summary: {out / 'summary.json'}")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The shim's JAX side: the same names as ``conf_ops_fshard.FshardOps`` on jax / jax.lax.
+
+Imported only in the JAX worker process (``conf_jax_worker.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, PartitionSpec
+
+_COLLECTIVE_PRIMS = {"psum", "psum_invariant", "all_gather", "all_gather_invariant", "reduce_scatter",
+                     "psum_scatter", "all_to_all", "ppermute", "pmax", "pmin"}
+
+
+def _save_collectives(prim, *_, **__) -> bool:
+    # fshard's "save_collectives": keep the outputs of collectives, recompute the rest.
+    return prim.name in _COLLECTIVE_PRIMS
+
+
+POLICIES = {
+    None: None,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "save_collectives": _save_collectives,
+}
+
+
+def make_mesh(axes: dict[str, int]) -> Mesh:
+    # Devices in id order, row-major: device i is fshard's rank i.
+    devices = np.array(jax.devices()[: math.prod(axes.values())]).reshape(tuple(axes.values()))
+    return Mesh(devices, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+
+
+class JaxOps:
+    framework = "jax"
+
+    def __init__(self, mesh: Mesh, check: bool) -> None:
+        self.mesh, self.check = mesh, check
+
+    P = staticmethod(PartitionSpec)
+    psum = staticmethod(jax.lax.psum)
+    pmean = staticmethod(jax.lax.pmean)
+    pmax = staticmethod(jax.lax.pmax)
+    pmin = staticmethod(jax.lax.pmin)
+    all_gather = staticmethod(jax.lax.all_gather)
+    psum_scatter = staticmethod(jax.lax.psum_scatter)
+    ppermute = staticmethod(jax.lax.ppermute)
+    all_to_all = staticmethod(jax.lax.all_to_all)
+    axis_index = staticmethod(jax.lax.axis_index)
+
+    def axis_size(self, ax) -> int:
+        return math.prod(self.mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax))
+
+    @staticmethod
+    def pvary(x, ax):
+        return jax.tree.map(lambda t: jax.lax.pcast(t, ax, to="varying"), x)
+
+    def shard_map(self, f: Callable, in_specs: Any, out_specs: Any, check: bool | None = None) -> Callable:
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=self.check if check is None else check)
+
+    grad = staticmethod(jax.grad)
+    value_and_grad = staticmethod(jax.value_and_grad)
+    func_grad = staticmethod(jax.grad)
+
+    @staticmethod
+    def remat(f: Callable, policy: str | None = None) -> Callable:
+        return jax.checkpoint(f, policy=POLICIES[policy])
+
+    @staticmethod
+    def vmap(f: Callable, in_axes: Any = 0, out_axes: Any = 0) -> Callable:
+        return jax.vmap(f, in_axes=in_axes, out_axes=out_axes)
+
+    relu = staticmethod(jax.nn.relu)
+    tanh = staticmethod(jnp.tanh)
+    exp = staticmethod(jnp.exp)
+
+    @staticmethod
+    def sum(x, axis=None):
+        return jnp.sum(x, axis=axis)
+
+    @staticmethod
+    def mean(x, axis=None):
+        return jnp.mean(x, axis=axis)
+
+    @staticmethod
+    def concat(xs, axis=0):
+        return jnp.concatenate(list(xs), axis=axis)
+
+    @staticmethod
+    def einsum(spec, *xs):
+        return jnp.einsum(spec, *xs)
+
+    moveaxis = staticmethod(jnp.moveaxis)
+
+    @staticmethod
+    def int32(x):
+        return x.astype(jnp.int32)

@@ -1,0 +1,114 @@
+"""A rank killed by a fatal signal prints every thread's Python stack (fs.init, run_local, pools).
+
+Without it a rank that dies of a segfault or of glibc's heap checks exits without a word,
+and the other ranks only report a lost connection.
+"""
+
+import ctypes
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+import fshard as fs
+from fshard.testing import run_on_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _sleeping_helper_thread():
+    time.sleep(60)
+
+
+def _crash_in_native_code():
+    ctypes.string_at(0)  # reads address 0: SIGSEGV inside C code, as a heap corruption would
+
+
+def _segfault_on_rank_1():
+    if dist.get_rank() == 1:
+        threading.Thread(target=_sleeping_helper_thread, daemon=True).start()
+        time.sleep(0.2)
+        _crash_in_native_code()
+    dist.barrier()  # rank 0 waits for the dead rank: the harness must report rank 1
+    return dist.get_rank()
+
+
+def _rank_of():
+    return dist.get_rank()
+
+
+def _assert_crash_report(text: str) -> None:
+    assert "Fatal Python error: Segmentation fault" in text, text[-3000:]
+    assert "_crash_in_native_code" in text and "_segfault_on_rank_1" in text, text[-3000:]
+    # all_threads=True: the other Python thread's stack is printed too.
+    assert "_sleeping_helper_thread" in text, text[-3000:]
+
+
+def test_pool_rank_segfault_prints_python_stacks():
+    with pytest.raises(RuntimeError, match=r"rank 1 died \(killed by SIGSEGV, exit code -11\)") as info:
+        run_on_ranks(_segfault_on_rank_1, world_size=2, timeout_s=60)
+    _assert_crash_report(str(info.value))
+    assert run_on_ranks(_rank_of, world_size=2) == [0, 1]  # the pool is rebuilt
+
+
+def test_run_local_rank_segfault_prints_python_stacks():
+    with pytest.raises(RuntimeError, match=r"rank 1 died \(killed by SIGSEGV, exit code -11\)") as info:
+        fs.run_local(_segfault_on_rank_1, world_size=2, timeout_s=60)
+    _assert_crash_report(str(info.value))
+
+
+_SCRIPT = textwrap.dedent("""
+    import ctypes, sys, threading, time
+    import torch.distributed as dist
+    import fshard as fs
+
+    def _sleeping_helper_thread():
+        time.sleep(60)
+
+    def _crash_in_native_code():
+        ctypes.string_at(0)
+
+    def _segfault_on_rank_1():
+        threading.Thread(target=_sleeping_helper_thread, daemon=True).start()
+        time.sleep(0.2)
+        _crash_in_native_code()
+
+    if sys.argv[1] == "init":
+        fs.init()  # a one-rank torchrun environment: starts the group, enables the stacks
+        assert dist.is_initialized()
+    _segfault_on_rank_1()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_torchrun_like(mode: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER",)}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()),
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, "-c", _SCRIPT, mode], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_init_makes_a_crashing_rank_print_its_python_stacks():
+    out = _run_torchrun_like("init")
+    assert out.returncode == -11, (out.returncode, out.stderr[-3000:])
+    _assert_crash_report(out.stderr)
+
+
+def test_without_init_a_crashing_process_prints_no_python_stack():
+    # The control: the stack above comes from fs.init(), not from the interpreter.
+    out = _run_torchrun_like("plain")
+    assert out.returncode == -11, (out.returncode, out.stderr[-3000:])
+    assert "_crash_in_native_code" not in out.stderr

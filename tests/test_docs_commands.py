@@ -1,0 +1,177 @@
+"""Every shell command in README.md and docs/*.md runs (issue 14), in short form where it trains.
+
+Commands are read from the documents themselves: each line of a fenced ``bash``/``sh``/
+``shell``/``console`` block (``\\`` continuations joined, ``#`` comments dropped, ``&&`` chains
+split into steps) and each inline ``torchrun ...`` or ``python ...`` span in the prose. A
+command that trains gets ``--steps 2``; torchrun runs on loopback with a free port (``python
+-m torch.distributed.run``, the program behind ``torchrun``); relative paths that exist in
+the repository are made absolute and the command runs in a temporary directory.
+
+What is not run here is listed in :data:`NOT_RUN_HERE` with the reason (the install steps
+and the test command are what ``.ci/run`` runs, verbatim); a template such as ``torchrun
+--nproc-per-node N script.py`` is listed in :data:`TEMPLATES`. A command that is neither
+run nor listed fails :func:`test_every_command_is_run_or_listed`, so a new command in the
+docs cannot go unrun.
+
+To keep the time modest, the README's "(or `dp=2,fsdp=2`, ...)" variants of a train_lm
+torchrun command run in-process on the shared 4-rank pool (``train_lm.main(argv)``, the
+same flags and defaults); the command itself, and the multi-node one, run under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fshard.testing import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+EXAMPLES = ROOT / "examples"
+if str(EXAMPLES) not in sys.path:  # a rank's error may be train_lm's ConfigError: unpickled here
+    sys.path.insert(0, str(EXAMPLES))
+SHORT = ["--steps", "2"]  # appended to every command that trains (argparse: the last value wins)
+
+# Inline spans that are fragments or templates, not commands.
+TEMPLATES = {
+    "torchrun --nproc-per-node 8": "a fragment of a sentence (no script)",
+    "torchrun --nproc-per-node N script.py": "a template: N and script.py are the reader's",
+}
+# Steps that .ci/run runs instead (a fresh venv and the install need the network and minutes).
+NOT_RUN_HERE = {
+    r"python3 -m venv \.venv": ".ci/run makes a fresh venv",
+    r"\. \.venv/bin/activate": ".ci/run activates its fresh venv",
+    r'pip install -c \.ci/constraints\.txt -e "\.\[(viz|test)\]"': ".ci/run installs from scratch with the "
+                                                                    "constraints (the [test] extra holds [viz]'s packages)",
+    r"python -m pytest -q": "the suite itself; .ci/run runs the README's test command verbatim",
+    r"python tools/mutations\.py": ".ci/run runs it after the suite (it reruns test files on mutated copies; "
+                                   "tests/test_mutations_table.py checks its table)",
+}
+# Placeholders of the multi-node command, as one node of 2 CPU ranks on loopback.
+MULTI_NODE = [(r"--nnodes N\b", "--nnodes 1"), (r"--node-rank \$NODE_RANK", "--node-rank 0"),
+              (r"--nproc-per-node 8\b", "--nproc-per-node 2"), (r"dp=N,fsdp=8", "dp=1,fsdp=2"),
+              (r"\$HEAD_NODE:29500", "127.0.0.1:{port}")]
+
+
+def _commands(path: Path) -> list[tuple[str, str]]:
+    """``(kind, command)`` for each command in the document; kind is "block", "inline" or "variant"."""
+    text = path.read_text()
+    out: list[tuple[str, str]] = []
+    prose = []
+    for i, part in enumerate(re.split(r"^```", text, flags=re.M)):
+        if i % 2 == 0:
+            prose.append(part)
+            continue
+        info, _, body = part.partition("\n")
+        if info.strip() not in ("bash", "sh", "shell", "console"):
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            line = line.strip().removeprefix("$ ")
+            if line and not line.startswith("#"):
+                out.append(("block", " ".join(line.split())))
+    prose_text = "\n".join(prose)
+    for m in re.finditer(r"`((?:torchrun|python3?) [^`]+)`", prose_text):
+        out.append(("inline", " ".join(m.group(1).split())))
+    # "`torchrun ... train_lm.py --mesh A` (or `B`, `C`)": the same command on meshes B and C.
+    for m in re.finditer(r"`((?:torchrun|python3?) [^`]*train_lm\.py --mesh )[^`]+`\s*\(or\s+([^)]*)\)", prose_text):
+        for alt in re.findall(r"`([^`]+)`", m.group(2)):
+            out.append(("variant", " ".join((m.group(1) + alt).split())))
+    return out
+
+
+ALL = [(p.relative_to(ROOT).as_posix(), kind, cmd) for p in DOCS for kind, cmd in _commands(p)]
+
+
+def _steps(cmd: str) -> list[str]:
+    return [s.strip() for s in cmd.split("&&")]
+
+
+def _not_run_reason(step: str) -> str | None:
+    for pattern, reason in NOT_RUN_HERE.items():
+        if re.fullmatch(pattern, step):
+            return reason
+    return None
+
+
+def _runnable(cmd: str) -> list[str]:
+    return [s for s in _steps(cmd) if _not_run_reason(s) is None]
+
+
+RUN = [(doc, kind, step) for doc, kind, cmd in ALL if cmd not in TEMPLATES for step in _runnable(cmd)]
+
+
+def test_every_command_is_run_or_listed():
+    assert any(kind == "block" for _, kind, _ in ALL) and any(kind == "inline" for _, kind, _ in ALL)
+    for doc, kind, cmd in ALL:
+        for step in _steps(cmd):
+            listed = cmd in TEMPLATES or _not_run_reason(step) is not None
+            runs = (doc, kind, step) in RUN
+            assert listed != runs, f"{doc}: {step!r} is both run and listed, or neither"
+    for step in (s for s in TEMPLATES):
+        assert any(cmd == step for _, _, cmd in ALL), f"TEMPLATES names {step!r}, which no document has any more"
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = [cmd for doc, kind, cmd in ALL if doc == "README.md" and "pytest" in cmd]
+    assert readme == ['pip install -c .ci/constraints.txt -e ".[test]" && python -m pytest -q']
+    assert readme[0] in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _argv(step: str) -> list[str]:
+    """The command as an argv, in short form, runnable from any directory."""
+    argv = shlex.split(step)
+    if argv[0] == "torchrun":
+        if "--rdzv-endpoint" in step:  # multi-node: its own rendezvous, on loopback
+            text = step
+            for pattern, repl in MULTI_NODE:
+                text = re.sub(pattern, repl.format(port=_free_port()), text)
+            argv = shlex.split(text)
+            argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+        else:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--master-addr", "127.0.0.1",
+                    "--master-port", str(_free_port()), *argv[1:]]
+    elif argv[0] in ("python", "python3"):
+        argv = [sys.executable, *argv[1:]]
+    argv = [str(ROOT / a) if not a.startswith("-") and "/" in a and (ROOT / a).exists() else a for a in argv]
+    if any(a.endswith("train_lm.py") for a in argv):
+        argv += SHORT
+    return argv
+
+
+def _train(argv: list[str]) -> list[dict]:
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import train_lm
+
+    return train_lm.main(argv)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("doc, kind, step", RUN, ids=[f"{d}: {s}" for d, _, s in RUN])
+def test_command_runs(doc, kind, step, tmp_path):
+    argv = _argv(step)
+    if kind == "variant":  # torchrun --nproc-per-node 4 examples/train_lm.py ARGS: ARGS on the 4-rank pool
+        n = int(argv[argv.index("--nproc-per-node") + 1])
+        script = next(i for i, a in enumerate(argv) if a.endswith("train_lm.py"))
+        records = run_on_ranks(_train, argv[script + 1:], world_size=n, timeout_s=240)
+        assert [r["step"] for r in records[0]] == [1, 2]
+        return
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, f"{doc}: {step}\n$ {shlex.join(argv)}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    if "train_lm.py" in step:
+        assert "loss" in run.stdout and "over steps 1-2" in run.stdout, run.stdout[-2000:]

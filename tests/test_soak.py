@@ -1,0 +1,66 @@
+"""tools/soak.py: a tiny soak run end to end, and a crashing run reported with its signal."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOAK = ROOT / "tools" / "soak.py"
+
+
+def _load_soak():
+    spec = importlib.util.spec_from_file_location("soak", SOAK)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_soak_one_tiny_run(tmp_path):
+    out = tmp_path / "soak.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, str(SOAK), "--max-runs", "1", "--steps", "2", "--mesh", "dp_fsdp",
+                           "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["runs"], result["steps"], result["crashes"]) == (1, 2, 0)
+    (run,) = result["records"]
+    assert run["mesh"] == "dp_fsdp" and run["status"] == "ok" and math.isfinite(run["final_loss"])
+    assert "1 runs, 2 steps, 0 crashed" in proc.stdout
+    assert not any((tmp_path / "logs").iterdir())  # a clean run keeps no files
+
+
+_CRASHING_EXAMPLE = textwrap.dedent("""
+    import os, signal, sys, time
+    steps = int(sys.argv[sys.argv.index("--steps") + 1])
+    for s in range(1, 3):
+        if os.environ["RANK"] == "0":
+            print(f"step {s:>5}/{steps}  loss 4.0000  1,000 tokens/s  lr 1.00e-02", flush=True)
+    if os.environ["RANK"] == "1":
+        print("Fatal Python error: Segmentation fault", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(60)  # the other rank waits, as in a collective, until torchrun stops it
+""")
+
+
+def test_soak_reports_a_crashed_run_with_its_signal(tmp_path, monkeypatch):
+    soak = _load_soak()
+    fake = tmp_path / "crashing_example.py"
+    fake.write_text(_CRASHING_EXAMPLE)
+    monkeypatch.setattr(soak, "EXAMPLE", fake)
+    args = soak.parse_args(["--steps", "5", "--nproc", "2", "--log-dir", str(tmp_path / "logs"),
+                            "--run-timeout", "120"])
+    args.stamp = "test"
+    run = soak.run_once(0, "fsdp_remat", args, tmp_path)
+    assert run.status == "crash" and run.returncode != 0
+    assert run.signal == "SIGSEGV (rank 1)", run
+    assert run.first_error == "Fatal Python error: Segmentation fault"
+    assert run.steps == 2 and run.final_loss is None
+    assert Path(run.log).read_text().count("step ") >= 2  # the output is kept for a crashed run
+    assert "SIGSEGV (rank 1) Fatal Python error" in soak.table([run])
+    assert soak.summary([run], 1.0, args)["crashes_by_signal"] == {"SIGSEGV (rank 1)": 1}
