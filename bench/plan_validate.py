@@ -1,9 +1,11 @@
 """fs.plan's predictions against measured runs of examples/train_lm.py on this machine.
 
     PYTHONPATH=. python bench/plan_validate.py [--repeats 2] [--steps 12] [--out plan_validate.json]
+    PYTHONPATH=. python bench/plan_validate.py --report plan_validate.json   # the table again
 
 For each repeat: calibrate this machine on 4 ranks (``fs.plan.calibrate``, all ranks at
-once), then run ``examples/train_lm.py`` on 4 ranks for each layout below with
+once; with ``--calibrate each``, a quick calibration right before each layout instead),
+then run ``examples/train_lm.py`` on 4 ranks for each layout below with
 ``--log-json`` and ``--machine`` set to that calibration, so its last record carries
 ``predicted_step_s``, ``measured_step_s`` (median after the warm-up),
 ``predicted_peak_mib`` and ``measured_peak_mib`` (one profiled step, the largest rank).
@@ -41,25 +43,26 @@ from fshard.plan.estimate import simulate_pipeline  # noqa: E402
 MODEL = ["--dim", "256", "--layers", "4", "--heads", "4", "--seq-len", "128", "--batch-size", "16"]
 
 # (name, flags): fsdp, dp x fsdp, fsdp x tp with and without SP, pp x fsdp and pp x tp with
-# several schedules, remat on and off.
+# several schedules, remat on and off. The first 8 already cover every kind (--budget-s cuts
+# from the end).
 LAYOUTS = [
     ("fsdp=4", ["--mesh", "fsdp=4"]),
     ("fsdp=4 remat", ["--mesh", "fsdp=4", "--remat"]),
     ("dp=2,fsdp=2", ["--mesh", "dp=2,fsdp=2"]),
-    ("dp=4", ["--mesh", "dp=4"]),
     ("fsdp=2,tp=2", ["--mesh", "fsdp=2,tp=2"]),
     ("fsdp=2,tp=2 sp", ["--mesh", "fsdp=2,tp=2", "--sequence-parallel"]),
     ("pp=2,fsdp=2 1f1b m=4", ["--mesh", "pp=2,fsdp=2", "--schedule", "1f1b", "--microbatches", "4"]),
-    ("pp=2,fsdp=2 gpipe m=4", ["--mesh", "pp=2,fsdp=2", "--schedule", "gpipe", "--microbatches", "4"]),
-    ("pp=2,fsdp=2 interleaved m=4", ["--mesh", "pp=2,fsdp=2", "--schedule", "interleaved", "--microbatches", "4"]),
-    ("pp=2,tp=2 1f1b m=8", ["--mesh", "pp=2,tp=2", "--schedule", "1f1b", "--microbatches", "8"]),
     ("pp=2,tp=2 zb m=8", ["--mesh", "pp=2,tp=2", "--schedule", "zb", "--microbatches", "8"]),
+    ("pp=2,fsdp=2 interleaved m=4", ["--mesh", "pp=2,fsdp=2", "--schedule", "interleaved", "--microbatches", "4"]),
+    ("pp=2,fsdp=2 gpipe m=4", ["--mesh", "pp=2,fsdp=2", "--schedule", "gpipe", "--microbatches", "4"]),
     ("pp=2,tp=2 1f1b m=8 remat", ["--mesh", "pp=2,tp=2", "--schedule", "1f1b", "--microbatches", "8", "--remat"]),
+    ("dp=4", ["--mesh", "dp=4"]),
+    ("pp=2,tp=2 1f1b m=8", ["--mesh", "pp=2,tp=2", "--schedule", "1f1b", "--microbatches", "8"]),
 ]
 
 
-def _calibrate(path: str) -> None:
-    plan.calibrate(fs.make_mesh({"ranks": 4}), path=path)
+def _calibrate(path: str, quick: bool) -> None:
+    plan.calibrate(fs.make_mesh({"ranks": 4}), path=path, quick=quick)
 
 
 def _run(argv: list[str]) -> dict:
@@ -127,25 +130,51 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--calibrate", choices=("once", "each"), default="once",
+                    help="once per repeat (full), or a quick one right before each layout "
+                         "(on a shared machine the load moves between layouts)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new layout after this many seconds (the rest are listed as skipped)")
     ap.add_argument("--only", default=None, help="layout names separated by semicolons")
     ap.add_argument("--out", default=None, help="write all results as JSON")
+    ap.add_argument("--report", default=None, metavar="JSON", help="only print the table of a saved --out file")
     args = ap.parse_args()
+    if args.report:
+        report(json.loads(Path(args.report).read_text()))
+        return
     layouts = [x for x in LAYOUTS if args.only is None or x[0] in args.only.split(";")]
     results = []
+    start = time.time()
     for rep in range(args.repeats):
         load0 = os.getloadavg()
         machine_path = Path(tempfile.mkdtemp()) / "machine.json"
-        fs.run_local(_calibrate, str(machine_path), world_size=4, timeout_s=900)
-        machine = plan.load_machine(machine_path)
-        print(f"repeat {rep}: calibrated ({machine.notes})", flush=True)
+        if args.calibrate == "once":
+            fs.run_local(_calibrate, str(machine_path), False, world_size=4, timeout_s=900)
+            machine = plan.load_machine(machine_path)
+            print(f"repeat {rep}: calibrated ({machine.notes}; matmul {machine.flops}, "
+                  f"kernel {machine.op_overhead_s * 1e6:.0f} us, memory {machine.mem_bandwidth / 1e9:.1f} GB/s, "
+                  f"overlap {machine.overlap:.2f})", flush=True)
         for name, flags in layouts:
+            if args.budget_s is not None and time.time() - start > args.budget_s:
+                print(f"repeat {rep}: {name}: skipped (--budget-s {args.budget_s:.0f} spent)", flush=True)
+                continue
+            if args.calibrate == "each":  # the machine as it is now: the load moves between layouts
+                fs.run_local(_calibrate, str(machine_path), True, world_size=4, timeout_s=900)
+                machine = plan.load_machine(machine_path)
             log = Path(tempfile.mkdtemp()) / "log.json"
             argv = MODEL + flags + ["--steps", str(args.steps), "--quiet", "--sample-chars", "0",
                                     "--log-json", str(log), "--machine", str(machine_path)]
             t0 = time.time()
             out = fs.run_local(_run, argv, world_size=4, timeout_s=1800)
-            last = json.loads(log.read_text())[-1]
+            records = json.loads(log.read_text())
+            last = records[-1]
+            # The spread of the step times the median is taken over (warm-up and profiled step out):
+            # on a shared machine this is the noise the prediction is judged against.
+            warm = min(2, args.steps // 3)
+            times = sorted(r["step_time_s"] for i, r in enumerate(records) if i >= warm and i != warm)
+            q1, q3 = (statistics.quantiles(times, n=4)[::2] if len(times) >= 2 else (times[0], times[0]))
             row = {"layout": name, "repeat": rep, "load": os.getloadavg()[0], "wall_s": time.time() - t0,
+                   "measured_q1_s": q1, "measured_q3_s": q3, "calibrated_fp32_flops": machine.flops.get("float32"),
                    **{k: last[k] for k in ("predicted_step_s", "measured_step_s", "predicted_peak_mib",
                                             "measured_peak_mib", "predicted_breakdown_s")}}
             if "--mesh" in flags and flags[flags.index("--mesh") + 1].startswith("pp="):
@@ -157,7 +186,6 @@ def main() -> None:
                 corpus = train_lm.CharCorpus.load(targs.data)
                 model = plan.describe_transformer(train_lm.model_config(targs, corpus), seq_len=targs.seq_len)
                 est = plan.estimate(model, machine, layout)
-                warm = min(2, args.steps // 3)
                 pp_of_rank = [r // (4 // layout.pp) for r in range(4)]  # pp is the outermost axis
                 costs, measured_bubble = _measured_costs([o["stats"] for o in out], warm, layout, pp_of_rank)
                 p2p = plan.collective_time(machine, layout, plan.Collective(
@@ -179,14 +207,17 @@ def main() -> None:
 
 def report(results: list[dict]) -> None:
     names = list(dict.fromkeys(r["layout"] for r in results))
-    print("\n| layout | predicted s/step | measured s/step (median of repeats) | error | predicted peak MiB | "
+    print("\n| layout | predicted s/step | measured s/step: median (quartiles) | error | load | predicted peak MiB | "
           "measured peak MiB | error | bubble predicted / simulated from measured F,I,W / measured |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     pred, meas, errs, mem_errs, bub = [], [], [], [], []
     for n in names:
         rs = [r for r in results if r["layout"] == n]
         p = statistics.median(r["predicted_step_s"] for r in rs)
         m = statistics.median(r["measured_step_s"] for r in rs)
+        q1 = min(r["measured_q1_s"] for r in rs)
+        q3 = max(r["measured_q3_s"] for r in rs)
+        load = statistics.mean(r["load"] for r in rs)
         pm = statistics.median(r["predicted_peak_mib"] for r in rs)
         mm = statistics.median(r["measured_peak_mib"] for r in rs)
         pred.append(p)
@@ -200,7 +231,8 @@ def report(results: list[dict]) -> None:
             mb = statistics.median(r["measured_bubble"] for r in rs)
             bub.append((pb - mb, sb - mb))
             cell = f"{pb:.0%} / {sb:.0%} / {mb:.0%}"
-        print(f"| {n} | {p:.3f} | {m:.3f} | {(p - m) / m:+.0%} | {pm:.1f} | {mm:.1f} | {(pm - mm) / mm:+.0%} | {cell} |")
+        print(f"| {n} | {p:.3f} | {m:.3f} ({q1:.3f}-{q3:.3f}) | {(p - m) / m:+.0%} | {load:.0f} | {pm:.1f} | {mm:.1f} | "
+              f"{(pm - mm) / mm:+.0%} | {cell} |")
     print(f"\nstep time: median |error| {statistics.median(errs):.1%}, Spearman {_spearman(pred, meas):.2f}; "
           f"peak memory: median |error| {statistics.median(mem_errs):.1%}, max {max(mem_errs):.1%}")
     if bub:
