@@ -9,7 +9,9 @@ cost each other when they share CPU cores or a node's links):
 - memory bandwidth (a large copy: bytes read + written per second);
 - per mesh axis, all-gather, reduce-scatter, all-reduce and point-to-point (a ring of
   sends) at several sizes: ``(latency, bandwidth)`` fitted to the ring formulas of
-  :mod:`fshard.plan.comm` (so the estimate uses exactly what was fitted);
+  :mod:`fshard.plan.comm` (so the estimate uses exactly what was fitted), one fit per
+  collective kind and link level: an axis whose ranks share a host is ``intra``, one that
+  spans hosts ``inter`` (the levels the estimate picks per axis);
 - overlap: a matrix-product loop with an all-gather in flight, against each alone.
 
 The result is a :class:`~fshard.plan.machine.Machine` (the same on every rank), saved
@@ -123,7 +125,7 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
     collectives, measurements = _collectives(mesh, quick, sync, barrier)
     overlap = _overlap(mesh, sync, barrier) if world > 1 else 0.5
 
-    host = platform.node() or "host"
+    host = _host()
     total_mem = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory() / max(1, world)
     machine = Machine(
         name=name or f"{host}-{device.type}",
@@ -131,8 +133,7 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
         flops=flops,
         mem_bandwidth=mem_bw,
         devices_per_node=torch.cuda.device_count() if cuda else 1 << 20,
-        links={"intra": collectives.get("all_gather", {}).get("intra", Link(1e9, 1e-5)),
-               "inter": collectives.get("all_gather", {}).get("intra", Link(1e9, 1e-5))},
+        links=_links(collectives),
         op_overhead_s=op_overhead,
         collectives=collectives,
         overlap=overlap,
@@ -151,6 +152,25 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
     if target and (world == 1 or dist.get_rank() == 0):
         save_machine(machine, Path(target))
     return machine
+
+
+def _links(collectives: dict[str, dict[str, Link]]) -> dict[str, Link]:
+    """The machine's links: the all-gather fit per level; a level not measured (one host:
+    no inter-node axis) takes the other's, so that the file stays complete."""
+    ag = collectives.get("all_gather", {})
+    intra = ag.get("intra") or ag.get("inter") or Link(1e9, 1e-5)
+    return {"intra": intra, "inter": ag.get("inter", intra)}
+
+
+def _host() -> str:
+    return platform.node() or "host"
+
+
+def _axis_level(group: Any, n: int) -> str:
+    """``"intra"`` when the ranks of this axis group share a host, else ``"inter"``."""
+    hosts: list[Any] = [None] * n
+    dist.all_gather_object(hosts, _host(), group=group)
+    return "intra" if len(set(hosts)) == 1 else "inter"
 
 
 def _load() -> str:
@@ -176,13 +196,19 @@ def _collectives(mesh: Any, quick: bool, sync, barrier) -> tuple[dict[str, dict[
         return {}, []
     sizes = (2**10, 2**16, 2**20) if quick else (2**10, 2**14, 2**18, 2**20, 2**22)
     repeat = 5 if quick else 11
-    points: dict[str, list[tuple[float, float]]] = {k: [] for k in ("all_gather", "psum_scatter", "psum", "ppermute")}
+    kinds = ("all_gather", "psum_scatter", "psum", "ppermute")
+    points: dict[tuple[str, str], list[tuple[float, float]]] = {}
     notes = []
     for axis in mesh.axis_names:
         n = mesh.shape[axis]
         if n == 1:
             continue
         group = mesh.group(axis)
+        # Every rank must agree on the level (it keys the fit rank 0 reports): the axis is
+        # inter-node if any of its groups spans hosts.
+        flag = torch.tensor([_axis_level(group, n) == "inter"], dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        level = "inter" if float(flag) else "intra"
         me = mesh.axis_index(axis)
         nxt, prv = dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
         for nbytes in sizes:
@@ -218,16 +244,17 @@ def _collectives(mesh: Any, quick: bool, sync, barrier) -> tuple[dict[str, dict[
                     steps, x_step = 2 * (n - 1), size / n
                 else:
                     steps, x_step = 1, size
-                points[kind].append((x_step, t / steps))
-        notes.append(f"axis {axis} (n={n}): sizes {[s for s in sizes]} B")
-    out = {}
-    for kind, pts in points.items():
-        if not pts:
-            continue
-        pts.sort()
-        a, B = _fit([p[0] for p in pts], [p[1] for p in pts])
-        out[kind] = {"intra": Link(bandwidth=B, latency=a)}
-        notes.append(f"{kind}: latency {a * 1e6:.0f} us, bandwidth {B / 1e9:.2f} GB/s")
+                points.setdefault((kind, level), []).append((x_step, t / steps))
+        notes.append(f"axis {axis} (n={n}, {level}): sizes {[s for s in sizes]} B")
+    out: dict[str, dict[str, Link]] = {}
+    for kind in kinds:
+        for level in ("intra", "inter"):
+            pts = sorted(points.get((kind, level), []))
+            if not pts:
+                continue
+            a, B = _fit([p[0] for p in pts], [p[1] for p in pts])
+            out.setdefault(kind, {})[level] = Link(bandwidth=B, latency=a)
+            notes.append(f"{kind} ({level}): latency {a * 1e6:.0f} us, bandwidth {B / 1e9:.2f} GB/s")
     return out, notes
 
 
