@@ -36,7 +36,12 @@ __all__ = ["calibrate"]
 
 
 def _timeit(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None], warmup: int = 2) -> float:
-    """Median seconds of ``fn`` over ``repeat`` runs (after ``warmup``)."""
+    """Mean seconds of ``fn`` over ``repeat`` runs (after ``warmup``).
+
+    The mean, not the median: on cores shared with other processes a short run either
+    gets a core or waits for one, and the median of short runs is the speed with a core
+    to itself, while a training step, seconds long, runs at the mean (waits included).
+    """
     for _ in range(warmup):
         fn()
     sync()
@@ -46,7 +51,7 @@ def _timeit(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None], war
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.mean(times)
 
 
 def _fit(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
