@@ -73,8 +73,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run = p.add_argument_group("layout")
     run.add_argument("--mesh", default=None,
                      help="axis=size,... over all ranks, axes pp, dp, fsdp, tp; e.g. fsdp=4, dp=2,fsdp=2, "
-                          "fsdp=2,tp=2, pp=2,fsdp=2 "
+                          "fsdp=2,tp=2, pp=2,fsdp=2; 'auto': the planner (fs.plan) picks the layout "
                           "(default: every rank on fsdp)")
+    run.add_argument("--machine", default=None,
+                     help="machine for the planner's prediction: h100, a100 or a machine file (default: this "
+                          "host's, from fs.plan.calibrate, measured on first use and saved)")
     run.add_argument("--schedule", default="1f1b",
                      help="pipeline schedule when the mesh has pp: gpipe, 1f1b, interleaved, bfs, "
                           "zb, zbh2, zbv, dualpipev (python -m fshard.sched --list)")
@@ -845,6 +848,86 @@ def write_log(path: str, records: list[dict[str, Any]]) -> None:
 
 
 # ---------------------------------------------------------------------------
+# The planner (fs.plan): --mesh auto, and its prediction next to the measurement
+# ---------------------------------------------------------------------------
+
+
+def plan_machine(args: argparse.Namespace, world: int) -> fs.plan.Machine:
+    """``--machine``, else this host's machine file, else a quick calibration (saved).
+
+    Rank 0 decides and its machine goes to every rank, so all ranks plan alike.
+    """
+    machine = None
+    if args.machine:
+        machine = fs.plan.get_machine(args.machine)
+    elif not dist.is_initialized() or dist.get_rank() == 0:
+        path = fs.plan.default_machine_path()
+        machine = fs.plan.load_machine(path) if path.exists() else None
+    if world > 1:
+        box = [machine]
+        dist.broadcast_object_list(box, src=0)
+        machine = box[0]
+    if machine is None:  # collective: every rank measures at once
+        machine = fs.plan.calibrate(fs.make_mesh({"ranks": world}), quick=True)
+    return machine
+
+
+def plan_layout(args: argparse.Namespace, shape: dict[str, int], microbatches: int) -> fs.plan.Layout:
+    return fs.plan.Layout(shape, batch=args.batch_size, microbatches=microbatches, schedule=args.schedule,
+                          virtual=args.virtual, remat=args.remat, sequence_parallel=args.sequence_parallel,
+                          dtype=args.dtype)
+
+
+def choose_layout(args: argparse.Namespace, world: int, corpus: CharCorpus) -> None:
+    """``--mesh auto``: sets the layout flags to the planner's best layout for ``world`` ranks."""
+    machine = plan_machine(args, world)
+    model = fs.plan.describe_transformer(model_config(args, corpus), seq_len=args.seq_len, dtype=args.dtype)
+    found = fs.plan.search(model, machine, world, args.batch_size, axes=AXES, dtype=args.dtype)
+    if found.best is None:
+        raise ConfigError(f"--mesh auto: no layout of {world} rank(s) fits --batch-size {args.batch_size} "
+                          f"in {machine.memory_bytes / 2**30:.1f} GiB per rank")
+    lay = found.best.layout
+    args.mesh = ",".join(f"{a}={n}" for a, n in lay.mesh.items() if a in AXES)
+    args.microbatches, args.remat, args.sequence_parallel = lay.microbatches, lay.remat, lay.sequence_parallel
+    args.schedule, args.virtual = lay.schedule, lay.virtual
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if not args.quiet:
+            print(f"--mesh auto: {lay.label()} (best of {found.considered} layouts on {machine.name}): "
+                  f"{found.best.explain()}")
+
+
+def predicted_vs_measured(args: argparse.Namespace, cfg: TransformerConfig, shape: dict[str, int],
+                          microbatches: int, probe: fs.plan.StepProbe,
+                          records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``predicted_step_s``, ``measured_step_s`` (median after the warm-up), ``predicted_peak_mib``
+    and ``measured_peak_mib`` (one profiled step), for the last log record."""
+    machine = plan_machine(args, dist.get_world_size() if dist.is_initialized() else 1)
+    try:
+        est = fs.plan.estimate(fs.plan.describe_transformer(cfg, seq_len=args.seq_len, dtype=args.dtype),
+                               machine, plan_layout(args, shape, microbatches))
+    except fs.plan.LayoutError as e:  # a layout the planner does not model: measure only
+        est = None
+        logging.getLogger(__name__).warning("fs.plan: no prediction: %s", e)
+    peak = probe.summary([r["step_time_s"] for r in records])
+    if dist.is_initialized() and peak["measured_peak_mib"] is not None:  # the largest rank, as predicted
+        t = torch.tensor([peak["measured_peak_mib"]], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        peak["measured_peak_mib"] = float(t)
+    return {"predicted_step_s": est and est.step_s, "measured_step_s": peak["measured_step_s"],
+            "predicted_peak_mib": est and est.peak_bytes / 2**20, "measured_peak_mib": peak["measured_peak_mib"],
+            "predicted_breakdown_s": est and est.breakdown, "plan_layout": est and est.layout.label(),
+            "plan_machine": machine.name}
+
+
+def prediction_line(r: dict[str, Any]) -> str:
+    def fmt(key: str, spec: str, unit: str) -> str:
+        return "n/a" if r[key] is None else f"{r[key]:{spec}} {unit}"
+    return (f"fs.plan: step predicted {fmt('predicted_step_s', '.4f', 's')}, measured "
+            f"{fmt('measured_step_s', '.4f', 's')} (median after warm-up); peak memory per rank predicted "
+            f"{fmt('predicted_peak_mib', '.1f', 'MiB')}, measured {fmt('measured_peak_mib', '.1f', 'MiB')}")
+
+
+# ---------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------
 
@@ -883,6 +966,11 @@ def train_loop(args: argparse.Namespace, corpus: CharCorpus, step_fn: TrainStep,
     return params, opt_state, records
 
 
+def model_config(args: argparse.Namespace, corpus: CharCorpus) -> TransformerConfig:
+    return TransformerConfig(vocab_size=padded_vocab(corpus.vocab_size), dim=args.dim, n_layers=args.layers,
+                             n_heads=args.heads, max_seq_len=args.seq_len)
+
+
 def configure(args: argparse.Namespace, mesh: fs.Mesh,
               corpus: CharCorpus) -> tuple[TransformerConfig, Plan, Model, Pipeline | None, int]:
     """The model's shapes and this run's layout: ``(cfg, plan, model, pipeline or None, microbatches)``.
@@ -890,8 +978,7 @@ def configure(args: argparse.Namespace, mesh: fs.Mesh,
     Raises:
       ConfigError: flags that do not fit together or this mesh.
     """
-    cfg = TransformerConfig(vocab_size=padded_vocab(corpus.vocab_size), dim=args.dim, n_layers=args.layers,
-                            n_heads=args.heads, max_seq_len=args.seq_len)
+    cfg = model_config(args, corpus)
     compute_dtype = DTYPES[args.dtype]
     master_dtype = torch.float32 if compute_dtype == torch.bfloat16 else compute_dtype  # bf16: fp32 masters
     plan = Plan.for_mesh(mesh, compute_dtype=compute_dtype, master_dtype=master_dtype, remat=args.remat,
@@ -912,6 +999,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     fs.init()  # torchrun's environment -> process group (nccl on GPUs, gloo on CPUs); no-op alone
     world = dist.get_world_size() if dist.is_initialized() else 1
+    auto = args.mesh == "auto"
+    if auto:  # the planner picks mesh, schedule, microbatches, remat and SP for this machine
+        choose_layout(args, world, CharCorpus.load(args.data))
     mesh = fs.make_mesh(parse_mesh(args.mesh, world))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     say = print if rank0 and not args.quiet else (lambda *a, **k: None)
@@ -944,6 +1034,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         step_fn = make_pipeline_step(model, plan, pipe, opt, args.grad_clip, inject, order)
     else:
         step_fn = make_train_step(model, plan, specs, opt, microbatches, args.grad_clip, inject, order)
+    probe = fs.plan.StepProbe(warmup=min(2, args.steps // 3)) if (args.log_json or auto) else None
+    step_fn = probe.wrap(step_fn) if probe is not None else step_fn  # one step's peak memory, profiled
     end = min(args.steps, args.stop_at) if args.stop_at is not None else args.steps
     progress = Progress(start, args.steps, rank0 and not args.quiet, args.log_every)
     params, opt_state, records = train_loop(args, corpus, step_fn, params, opt_state, range(start, end),
@@ -953,6 +1045,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if args.checkpoint_dir and end > start:
         save_checkpoint(args.checkpoint_dir, params, opt_state, end, cfg)
         say(f"checkpoint: {args.checkpoint_dir} (step {end})")
+    if probe is not None and records:  # the planner's prediction next to what this run measured
+        records[-1].update(predicted_vs_measured(args, cfg, dict(mesh.shape), microbatches, probe, records))
+        say(prediction_line(records[-1]))
     if args.log_json and rank0:
         write_log(args.log_json, records)
     if records:

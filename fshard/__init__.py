@@ -29,6 +29,7 @@ from fshard import models as models
 from fshard import nn as nn
 from fshard import optim as optim
 from fshard import parallel as parallel
+from fshard import plan as plan
 from fshard import sched as sched
 from fshard.comm import comm_log as comm_log
 from fshard.jit import JitCaptureError as JitCaptureError, jit as jit

@@ -1,0 +1,300 @@
+"""``calibrate(mesh)``: measure the machine this runs on and write a machine file.
+
+Every rank of the mesh measures at the same time (so the figures include what the ranks
+cost each other when they share CPU cores or a node's links):
+
+- matrix products (square, several sizes) per dtype: time ``= a + flops / F`` fitted
+  over the sizes gives the sustained rate ``F``;
+- the fixed cost of a kernel (a one-element add, many times);
+- memory bandwidth (a large copy: bytes read + written per second);
+- per mesh axis, all-gather, reduce-scatter, all-reduce and point-to-point (a ring of
+  sends) at several sizes: ``(latency, bandwidth)`` fitted to the ring formulas of
+  :mod:`fshard.plan.comm` (so the estimate uses exactly what was fitted), one fit per
+  collective kind and link level: an axis whose ranks share a host is ``intra``, one that
+  spans hosts ``inter`` (the levels the estimate picks per axis);
+- overlap: a matrix-product loop with an all-gather in flight, against each alone.
+
+The result is a :class:`~fshard.plan.machine.Machine` (the same on every rank), saved
+by rank 0 to ``path`` (default :func:`~fshard.plan.machine.default_machine_path`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fshard.plan.machine import Link, Machine, default_machine_path, save_machine
+
+__all__ = ["calibrate"]
+
+
+def _timeit(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None], warmup: int = 2) -> float:
+    """Mean seconds of ``fn`` over ``repeat`` runs (after ``warmup``).
+
+    The mean, not the median: on cores shared with other processes a short run either
+    gets a core or waits for one, and the median of short runs is the speed with a core
+    to itself, while a training step, seconds long, runs at the mean (waits included).
+    """
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.mean(times)
+
+
+def _fit(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``t = a + x / B``: returns ``(a >= 0, B > 0)``."""
+    n = len(xs)
+    mx, mt = sum(xs) / n, sum(ts) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sxx if sxx else 0.0
+    if slope <= 0:  # flat or noisy: all latency; take the largest size for the rate
+        slope = max(ts[-1], 1e-12) / xs[-1]
+    a = max(0.0, mt - slope * mx)
+    return a, 1.0 / slope
+
+
+def _matmul_rate(dtype: torch.dtype, device: torch.device, sizes: Sequence[int], repeat: int,
+                 sync: Callable[[], None], barrier: Callable[[], None]) -> float:
+    flops, times = [], []
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        barrier()
+        t = _timeit(lambda: torch.mm(a, b), repeat=repeat, sync=sync)
+        flops.append(2.0 * n ** 3)
+        times.append(t)
+    _, rate = _fit(flops, times)
+    # The fit can overshoot on noise; the largest size's plain rate bounds it from below.
+    return max(min(rate, 2 * flops[-1] / times[-1]), flops[-1] / times[-1])
+
+
+def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool = False,
+              name: str | None = None) -> Machine:
+    """Measures this machine on every rank of ``mesh`` (collective) and saves a machine file.
+
+    Args:
+      mesh: an ``fs.Mesh``; every rank calls this. Each axis's collectives are measured.
+      path: where rank 0 writes the JSON (optional; default
+        :func:`~fshard.plan.machine.default_machine_path`; ``""`` writes nothing).
+      quick: fewer sizes and repeats (about a second on CPU) (optional, default False).
+      name: the machine's name (optional; default ``"<host>-<device>"``).
+
+    Returns:
+      The measured :class:`~fshard.plan.machine.Machine`, identical on every rank (rank
+      0's measurements; every rank measured at the same time).
+    """
+    device = mesh.device
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    barrier = dist.barrier if world > 1 else (lambda: None)
+    repeat = 5 if quick else 15
+    sizes = (128, 256, 384) if quick else (128, 256, 512, 768)
+    if cuda:
+        sizes = (1024, 2048, 4096, 8192)
+
+    flops = {}
+    for dt in ((torch.float32,) if quick else (torch.float32, torch.bfloat16, torch.float64)):
+        try:
+            flops[str(dt).removeprefix("torch.")] = _matmul_rate(dt, device, sizes, repeat, sync, barrier)
+        except RuntimeError:  # a dtype this device cannot multiply
+            pass
+    if "float32" in flops:  # tensor-parallel runs sometimes request the fp32 rate for fp64 ops
+        flops.setdefault("float64", flops["float32"] / 2)
+        flops.setdefault("bfloat16", flops["float32"])
+
+    one = torch.ones(1, device=device)
+    barrier()
+    n_ops = 200 if quick else 1000
+    op_overhead = _timeit(lambda: [torch.add(one, one) for _ in range(n_ops)], repeat=repeat, sync=sync) / n_ops
+
+    big = torch.empty((16 if quick else 64) * 2**20 // 4, device=device)
+    dst = torch.empty_like(big)
+    barrier()
+    t = _timeit(lambda: dst.copy_(big), repeat=repeat, sync=sync)
+    mem_bw = 2 * big.numel() * big.element_size() / t
+
+    collectives, measurements = _collectives(mesh, quick, sync, barrier)
+    overlap = _overlap(mesh, sync, barrier) if world > 1 else 0.5
+
+    host = _host()
+    total_mem = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory() / max(1, world)
+    machine = Machine(
+        name=name or f"{host}-{device.type}",
+        memory_bytes=float(total_mem),
+        flops=flops,
+        mem_bandwidth=mem_bw,
+        devices_per_node=torch.cuda.device_count() if cuda else 1 << 20,
+        links=_links(collectives),
+        op_overhead_s=op_overhead,
+        collectives=collectives,
+        overlap=overlap,
+        cores_per_node=0 if cuda else (os.cpu_count() or 1),
+        comm_temporaries=1.0 if dist.is_initialized() and dist.get_backend() == "gloo" else 0.0,
+        calibrated_ranks=0 if cuda else world,
+        sources=(f"fs.plan.calibrate on {host} ({device.type}), {world} rank(s) at once, "
+                 f"{time.strftime('%Y-%m-%d %H:%M')}; load average {_load()}",),
+        notes="measured: " + "; ".join(measurements),
+    )
+    if world > 1:  # every rank returns rank 0's figures (they measured at the same time)
+        box = [machine]
+        dist.broadcast_object_list(box, src=0)
+        machine = box[0]
+    target = default_machine_path() if path is None else path
+    if target and (world == 1 or dist.get_rank() == 0):
+        save_machine(machine, Path(target))
+    return machine
+
+
+def _links(collectives: dict[str, dict[str, Link]]) -> dict[str, Link]:
+    """The machine's links: the all-gather fit per level; a level not measured (one host:
+    no inter-node axis) takes the other's, so that the file stays complete."""
+    ag = collectives.get("all_gather", {})
+    intra = ag.get("intra") or ag.get("inter") or Link(1e9, 1e-5)
+    return {"intra": intra, "inter": ag.get("inter", intra)}
+
+
+def _host() -> str:
+    return platform.node() or "host"
+
+
+def _axis_level(group: Any, n: int) -> str:
+    """``"intra"`` when the ranks of this axis group share a host, else ``"inter"``."""
+    hosts: list[Any] = [None] * n
+    dist.all_gather_object(hosts, _host(), group=group)
+    return "intra" if len(set(hosts)) == 1 else "inter"
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+def _collectives(mesh: Any, quick: bool, sync, barrier) -> tuple[dict[str, dict[str, Link]], list[str]]:
+    """Fits (latency, bandwidth) per collective kind over every mesh axis of size > 1."""
+    from fshard import comm
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return {}, []
+    sizes = (2**10, 2**16, 2**20) if quick else (2**10, 2**14, 2**18, 2**20, 2**22)
+    repeat = 5 if quick else 11
+    kinds = ("all_gather", "psum_scatter", "psum", "ppermute")
+    points: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    notes = []
+    for axis in mesh.axis_names:
+        n = mesh.shape[axis]
+        if n == 1:
+            continue
+        group = mesh.group(axis)
+        # Every rank must agree on the level (it keys the fit rank 0 reports): the axis is
+        # inter-node if any of its groups spans hosts.
+        flag = torch.tensor([_axis_level(group, n) == "inter"], dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        level = "inter" if float(flag) else "intra"
+        me = mesh.axis_index(axis)
+        nxt, prv = dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
+        for nbytes in sizes:
+            x = torch.ones(max(n, nbytes // 4), device=mesh.device)
+            x = x[: x.numel() // n * n]
+            nb = x.numel() * 4
+            runs = {
+                "all_gather": (lambda: comm.all_gather(x, group, n, axes=(axis,)), nb),
+                "psum_scatter": (lambda: comm.reduce_scatter(x, group, n, axes=(axis,)), nb),
+                "psum": (lambda: comm.all_reduce(x, group, "sum", axes=(axis,)), nb),
+            }
+
+            def ring() -> None:
+                out = torch.empty_like(x)
+                reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt, group),
+                                               dist.P2POp(dist.irecv, out, prv, group)])
+                for r in reqs:
+                    r.wait()
+
+            runs["ppermute"] = (ring, nb)
+            for kind, (fn, size) in runs.items():
+                barrier()
+                t = _timeit(fn, repeat=repeat, sync=sync)
+                t_all = torch.tensor([t], dtype=torch.float64)
+                dist.all_reduce(t_all, op=dist.ReduceOp.MAX)  # a collective lasts as long as its slowest rank
+                t = float(t_all)
+                # Normalise to the formula's unit "one step of a + x_step / B".
+                if kind == "all_gather":
+                    steps, x_step = n - 1, size
+                elif kind == "psum_scatter":
+                    steps, x_step = n - 1, size / n
+                elif kind == "psum":
+                    steps, x_step = 2 * (n - 1), size / n
+                else:
+                    steps, x_step = 1, size
+                points.setdefault((kind, level), []).append((x_step, t / steps))
+        notes.append(f"axis {axis} (n={n}, {level}): sizes {[s for s in sizes]} B")
+    out: dict[str, dict[str, Link]] = {}
+    for kind in kinds:
+        for level in ("intra", "inter"):
+            pts = sorted(points.get((kind, level), []))
+            if not pts:
+                continue
+            a, B = _fit([p[0] for p in pts], [p[1] for p in pts])
+            out.setdefault(kind, {})[level] = Link(bandwidth=B, latency=a)
+            notes.append(f"{kind} ({level}): latency {a * 1e6:.0f} us, bandwidth {B / 1e9:.2f} GB/s")
+    return out, notes
+
+
+def _overlap(mesh: Any, sync, barrier) -> float:
+    """Share of an all-gather hidden behind a concurrent matrix-product loop."""
+    from fshard import comm
+
+    axis = max(mesh.axis_names, key=lambda a: mesh.shape[a])
+    n = mesh.shape[axis]
+    if n == 1:
+        return 0.5
+    group = mesh.group(axis)
+    a = torch.randn(256, 256, device=mesh.device)
+    x = torch.ones(2**20, device=mesh.device)
+
+    def compute() -> None:
+        for _ in range(8):
+            torch.mm(a, a)
+
+    def gather() -> None:
+        comm.all_gather(x, group, n, axes=(axis,))
+
+    def both() -> None:
+        h = comm.all_gather_async(x, group, n, axes=(axis,))
+        compute()
+        h.wait()
+
+    barrier()
+    tc = _timeit(compute, repeat=7, sync=sync)
+    barrier()
+    tg = _timeit(gather, repeat=7, sync=sync)
+    barrier()
+    tb = _timeit(both, repeat=7, sync=sync)
+    hidden = (tc + tg - tb) / min(tc, tg)
+    value = torch.tensor([min(1.0, max(0.0, hidden))], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return float(value)
+

@@ -1,0 +1,443 @@
+"""``estimate(model, machine, layout)``: predicted step time and peak memory per rank.
+
+Time, per rank::
+
+    step = compute (forward + backward [+ recompute] of every microbatch)
+         + exposed communication (TP collectives on the critical path; FSDP / DDP
+           collectives beyond what ``machine.overlap`` hides behind a block's compute;
+           the first gathers and last reductions)
+         + pipeline bubble (fs.sched.simulate of the schedule with this layout's F, I, W
+           and point-to-point times; the slowest rank's costs)
+         + optimizer (AdamW + global norm over this rank's shards, traced)
+
+A layer phase costs ``samples * (flops / F + bytes / BW) + kernels * overhead``, with the
+work the model description gives, divided by tp where tensor parallelism splits it
+(and the rest by tp too under sequence parallelism).
+
+Memory, per rank, by kind: parameters, gradients and AdamW state (sharded by the spec
+rules), gathered parameters alive under the prefetch / reshard settings, activations
+(all microbatches a pipeline rank holds at its simulated peak; remat keeps only block
+inputs), and the step's full-size gradient buffers (FSDP keeps each layer's
+reduce-scatter input until the end of backward; gradient accumulation keeps unreduced
+gradients between microbatches; a pipeline stage accumulates gathered gradients).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from fractions import Fraction
+from typing import Any
+
+import attrs
+
+from fshard.plan.comm import Collective, collective_time, pipeline_payload, step_collectives
+from fshard.plan.layout import Layout
+from fshard.plan.machine import Machine
+from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
+from fshard.plan.shards import layer_shards, stage_layers, stage_shards
+from fshard.plan.trace import OptimizerWork, trace_optimizer
+
+__all__ = ["Estimate", "estimate", "model_flops", "simulate_pipeline"]
+
+TIME_KINDS = ("compute", "exposed_comm", "bubble", "optimizer")
+MEMORY_KINDS = ("params", "grads", "optimizer", "gathered", "activations", "grad_buffers")
+
+
+@attrs.frozen
+class Estimate:
+    """The prediction for one layout.
+
+    Attributes:
+      layout: the layout.
+      step_s: predicted seconds per optimizer step.
+      peak_bytes: predicted peak bytes per rank (the largest rank).
+      breakdown: seconds by kind: ``compute``, ``exposed_comm``, ``bubble``,
+        ``optimizer`` (they add up to ``step_s``).
+      memory: peak bytes by kind: ``params``, ``grads``, ``optimizer``, ``gathered``,
+        ``activations``, ``grad_buffers`` (at the moment of the peak, on that rank).
+      memory_limit: the limit it was checked against (bytes; None: not checked).
+      tokens_per_s: global tokens per second.
+      mfu: model FLOPs utilisation (6N + 12 L T D per token, against ``machine.flops``).
+      bubble_fraction: pipelines: idle share of the pipeline phase, mean over pp ranks
+        (``1 - busy / wall`` as ``fs.sched.StepStats`` measures it); 0 without pp.
+      comm: the step's collectives (rank 0).
+      stage_costs: pipelines: per pp rank ``(F, I, W)`` seconds per microbatch.
+    """
+
+    layout: Layout
+    step_s: float
+    peak_bytes: float
+    breakdown: dict[str, float]
+    memory: dict[str, float]
+    memory_limit: float | None
+    tokens_per_s: float
+    mfu: float
+    bubble_fraction: float = 0.0
+    comm: tuple[Collective, ...] = attrs.field(default=(), repr=False)
+    stage_costs: tuple[tuple[float, float, float], ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_limit is None or self.peak_bytes <= self.memory_limit
+
+    def explain(self) -> str:
+        """One line: where the time goes and what the memory holds."""
+        t = ", ".join(f"{k} {v * 1e3:.1f} ms" if self.step_s < 10 else f"{k} {v:.2f} s"
+                      for k, v in self.breakdown.items() if v > 0)
+        m = ", ".join(f"{k} {v / 2**30:.2f} GiB" if self.peak_bytes > 2**30 else f"{k} {v / 2**20:.1f} MiB"
+                      for k, v in self.memory.items() if v > 0)
+        return f"{self.layout.label()}: step {self.step_s:.4g} s ({t}); peak {self.peak_bytes / 2**30:.3g} GiB ({m})"
+
+
+def model_flops(model: ModelDesc) -> float:
+    """Model FLOPs per sample as published MFU figures count them: ``6 N`` per token for the
+    matrices (embedding tables excluded) plus ``12 L T D`` per token for attention
+    (torchtitan's and PaLM's formula: causal masking not discounted, no recompute)."""
+    rep = model.layers[model.repeated]
+    n = sum(layer.numel * layer.count for layer in model.layers if layer.name != "embed")
+    attn = 12 * rep.count * model.seq_len * model.hidden if rep.tp_enter else 0
+    return (6 * n + attn) * model.seq_len
+
+
+def _work(layer: LayerDesc, phase: str, layout: Layout, model: ModelDesc) -> tuple[float, float, float]:
+    """(flops, bytes, kernels) per sample of one call of ``layer``'s ``phase`` on one rank."""
+    w, s = getattr(layer, phase), getattr(layer, phase + "_split")
+    tp = layout.tp
+    rep_div = tp if layout.sequence_parallel else 1
+    k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
+    flops = (w.flops - s.flops) / rep_div + s.flops / tp
+    nbytes = ((w.bytes - s.bytes) / rep_div + s.bytes / tp) * k
+    return flops, nbytes, w.ops
+
+
+def _ranks_per_node(machine: Machine, layout: Layout) -> int:
+    return min(layout.n_devices, machine.devices_per_node)
+
+
+def _phase_time(machine: Machine, layout: Layout, model: ModelDesc, layer: LayerDesc, phase: str,
+                samples: float) -> float:
+    rpn = _ranks_per_node(machine, layout)
+    flops, nbytes, ops = _work(layer, phase, layout, model)
+    return samples * (flops / machine.flops_rate(layout.dtype, rpn) + nbytes / machine.bytes_rate(rpn)) + \
+        ops * machine.overhead(rpn)
+
+
+def _act_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
+    """Saved-for-backward bytes per sample of one layer call on one rank."""
+    k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
+    tp = layout.tp
+    split = layer.act_split / tp
+    rest = layer.act_bytes - layer.act_split
+    if layout.sequence_parallel:
+        # Measured on fshard's TP block (saved_tensors_hooks, tp=2): with SP autograd keeps
+        # what it keeps without SP, plus half a whole activation per region entry: the
+        # sequence-dim all-gather's result is not contiguous, so the matmuls save a
+        # contiguous copy while the gathered buffer stays alive too.
+        rest += layer.tp_enter * layer.out_bytes / 2
+    return (split + rest) * k
+
+
+def _boundary_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
+    """Bytes per sample of the activation a layer hands on, on one rank (what remat keeps
+    and a pipeline sends): sequence parallelism splits it over tp."""
+    k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
+    return layer.out_bytes * k / (layout.tp if layout.sequence_parallel else 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer_work(dtype: str) -> OptimizerWork:
+    import torch
+
+    return trace_optimizer(getattr(torch, dtype))
+
+
+def _optimizer_time(machine: Machine, layout: Layout, numel: int, n_leaves: int) -> float:
+    ow = _optimizer_work(layout.master_dtype)
+    rpn = _ranks_per_node(machine, layout)
+    k = DTYPE_BYTES[layout.master_dtype] / 4
+    kernels = ow.ops - ow.foreach_ops + ow.ops_per_leaf * n_leaves
+    # A CPU runs a foreach kernel as one kernel per tensor; a GPU as one per ~dozens of tensors.
+    kernels += ow.foreach_ops * (n_leaves if machine.cores_per_node else max(1, n_leaves / 32))
+    return numel * ow.bytes_per_element * k / machine.bytes_rate(rpn) + kernels * machine.overhead(rpn)
+
+
+def _exposed(machine: Machine, layout: Layout, c: Collective, window: dict[str | None, float]) -> float:
+    t = collective_time(machine, layout, c) * c.count
+    if c.hide is None:
+        return t
+    return max(0.0, t - machine.overlap * window[c.hide] * c.count)
+
+
+def estimate(model: ModelDesc, machine: Machine, layout: Layout, *, memory_limit: float | None = None,
+             time_unfit: bool = True) -> Estimate:
+    """Predicts step time and peak memory per rank for one layout.
+
+    Args:
+      model: the model description.
+      machine: the machine description.
+      layout: the layout (mesh, batch, microbatches, schedule, remat, reshard, ...).
+      memory_limit: bytes per rank to check against (optional; default: the machine's
+        memory less its reserve).
+      time_unfit: also predict the step time of a layout that does not fit (optional,
+        default True; False returns ``step_s = inf`` for those, which is faster).
+
+    Returns:
+      An :class:`Estimate`.
+
+    Raises:
+      LayoutError: the layout does not fit the model (the field is named).
+      DescriptionError: the machine lacks a figure the layout needs (e.g. its dtype).
+    """
+    layout.validate(model)
+    limit = memory_limit if memory_limit is not None else machine.memory_bytes - machine.reserved_bytes
+    if layout.pp > 1:
+        return _estimate_pipeline(model, machine, layout, limit, time_unfit)
+    return _estimate_flat(model, machine, layout, limit)
+
+
+def _common(model: ModelDesc, layout: Layout, step_s: float, machine: Machine) -> tuple[float, float]:
+    tokens = layout.batch * model.seq_len / step_s
+    per_device_flops = model_flops(model) * layout.batch / step_s / layout.n_devices
+    peak = machine.flops.get(layout.dtype) or max(machine.flops.values())
+    return tokens, per_device_flops / peak
+
+
+def _persistent(model: ModelDesc, layout: Layout, layers: list[tuple[int, int]]) -> tuple[float, int, int]:
+    """(bytes of the master shards, elements, leaves) this rank holds for ``layers``."""
+    numel = sum(layer_shards(model.layers[i], layout).local * k for i, k in layers)
+    leaves = sum(len(model.layers[i].params) * k for i, k in layers)
+    return numel * DTYPE_BYTES[layout.master_dtype], numel, leaves
+
+
+def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: float) -> Estimate:
+    rep = model.repeated
+    block = model.layers[rep]
+    L = block.count
+    b = layout.microbatch_size
+    K = layout.microbatches
+    pb, rb = DTYPE_BYTES[layout.dtype], DTYPE_BYTES[layout.master_dtype]
+
+    fwd = {i: _phase_time(machine, layout, model, layer, "fwd", b) for i, layer in enumerate(model.layers)}
+    bwd = {i: _phase_time(machine, layout, model, layer, "bwd_input", b) +
+           _phase_time(machine, layout, model, layer, "bwd_weight", b) for i, layer in enumerate(model.layers)}
+    if layout.remat:
+        bwd[rep] += fwd[rep]
+    compute = K * sum((fwd[i] + bwd[i]) * layer.count for i, layer in enumerate(model.layers))
+    colls = step_collectives(model, layout)
+    window = {"fwd": fwd[rep], "bwd": bwd[rep]}
+    exposed = sum(_exposed(machine, layout, c, window) for c in colls)
+
+    all_layers = [(i, layer.count) for i, layer in enumerate(model.layers)]
+    master_bytes, numel, leaves = _persistent(model, layout, all_layers)
+    optimizer_s = _optimizer_time(machine, layout, numel, leaves)
+    step = compute + exposed + optimizer_s
+
+    # -- memory ---------------------------------------------------------------------------
+    # Three moments: the start of backward (every activation alive), the last block's
+    # backward (every other layer's reduction pending), the optimizer (its temporaries).
+    roots = [i for i in range(len(model.layers)) if i != rep]
+    sh = {i: layer_shards(model.layers[i], layout) for i in range(len(model.layers))}
+    fsdp, tmp = layout.fsdp, machine.comm_temporaries
+    copies = fsdp > 1 or layout.dtype != layout.master_dtype
+    gathered_root = sum(sh[i].gathered for i in roots) * pb if copies else 0.0
+    block_gathered = sh[rep].gathered * pb if copies else 0.0
+    in_flight = min(L, layout.prefetch + 1) if fsdp > 1 else 0  # the regather and its prefetch
+    if layout.resharding or layout.remat:
+        gathered_fwd = min(L, layout.prefetch + 1) * block_gathered
+    else:  # kept from forward to backward
+        gathered_fwd = L * block_gathered
+    gathered_fwd += tmp * in_flight * sh[rep].gathered * pb  # the backend's gather buffers
+    root_acts = sum(_act_bytes(model.layers[i], layout, model) * b * model.layers[i].count for i in roots)
+    block_acts = _act_bytes(block, layout, model) * b
+    if layout.remat:  # each block keeps its input; backward recomputes one block at a time
+        acts = root_acts + L * _boundary_bytes(block, layout, model) * b + block_acts
+    else:
+        acts = root_acts + L * block_acts
+    full_grads = sum(sh[i].gathered * model.layers[i].count for i in range(len(model.layers))) * rb
+    block_grads = sh[rep].gathered * rb
+    # Accumulation keeps the unreduced gradients of every group between microbatches.
+    acc = full_grads if K > 1 else 0.0
+    if fsdp > 1:  # each reduce-scatter input (and the backend's buffer) lives until the end of backward
+        pending = (L - 1) * block_grads * (1 + tmp) + block_grads
+    elif layout.dp > 1:  # DDP: autograd's gradients, then the bucket they are copied into
+        pending = full_grads
+    else:
+        pending = 0.0
+    persistent = {"params": master_bytes, "optimizer": 2 * master_bytes}
+    at_bwd_start = {**persistent, "grads": 0.0, "gathered": gathered_root + gathered_fwd,
+                    "activations": acts, "grad_buffers": acc}
+    at_bwd_end = {**persistent, "grads": master_bytes, "gathered": gathered_root + block_gathered,
+                  "activations": block_acts + (_boundary_bytes(block, layout, model) * b if layout.remat else 0.0),
+                  "grad_buffers": max(acc, pending)}
+    ow = _optimizer_work(layout.master_dtype)
+    at_opt = {**persistent, "grads": master_bytes, "gathered": 0.0, "activations": 0.0,
+              "grad_buffers": ow.transient_per_element * numel * DTYPE_BYTES[layout.master_dtype] / 4}
+    memory = max((at_bwd_start, at_bwd_end, at_opt), key=lambda d: sum(d.values()))
+    peak = sum(memory.values())
+    tokens, mfu = _common(model, layout, step, machine)
+    return Estimate(layout=layout, step_s=step, peak_bytes=peak,
+                    breakdown={"compute": compute, "exposed_comm": exposed, "bubble": 0.0, "optimizer": optimizer_s},
+                    memory={k: memory[k] for k in MEMORY_KINDS}, memory_limit=limit, tokens_per_s=tokens, mfu=mfu,
+                    comm=tuple(colls))
+
+
+@functools.lru_cache(maxsize=8192)
+def _simulate(schedule_key: tuple, f: int, b: int, w: int, comm: int) -> Fraction:
+    from fshard.sched.simulate import simulate
+
+    return simulate(_build(schedule_key), f=f, b=b, w=w, comm=comm).makespan
+
+
+@functools.lru_cache(maxsize=1024)
+def _peaks(schedule_key: tuple) -> tuple[int, ...]:
+    """Peak (stage, microbatch) activations per rank: each rank runs its actions in list
+    order, so the count alive at each point does not depend on the costs."""
+    from fshard.sched.simulate import simulate
+
+    return simulate(_build(schedule_key)).peak_activations
+
+
+def _build(key: tuple) -> Any:
+    from fshard.plan.layout import _schedule
+
+    return _schedule(*key)
+
+
+# Stage costs are rounded to 1/RESOLUTION of the forward cost before simulating (the
+# simulator computes in exact fractions; rounded costs let similar layouts share a run).
+RESOLUTION = 200
+
+
+def simulate_pipeline(layout: Layout, costs: list[tuple[float, float, float]], p2p: float
+                      ) -> tuple[float, tuple[int, ...]]:
+    """``fs.sched.simulate`` of the layout's schedule with per-rank ``(F, I, W)`` seconds.
+
+    The simulator takes one cost per kind for every rank: the slowest rank's (the pipeline
+    runs at the pace of its slowest stage). Costs are rounded to 1/200 of the forward
+    cost (the simulator computes in exact fractions; similar layouts share a run).
+
+    Args:
+      layout: a layout with pp > 1.
+      costs: per pp rank, seconds per microbatch of F, I (backward-input, remat's
+        recomputation included) and W (backward-weight) over the stages it holds.
+      p2p: seconds of one activation (or gradient) transfer between stages.
+
+    Returns:
+      ``(makespan seconds, peak (stage, microbatch) activations alive per rank)``.
+    """
+    f, i, w = (max(c[j] for c in costs) for j in range(3))
+    unit = f / RESOLUTION
+    key = (layout.schedule, layout.pp, layout.microbatches, layout.virtual)
+    makespan = _simulate(key, RESOLUTION, max(1, round(i / unit)), round(w / unit), round(p2p / unit))
+    return float(makespan) * unit, _peaks(key)
+
+
+def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit: float,
+                       time_unfit: bool) -> Estimate:
+    sch = layout.build_schedule()
+    pp, m = layout.pp, layout.microbatches
+    stages = stage_layers(model, sch.n_stages)
+    b = layout.microbatch_size
+    rep = model.repeated
+    pb, rb = DTYPE_BYTES[layout.dtype], DTYPE_BYTES[layout.master_dtype]
+    peaks = _peaks((layout.schedule, pp, m, layout.virtual))
+    persistent, mems = [], []
+    for r in range(pp):
+        layers_r = [p for s in sch.stages_of(r) for p in stages[s]]
+        persistent.append(_persistent(model, layout, layers_r))
+        mems.append(_pipeline_memory(model, layout, machine, sch, stages, r, peaks[r], persistent[r][0],
+                                     persistent[r][1], pb, rb))
+    memory = max(mems, key=lambda d: sum(d.values()))
+    peak = sum(memory.values())
+    if peak > limit and not time_unfit:
+        return Estimate(layout=layout, step_s=math.inf, peak_bytes=peak, breakdown=dict.fromkeys(TIME_KINDS, 0.0),
+                        memory={k: memory[k] for k in MEMORY_KINDS}, memory_limit=limit, tokens_per_s=0.0, mfu=0.0)
+
+    def stage_cost(parts: list[tuple[int, int]]) -> tuple[float, float, float]:
+        F = I = W = 0.0
+        for i, k in parts:
+            layer = model.layers[i]
+            f = _phase_time(machine, layout, model, layer, "fwd", b)
+            F += k * f
+            I += k * (_phase_time(machine, layout, model, layer, "bwd_input", b) + (f if layout.remat and i == rep else 0))
+            W += k * _phase_time(machine, layout, model, layer, "bwd_weight", b)
+        return F, I, W
+
+    # TP collectives inside the stage bodies belong to the actions' time.
+    costs, colls_by_rank = [], []
+    for r in range(pp):
+        colls = step_collectives(model, layout, pp_rank=r)
+        colls_by_rank.append(colls)
+        F = I = W = 0.0
+        for s in sch.stages_of(r):
+            f, i, w = stage_cost(stages[s])
+            F, I, W = F + f, I + i, W + w
+        tp_f = sum(collective_time(machine, layout, c) * c.count for c in colls if c.pipeline == "F") / m
+        tp_i = sum(collective_time(machine, layout, c) * c.count for c in colls if c.pipeline == "I") / m
+        costs.append((F + tp_f, I + tp_i, W))
+    p2p = collective_time(machine, layout, Collective("send", ("pp",), pipeline_payload(model, layout)))
+    makespan, _ = simulate_pipeline(layout, costs, p2p)
+    # Outside the schedule: stage gathers before the first F, reductions after the last W.
+    blk_f = _phase_time(machine, layout, model, model.layers[rep], "fwd", b)
+    blk_b = _phase_time(machine, layout, model, model.layers[rep], "bwd_input", b) + \
+        _phase_time(machine, layout, model, model.layers[rep], "bwd_weight", b)
+    window = {"fwd": blk_f, "bwd": blk_b}
+    outside = max(sum(_exposed(machine, layout, c, window) for c in colls if not c.pipeline)
+                  for colls in colls_by_rank)
+    busy = [m * sum(c) for c in costs]
+    opt_s = [_optimizer_time(machine, layout, numel, leaves) for _, numel, leaves in persistent]
+    wall = makespan + outside
+    bubble_fraction = sum(1 - bz / wall for bz in busy) / pp
+    compute = max(busy)
+    optimizer_s = max(opt_s)
+    step = wall + optimizer_s
+    comm_exposed = wall - makespan
+    bubble = makespan - compute
+    tokens, mfu = _common(model, layout, step, machine)
+    return Estimate(layout=layout, step_s=step, peak_bytes=peak,
+                    breakdown={"compute": compute, "exposed_comm": comm_exposed, "bubble": bubble,
+                               "optimizer": optimizer_s},
+                    memory={k: memory[k] for k in MEMORY_KINDS}, memory_limit=limit, tokens_per_s=tokens, mfu=mfu,
+                    bubble_fraction=bubble_fraction, comm=tuple(colls_by_rank[0]), stage_costs=tuple(costs))
+
+
+def _pipeline_memory(model: ModelDesc, layout: Layout, machine: Machine, sch: Any, stages: list, r: int,
+                     peak_chunks: int, master_bytes: float, numel: int, pb: int, rb: int) -> dict[str, float]:
+    """Pipeline rank ``r`` at the larger of two moments: its activation peak (the
+    simulator's most microbatches alive, the stages' gathered parameters, the gradients
+    summed so far over microbatches and one microbatch's new ones), and the optimizer."""
+    b = layout.microbatch_size
+    rep = model.repeated
+    held = sch.stages_of(r)
+    gathered = 0.0
+    stage_grads = 0.0
+    act_per_chunk = 0.0
+    for s in held:
+        sh = stage_shards(model, layout, stages[s])
+        if layout.fsdp > 1 or layout.dtype != layout.master_dtype:
+            gathered += sh.gathered * pb
+        stage_grads += sh.gathered * rb
+        a = 0.0
+        for i, k in stages[s]:
+            layer = model.layers[i]
+            if layout.remat and i == rep:
+                a += k * _boundary_bytes(layer, layout, model) * b
+            else:
+                a += k * _act_bytes(layer, layout, model) * b
+        act_per_chunk = max(act_per_chunk, a)
+    if layout.remat:  # one block recomputed at a time during backward
+        act_per_chunk += _act_bytes(model.layers[rep], layout, model) * b
+    acts = peak_chunks * act_per_chunk
+    persistent = {"params": master_bytes, "optimizer": 2 * master_bytes}
+    # The executor sums each microbatch's gradients (of the gathered parameters, in the
+    # reduction dtype) into per-stage sums. At the activation peak one microbatch's new
+    # gradients are being made; the sums exist already unless every microbatch is alive
+    # at the peak (all forwards before any backward, as GPipe).
+    sums = stage_grads if peak_chunks < layout.microbatches * len(held) else 0.0
+    at_peak = {**persistent, "grads": 0.0, "gathered": gathered, "activations": acts,
+               "grad_buffers": sums + stage_grads * pb / rb}
+    ow = _optimizer_work(layout.master_dtype)
+    at_opt = {**persistent, "grads": master_bytes, "gathered": 0.0, "activations": 0.0,
+              "grad_buffers": ow.transient_per_element * numel * DTYPE_BYTES[layout.master_dtype] / 4}
+    return max((at_peak, at_opt), key=lambda d: sum(d.values()))

@@ -1,0 +1,285 @@
+"""A machine as data: its devices' memory and speed, and the links between them.
+
+A :class:`Machine` says how fast one device multiplies matrices (per dtype), moves
+memory and launches kernels, how much memory it has, how many devices share a node,
+and per link level (``"intra"``: inside a node, e.g. NVLink; ``"inter"``: between
+nodes, e.g. InfiniBand) the bandwidth and latency one rank sees. A mesh axis uses the
+intra-node link when all its ranks share a node and the inter-node link otherwise
+(:meth:`Machine.level`).
+
+Machine files are JSON (:func:`load_machine`, :func:`save_machine`): ``h100`` and
+``a100`` ship with fshard (``fshard/plan/machines/``, figures from the vendors' data
+sheets, sources in the file); :func:`fshard.plan.calibrate` writes one for the machine it
+runs on, with measured figures, including per collective kind ``(latency, bandwidth)``
+fitted to the ring formulas.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from fshard.plan.model import DescriptionError
+
+__all__ = ["Link", "Machine", "MACHINES", "default_machine_path", "get_machine", "load_machine", "machine_from_dict",
+           "save_machine"]
+
+_DIR = Path(__file__).resolve().parent / "machines"
+COLLECTIVE_KINDS = ("all_gather", "psum_scatter", "psum", "ppermute")
+
+
+def _positive(where: str, value: Any, *, allow_zero: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise DescriptionError(f"{where} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+    return float(value)
+
+
+@attrs.frozen
+class Link:
+    """One link level as a rank sees it.
+
+    Attributes:
+      bandwidth: bytes per second one rank sends (one direction).
+      latency: seconds per message step (a ring of n ranks takes n - 1 steps).
+    """
+
+    bandwidth: float
+    latency: float
+
+    def check(self, where: str) -> None:
+        _positive(f"{where}.bandwidth", self.bandwidth)
+        _positive(f"{where}.latency", self.latency, allow_zero=True)
+
+
+@attrs.frozen
+class Machine:
+    """A cluster of identical devices, for the planner.
+
+    Attributes:
+      name: e.g. ``"h100"``.
+      memory_bytes: memory per device.
+      flops: peak FLOP/s of matrix products per dtype name (``"bfloat16"``, ``"float32"``).
+      mem_bandwidth: bytes per second of device memory (memory-bound kernels).
+      devices_per_node: devices that share the intra-node link.
+      links: ``{"intra": Link, "inter": Link}``.
+      matmul_efficiency: share of ``flops`` that large matrix products reach (vendor
+        figures are peaks; a calibrated machine measured its own, so 1.0).
+      mem_efficiency: share of ``mem_bandwidth`` that elementwise kernels reach.
+      op_overhead_s: fixed seconds per kernel (launch / dispatch), whatever its size.
+      collectives: measured ``{kind: {level: Link}}`` fitted per collective kind (kinds
+        ``all_gather``, ``psum_scatter``, ``psum``, ``ppermute``); where present they
+        replace ``links`` for that kind.
+      overlap: share of overlappable communication (FSDP prefetch, gradient
+        reductions) hidden behind compute, 0 to 1.
+      cores_per_node: CPU machines: cores the ranks of a node share (0: a device each).
+      calibrated_ranks: ranks per node when the figures were measured (CPU machines:
+        compute rates scale by ``min(1, cores / ranks)`` relative to that).
+      reserved_bytes: device memory the runtime keeps for itself (CUDA context, NCCL).
+      comm_temporaries: buffers a collective in flight allocates besides its input and
+        output, as a multiple of the larger of them (gloo's all-gather and reduce-scatter
+        stage through one each: 1; NCCL works in place: 0).
+      sources: where the figures come from.
+      notes: assumptions, in words.
+    """
+
+    name: str
+    memory_bytes: float
+    flops: Mapping[str, float] = attrs.field(converter=dict)
+    mem_bandwidth: float
+    devices_per_node: int
+    links: Mapping[str, Link] = attrs.field(converter=dict)
+    matmul_efficiency: float = 1.0
+    mem_efficiency: float = 1.0
+    op_overhead_s: float = 0.0
+    collectives: Mapping[str, Mapping[str, Link]] = attrs.field(factory=dict, converter=lambda d: {
+        k: dict(v) for k, v in d.items()})
+    overlap: float = 0.9
+    cores_per_node: int = 0
+    calibrated_ranks: int = 0
+    reserved_bytes: float = 0.0
+    comm_temporaries: float = 0.0
+    sources: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    notes: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        where = f"machine {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise DescriptionError(f"machine.name must be a non-empty string, got {self.name!r}")
+        _positive(f"{where}: memory_bytes", self.memory_bytes)
+        if not self.flops:
+            raise DescriptionError(f"{where}: flops must name at least one dtype, e.g. {{'bfloat16': 989e12}}")
+        for dtype, value in self.flops.items():
+            _positive(f"{where}: flops[{dtype!r}]", value)
+        _positive(f"{where}: mem_bandwidth", self.mem_bandwidth)
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise DescriptionError(f"{where}: devices_per_node must be an int >= 1, got {self.devices_per_node!r}")
+        for level in ("intra", "inter"):
+            if level not in self.links:
+                raise DescriptionError(f"{where}: links[{level!r}] is missing (links need 'intra' and 'inter')")
+        for level, link in self.links.items():
+            if level not in ("intra", "inter"):
+                raise DescriptionError(f"{where}: links has unknown level {level!r}; levels are 'intra', 'inter'")
+            if not isinstance(link, Link):
+                raise DescriptionError(f"{where}: links[{level!r}] must be a Link, got {type(link).__name__}")
+            link.check(f"{where}: links[{level!r}]")
+        for kind, levels in self.collectives.items():
+            if kind not in COLLECTIVE_KINDS:
+                raise DescriptionError(f"{where}: collectives has unknown kind {kind!r}; kinds are {COLLECTIVE_KINDS}")
+            for level, link in levels.items():
+                if level not in ("intra", "inter") or not isinstance(link, Link):
+                    raise DescriptionError(f"{where}: collectives[{kind!r}][{level!r}] must be a Link at level "
+                                           f"'intra' or 'inter'")
+                link.check(f"{where}: collectives[{kind!r}][{level!r}]")
+        for f in ("matmul_efficiency", "mem_efficiency", "overlap"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1 or (f != "overlap" and v == 0):
+                raise DescriptionError(f"{where}: {f} must be in {'[0, 1]' if f == 'overlap' else '(0, 1]'}, got {v!r}")
+        _positive(f"{where}: op_overhead_s", self.op_overhead_s, allow_zero=True)
+        _positive(f"{where}: reserved_bytes", self.reserved_bytes, allow_zero=True)
+        _positive(f"{where}: comm_temporaries", self.comm_temporaries, allow_zero=True)
+        for f in ("cores_per_node", "calibrated_ranks"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise DescriptionError(f"{where}: {f} must be an int >= 0, got {v!r}")
+
+    # -- rates ------------------------------------------------------------------------------
+
+    def flops_rate(self, dtype: str, ranks_per_node: int | None = None) -> float:
+        """Sustained FLOP/s of matrix products in ``dtype`` on one rank.
+
+        Raises:
+          DescriptionError: the machine has no figure for ``dtype`` (the known ones are named).
+        """
+        if dtype not in self.flops:
+            raise DescriptionError(f"machine {self.name!r}: no flops figure for dtype {dtype!r}; "
+                                   f"flops has {sorted(self.flops)}")
+        return self.flops[dtype] * self.matmul_efficiency * self.share(ranks_per_node)
+
+    def bytes_rate(self, ranks_per_node: int | None = None) -> float:
+        """Bytes per second memory-bound kernels move on one rank."""
+        return self.mem_bandwidth * self.mem_efficiency * self.share(ranks_per_node)
+
+    def overhead(self, ranks_per_node: int | None = None) -> float:
+        """Seconds of fixed cost per kernel on one rank."""
+        return self.op_overhead_s / self.share(ranks_per_node)
+
+    def share(self, ranks_per_node: int | None) -> float:
+        """CPU machines: this rank's share of the speed measured at calibration (1 on GPUs)."""
+        if not self.cores_per_node or not ranks_per_node:
+            return 1.0
+        cal = self.calibrated_ranks or self.cores_per_node
+
+        def one(n: int) -> float:
+            return min(1.0, self.cores_per_node / n)
+        return one(ranks_per_node) / one(cal)
+
+    # -- links ------------------------------------------------------------------------------
+
+    def level(self, stride: int, size: int) -> str:
+        """``"intra"`` when a mesh axis of ``size`` ranks ``stride`` apart stays in one node."""
+        return "intra" if stride * size <= self.devices_per_node else "inter"
+
+    def link(self, kind: str, level: str) -> Link:
+        """The (latency, bandwidth) for collective ``kind`` at ``level``."""
+        measured = self.collectives.get(kind, {})
+        return measured[level] if level in measured else self.links[level]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self, recurse=True)
+        d["sources"] = list(self.sources)
+        return d
+
+
+def machine_from_dict(data: Mapping[str, Any], *, where: str = "machine") -> Machine:
+    """A :class:`Machine` from plain data (JSON), naming the first bad or missing field.
+
+    Raises:
+      DescriptionError: a missing, unknown or invalid field.
+    """
+    if not isinstance(data, Mapping):
+        raise DescriptionError(f"{where}: must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in attrs.fields(Machine)}
+    name = data.get("name", "?")
+    where = f"{where} {name!r}"
+    for key in data:
+        if key not in fields:
+            raise DescriptionError(f"{where}: unknown field {key!r}; fields are {sorted(fields)}")
+    for key, f in fields.items():
+        if f.default is attrs.NOTHING and key not in data:
+            raise DescriptionError(f"{where}: missing field {key!r}")
+
+    def link(path: str, value: Any) -> Link:
+        if not isinstance(value, Mapping) or set(value) != {"bandwidth", "latency"}:
+            raise DescriptionError(f"{where}: {path} must be {{'bandwidth': bytes/s, 'latency': s}}, got {value!r}")
+        return Link(value["bandwidth"], value["latency"])
+
+    kw = dict(data)
+    if not isinstance(kw["links"], Mapping):
+        raise DescriptionError(f"{where}: links must be a mapping of level -> link, got {kw['links']!r}")
+    kw["links"] = {level: link(f"links[{level!r}]", v) for level, v in kw["links"].items()}
+    colls = kw.get("collectives", {})
+    if not isinstance(colls, Mapping):
+        raise DescriptionError(f"{where}: collectives must be a mapping, got {colls!r}")
+    kw["collectives"] = {kind: {level: link(f"collectives[{kind!r}][{level!r}]", v) for level, v in levels.items()}
+                         for kind, levels in colls.items()}
+    if not isinstance(kw["flops"], Mapping):
+        raise DescriptionError(f"{where}: flops must be a mapping of dtype -> FLOP/s, got {kw['flops']!r}")
+    return Machine(**kw)
+
+
+def load_machine(path: str | os.PathLike) -> Machine:
+    """Reads a machine file (JSON).
+
+    Raises:
+      DescriptionError: the file is not valid JSON or not a valid machine (the field is named).
+      FileNotFoundError: no such file.
+    """
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DescriptionError(f"machine file {path}: not valid JSON: {e}") from None
+    return machine_from_dict(data, where=f"machine file {path}:")
+
+
+def save_machine(machine: Machine, path: str | os.PathLike) -> None:
+    """Writes ``machine`` as JSON (atomically)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")  # concurrent writers do not share it
+    tmp.write_text(json.dumps(machine.to_dict(), indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+MACHINES: tuple[str, ...] = tuple(sorted(p.stem for p in _DIR.glob("*.json")))
+
+
+def default_machine_path() -> Path:
+    """Where :func:`fshard.plan.calibrate` saves this host's machine file by default
+    (``$FSHARD_MACHINE``, else ``~/.cache/fshard/machine-<host>.json``)."""
+    env = os.environ.get("FSHARD_MACHINE")
+    if env:
+        return Path(env)
+    import socket
+
+    return Path.home() / ".cache" / "fshard" / f"machine-{socket.gethostname()}.json"
+
+
+def get_machine(name: str | os.PathLike) -> Machine:
+    """A shipped machine (:data:`MACHINES`, e.g. ``"h100"``) or a machine file path.
+
+    Raises:
+      DescriptionError: neither a shipped name nor an existing file (the names are listed).
+    """
+    p = _DIR / f"{str(name).lower()}.json"
+    if p.exists():
+        return load_machine(p)
+    if Path(name).exists():
+        return load_machine(name)
+    raise DescriptionError(f"unknown machine {str(name)!r}: not one of {', '.join(MACHINES)} and not a file")

@@ -1,0 +1,83 @@
+"""StepProbe (a step's peak memory and median time) and calibrate (a machine file)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fshard as fs
+import fshard.plan as plan
+from fshard.testing import run_on_ranks
+
+
+def test_probe_measures_the_peak_of_one_step_after_warmup():
+    params = {"w": torch.zeros(1024, 256)}  # 1 MiB
+    state = {"m": torch.zeros(1024, 256)}   # 1 MiB
+
+    def step(p, s, x):
+        tmp = torch.ones(4 * 2**20 // 4)     # 4 MiB alive ...
+        tmp2 = tmp * 2                       # ... plus 4 MiB at the peak
+        del tmp, tmp2
+        return p, s, x.sum()
+
+    probe = plan.StepProbe(warmup=1)
+    wrapped = probe.wrap(step)
+    for _ in range(4):
+        wrapped(params, state, torch.ones(3))
+    assert probe.profiled == 1
+    peak_mib = probe.peak_bytes / 2**20
+    assert 10.0 <= peak_mib < 10.5, peak_mib
+    s = probe.summary([5.0, 1.0, 9.0, 2.0, 3.0])
+    assert s["measured_step_s"] == 3.0  # median of 9, 2, 3: the warm-up (5.0) and the profiled step (1.0) left out
+    assert s["measured_peak_mib"] == pytest.approx(peak_mib)
+
+
+def _calibrate(path: str) -> dict:
+    """Quick calibration on a 2 x 2 mesh whose ranks pretend to live on two hosts (ranks 0, 1
+    and 2, 3): axis "y" stays inside a host, axis "x" spans them."""
+    import importlib
+
+    import torch.distributed as dist
+
+    cal = importlib.import_module("fshard.plan.calibrate")  # the module (fs.plan.calibrate is the function)
+
+    real = cal._host
+    cal._host = lambda: f"node{dist.get_rank() // 2}"
+    try:
+        mesh = fs.make_mesh({"x": 2, "y": 2})
+        machine = plan.calibrate(mesh, path=path, quick=True, name="test-cpu")
+    finally:
+        cal._host = real
+    return machine.to_dict()
+
+
+def test_calibrate_measures_and_saves_the_same_machine_on_every_rank(tmp_path):
+    path = tmp_path / "machine.json"
+    results = run_on_ranks(_calibrate, str(path), world_size=4, timeout_s=240)
+    assert all(r == results[0] for r in results)
+    m = plan.load_machine(path)
+    assert m.to_dict() == results[0]
+    assert m.flops["float32"] > 1e7 and m.mem_bandwidth > 1e7 and m.op_overhead_s > 0
+    # one fit per collective kind and link level: "y" measured the intra level, "x" the inter
+    assert {k: set(v) for k, v in m.collectives.items()} == {
+        k: {"intra", "inter"} for k in ("all_gather", "psum_scatter", "psum", "ppermute")}
+    assert m.links["intra"] == m.collectives["all_gather"]["intra"]
+    assert m.links["inter"] == m.collectives["all_gather"]["inter"]
+    assert "axis x (n=2, inter)" in m.notes and "axis y (n=2, intra)" in m.notes
+    assert m.calibrated_ranks == 4 and m.cores_per_node >= 1
+    # the estimate can use it
+    model = plan.describe_transformer(fs.models.TransformerConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2,
+                                                                  max_seq_len=8))
+    est = plan.estimate(model, m, plan.Layout({"fsdp": 2}, batch=4))
+    assert est.step_s > 0
+
+
+def test_calibrated_links_fall_back_to_the_measured_level():
+    import importlib
+
+    _links = importlib.import_module("fshard.plan.calibrate")._links
+
+    intra, inter = plan.Link(1e9, 1e-5), plan.Link(1e8, 2e-5)
+    assert _links({"all_gather": {"intra": intra}}) == {"intra": intra, "inter": intra}  # one host
+    assert _links({"all_gather": {"intra": intra, "inter": inter}}) == {"intra": intra, "inter": inter}
+    assert _links({"all_gather": {"inter": inter}}) == {"intra": inter, "inter": inter}

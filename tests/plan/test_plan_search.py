@@ -1,0 +1,66 @@
+"""search: only layouts that validate and fit, fastest first; the CLI prints them."""
+
+from __future__ import annotations
+
+import pytest
+
+import fshard.plan as plan
+from fshard.plan.__main__ import main
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return plan.get_model("llama3-8b", seq_len=4096)
+
+
+def test_search_returns_only_layouts_that_validate_and_fit(llama):
+    h100 = plan.get_machine("h100")
+    limit = 60 * 2**30
+    res = plan.search(llama, h100, 8, 32, limit, schedules=("1f1b", "interleaved"), max_microbatch_choices=4)
+    assert len(res) > 10 and res.considered >= len(res)
+    times = [e.step_s for e in res]
+    assert times == sorted(times)
+    for est in res:
+        est.layout.validate(llama, 8)  # raises if not
+        assert est.layout.n_devices == 8 and est.layout.batch == 32
+        assert est.fits and est.peak_bytes <= limit
+        assert est.layout.tp in (1, 2, 4, 8)
+    assert res.rejected.get("memory", 0) > 0  # some layouts did not fit in 60 GiB
+    assert res.best_unfit is not None and res.best_unfit.peak_bytes > limit
+
+
+def test_nothing_fits_a_tiny_limit(llama):
+    res = plan.search(llama, plan.get_machine("h100"), 8, 16, 1e9, schedules=("1f1b",), max_microbatch_choices=2)
+    assert len(res) == 0 and res.best is None
+    assert res.best_unfit is not None and res.best_unfit.peak_bytes > 1e9
+
+
+def test_search_respects_the_axes_it_is_given(llama):
+    res = plan.search(llama, plan.get_machine("h100"), 8, 16, axes=("fsdp", "tp"), max_microbatch_choices=2)
+    assert len(res) and all(set(e.layout.mesh) <= {"fsdp", "tp"} for e in res)
+
+
+def test_cli_prints_a_table_and_the_best(capsys):
+    assert main(["--model", "llama3-8b", "--devices", "8", "--machine", "h100", "--batch", "16", "--seq", "2048",
+                 "--top", "3", "--plain", "--schedules", "1f1b"]) == 0
+    out = capsys.readouterr().out
+    assert "layout" in out and "best:" in out and "tok/s/dev" in out
+    assert main(["--model", "llama3-8b", "--devices", "8", "--machine", "h100", "--batch", "16", "--seq", "2048",
+                 "--layout", "fsdp=8", "--remat"]) == 0
+    assert "fsdp=8 remat" in capsys.readouterr().out
+
+
+def test_cli_rich_table(capsys):
+    import rich  # noqa: F401  (in the test extra; the plain fallback is tested above)
+
+    assert main(["--model", "llama3-8b", "--devices", "8", "--machine", "a100", "--batch", "16", "--seq", "1024",
+                 "--top", "2", "--schedules", "1f1b"]) == 0
+    out = capsys.readouterr().out
+    assert "┃" in out or "│" in out
+
+
+def test_cli_errors_name_the_choices(capsys):
+    assert main(["--model", "gpt-17"]) == 2
+    assert "llama3-8b" in capsys.readouterr().err
+    assert main(["--machine", "tpu"]) == 2
+    assert "h100" in capsys.readouterr().err
