@@ -64,6 +64,15 @@ NOT_RUN_HERE = {
     r"PYTHONPATH=\.:tools python -m pytest .*": "the suite's own multi-rank modules, looped for the hunt",
     r"python bench/(fsdp|ddp)\.py --steps 10": "a timing benchmark, minutes a run on a CI machine; its "
                                               "numbers are reported, not checked",
+    # docs/plan.md
+    r"python -m fshard\.plan --model llama3-8b --devices 64 .*": "a search over every 64-device layout, 45 s of "
+                                                                "CPU; tests/plan's CLI tests run the search on "
+                                                                "small cases (the --layout command here is run)",
+    r"PYTHONPATH=\. nice -n 19 python bench/plan_validate\.py .*": "the validation runs, about 5 minutes; "
+                                                                   "tests/plan checks each predicted quantity",
+    r"PYTHONPATH=\. python bench/plan_validate\.py --report .*": "prints the table the run above saved",
+    r"PYTHONPATH=\. python bench/plan_paper\.py": "40 s of search against published runs; its table is in "
+                                                  "docs/plan.md and is reported, not checked",
 }
 # Placeholders of the multi-node command, as one node of 2 CPU ranks on loopback.
 MULTI_NODE = [(r"--nnodes N\b", "--nnodes 1"), (r"--node-rank \$NODE_RANK", "--node-rank 0"),
@@ -84,7 +93,7 @@ def _commands(path: Path) -> list[tuple[str, str]]:
         if info.strip() not in ("bash", "sh", "shell", "console"):
             continue
         for line in body.replace("\\\n", " ").splitlines():
-            line = line.strip().removeprefix("$ ")
+            line = re.sub(r"\s+#\s.*$", "", line.strip().removeprefix("$ "))  # a trailing comment
             if line and not line.startswith("#"):
                 out.append(("block", " ".join(line.split())))
     prose_text = "\n".join(prose)
