@@ -106,6 +106,7 @@ class Groups:
     _pin: bool = attrs.field(init=False, default=False)
     _inflight: dict[int, comm.Handle] = attrs.field(init=False, factory=dict)
     _pending: dict[int, tuple[Any, comm.Handle | None, comm.Handle | None]] = attrs.field(init=False, factory=dict)
+    _last_rs: int | None = attrs.field(init=False, default=None)
     _cache: dict[int, list[torch.Tensor]] = attrs.field(init=False, factory=dict)
     _post: dict[int, torch.Tensor] = attrs.field(init=False, factory=dict)
     _bucket: list[tuple[int, list[torch.Tensor]]] = attrs.field(init=False, factory=list)
@@ -261,12 +262,22 @@ class Groups:
             prev = self.accumulator.take(key)
             if prev is not None:
                 flat = flat + prev
+        # At most one reduce-scatter in flight (as FSDP2): finishing the previous one here,
+        # a block's backward after it started, frees its full-size buffers (the flat
+        # gradient, or on gloo the all-to-all's received chunks) now, not at the end of
+        # backward.
+        prev = self._pending.get(self._last_rs) if self._last_rs is not None else None
+        if prev is not None and prev[1] is not None:
+            self._pending[self._last_rs] = (None, comm.Handle(prev[1].wait()), None)
+        self._last_rs = None
         rs = comm.reduce_scatter_async(flat, self._sgroup, self.n, axes=self.shard_axes) if self.n > 1 else None
         if rs is None and self._rn > 1:  # DDP with accumulation: one group per all-reduce
             self._bucket.append((i, [flat]))
             self._flush()
             return
-        self._pending[i] = (flat, rs, None)
+        self._pending[i] = (flat if rs is None else None, rs, None)  # no reduction: flat is the result
+        if rs is not None:
+            self._last_rs = i
 
     def _key(self, i: int) -> tuple:
         return (self.layouts[i].shapes, i, self.groups[i][0].untyped_storage().data_ptr())

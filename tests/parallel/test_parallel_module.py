@@ -361,8 +361,16 @@ def _prefetch_and_policy():
     for key, kw in [(0, {}), (1, {}), (2, {}), ("f32", {"policy": fs.Policy(param_dtype=torch.float32)})]:
         wrapped = fs.parallel.fsdp_apply(apply, blocks="model.layers", prefetch=key if key != "f32" else 1, **kw)
         fwd = fs.shard_map(lambda p, t: wrapped(p, t).logits, mesh=mesh, in_specs=(specs, P()), out_specs=P())
-        with torch.no_grad(), fs.comm_log() as log:
-            logits = fwd(sharded, tok)
+        # What is measured is fsdp_apply's issue order: without gloo's one-in-flight rule
+        # (comm.one_at_a_time, tested in tests/test_comm_one_at_a_time.py), which would
+        # complete each prefetched gather as soon as the next one is issued.
+        real = fs.comm.one_at_a_time
+        fs.comm.one_at_a_time = lambda group: None
+        try:
+            with torch.no_grad(), fs.comm_log() as log:
+                logits = fwd(sharded, tok)
+        finally:
+            fs.comm.one_at_a_time = real
         inflight = peak = 0
         for e in log.timeline:
             if e.kind == "all_gather":
