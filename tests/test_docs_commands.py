@@ -64,6 +64,10 @@ NOT_RUN_HERE = {
     r"PYTHONPATH=\.:tools python -m pytest .*": "the suite's own multi-rank modules, looped for the hunt",
     r"python bench/(fsdp|ddp)\.py --steps 10": "a timing benchmark, minutes a run on a CI machine; its "
                                               "numbers are reported, not checked",
+    # docs/jax.md
+    r"python tests/conformance/conf_report\.py": "every program against JAX, a minute: the same programs "
+                                                 "tests/conformance compares in this suite (the `diff/` and "
+                                                 "substring forms of the command run here)",
     # docs/plan.md
     r"python -m fshard\.plan --model llama3-8b --devices 64 .*": "a search over every 64-device layout, 45 s of "
                                                                 "CPU; tests/plan's CLI tests run the search on "
