@@ -307,22 +307,21 @@ def scan_layers(
 
     reshard = reshard and state.n > 1 and not remat
 
+    def block(i: int, full: list[torch.Tensor], h: Any) -> Any:
+        return block_fn(tree_util.tree_unflatten(defs[i], full), h)
+
     def layer(i: int, leaves: list[torch.Tensor], h: Any) -> Any:
         full = _gather(state, i, leaves, tags)
-        params = tree_util.tree_unflatten(defs[i], full)
         if not reshard:
-            return block_fn(params, h)
+            return block(i, full, h)
         with _reshard_hooks(state, i, bwd[i], full):
-            return block_fn(params, h)
+            return block(i, full, h)
 
     # A policy that saves collectives' results keeps the gathered parameters for backward:
     # the gather then runs before the checkpointed region (its result is the region's saved
     # input) and only the block is recomputed. Gathering inside the region instead would
     # wait there on a gather started outside it, which selective checkpointing cannot replay.
     gather_outside = remat and saves_gathers(remat_policy)
-
-    def block(i: int, full: list[torch.Tensor], h: Any) -> Any:
-        return block_fn(tree_util.tree_unflatten(defs[i], full), h)
 
     for i in range(n_layers):
         state.start_gather(i)
