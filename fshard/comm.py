@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CommLog", "Event", "comm_log", "mark", "record", "all_reduce", "all_gather", "reduce_scatter",
            "all_to_all", "permute", "Handle", "all_gather_async", "reduce_scatter_async",
-           "backend_of", "p2p_via_host", "one_at_a_time"]
+           "backend_of", "via_host", "one_at_a_time"]
 
 _F = torch.ops._c10d_functional
 _LOGS: contextvars.ContextVar[tuple["CommLog", ...]] = contextvars.ContextVar("fshard_comm_logs", default=())
@@ -265,10 +265,11 @@ def all_reduce_async(x: torch.Tensor, group, op: str = "sum", *, axes: Sequence[
     fault per 4 KiB page on first write, every step.
     """
     one_at_a_time(group)
+    wire, back = _stage(group, x, into=x if inplace else None)
     with _named(axes):
-        if inplace:
+        if inplace and back is None:
             return Handle(_F.all_reduce_(x, op, group.group_name), group=group)
-        return Handle(_F.all_reduce(x.contiguous(), op, group.group_name), group=group)
+        return Handle(_F.all_reduce(wire, op, group.group_name), back, group=group)
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -346,16 +347,15 @@ class Handle:
 
 def all_reduce(x: torch.Tensor, group, op: str, *, axes: Sequence[str]) -> torch.Tensor:
     """All-reduce (``op`` in sum/max/min/avg) of ``x`` over ``group``; a new tensor."""
-    one_at_a_time(group)
-    with _named(axes):
-        return _F.wait_tensor(_F.all_reduce(x.contiguous(), op, group.group_name))
+    return all_reduce_async(x, group, op, axes=axes).wait()
 
 
 def all_gather_async(x: torch.Tensor, group, n: int, *, axes: Sequence[str] = ()) -> Handle:
     """Starts an all-gather along dim 0 (result ``(n * x.shape[0], ...)``, group rank order)."""
     one_at_a_time(group)
+    wire, back = _stage(group, x)
     with _named(axes):
-        return Handle(_F.all_gather_into_tensor(x.contiguous(), n, group.group_name), group=group)
+        return Handle(_F.all_gather_into_tensor(wire, n, group.group_name), back, group=group)
 
 
 def all_gather(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.Tensor:
@@ -372,15 +372,17 @@ def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *,
     all-reduce plus a slice, twice the bytes on the wire (and it ignores ``op``).
     Other backends use their reduce-scatter.
     """
-    x = x.contiguous()
     one_at_a_time(group)
     if n > 1 and backend_of(group, x.device.type) == "gloo":
         rows = [x.shape[0] // n] * n
+        wire, back = _stage(group, x)
         with _named(axes, "psum_scatter"):
-            received = _F.all_to_all_single(x, rows, rows, group.group_name)
-        return Handle(received, _LocalReduce(n, op), group=group)
+            received = _F.all_to_all_single(wire, rows, rows, group.group_name)
+        # Staged: reduced on the host before the copy back, so 1/n of the bytes cross to the device.
+        post = _LocalReduce(n, op)
+        return Handle(received, post if back is None else _Staged(x.device, post), group=group)
     with _named(axes):
-        return Handle(_F.reduce_scatter_tensor(x, op, n, group.group_name), group=group)
+        return Handle(_F.reduce_scatter_tensor(x.contiguous(), op, n, group.group_name), group=group)
 
 
 class _LocalReduce:
@@ -412,8 +414,9 @@ def all_to_all(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.
     """Splits dim 0 into ``n`` chunks, sends chunk j to group rank j, concatenates received chunks."""
     split = [x.shape[0] // n] * n
     one_at_a_time(group)
+    wire, back = _stage(group, x)
     with _named(axes):
-        return _F.wait_tensor(_F.all_to_all_single(x.contiguous(), split, split, group.group_name))
+        return Handle(_F.all_to_all_single(wire, split, split, group.group_name), back, group=group).wait()
 
 
 def backend_of(group, device_type: str) -> str:
@@ -429,16 +432,41 @@ def backend_of(group, device_type: str) -> str:
     return per_device.get(device_type, name)
 
 
-def p2p_via_host(group, device: torch.device) -> bool:
-    """True when point-to-point transfers of ``device`` tensors over ``group`` must be
-    staged through host memory.
+def via_host(group, device: torch.device) -> bool:
+    """True when collectives and transfers of ``device`` tensors over ``group`` are
+    staged through host memory: a non-CPU device on a group that uses gloo for it.
 
-    gloo's collectives copy CUDA tensors through pinned host buffers themselves, but its
-    ``send``/``recv`` hand the tensor's data pointer straight to the TCP transport, which
-    would read device memory as host memory. That is the case of several ranks sharing
-    one GPU through gloo (NCCL refuses two ranks on one device).
+    That is the case of several ranks sharing one GPU through gloo (NCCL refuses two
+    ranks on one device). gloo's ``send``/``recv`` hand the tensor's data pointer straight
+    to the TCP transport, which would read device memory as host memory. Its collectives
+    on CUDA tensors (torch 2.11.0+cu130 on an H100, 2026-11-26: ``all_gather_into_tensor``
+    and DTensor's ``full_tensor`` over it) died of SIGSEGV in ``wait_tensor``
+    (bench/results/gpu_2026-11-26/). Staging costs what gloo's own CUDA path does: one
+    copy to the host and one back.
     """
     return device.type != "cpu" and backend_of(group, device.type) == "gloo"
+
+
+class _Staged:
+    """Applies ``post`` to a host-staged result, then moves it back to ``device`` (into
+    ``into`` when given: the in-place all-reduce)."""
+
+    __slots__ = ("device", "post", "into")
+
+    def __init__(self, device: torch.device, post=None, into: torch.Tensor | None = None) -> None:
+        self.device, self.post, self.into = device, post, into
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.post is not None:
+            t = self.post(t)
+        return self.into.copy_(t) if self.into is not None else t.to(self.device)
+
+
+def _stage(group, x: torch.Tensor, into: torch.Tensor | None = None):
+    """``(tensor to hand to the collective, post-processing or None)`` for ``x`` (contiguous)."""
+    if not via_host(group, x.device):
+        return x.contiguous(), None
+    return x.contiguous().cpu(), _Staged(x.device, into=into)
 
 
 def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *,
@@ -447,14 +475,14 @@ def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *
 
     Ranks that receive nothing get zeros (as ``jax.lax.ppermute``). The result is on
     ``x``'s device; transfers a backend cannot make from that device go through host
-    memory (:func:`p2p_via_host`).
+    memory (:func:`via_host`).
     """
     x = x.contiguous()
     if torch._guards.detect_fake_mode(x) is not None:  # fs.jit tracing: would run once, at trace time
         raise NotImplementedError("fs.lax.ppermute cannot be captured by fs.jit yet (point-to-point "
                                   "transfers are not functional collectives); call it outside fs.jit.")
-    via_host = p2p_via_host(group, x.device)
-    wire = x.cpu() if via_host else x
+    staged = via_host(group, x.device)
+    wire = x.cpu() if staged else x
     out = torch.zeros_like(wire)
     one_at_a_time(group)
     ops = []
@@ -470,4 +498,4 @@ def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
-    return out.to(x.device) if via_host else out
+    return out.to(x.device) if staged else out

@@ -10,7 +10,7 @@ from fshard.testing import run_on_ranks
 
 def _staging(device_types):
     group = dist.group.WORLD
-    return comm.backend_of(group, "cpu"), [comm.p2p_via_host(group, torch.device(d)) for d in device_types]
+    return comm.backend_of(group, "cpu"), [comm.via_host(group, torch.device(d)) for d in device_types]
 
 
 def test_gloo_point_to_point_of_cuda_tensors_goes_through_the_host():
@@ -30,7 +30,7 @@ def test_gloo_point_to_point_of_cuda_tensors_goes_through_the_host():
 def test_backend_per_device_type(monkeypatch, name, device, backend, via_host):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: name)
     assert comm.backend_of(object(), torch.device(device).type) == backend
-    assert comm.p2p_via_host(object(), torch.device(device)) is via_host
+    assert comm.via_host(object(), torch.device(device)) is via_host
 
 
 # --- reduce-scatter on gloo: all_to_all_single + local sum (issue 17, item 4) ----------
@@ -96,3 +96,44 @@ def test_gloo_reduce_scatter_is_an_all_to_all_and_sums_exactly(n, integer):
 def test_reduce_scatter_rejects_an_unknown_op():
     with pytest.raises(ValueError, match="op='prod'"):
         comm._LocalReduce(2, "prod")
+
+
+# --- host staging (ranks sharing a GPU through gloo) -------------------------------------
+# The device half runs in bench/gpu_checks (check_gloo_cuda, offload); here every
+# collective is forced through the staging path on CPU tensors, so the plumbing (copy
+# out, post-processing, copy back, in place) is checked against the unstaged result.
+
+def _staged_collectives(force):
+    import fshard as fs
+
+    if force:
+        comm.via_host = lambda group, device: True  # the rank's own module copy; the pool process is reused,
+    mesh = fs.make_mesh({"x": 2})                    # so it is restored below
+    try:
+        group, me = mesh.group("x"), dist.get_rank()
+        x = torch.arange(24, dtype=torch.float64).reshape(4, 6) * (me + 1)
+        inplace = x.clone()
+        comm.all_reduce_async(inplace, group, "sum", axes=("x",), inplace=True).wait()
+        return {"all_reduce": comm.all_reduce(x, group, "max", axes=("x",)),
+                "inplace": inplace,
+                "all_gather": comm.all_gather(x, group, 2, axes=("x",)),
+                "reduce_scatter": comm.reduce_scatter_async(x, group, 2, "avg", axes=("x",)).wait(),
+                "all_to_all": comm.all_to_all(x, group, 2, axes=("x",)),
+                "ppermute": comm.permute(x, group, [(0, 1), (1, 0)], me, axes=("x",))}
+    finally:
+        comm.via_host = _VIA_HOST
+
+
+_VIA_HOST = comm.via_host
+
+
+def test_staged_collectives_equal_unstaged():
+    plain = run_on_ranks(_staged_collectives, False, world_size=2)
+    staged = run_on_ranks(_staged_collectives, True, world_size=2)
+    for rank in range(2):
+        assert plain[rank].keys() == staged[rank].keys()
+        for k in plain[rank]:
+            assert torch.equal(plain[rank][k], staged[rank][k]), (rank, k)
+    x0 = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    assert torch.equal(plain[0]["inplace"], 3 * x0)  # 1x + 2x: the in-place result was copied back
+    assert torch.equal(plain[1]["reduce_scatter"], 1.5 * x0[2:])

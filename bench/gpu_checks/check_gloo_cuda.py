@@ -4,7 +4,7 @@ NCCL refuses two ranks on one device, so this is the only way one GPU exercises 
 multi-rank device paths: 2 forked ranks (``fs.run_local``), a gloo group, meshes made
 with ``device_type="cuda"`` (both ranks on cuda:0). gloo moves CUDA tensors through
 pinned host buffers in its collectives; its point-to-point cannot (fshard stages those
-through the host: ``fshard.comm.p2p_via_host``). Parts, each against a one-process
+through the host: ``fshard.comm.via_host``). Parts, each against a one-process
 reference computed on the CPU in float64 on the same rank:
 
 - collectives: psum, all_gather, psum_scatter, all_to_all, ppermute over 2 ranks;
@@ -13,6 +13,10 @@ reference computed on the CPU in float64 on the same rank:
 - fsdp: 2 Adam steps of an MLP stack through ``gather_params`` + ``scan_layers``;
 - tp: a Megatron Transformer (``tp_specs``, ``tp_transformer_block``, loss parallel);
 - pipeline: one 1F1B ``pipeline_step`` over 2 stages, 4 microbatches.
+
+First, a probe without assertions: each of torch's own gloo collectives on CUDA tensors,
+unstaged, in its own pair of ranks, recorded as ok or how it failed (the H100 run of
+2026-11-26, torch 2.11.0+cu130, died of SIGSEGV in the functional all-gather).
 
 Device assertions: every shard, gradient and result was on CUDA. The parent process
 never touches CUDA (it forks the ranks).
@@ -240,6 +244,62 @@ def pipeline_rank(device_type: str) -> dict[str, Any]:
             "devices": _devices([e for e, _ in held], loss), "counts": dict(log.counts)}
 
 
+# --- torch's own gloo collectives on CUDA tensors (a probe, no assertion) ---------------
+
+RAW_OPS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+           "functional_all_gather", "dtensor_full_tensor")
+
+
+def raw_op_rank(device_type: str, op: str) -> bool:
+    """One torch collective on ``device_type`` tensors over gloo, without fshard's host
+    staging; True when its result is right (a crash kills the ranks)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _mesh({"x": WORLD}, device_type)
+    group, me = mesh.group("x"), dist.get_rank()
+    dev = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    x = torch.arange(8.0, device=dev) + 10 * me
+    every = [torch.arange(8.0) + 10 * r for r in range(WORLD)]
+    if op == "all_reduce":
+        dist.all_reduce(x, group=group)
+        want = sum(every)
+    elif op == "broadcast":
+        dist.broadcast(x, dist.get_global_rank(group, 0), group=group)
+        want = every[0]
+    elif op == "all_gather_into_tensor":
+        out = torch.empty(8 * WORLD, device=dev)
+        dist.all_gather_into_tensor(out, x, group=group)
+        x, want = out, torch.cat(every)
+    elif op == "reduce_scatter_tensor":
+        out = torch.empty(8 // WORLD, device=dev)
+        dist.reduce_scatter_tensor(out, x, group=group)
+        x, want = out, sum(every).chunk(WORLD)[me]
+    elif op == "all_to_all_single":
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        x, want = out, torch.cat([e.chunk(WORLD)[me] for e in every])
+    elif op == "functional_all_gather":
+        f = torch.ops._c10d_functional
+        x, want = f.wait_tensor(f.all_gather_into_tensor(x, WORLD, group.group_name)), torch.cat(every)
+    else:
+        full = torch.cat(every).to(dev)
+        x, want = distribute_tensor(full, mesh.device_mesh, [Shard(0)]).full_tensor(), torch.cat(every)
+    return bool(torch.equal(x.cpu(), want))
+
+
+def probe_raw_ops(ck: Checker, dt: str, timeout: float) -> None:
+    """Which of torch's gloo collectives survive CUDA tensors (figures only: fshard stages
+    them all through the host, and the parts below assert its results)."""
+    outcome = {}
+    for op in RAW_OPS:
+        try:
+            ok = fs.run_local(raw_op_rank, dt, op, world_size=WORLD, timeout_s=min(timeout, 60.0))
+            outcome[op] = "ok" if all(ok) else "wrong result"
+        except Exception as e:  # noqa: BLE001 - a crash here is the finding, not a failure of the check
+            outcome[op] = "failed: " + (str(e).splitlines() or ["?"])[0][:120]
+    ck.figure(torch_gloo_on_device=outcome)
+
+
 # --- the check --------------------------------------------------------------------------
 
 def _require_parity(ck: Checker, name: str, results: list[dict[str, Any]], keys: tuple[str, ...]) -> None:
@@ -253,6 +313,7 @@ def _require_parity(ck: Checker, name: str, results: list[dict[str, Any]], keys:
 
 def run(ck: Checker, args: argparse.Namespace) -> None:
     dt, t = ck.device_type, args.timeout
+    probe_raw_ops(ck, dt, t)
 
     with ck.part("collectives"):
         results = fs.run_local(collectives_rank, dt, world_size=WORLD, timeout_s=t)

@@ -52,7 +52,8 @@ KEY_FIGURES = {
     "train_lm": ["float32_tokens_per_s_median", "bfloat16_tokens_per_s_median", "float32_last_loss",
                  "bfloat16_last_loss", "last_window_rel_diff", "max_step_rel_diff"],
     "offload": ["world2_host_to_device_copies", "world1_host_to_device_copies", "world2_max_shard_diff"],
-    "gloo_cuda_ranks": ["fsdp_grad_err", "tp_grad_err", "pipeline_grad_err", "init_device_peak_rise_bytes"],
+    "gloo_cuda_ranks": ["torch_gloo_on_device", "fsdp_grad_err", "tp_grad_err", "pipeline_grad_err",
+                        "init_device_peak_rise_bytes"],
     "fully_shard_overhead": ["torch_s_per_step", "fshard_s_per_step", "ratio_fshard_over_torch"],
     "jit": ["eager_s", "jit_s", "speedup"],
 }

@@ -134,9 +134,46 @@ def _redistribute(x: DTensor, spec: PartitionSpec, mesh: Mesh) -> DTensor:
 def gather(tree: Any) -> Any:
     """Full (replicated) plain tensors for every DTensor leaf; other leaves unchanged.
 
-    Collective: every rank of the leaves' meshes must call it with the same tree.
+    Collective: every rank of the leaves' meshes must call it with the same tree. A
+    device tensor on a mesh that uses gloo for that device (ranks sharing one GPU) is
+    gathered through host memory (:func:`fshard.comm.via_host`).
     """
-    return tree_util.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, tree)
+    return tree_util.tree_map(_full, tree)
+
+
+def _full(x: Any) -> Any:
+    if not isinstance(x, DTensor):
+        return x
+    if x.device.type != "cpu" and _staged_mesh(x.device_mesh, x.device):
+        return _full_via_host(x).to(x.device)
+    return x.full_tensor()
+
+
+def _staged_mesh(dm, device: torch.device) -> bool:
+    from fshard.comm import via_host
+
+    return any(via_host(dm.get_group(i), device) for i in range(dm.ndim))
+
+
+# id(device mesh) -> (device mesh, the same groups as a CPU mesh); the mesh is kept so its id stays its own.
+_HOST_MESHES: dict[int, tuple[Any, Any]] = {}
+
+
+def _full_via_host(x: DTensor) -> torch.Tensor:
+    """``x.full_tensor()`` computed on the host: the local block is copied to the CPU and
+    gathered over the same process groups viewed as a CPU device mesh (a plain CPU tensor)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dm = x.device_mesh
+    cached = _HOST_MESHES.get(id(dm))
+    if cached is None or cached[0] is not dm:
+        groups = [dm.get_group(i) for i in range(dm.ndim)]
+        host = DeviceMesh.from_group(groups if dm.ndim > 1 else groups[0], "cpu", mesh=dm.mesh,
+                                     mesh_dim_names=dm.mesh_dim_names)
+        cached = _HOST_MESHES[id(dm)] = (dm, host)
+    local = x.to_local().cpu()
+    return DTensor.from_local(local, cached[1], x.placements, run_check=False, shape=x.shape,
+                              stride=x.stride()).full_tensor()
 
 
 def reshard(tree: Any, specs: Any, mesh: Mesh | None = None) -> Any:

@@ -142,7 +142,7 @@ class Executor:
         self.inputs, self.targets, self.seed, self.device = inputs, targets, seed, device
         # Where transfers live: the device, or host memory where the backend's
         # point-to-point cannot read the device (gloo with CUDA tensors).
-        self.wire = torch.device("cpu") if comm.p2p_via_host(group, device) else device
+        self.wire = torch.device("cpu") if comm.via_host(group, device) else device
         self.hooks = dict(hooks or {})
         self.stages = stages
         self.last = schedule.n_stages - 1

@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import fshard as fs
 from fshard import P
+from fshard.mesh.sharding import _full_via_host
 from fshard.testing import run_on_ranks
 
 SPECS_1D = [P(), P("x"), P(None, "x")]
@@ -27,6 +28,8 @@ def _round_trip(shape, specs):
             repr(spec),
             isinstance(s, DTensor) and s.shape == x.shape,
             torch.equal(fs.gather(s), x),
+            # the host path (ranks sharing a GPU through gloo), here on the CPU groups themselves
+            torch.equal(_full_via_host(s), x),
             torch.equal(s.to_local(), ref.to_local()),
             fs.spec_of(s) == spec,
             tuple(s.to_local().shape) == fs.NamedSharding(mesh, spec).shard_shape(x.shape),
