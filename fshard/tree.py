@@ -135,6 +135,17 @@ def broadcast_prefix(
       TypeError: where a single spec is needed, the prefix holds something else (a
         string, a tuple of axis names instead of ``P(...)``).
     """
+    try:  # optree's C walk (every step of every shard_map calls this); errors come from the Python walk
+        leaves, spec = optree.tree_flatten(prefix, is_leaf=is_prefix_leaf)
+        subtrees = spec.flatten_up_to(full)
+    except (ValueError, TypeError):
+        pass
+    else:
+        if all(is_prefix_leaf(x) for x in leaves):
+            fast: list[Any] = []
+            for leaf, sub in zip(leaves, subtrees):
+                fast.extend([leaf] * len(optree.tree_leaves(sub, is_leaf=full_is_leaf)))
+            return fast
     out: list[Any] = []
     _broadcast(prefix, full, (), out, is_prefix_leaf, name, full_name, full_is_leaf)
     return out

@@ -265,3 +265,40 @@ def test_remat_policy_saves_gathers(policy, saves):
 
     assert saves_gathers(policy) is saves
 
+
+
+def _local_cotangents():
+    # shard_map's one autograd node for all DTensor inputs (_Locals) must give the same
+    # gradient DTensors as DTensor.to_local()'s own backward: contiguous and strided
+    # cotangents, a strided primal, a buffer that does not require grad.
+    from fshard.transforms.shard_map import _Locals
+
+    mesh = fs.make_mesh({"d": 2})
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    cases = {"rows": fs.shard(full, P("d"), mesh), "cols": fs.shard(full, P(None, "d"), mesh),
+             "strided": fs.shard(full, P("d"), mesh).transpose(0, 1)}
+    out = {}
+    for name, x in cases.items():
+        for cot in ("contiguous", "strided"):
+            mine, ref = (x.detach().requires_grad_(True) for _ in range(2))
+            (lm,), lr = _Locals.apply(mine), ref.to_local()
+            c = torch.randn(lm.shape[::-1], generator=g, dtype=torch.float64).t() if cot == "strided" else \
+                torch.randn(lm.shape, generator=g, dtype=torch.float64)
+            (gm,), (gr,) = torch.autograd.grad(lm, mine, c), torch.autograd.grad(lr, ref, c)
+            out[(name, cot)] = (type(gm).__name__, gm.placements == gr.placements, gm.shape == gr.shape,
+                                gm.stride() == gr.stride(), torch.equal(gm.to_local(), gr.to_local()))
+    buf = fs.shard(full, P("d"), mesh)
+    w = fs.shard(full, P("d"), mesh).requires_grad_(True)
+    lb, lw = _Locals.apply(buf, w)
+    out["buffer"] = (lb.requires_grad, lw.requires_grad)
+    return out
+
+
+def test_local_blocks_node_matches_to_local_backward():
+    for rank_out in run_on_ranks(_local_cotangents, world_size=2):
+        for key, val in rank_out.items():
+            if key == "buffer":
+                assert val == (False, True)
+            else:
+                assert val == ("DTensor", True, True, True, True), key

@@ -225,7 +225,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
             if nesterov and not all_private(gl):
                 gl = [x.clone() for x in gl]  # the kernel adds decay * b into the grads in place
             bl = state_for_kernel(to_locals(b))
-            out = [torch.zeros_like(x) for x in gl]  # receives 0 - lr * step with lr = -1
+            out = _zeros_like_each(gl)  # receives 0 - lr * step with lr = -1
             mark_private(out)
             if gl:
                 _torch_sgd(out, gl, bl, foreach=True, weight_decay=0.0, momentum=decay,
@@ -261,6 +261,15 @@ def _adam_traced(out, g, m, v, count: torch.Tensor, b1: float, b2: float, eps: f
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(out, m, denom)
     torch._foreach_div_(out, bc1)
+
+
+def _zeros_like_each(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """New zero tensors like ``xs``: allocations, then one multi-tensor kernel (a GPU
+    launch per leaf otherwise, which a small model's step is bound by)."""
+    out = [torch.empty_like(x) for x in xs]
+    if out:
+        torch._foreach_zero_(out)
+    return out
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
@@ -300,7 +309,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             gl = to_locals(g)
             ml = state_for_kernel(to_locals(mu))
             vl = state_for_kernel(to_locals(nu))
-            out = [torch.zeros_like(x) for x in gl]  # receives 0 - lr * step with lr = -1
+            out = _zeros_like_each(gl)  # receives 0 - lr * step with lr = -1
             mark_private(out)
             if gl and torch._guards.detect_fake_mode(state.count) is not None:
                 _adam_traced(out, gl, ml, vl, state.count, b1, b2, eps)  # fs.jit: no value to read

@@ -12,6 +12,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fshard import meta as meta_util
 from fshard import tree as tree_util
@@ -125,4 +126,11 @@ def _fresh_leaf(x: Any, name: str, path: str) -> Any:
             f"need floating or complex leaves (as jax.grad). Pass integer data through an argument "
             f"not in argnums."
         )
-    return meta_util.copy_meta(x, x.detach().requires_grad_(True))
+    spec = getattr(x, "_spec", None)
+    if isinstance(x, DTensor) and spec is not None:
+        # DTensor.detach() runs DTensor's dispatch (sharding propagation) for a metadata
+        # change; the new leaf shares x's spec as fs.optim's wrap_like does (~10x cheaper).
+        leaf = DTensor(x._local_tensor.detach(), spec, requires_grad=True)
+    else:
+        leaf = x.detach().requires_grad_(True)
+    return meta_util.copy_meta(x, leaf)
