@@ -69,9 +69,8 @@ def value_and_grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0,
                                 f"{len(args)} positional argument(s) were given.")
             i = i % len(args)
             if i not in fresh:  # an index listed twice gets the same leaves (and grads) twice
-                paths, leaves, d = tree_util.zip_with_path(args[i])
-                leaves = [_fresh_leaf(x, name, f"args[{i}]" + ("" if p == "<root>" else f".{p}"))
-                          for p, x in zip(paths, leaves)]
+                leaves, d = tree_util.tree_flatten(args[i])
+                leaves = [_fresh_leaf(x, name, i, args[i], k) for k, x in enumerate(leaves)]
                 args[i] = tree_util.tree_unflatten(d, leaves)
                 fresh[i] = (leaves, d)
         flat, defs = [fresh[i % len(args)][0] for i in nums], [fresh[i % len(args)][1] for i in nums]
@@ -116,11 +115,14 @@ def grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool 
     return wrapped
 
 
-def _fresh_leaf(x: Any, name: str, path: str) -> Any:
-    """A new autograd leaf with ``x``'s value and metadata (see :mod:`fshard.meta`)."""
+def _fresh_leaf(x: Any, name: str, argnum: int, tree: Any, k: int) -> Any:
+    """A new autograd leaf with ``x``'s value and metadata (see :mod:`fshard.meta`);
+    ``x`` is leaf ``k`` of argument ``argnum`` (``tree``), named only in an error."""
     if not isinstance(x, torch.Tensor):
         return x  # static leaves (None, numbers, strings) get a None gradient
     if not (x.is_floating_point() or x.is_complex()):
+        p = tree_util.zip_with_path(tree)[0][k]
+        path = f"args[{argnum}]" + ("" if p == "<root>" else f".{p}")
         raise TypeError(
             f"value_and_grad({name}): {path} has dtype {x.dtype} and shape {tuple(x.shape)}; gradients "
             f"need floating or complex leaves (as jax.grad). Pass integer data through an argument "

@@ -97,13 +97,22 @@ def shard_map(
 def _enter(name: str, body: lax.Body, args: tuple, in_specs: Any, reshard: bool) -> list[Any]:
     mesh = body.mesh
     specs = in_specs if not is_spec(in_specs) else tuple(in_specs for _ in args)
-    paths, values, treedef = tree_util.zip_with_path(list(args))
+    values, treedef = tree_util.tree_flatten(list(args))
     flat = tree_util.broadcast_prefix(list(specs) if isinstance(specs, tuple) else specs, list(args),
                                       is_prefix_leaf=_is_spec_or_static, name=f"shard_map({name}) in_specs",
                                       full_name="args")
-    paths = [f"args[{p.split('.', 1)[0]}]" + (f".{p.split('.', 1)[1]}" if "." in p else "") for p in paths]
-    bad = []
-    for path, x, spec in zip(paths, values, flat):
+    # DTensors already in their spec's layout (the usual case: params made by fs.shard)
+    # need no check, and become their local blocks through one autograd node.
+    direct = [i for i, (x, spec) in enumerate(zip(values, flat))
+              if isinstance(x, DTensor) and _in_layout(x, spec, mesh)]
+    skip, paths, bad = set(direct), None, []
+    for i, (x, spec) in enumerate(zip(values, flat)):
+        if i in skip or not isinstance(x, torch.Tensor):
+            continue
+        if paths is None:  # names for the error messages, made only when something is checked
+            paths = [f"args[{p.split('.', 1)[0]}]" + (f".{p.split('.', 1)[1]}" if "." in p else "")
+                     for p in tree_util.zip_with_path(list(args))[0]]
+        path = paths[i]
         if isinstance(x, DTensor):
             have = placements_to_spec(x.placements, mesh, path=path)
             if have.padded(x.dim()) != spec.padded(x.dim()) and not reshard and not _same_layout(x, spec, mesh):
@@ -117,10 +126,6 @@ def _enter(name: str, body: lax.Body, args: tuple, in_specs: Any, reshard: bool)
                 bad.append((path, spec, tuple(x.shape), probs))
     raise_spec_errors(f"shard_map({name}) in_specs", mesh, bad,
                       "Make each spec match its argument (specs are pytree prefixes of the arguments).")
-    # DTensors already in their spec's layout (the usual case: params made by fs.shard)
-    # become their local blocks through one autograd node for all of them.
-    direct = [i for i, (x, spec) in enumerate(zip(values, flat))
-              if isinstance(x, DTensor) and tuple(x.placements) == spec_to_placements(spec, mesh)]
     locals_ = dict(zip(direct, _Locals.apply(*(values[i] for i in direct)))) if direct else {}
     out = []
     for i, (x, spec) in enumerate(zip(values, flat)):
@@ -131,6 +136,18 @@ def _enter(name: str, body: lax.Body, args: tuple, in_specs: Any, reshard: bool)
         else:
             out.append(x)
     return tree_util.tree_unflatten(treedef, out)
+
+
+def _in_layout(x: DTensor, spec: Any, mesh: Mesh) -> bool:
+    """Whether ``x``'s placements are exactly ``spec``'s (kinds compared: a strided shard
+    never stands for a plain one)."""
+    if not is_spec(spec):
+        return False
+    try:
+        want = spec_to_placements(spec, mesh)
+    except (ValueError, IndexError):
+        return False  # the checks explain what is wrong with the spec
+    return len(want) == len(x.placements) and all(type(a) is type(b) and a == b for a, b in zip(want, x.placements))
 
 
 def _same_layout(x: DTensor, spec: Any, mesh: Mesh) -> bool:
@@ -212,7 +229,7 @@ def _contiguous(shape) -> tuple[int, ...]:
 def _to_local(x: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> torch.Tensor:
     placements = spec_to_placements(spec, mesh)
     if isinstance(x, DTensor):
-        if tuple(x.placements) != placements:
+        if not _in_layout(x, spec, mesh):
             x = x.redistribute(mesh.device_mesh, placements)
         # to_local's backward turns the local grad into a grad with the same layout.
         return x.to_local()
