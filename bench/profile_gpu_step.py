@@ -1,0 +1,71 @@
+"""Where a step's device time goes: torch.profiler over fully_shard's and fshard's eager steps.
+
+    python bench/profile_gpu_step.py [--size large] [--steps 3] [--rows 20]
+
+The sides and sizes of ``bench/jit_gpu.py`` (one process, one-rank group). After 2 warm-up
+steps each side runs ``--steps`` steps under torch.profiler; printed per side: the total
+device (or CPU) time per step and the ``--rows`` ops that take most of it. Used to find why
+fshard's eager step on the large model is slower than fully_shard's on one H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_checks"))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import fshard as fs  # noqa: E402
+from fshard.models import TransformerConfig  # noqa: E402
+
+
+def main() -> None:
+    from common import one_rank_group
+    from jit_gpu import SIZES, _torch_step
+    from jit_step import _fshard
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="large", choices=["small", "large"])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=20)
+    args = ap.parse_args()
+    one_rank_group()
+    mesh = fs.make_mesh({"d": 1})
+    dev = mesh.device
+    cfg_kw, batch = SIZES["tiny" if dev.type == "cpu" else args.size]
+    cfg = TransformerConfig(**cfg_kw)
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g).to(dev)
+    tgt = torch.roll(tok, -1, 1)
+    step, p, s = _fshard("fsdp", cfg, mesh)
+    box = {"p": p, "s": s}
+
+    def fshard_step():
+        _, box["p"], box["s"] = step(box["p"], box["s"], tok, tgt)
+
+    torch_step = _torch_step(cfg, False)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    for name, fn in (("torch fully_shard", lambda: torch_step(tok, tgt)), ("fshard", fshard_step)):
+        for _ in range(2):
+            fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            for _ in range(args.steps):
+                fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        total = sum(getattr(e, key) for e in events) / args.steps / 1e3
+        print(f"=== {name}: {total:.2f} ms of {key} per step")
+        print(events.table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
