@@ -248,10 +248,17 @@ class ScaleByAdamState(NamedTuple):
 def _adam_traced(out, g, m, v, count: torch.Tensor, b1: float, b2: float, eps: float) -> None:
     """Adam's step with the step count kept a tensor, for :func:`fshard.jit` (which traces
     without values: torch's non-capturable kernel reads the count in Python, and its
-    capturable one refuses CPU tensors). The formulas of torch's foreach kernel; the bias
-    corrections are tensor ops instead of Python floats (equal to ~1 ulp)."""
+    capturable one refuses CPU tensors).
+
+    The operations of torch's non-capturable foreach kernel in its order, so that a
+    float32 step rounds exactly as eager does: the bias corrections are float64 0-dim
+    tensors where torch has Python floats (the same IEEE double arithmetic, cast to the
+    moments' dtype where they meet them), and the step size multiplies ``m`` before the
+    division, as ``addcdiv``'s kernel computes ``out + value * m / denom``. Dividing by
+    the bias correction afterwards instead differs by an ulp, which compounds into
+    float32 losses 1e-7 apart after a few steps."""
     t = count.to(torch.float64) + 1
-    bc1 = 1 - torch.pow(b1, t)
+    step_size = 1 / (1 - torch.pow(b1, t))
     bc2_sqrt = (1 - torch.pow(b2, t)).sqrt()
     torch._foreach_lerp_(m, g, 1 - b1)
     torch._foreach_mul_(v, b2)
@@ -259,8 +266,7 @@ def _adam_traced(out, g, m, v, count: torch.Tensor, b1: float, b2: float, eps: f
     denom = torch._foreach_sqrt(v)
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(out, m, denom)
-    torch._foreach_div_(out, bc1)
+    torch._foreach_addcdiv_(out, torch._foreach_mul(m, step_size), denom)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
