@@ -39,6 +39,10 @@ def _loss(p, x, y):
 # The optimizers the parity tests run (by name: test bodies are sent to the ranks by reference).
 _OPTIMIZERS = {
     "adamw": lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
+    # lr 0 at step 0 (so a schedule baked in at trace time cannot pass), warmup, then cosine
+    # decay: every update of a 4-step run uses another learning rate.
+    "schedule": lambda: fs.optim.adamw(fs.optim.warmup_cosine_decay_schedule(0.0, 2e-2, warmup_steps=2,
+                                                                             decay_steps=5), weight_decay=0.1),
 }
 
 
@@ -184,6 +188,15 @@ def test_jit_fsdp_adamw_float32_20_steps_same_losses_as_eager(backend):
             assert r["loss_err"] == 0.0 and r["param_err"] == 0.0, r
         else:
             assert r["loss_err"] <= 1e-6 and r["param_err"] <= 1e-6, r
+
+
+def test_jit_lr_schedule_is_traced_once_and_equals_eager():
+    # fs.optim's schedules are tensor ops of the step count under fs.jit: one graph serves
+    # every step (no recompile, none logged), and each step gets its own learning rate
+    # (0 at step 0: the parameters do not move, then they do).
+    for r in run_on_ranks(_parity_body, "fsdp", "inside", True, "aot_eager", 4, F64, "schedule", world_size=2):
+        _check_parity(r, 4, 1e-12)
+        assert r["moved"][0] == 0.0 and min(r["moved"][1:]) > 1e-4, r["moved"]
 
 
 def _inductor_collectives_body():

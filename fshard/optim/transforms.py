@@ -87,8 +87,14 @@ class ScaleByScheduleState(NamedTuple):
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     """Multiplies the updates of step ``t`` (from 0) by ``step_size_fn(t)``.
 
+    Eagerly ``t`` is a Python int (the count is read on the host). Under :func:`fshard.jit`
+    it is the count itself, a 0-dim int64 tensor, so that the schedule becomes tensor ops
+    in the one compiled graph instead of a trace-time constant (reading the count there
+    cannot be traced, and passing it as a Python int would compile once per step).
+
     Args:
-      step_size_fn: ``step -> factor``, e.g. a schedule from :mod:`fshard.optim.schedules`.
+      step_size_fn: ``step -> factor``, e.g. a schedule from :mod:`fshard.optim.schedules`;
+        to be jitted it must accept a tensor step (see that module).
 
     Returns:
       A :class:`GradientTransformation` with :class:`ScaleByScheduleState`.
@@ -105,9 +111,18 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 
     def update_fn(updates: Updates, state: ScaleByScheduleState, params: Params | None = None):
         del params
-        factor = step_size_fn(int(state.count))
-        new = map_updates(updates, lambda xs: torch._foreach_mul(xs, factor),
-                          lambda xs: torch._foreach_mul_(xs, factor))
+        count = state.count
+        if torch.compiler.is_compiling() or torch._guards.detect_fake_mode(count) is not None:
+            factor = step_size_fn(count)  # traced (fs.jit): no value to read
+        else:
+            factor = step_size_fn(int(count))
+
+        def by(xs: list[torch.Tensor]):
+            # A tensor factor lives where the count does (the CPU); the updates may not.
+            return factor.to(xs[0].device) if isinstance(factor, torch.Tensor) else factor
+
+        new = map_updates(updates, lambda xs: torch._foreach_mul(xs, by(xs)),
+                          lambda xs: torch._foreach_mul_(xs, by(xs)))
         return new, ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init_fn, update_fn)
