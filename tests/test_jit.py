@@ -43,6 +43,9 @@ _OPTIMIZERS = {
     # decay: every update of a 4-step run uses another learning rate.
     "schedule": lambda: fs.optim.adamw(fs.optim.warmup_cosine_decay_schedule(0.0, 2e-2, warmup_steps=2,
                                                                              decay_steps=5), weight_decay=0.1),
+    # max_norm far below the gradients' norm: every step is clipped, and (plain SGD, unlike
+    # Adam, keeps the scale) each update is 1e-2 * lr long, by the global norm of all shards.
+    "clip": lambda: fs.optim.chain(fs.optim.clip_by_global_norm(1e-2), fs.optim.sgd(0.5)),
 }
 
 
@@ -197,6 +200,30 @@ def test_jit_lr_schedule_is_traced_once_and_equals_eager():
     for r in run_on_ranks(_parity_body, "fsdp", "inside", True, "aot_eager", 4, F64, "schedule", world_size=2):
         _check_parity(r, 4, 1e-12)
         assert r["moved"][0] == 0.0 and min(r["moved"][1:]) > 1e-4, r["moved"]
+
+
+# (kind, world size, optimizer, order, checked mode)
+_LAYOUTS = [
+    ("hsdp", 4, "adamw", "inside", True),
+    ("hsdp", 4, "adamw", "inside", False),
+    ("tp", 2, "adamw", "inside", True),
+    ("tp", 2, "adamw", "outside", False),
+    ("fsdp", 4, "adamw", "inside", True),
+    ("fsdp", 2, "clip", "inside", True),
+    ("tp", 2, "clip", "inside", False),
+]
+
+
+@pytest.mark.parametrize("kind, world_size, optimizer, order, check", _LAYOUTS)
+def test_jit_layouts_equal_eager_float64(kind, world_size, optimizer, order, check):
+    for r in run_on_ranks(_parity_body, kind, order, check, "aot_eager", 3, F64, optimizer,
+                          world_size=world_size):
+        _check_parity(r, 3, 1e-12)
+        # Every collective is in the graph: the logged ones, and the clipping norm's
+        # all-reduce, which comm_log does not count (eagerly it calls torch.distributed).
+        assert r["collectives_in_graph"] == sum(r["eager_log"].values()) + (optimizer == "clip"), r
+        if optimizer == "clip":
+            assert max(r["moved"]) <= 0.5 * 1e-2 + 1e-15 and min(r["moved"]) > 1e-3, r["moved"]
 
 
 def _inductor_collectives_body():
