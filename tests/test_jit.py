@@ -316,39 +316,19 @@ def test_jit_refuses_an_argument_that_requires_grad():
 
 def _layer_loop_body(mode, backend):
     """fs.parallel's FSDP / replicate layer loop (gather_params, scan_layers: flat-buffer
-    gathers, regather in backward through saved-tensor hooks, async reductions), AdamW."""
-    import torch.nn.functional as F
-
-    from fshard.models import TransformerConfig, block, embed, head, transformer_init
+    gathers, regather in backward through saved-tensor hooks, async reductions), AdamW:
+    the step bench/jit_step.py runs, on a tiny model."""
+    from fshard.models import TransformerConfig
+    from fshard.testing import transformer_train_step
 
     n = torch.distributed.get_world_size()
     mesh = fs.make_mesh({"d": n})
     cfg = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
-    params = transformer_init(cfg, 0, dtype=F64)
-    if mode == "fsdp":
-        specs, axes = fs.parallel.fsdp_specs(params, "d"), dict(axis="d")
-    else:
-        specs, axes = fs.parallel.replicate_specs(params), dict(axis=None, replicate_axis="d")
-    opt = fs.optim.adamw(1e-3, weight_decay=0.01)
-
-    def loss_fn(p, tok, tgt):
-        root = fs.parallel.gather_params({k: v for k, v in p.items() if k != "layers"}, **axes)
-        x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], embed(root, tok, cfg), **axes)
-        return fs.lax.pmean(F.cross_entropy(head(root, x, cfg).flatten(0, 1), tgt.flatten()), "d")
-
-    grad_fn = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=(specs, P("d"), P("d")), out_specs=P(),
-                                             check=False))
-
-    def step(p, s, tok, tgt):
-        loss, grads = grad_fn(p, tok, tgt)
-        updates, s = opt.update(grads, s, p)
-        return loss, fs.optim.apply_updates(p, updates), s
-
+    step, sharded, state = transformer_train_step(mode, cfg, mesh, dtype=F64)
     tok = torch.randint(0, 32, (2 * n, 8), generator=torch.Generator().manual_seed(0))
     tgt = torch.roll(tok, -1, 1)
     jstep = fs.jit(step, backend=backend)
-    sharded = fs.shard(params, specs, mesh, uneven=True)
-    ep, es, jp, js = sharded, opt.init(sharded), sharded, opt.init(sharded)
+    ep, es, jp, js = sharded, state, sharded, state
     errs, logs = [], []
     for _ in range(3):
         with fs.comm_log() as elog:
