@@ -4,7 +4,8 @@
 
 The model and step of ``bench/data_parallel.py`` (Transformer vocab 512, dim 256, 4 layers,
 seq 128, fp32, AdamW, 2 gloo ranks x batch 8): fshard's step (gather_params + scan_layers +
-value_and_grad + adamw) eagerly, the same step under ``fs.jit`` (one captured graph, compiled
+value_and_grad + adamw, ``fshard.testing.transformer_train_step``, which the fs.jit tests
+run too) eagerly, the same step under ``fs.jit`` (one captured graph, compiled
 by ``--backend``), and the native side. Step time = slowest rank, median over ``--steps``
 after 2 warm-up steps, the sides interleaved; ratio = median of per-step ratios to native.
 The first jit call's time (trace + compile) is reported: set ``TORCHINDUCTOR_CACHE_DIR`` to
@@ -19,38 +20,12 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import fshard as fs
-from fshard import P
-from fshard.models import TransformerConfig, block, embed, head, transformer_init
+from fshard.models import TransformerConfig
+from fshard.testing import transformer_train_step
 
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
-
-
-def _fshard(mode, cfg, mesh):
-    params = transformer_init(cfg, 0)
-    if mode == "fsdp":
-        specs, axes = fs.parallel.fsdp_specs(params, "d"), dict(axis="d")
-    else:
-        specs, axes = fs.parallel.replicate_specs(params), dict(axis=None, replicate_axis="d")
-    sharded = fs.shard(params, specs, mesh, uneven=True)
-    opt = fs.optim.adamw(1e-3, weight_decay=0.01)
-
-    def loss_fn(p, tok, tgt):
-        root = fs.parallel.gather_params({k: v for k, v in p.items() if k != "layers"}, **axes)
-        x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], embed(root, tok, cfg), **axes)
-        return fs.lax.pmean(F.cross_entropy(head(root, x, cfg).flatten(0, 1), tgt.flatten()), "d")
-
-    grad_fn = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=(specs, P("d"), P("d")), out_specs=P(),
-                                             check=False))
-
-    def step(p, s, tok, tgt):
-        loss, grads = grad_fn(p, tok, tgt)
-        updates, s = opt.update(grads, s, p)
-        return loss, fs.optim.apply_updates(p, updates), s
-
-    return step, sharded, opt.init(sharded)
 
 
 def per_rank(mode, steps, backend):
@@ -64,7 +39,7 @@ def per_rank(mode, steps, backend):
     tok = torch.randint(0, cfg.vocab_size, (8 * n, cfg.max_seq_len), generator=g)
     tgt = torch.roll(tok, -1, 1)
     native = _native_step(mode, cfg)
-    step, p0, s0 = _fshard(mode, cfg, mesh)
+    step, p0, s0 = transformer_train_step(mode, cfg, mesh)
     jstep = fs.jit(step, backend=backend)
     state = {"eager": (p0, s0), "jit": (p0, s0)}
     t0 = time.perf_counter()

@@ -13,6 +13,12 @@ fsdp (shard) and tp (tensor parallel), any product equal to the number of ranks:
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh pp=2,fsdp=2   # 1F1B pipeline x FSDP
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh pp=2,tp=2 --schedule zbv --layers 4
 
+``--jit`` compiles the train step with ``fs.jit`` (forward, backward, gradient clipping,
+AdamW and the collectives as one graph; the first step traces and compiles it)::
+
+    torchrun --nproc-per-node 2 examples/train_lm.py --mesh fsdp=2 --jit            # Inductor
+    torchrun --nproc-per-node 2 examples/train_lm.py --mesh fsdp=2 --jit aot_eager  # no codegen
+
 The model is fshard's pure-function Transformer (``fshard.models``); the parameters are
 a pytree of DTensors laid out by specs ``P(...)`` on a named mesh; the step is one
 per-device function run by ``fs.shard_map`` (FSDP's gathers and reductions in
@@ -89,6 +95,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument("--remat", action="store_true", help="recompute each block in backward")
     run.add_argument("--sequence-parallel", action="store_true",
                      help="with tp: split the activations between TP regions over the sequence")
+    run.add_argument("--jit", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                     help="compile the train step with fs.jit: one graph (forward, backward, clipping, AdamW, "
+                          "collectives), traced and compiled at the first step; BACKEND is torch.compile's: "
+                          "inductor (the default), aot_eager (no code generation, faster to compile) or none "
+                          "(run the captured graph uncompiled: checks the capture). The "
+                          "losses equal the eager step's. Not with pp or --microbatches > 1 (not capturable yet)")
     run.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                      help="bfloat16 = bf16 compute and gathers over fp32 master weights")
     train = p.add_argument_group("training")
@@ -605,6 +617,69 @@ def make_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.Gradient
     return step
 
 
+def make_jit_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.GradientTransformation,
+                        microbatches: int, max_norm: float, inject: Injection, order: dict[str, int],
+                        backend: str) -> TrainStep:
+    """``--jit``: :func:`make_train_step`'s step as one graph compiled by ``fs.jit``.
+
+    ``fs.jit`` traces without values, so what the eager step decides on the host moves:
+
+    - clipping multiplies by ``min(1, max_norm / (norm + 1e-6))`` computed in float64
+      tensors (the eager step's Python floats, so the same values), also when it is 1;
+    - the graph always updates; the host then reads the loss and the norm it returned,
+      and for a non-finite step keeps the params and state it had and runs that step
+      eagerly, which reports the first non-finite gradient (and does not update);
+    - a step with an injected fault (``--inject-nonfinite``, host-side Python) runs eagerly.
+
+    The graph does not update in place (no ``fs.optim.donate()``): the old params must
+    survive a non-finite step.
+
+    Raises:
+      ConfigError: a pipeline (``pp``) or gradient accumulation (``microbatches > 1``):
+        they cannot be captured yet.
+    """
+    if plan.pp_axis:
+        raise ConfigError("--jit cannot compile a pipeline step yet (the executor's point-to-point transfers "
+                          "are not functional collectives): drop --jit, or pp from --mesh")
+    if microbatches > 1:
+        raise ConfigError(f"--jit cannot compile gradient accumulation (--microbatches {microbatches}) yet: "
+                          f"fs.parallel's accumulator keys its buffers by data pointer, which fs.jit's fake "
+                          f"tracing cannot read; drop --jit or --microbatches")
+    eager = make_train_step(model, plan, specs, opt, microbatches, max_norm, inject, order)
+
+    def loss_fn(params, tokens, targets, acc, sync):
+        return per_device_loss(params, tokens, targets, acc, sync, model=model, plan=plan)
+
+    grad_fn = fs.value_and_grad(fs.shard_map(
+        loss_fn, mesh=plan.mesh, in_specs=(specs, plan.batch_spec, plan.batch_spec, None, None), out_specs=P()))
+
+    def compiled(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
+        loss, grads = grad_fn(params, tokens, targets, None, True)
+        norm = fs.optim.global_norm(grads)
+        if max_norm > 0:
+            # Float64 tensors, and max_norm divided (not multiplied by a reciprocal, as
+            # `float / tensor` would): the eager step's Python arithmetic, bit for bit.
+            wide = norm.to(torch.float64)
+            coef = torch.clamp(torch.full((), max_norm, dtype=torch.float64).div(wide + 1e-6), max=1.0)
+            grads = fs.tree.tree_map(lambda g: g * coef, grads)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return fs.optim.apply_updates(params, updates), opt_state, loss, norm
+
+    jitted = fs.jit(compiled, backend=None if backend == "none" else backend)
+
+    def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
+        if inject.active:
+            return eager(params, opt_state, tokens, targets)
+        new_params, new_state, loss, norm = jitted(params, opt_state, tokens, targets)
+        norm_value = float(norm)
+        loss_value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+        if not (math.isfinite(norm_value) and math.isfinite(loss_value)):
+            return eager(params, opt_state, tokens, targets)  # no update, and the report
+        return new_params, new_state, loss, norm_value, None
+
+    return step
+
+
 # ---------------------------------------------------------------------------
 # Pipeline parallelism: the layers cut into stages, run by a schedule
 # ---------------------------------------------------------------------------
@@ -1028,7 +1103,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                           f"{', '.join(paths[:3])}")
     say(f"mesh {dict(mesh.shape)} on {world} rank(s), {args.dtype}; {n_params:,} parameters; "
         f"{len(corpus.ids):,} characters, vocabulary {corpus.vocab_size}")
-    if pipe is not None:
+    if args.jit:  # refuses a pipeline
+        step_fn = make_jit_train_step(model, plan, specs, opt, microbatches, args.grad_clip, inject, order,
+                                      args.jit)
+        say(f"fs.jit (backend {args.jit}): the first step traces and compiles the train step")
+    elif pipe is not None:
         say(f"pipeline: schedule {pipe.schedule.name!r}, {pipe.schedule.n_stages} stages, "
             f"{microbatches} microbatches; blocks per stage {[list(b) for b in pipe.layers]}")
         step_fn = make_pipeline_step(model, plan, pipe, opt, args.grad_clip, inject, order)

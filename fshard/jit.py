@@ -29,8 +29,14 @@ Differentiate *inside* the jitted function (``fs.jit(fs.value_and_grad(...))`` o
 shard_map'd ``value_and_grad``): a captured graph has no autograd of its own, so an
 argument that requires grad is refused.
 
+Captured and tested against eager: DP, FSDP (2 and 4 ranks), HSDP (2x2), Megatron TP,
+``fs.parallel``'s layer loop (FSDP and replicate), ``fs.optim`` with learning-rate
+schedules (tensor ops of the step count: one graph for every step) and
+``clip_by_global_norm`` (its norm's all-reduces become functional collectives).
+
 Not yet capturable: ``fs.lax.ppermute`` and the pipeline executor (point-to-point
-transfers are not functional collectives), and anything else that calls
+transfers are not functional collectives), ``fs.parallel.GradAccumulator`` (it keys its
+buffers by data pointer, which fake tensors do not have), and anything else that calls
 ``torch.distributed`` directly.
 """
 

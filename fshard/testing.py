@@ -34,7 +34,7 @@ import torch
 
 from fshard.mesh.local import WorkerPool
 
-__all__ = ["run_on_ranks", "shutdown_pools", "assert_close", "MESH_SHAPES"]
+__all__ = ["run_on_ranks", "shutdown_pools", "assert_close", "MESH_SHAPES", "transformer_train_step"]
 
 _POOLS: dict[int, WorkerPool] = {}
 DEFAULT_TIMEOUT_S = float(os.environ.get("FSHARD_TEST_TIMEOUT_S", "120"))
@@ -102,3 +102,59 @@ def assert_close(actual: Any, expected: Any, *, rtol: float = 1.3e-6, atol: floa
                 raise AssertionError(f"{what} at '{path}': {a} != {e}")
         elif a != e:
             raise AssertionError(f"{what} at '{path}': {a!r} != {e!r}")
+
+
+def transformer_train_step(mode: str, cfg: Any, mesh: Any, *, axis: str = "d", dtype: torch.dtype = torch.float32,
+                           lr: float = 1e-3, weight_decay: float = 0.01) -> tuple[Callable[..., Any], Any, Any]:
+    """The data-parallel Transformer train step that fs.jit's tests and ``bench/jit_step.py``
+    both run: ``fs.parallel``'s layer loop (``gather_params`` for the root parameters,
+    ``scan_layers`` for the blocks) in ``value_and_grad(shard_map(...))``, then AdamW.
+
+    Args:
+      mode: ``"fsdp"`` (parameters sharded on ``axis``, gathered per layer, gradients
+        reduce-scattered) or ``"replicate"`` (DDP: replicated, gradients all-reduced).
+      cfg: a ``fshard.models.TransformerConfig``.
+      mesh: a mesh with the axis ``axis`` (the batch is sharded on it).
+      axis: the data-parallel mesh axis (optional, default ``"d"``).
+      dtype: of the parameters (optional, default float32).
+      lr, weight_decay: AdamW's (optional).
+
+    Returns:
+      ``(step, params, opt_state)``: ``step(params, opt_state, tokens, targets) -> (loss,
+      params, opt_state)`` on global values (tokens and targets ``(batch, seq)`` int64,
+      batch divisible by the axis size), and the initial sharded params (seed 0) and
+      optimizer state.
+
+    Raises:
+      ValueError: an unknown ``mode``.
+    """
+    import torch.nn.functional as F
+
+    import fshard as fs
+    from fshard import P
+    from fshard.models import block, embed, head, transformer_init
+
+    params = transformer_init(cfg, 0, dtype=dtype)
+    if mode == "fsdp":
+        specs, axes = fs.parallel.fsdp_specs(params, axis), dict(axis=axis)
+    elif mode == "replicate":
+        specs, axes = fs.parallel.replicate_specs(params), dict(axis=None, replicate_axis=axis)
+    else:
+        raise ValueError(f"transformer_train_step: mode={mode!r}; use 'fsdp' or 'replicate'.")
+    opt = fs.optim.adamw(lr, weight_decay=weight_decay)
+
+    def loss_fn(p, tok, tgt):
+        root = fs.parallel.gather_params({k: v for k, v in p.items() if k != "layers"}, **axes)
+        x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], embed(root, tok, cfg), **axes)
+        return fs.lax.pmean(F.cross_entropy(head(root, x, cfg).flatten(0, 1), tgt.flatten()), axis)
+
+    grad_fn = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=(specs, P(axis), P(axis)),
+                                             out_specs=P(), check=False))
+
+    def step(p, s, tok, tgt):
+        loss, grads = grad_fn(p, tok, tgt)
+        updates, s = opt.update(grads, s, p)
+        return loss, fs.optim.apply_updates(p, updates), s
+
+    sharded = fs.shard(params, specs, mesh, uneven=True)
+    return step, sharded, opt.init(sharded)

@@ -19,15 +19,16 @@ from fshard.testing import run_on_ranks
 F64 = torch.float64
 
 
-def _data(n, step):
+def _data(n, step, dtype=F64):
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(4 * n, 6, generator=g, dtype=F64), torch.randn(4 * n, 2, generator=g, dtype=F64)
+    return torch.randn(4 * n, 4, generator=g, dtype=dtype), torch.randn(4 * n, 2, generator=g, dtype=dtype)
 
 
-def _params():
+def _params(dtype=F64):
+    # Every dim divisible by 4: sharded on 1, 2 or 4 ranks without padding.
     g = torch.Generator().manual_seed(0)
-    return {"w1": torch.randn(6, 8, generator=g, dtype=F64) / 3, "b1": torch.zeros(8, dtype=F64),
-            "w2": torch.randn(8, 2, generator=g, dtype=F64) / 3}
+    return {"w1": torch.randn(4, 8, generator=g, dtype=dtype) / 2, "b1": torch.zeros(8, dtype=dtype),
+            "w2": torch.randn(8, 2, generator=g, dtype=dtype) / 3}
 
 
 def _loss(p, x, y):
@@ -35,30 +36,65 @@ def _loss(p, x, y):
     return ((h @ p["w2"] - y) ** 2).mean()
 
 
-def _make_step(mesh, kind, order, check):
-    """A data-parallel (params P()) or FSDP (params P("x"), all-gathered in the body) step,
-    gradient inside or outside shard_map, then an AdamW update of the sharded params."""
-    n = mesh.shape["x"]
-    p0 = _params()
-    specs = {k: (P("x") if kind == "fsdp" else P()) for k in p0}
+# The optimizers the parity tests run (by name: test bodies are sent to the ranks by reference).
+_OPTIMIZERS = {
+    "adamw": lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
+    # lr 0 at step 0 (so a schedule baked in at trace time cannot pass), warmup, then cosine
+    # decay: every update of a 4-step run uses another learning rate.
+    "schedule": lambda: fs.optim.adamw(fs.optim.warmup_cosine_decay_schedule(0.0, 2e-2, warmup_steps=2,
+                                                                             decay_steps=5), weight_decay=0.1),
+    # max_norm far below the gradients' norm: every step is clipped, and (plain SGD, unlike
+    # Adam, keeps the scale) each update is 1e-2 * lr long, by the global norm of all shards.
+    "clip": lambda: fs.optim.chain(fs.optim.clip_by_global_norm(1e-2), fs.optim.sgd(0.5)),
+}
+
+
+def _mesh(kind):
+    n = torch.distributed.get_world_size()
+    return fs.make_mesh({"r": 2, "x": n // 2} if kind == "hsdp" else {"x": n})
+
+
+def _make_step(mesh, kind, order, check, dtype=F64, optimizer="adamw"):
+    """One step of a small MLP: value_and_grad (inside or outside shard_map), then an
+    optimizer update of the sharded params. Layouts (``kind``):
+
+    - ``dp``: params P(), batch P("x");
+    - ``fsdp``: params P("x"), all-gathered in the body, batch P("x");
+    - ``hsdp``: mesh (r, x): params P("x") (replicated over r), batch P(("r", "x"));
+    - ``tp``: Megatron MLP on x: w1 P(None, "x"), b1 P("x"), w2 P("x", None), one psum
+      of the output; the batch replicated.
+    """
+    n = torch.distributed.get_world_size()
+    p0 = _params(dtype)
+    data_axes = ("r", "x") if kind == "hsdp" else "x"
+    if kind == "tp":
+        specs, data = {"w1": P(None, "x"), "b1": P("x"), "w2": P("x", None)}, P()
+    else:
+        specs, data = {k: (P("x") if kind in ("fsdp", "hsdp") else P()) for k in p0}, P(data_axes)
+    # Axes over which the params are replicated but the batch is not: their grads are summed
+    # (checked mode does it itself).
+    replicated = {"dp": "x", "hsdp": "r"}.get(kind)
 
     def body(p, x, y):
-        if kind == "fsdp":
+        if kind in ("fsdp", "hsdp"):
             p = {k: fs.lax.all_gather(v, "x", tiled=True) for k, v in p.items()}
-        return fs.lax.pmean(_loss(p, x, y), "x")
+        if kind == "tp":
+            h = torch.tanh(x @ p["w1"] + p["b1"])
+            return ((fs.lax.psum(h @ p["w2"], "x") - y) ** 2).mean()
+        return fs.lax.pmean(_loss(p, x, y), data_axes)
 
     if order == "inside":
         def body_vg(p, x, y):
             loss, g = fs.value_and_grad(body)(p, x, y)
-            if kind == "dp":
-                g = fs.lax.psum(g, "x") if not check else g  # checked mode sums replicated grads itself
+            if replicated and not check:
+                g = fs.lax.psum(g, replicated)
             return loss, g
-        vg = fs.shard_map(body_vg, mesh=mesh, in_specs=(specs, P("x"), P("x")), out_specs=(P(), specs),
+        vg = fs.shard_map(body_vg, mesh=mesh, in_specs=(specs, data, data), out_specs=(P(), specs),
                           check=check)
     else:
-        vg = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("x"), P("x")), out_specs=P(),
+        vg = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, data, data), out_specs=P(),
                                             check=check))
-    opt = fs.optim.adamw(1e-2, weight_decay=0.1)
+    opt = _OPTIMIZERS[optimizer]()
 
     def step(params, state, x, y):
         loss, grads = vg(params, x, y)
@@ -69,43 +105,125 @@ def _make_step(mesh, kind, order, check):
     return step, params, opt.init(params), n
 
 
-def _parity_body(kind, order, check, backend, steps):
-    mesh = fs.make_mesh({"x": torch.distributed.get_world_size()})
-    step, params, state, n = _make_step(mesh, kind, order, check)
+def _parity_body(kind, order, check, backend, steps, dtype=F64, optimizer="adamw"):
+    """``steps`` steps eagerly and jitted from the same start; the largest differences, the
+    comm logs of step 0, and how often the jitted step was traced and compiled."""
+    from torch._dynamo.utils import counters
+
+    mesh = _mesh(kind)
+    step, params, state, n = _make_step(mesh, kind, order, check, dtype, optimizer)
     jstep = fs.jit(step, backend=backend)
     ep, es, jp, js = params, state, params, state
-    out = {"loss_err": 0.0, "param_err": 0.0, "losses": []}
-    for s in range(steps):
-        x, y = _data(n, s)
-        with fs.comm_log() as elog:
-            el, ep, es = step(ep, es, x, y)
-        with fs.comm_log() as jlog:
-            jl, jp, js = jstep(jp, js, x, y)
-        if s == 0:
-            out["eager_log"], out["jit_log"] = dict(elog.counts), dict(jlog.counts)
-            out["eager_wire"], out["jit_wire"] = dict(elog.wire_by_axis), dict(jlog.wire_by_axis)
-            out["placements"] = all(a.placements == b.placements and a.shape == b.shape
-                                    for a, b in zip(fs.tree.leaves(jp), fs.tree.leaves(ep)))
-        out["losses"].append(jl.full_tensor().item())
-        out["loss_err"] = max(out["loss_err"], abs(jl.full_tensor().item() - el.full_tensor().item()))
-        out["param_err"] = max(out["param_err"], max((a.full_tensor() - b.full_tensor()).abs().max().item()
-                                                     for a, b in zip(fs.tree.leaves(jp), fs.tree.leaves(ep))))
+    out = {"loss_err": 0.0, "param_err": 0.0, "losses": [], "moved": []}
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    logging.getLogger("fshard.jit").addHandler(handler)
+    os.environ["FSHARD_LOG_RECOMPILES"] = "1"  # read at call time, on this rank
+    try:
+        for s in range(steps):
+            x, y = _data(n, s, dtype)
+            with fs.comm_log() as elog:
+                el, ep2, es = step(ep, es, x, y)
+            with fs.comm_log() as jlog:
+                jl, jp, js = jstep(jp, js, x, y)
+            out["moved"].append(max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                                    for a, b in zip(fs.tree.leaves(ep2), fs.tree.leaves(ep))))
+            ep = ep2
+            if s == 0:
+                out["eager_log"], out["jit_log"] = dict(elog.counts), dict(jlog.counts)
+                out["eager_wire"], out["jit_wire"] = dict(elog.wire_by_axis), dict(jlog.wire_by_axis)
+                out["placements"] = all(a.placements == b.placements and a.shape == b.shape
+                                        for a, b in zip(fs.tree.leaves(jp), fs.tree.leaves(ep)))
+                graphs_after_first = counters["stats"]["unique_graphs"]
+            out["losses"].append(jl.full_tensor().item())
+            out["loss_err"] = max(out["loss_err"], abs(jl.full_tensor().item() - el.full_tensor().item()))
+            out["param_err"] = max(out["param_err"], max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                                                         for a, b in zip(fs.tree.leaves(jp), fs.tree.leaves(ep))))
+    finally:
+        logging.getLogger("fshard.jit").removeHandler(handler)
+        del os.environ["FSHARD_LOG_RECOMPILES"]
     out["cache_size"] = jstep.cache_size
-    graph = jstep.graph(jp, js, *_data(n, 0)).code
+    out["recompile_log"] = records
+    # Dynamo graphs compiled after the first call (backend None compiles none).
+    out["dynamo_recompiles"] = counters["stats"]["unique_graphs"] - graphs_after_first
+    graph = jstep.graph(jp, js, *_data(n, 0, dtype)).code
     out["collectives_in_graph"] = sum("_c10d_functional" in line and "wait_tensor" not in line
                                       for line in graph.splitlines())
     return out
+
+
+def _check_parity(r, steps, tol):
+    assert r["loss_err"] <= tol and r["param_err"] <= tol, r
+    assert len(set(r["losses"])) == steps, r  # the parameters really change from step to step
+    assert r["placements"] and r["cache_size"] == 1 and r["dynamo_recompiles"] == 0 and not r["recompile_log"], r
+    assert r["jit_log"] == r["eager_log"] and r["jit_wire"] == r["eager_wire"], r
 
 
 @pytest.mark.parametrize("kind, order, check", [
     ("dp", "inside", True), ("dp", "outside", False), ("fsdp", "inside", False), ("fsdp", "outside", True)])
 def test_jit_step_equals_eager_float64(kind, order, check):
     for r in run_on_ranks(_parity_body, kind, order, check, "aot_eager", 3, world_size=2):
-        assert r["loss_err"] <= 1e-12 and r["param_err"] <= 1e-12, r
-        assert len(set(r["losses"])) == 3, r  # the parameters really change from step to step
-        assert r["placements"] and r["cache_size"] == 1
-        assert r["jit_log"] == r["eager_log"] and r["jit_wire"] == r["eager_wire"], r
+        _check_parity(r, 3, 1e-12)
         assert r["collectives_in_graph"] == sum(r["eager_log"].values()) > 0, r
+
+
+_INDUCTOR_STEP_SKIP = pytest.mark.skipif(not os.environ.get("FSHARD_TEST_INDUCTOR_STEP"), reason=(
+    "Inductor's C++ compilation of a whole forward+backward+AdamW step, cold, takes 48 s on the shared "
+    "2-core CI machine at load 5 and 243-273 s at load 20-35 (9 s with a warm cache at load 5, 42 s at "
+    "load 20); set FSHARD_TEST_INDUCTOR_STEP=1 to run it. The aot_eager tests check the same captured "
+    "graphs, test_jit_inductor_collectives_equal_eager_float64 checks Inductor with collectives."))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=_INDUCTOR_STEP_SKIP)])
+def test_jit_fsdp_adamw_float32_20_steps_same_losses_as_eager(backend):
+    # The issue's float32 target: the same losses to 1e-6 over 20 steps. The captured graph
+    # runs eager's aten kernels in eager's order, and the traced Adam step
+    # (fshard.optim.transforms._adam_traced) rounds as torch's foreach kernel does, so
+    # without code generation the runs are bitwise equal; Inductor fuses and vectorizes
+    # (its reductions sum in another order): measured 1.2e-7 (loss, 1 ulp) and 6e-8 (params).
+    for r in run_on_ranks(_parity_body, "fsdp", "inside", True, backend, 20, torch.float32, world_size=2,
+                          timeout_s=600 if backend == "inductor" else None):
+        assert len(r["losses"]) == 20 and len(set(r["losses"])) == 20, r["losses"]
+        assert r["cache_size"] == 1 and r["dynamo_recompiles"] == 0 and r["placements"], r
+        assert r["jit_log"] == r["eager_log"] == {"all_gather": 3, "psum_scatter": 3, "psum": 1}, r
+        if backend == "aot_eager":
+            assert r["loss_err"] == 0.0 and r["param_err"] == 0.0, r
+        else:
+            assert r["loss_err"] <= 1e-6 and r["param_err"] <= 1e-6, r
+
+
+def test_jit_lr_schedule_is_traced_once_and_equals_eager():
+    # fs.optim's schedules are tensor ops of the step count under fs.jit: one graph serves
+    # every step (no recompile, none logged), and each step gets its own learning rate
+    # (0 at step 0: the parameters do not move, then they do).
+    for r in run_on_ranks(_parity_body, "fsdp", "inside", True, "aot_eager", 4, F64, "schedule", world_size=2):
+        _check_parity(r, 4, 1e-12)
+        assert r["moved"][0] == 0.0 and min(r["moved"][1:]) > 1e-4, r["moved"]
+
+
+# (kind, world size, optimizer, order, checked mode)
+_LAYOUTS = [
+    ("hsdp", 4, "adamw", "inside", True),
+    ("hsdp", 4, "adamw", "inside", False),
+    ("tp", 2, "adamw", "inside", True),
+    ("tp", 2, "adamw", "outside", False),
+    ("fsdp", 4, "adamw", "inside", True),
+    ("fsdp", 2, "clip", "inside", True),
+    ("tp", 2, "clip", "inside", False),
+]
+
+
+@pytest.mark.parametrize("kind, world_size, optimizer, order, check", _LAYOUTS)
+def test_jit_layouts_equal_eager_float64(kind, world_size, optimizer, order, check):
+    for r in run_on_ranks(_parity_body, kind, order, check, "aot_eager", 3, F64, optimizer,
+                          world_size=world_size):
+        _check_parity(r, 3, 1e-12)
+        # Every collective is in the graph: the logged ones, and the clipping norm's
+        # all-reduce, which comm_log does not count (eagerly it calls torch.distributed).
+        assert r["collectives_in_graph"] == sum(r["eager_log"].values()) + (optimizer == "clip"), r
+        if optimizer == "clip":
+            assert max(r["moved"]) <= 0.5 * 1e-2 + 1e-15 and min(r["moved"]) > 1e-3, r["moved"]
 
 
 def _inductor_collectives_body():
@@ -134,11 +252,7 @@ def test_jit_inductor_collectives_equal_eager_float64():
         assert placements == ["Shard", "Replicate", "Replicate"]
 
 
-@pytest.mark.skipif(not os.environ.get("FSHARD_TEST_INDUCTOR_STEP"), reason=(
-    "Inductor's C++ compilation of a whole forward+backward+AdamW step, cold, takes 48 s on the shared "
-    "2-core CI machine at load 5 and 273 s at load 35 (9 s with a warm cache); set "
-    "FSHARD_TEST_INDUCTOR_STEP=1 to run it. The aot_eager tests check the same captured graphs, "
-    "test_jit_inductor_collectives_equal_eager_float64 checks Inductor with collectives."))
+@_INDUCTOR_STEP_SKIP
 def test_jit_inductor_fsdp_step_equals_eager_float64():
     for r in run_on_ranks(_parity_body, "fsdp", "inside", True, "inductor", 2, world_size=2, timeout_s=600):
         assert r["loss_err"] <= 1e-12 and r["param_err"] <= 1e-12, r
@@ -202,39 +316,19 @@ def test_jit_refuses_an_argument_that_requires_grad():
 
 def _layer_loop_body(mode, backend):
     """fs.parallel's FSDP / replicate layer loop (gather_params, scan_layers: flat-buffer
-    gathers, regather in backward through saved-tensor hooks, async reductions), AdamW."""
-    import torch.nn.functional as F
-
-    from fshard.models import TransformerConfig, block, embed, head, transformer_init
+    gathers, regather in backward through saved-tensor hooks, async reductions), AdamW:
+    the step bench/jit_step.py runs, on a tiny model."""
+    from fshard.models import TransformerConfig
+    from fshard.testing import transformer_train_step
 
     n = torch.distributed.get_world_size()
     mesh = fs.make_mesh({"d": n})
     cfg = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
-    params = transformer_init(cfg, 0, dtype=F64)
-    if mode == "fsdp":
-        specs, axes = fs.parallel.fsdp_specs(params, "d"), dict(axis="d")
-    else:
-        specs, axes = fs.parallel.replicate_specs(params), dict(axis=None, replicate_axis="d")
-    opt = fs.optim.adamw(1e-3, weight_decay=0.01)
-
-    def loss_fn(p, tok, tgt):
-        root = fs.parallel.gather_params({k: v for k, v in p.items() if k != "layers"}, **axes)
-        x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], embed(root, tok, cfg), **axes)
-        return fs.lax.pmean(F.cross_entropy(head(root, x, cfg).flatten(0, 1), tgt.flatten()), "d")
-
-    grad_fn = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=(specs, P("d"), P("d")), out_specs=P(),
-                                             check=False))
-
-    def step(p, s, tok, tgt):
-        loss, grads = grad_fn(p, tok, tgt)
-        updates, s = opt.update(grads, s, p)
-        return loss, fs.optim.apply_updates(p, updates), s
-
+    step, sharded, state = transformer_train_step(mode, cfg, mesh, dtype=F64)
     tok = torch.randint(0, 32, (2 * n, 8), generator=torch.Generator().manual_seed(0))
     tgt = torch.roll(tok, -1, 1)
     jstep = fs.jit(step, backend=backend)
-    sharded = fs.shard(params, specs, mesh, uneven=True)
-    ep, es, jp, js = sharded, opt.init(sharded), sharded, opt.init(sharded)
+    ep, es, jp, js = sharded, state, sharded, state
     errs, logs = [], []
     for _ in range(3):
         with fs.comm_log() as elog:

@@ -195,6 +195,50 @@ def test_schedule_values():
     assert [joined(t) for t in (0, 2, 3, 5, 6, 20)] == [1.0, 1.0, 1.0, 1.0, 0.75, 0.0]
 
 
+def test_schedules_take_a_tensor_step_as_fs_jit_passes_it_and_give_the_same_values():
+    # Under fs.jit the step is the optimizer's count, a 0-dim int64 tensor; the value must be
+    # computed with tensor ops (no Python branch on the step) and equal the int path's.
+    lin = optim.linear_schedule(1.0, 0.0, transition_steps=4, transition_begin=2)
+    schedules = [
+        optim.constant_schedule(0.3), lin, optim.cosine_decay_schedule(2.0, decay_steps=8, alpha=0.1),
+        optim.cosine_decay_schedule(1.0, decay_steps=4, exponent=2.0),
+        optim.warmup_cosine_decay_schedule(0.1, 1.0, warmup_steps=4, decay_steps=14, end_value=0.2),
+        optim.warmup_cosine_decay_schedule(0.0, 1.0, 0, 10),
+        optim.join_schedules([optim.constant_schedule(1.0), lin], [3]),
+        optim.join_schedules([optim.constant_schedule(1.0), optim.constant_schedule(2.0),
+                              optim.constant_schedule(3.0)], [2, 5]),
+    ]
+    for i, sched in enumerate(schedules):
+        for t in range(-1, 20):
+            got = sched(torch.tensor(t))
+            assert float(got) == sched(t), (i, t, got, sched(t))
+            if isinstance(got, torch.Tensor):
+                assert got.dtype == torch.float64 and got.shape == ()
+
+
+def test_scale_by_schedule_passes_the_count_tensor_when_traced():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    opt = optim.adamw(optim.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=2, decay_steps=6))
+    params = {"w": torch.ones(3, dtype=torch.float64)}
+
+    def step(p, g, state):
+        updates, state = opt.update({"w": g}, state, p)
+        return optim.apply_updates(p, updates)["w"], state
+
+    traced = make_fx(step, tracing_mode="fake")(params, torch.ones(3, dtype=torch.float64), opt.init(params))
+    # One graph for every step: the learning rate is computed from the count inside it.
+    state = e_state = opt.init(params)
+    p = e = params
+    for i in range(4):
+        g = torch.full((3,), float(i + 1), dtype=torch.float64)
+        w, state = traced(p, g, state)
+        ew, e_state = step(e, g, e_state)
+        p, e = {"w": w}, {"w": ew}
+        assert torch.equal(w, ew), (i, w, ew)
+    assert torch.equal(e["w"], params["w"]) is False
+
+
 def test_scale_by_schedule_counts_steps():
     opt = optim.scale_by_schedule(lambda step: float(step + 1))
     state = opt.init({"x": torch.ones(2)})

@@ -37,7 +37,9 @@ __all__ = [
 Params = Any  # a pytree of tensors / DTensors
 Updates = Any  # a pytree shaped and sharded like Params
 OptState = Any  # a pytree (usually NamedTuples) holding the transform's state
-Schedule = Callable[[int], float]  # step (0, 1, ...) -> value
+# step (0, 1, ...) -> value; under fs.jit the step is a 0-dim int64 tensor and the value may
+# be a 0-dim tensor (see fshard.optim.schedules)
+Schedule = Callable[[Any], Any]
 ScalarOrSchedule = Union[float, Schedule]
 
 

@@ -3,12 +3,18 @@
 The norm is the one of the gathered tensors, computed without gathering: each rank
 sums the squares of its local shards and one small all-reduce adds the partial sums
 over the mesh axes the leaves are sharded on.
+
+Under :func:`fshard.jit` those all-reduces are functional collectives
+(``torch.ops._c10d_functional``), so that they are part of the captured graph; eagerly
+they call ``torch.distributed`` directly. ``comm_log`` counts neither (``fshard.plan``
+models them as unlogged), so a jitted step logs what the eager one does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,10 +110,30 @@ def _sum_over(squares: torch.Tensor, axes: tuple[str, ...], leaves: list[Any]) -
     if mesh.axis_size(axes) == 1:
         return squares
     # Every rank computes in the same dtype, whatever leaves it holds (or none).
-    out = squares.to(dtype=torch.float64, device=mesh.device)
-    comm.one_at_a_time(mesh.group(axes))  # one collective at a time per gloo group (fshard.comm)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.group(axes))
+    out = _all_reduce_sum(squares.to(dtype=torch.float64, device=mesh.device), mesh.group(axes))
     return out.to(torch.float64 if squares.dtype == torch.float64 else torch.float32)
+
+
+def _all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``x`` over ``group``, unlogged (see the module docstring)."""
+    comm.one_at_a_time(group)  # one collective at a time per gloo group (fshard.comm)
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode(x) is not None:
+        # fs.jit traces: an in-place torch.distributed call would run once, at trace time,
+        # on fake tensors; a functional one becomes a node of the graph.
+        with _unlogged():
+            f = torch.ops._c10d_functional
+            return f.wait_tensor(f.all_reduce(x.contiguous(), "sum", group.group_name))
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+@contextlib.contextmanager
+def _unlogged() -> Iterator[None]:
+    token = comm._LOGS.set(())  # comm_log's dispatch mode records nothing while no log is open
+    try:
+        yield
+    finally:
+        comm._LOGS.reset(token)
 
 
 def _sum_squares(locals_: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
@@ -117,7 +143,9 @@ def _sum_squares(locals_: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
 
 def _mesh_sum_squares(group: list[tuple[str, DTensor]], acc: torch.dtype) -> torch.Tensor:
     mesh = group[0][1].device_mesh
-    sizes, coord = mesh.mesh.shape, mesh.get_coordinate()
+    # mesh.shape, not mesh.mesh.shape: the latter builds a tensor, which fs.jit's fake
+    # tracing refuses.
+    sizes, coord = mesh.shape, mesh.get_coordinate()
     sharded_on = []
     for path, x in group:
         dims = set()
@@ -138,8 +166,7 @@ def _mesh_sum_squares(group: list[tuple[str, DTensor]], acc: torch.dtype) -> tor
     device = to_locals([group[0][1]])[0].device
     total = _sum_squares(local, acc).to(device) if local else torch.zeros((), dtype=acc, device=device)
     for pg in _groups_over(mesh, reduce_dims):
-        comm.one_at_a_time(pg)  # one collective at a time per gloo group (fshard.comm)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pg)
+        total = _all_reduce_sum(total, pg)
     return total
 
 
@@ -147,7 +174,7 @@ def _groups_over(mesh: Any, dims: list[int]) -> list[Any]:
     """Process groups whose successive all-reduces sum over the mesh dims ``dims``."""
     if not dims:
         return []
-    if math.prod(mesh.mesh.shape[d] for d in dims) == dist.get_world_size():
+    if math.prod(mesh.shape[d] for d in dims) == dist.get_world_size():
         return [dist.group.WORLD]  # these dims span every rank: one collective does it
     return [mesh.get_group(d) for d in dims]
 

@@ -1,14 +1,24 @@
 """Learning-rate schedules: plain functions ``step -> value`` (step counts from 0).
 
 Pass one wherever a learning rate is taken (``fs.optim.adamw(lr=schedule)``); the
-optimizer counts its own steps and calls the schedule once per update, on the host.
+optimizer counts its own steps and calls the schedule once per update.
+
+Every schedule here takes the step as a Python int (eagerly: the optimizer reads its
+count on the host and gets a float back) or as a 0-dim integer tensor (under
+:func:`fshard.jit`, which traces the step without values: it gets a float64 0-dim tensor
+back, computed with tensor ops, so that one compiled graph serves every step). Both give
+the same IEEE double values. A schedule of your own must do the same to be jitted:
+``torch.where``/``torch.clamp`` instead of ``if``/``min``/``max`` on the step, no
+``int(step)``; otherwise ``fs.jit`` raises a ``JitCaptureError`` naming its line.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from typing import Sequence
+from typing import Sequence, Union
+
+import torch
 
 from fshard.optim.base import Schedule
 
@@ -19,6 +29,18 @@ __all__ = [
     "warmup_cosine_decay_schedule",
     "join_schedules",
 ]
+
+
+Step = Union[int, torch.Tensor]  # a Python int, or a 0-dim integer tensor (fs.jit)
+
+
+def _traced(step: Step) -> bool:
+    return isinstance(step, torch.Tensor)
+
+
+def _f64(step: torch.Tensor) -> torch.Tensor:
+    """The step as a float64 0-dim tensor (exact for any step below 2**53)."""
+    return step.to(torch.float64)
 
 
 def _check_steps(what: str, name: str, value: object, *, positive: bool) -> None:
@@ -69,8 +91,11 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int,
     _check_steps("linear_schedule", "transition_steps", transition_steps, positive=True)
     _check_steps("linear_schedule", "transition_begin", transition_begin, positive=False)
 
-    def schedule(step: int) -> float:
-        frac = min(max(step - transition_begin, 0), transition_steps) / transition_steps
+    def schedule(step: Step) -> float | torch.Tensor:
+        if _traced(step):
+            frac = torch.clamp(_f64(step) - transition_begin, 0, transition_steps) / transition_steps
+        else:
+            frac = min(max(step - transition_begin, 0), transition_steps) / transition_steps
         return init_value + (end_value - init_value) * frac
 
     return schedule
@@ -102,14 +127,17 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     """
     _check_steps("cosine_decay_schedule", "decay_steps", decay_steps, positive=True)
 
-    def schedule(step: int) -> float:
+    def schedule(step: Step) -> float | torch.Tensor:
         return init_value * ((1.0 - alpha) * _cosine(step, decay_steps) ** exponent + alpha)
 
     return schedule
 
 
-def _cosine(step: int, n: int) -> float:
+def _cosine(step: Step, n: int) -> float | torch.Tensor:
     """``(1 + cos(pi * t / n)) / 2`` for ``t = clip(step, 0, n)``: 1 at 0, 0 at ``n``."""
+    if _traced(step):
+        t = torch.clamp(_f64(step), 0, n)
+        return torch.where(2 * t == n, 0.5, 0.5 * (1.0 + torch.cos(math.pi * t / n)))
     t = min(max(step, 0), n)
     # Halfway, cos(pi/2) comes out as 6e-17; give the exact 0.5 the formula means.
     return 0.5 if 2 * t == n else 0.5 * (1.0 + math.cos(math.pi * t / n))
@@ -141,7 +169,14 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     if any(b < a for a, b in zip(boundaries, boundaries[1:])) or any(b < 0 for b in boundaries):
         raise ValueError(f"join_schedules: boundaries {boundaries} must be >= 0 and increasing.")
 
-    def schedule(step: int) -> float:
+    def schedule(step: Step) -> float | torch.Tensor:
+        if _traced(step):
+            # Every piece is evaluated (each clamps its own step) and the last one whose
+            # boundary the step has reached is selected: no Python branch on the step.
+            out = torch.as_tensor(schedules[0](step), dtype=torch.float64)
+            for b, s in zip(boundaries, schedules[1:]):
+                out = torch.where(step >= b, torch.as_tensor(s(step - b), dtype=torch.float64), out)
+            return out
         i = bisect.bisect_right(boundaries, step)
         return schedules[i](step - (boundaries[i - 1] if i else 0))
 
@@ -184,7 +219,7 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
                          f"warmup_steps={warmup_steps} (decay_steps counts the warmup).")
     n = decay_steps - warmup_steps
 
-    def decay(step: int) -> float:
+    def decay(step: Step) -> float | torch.Tensor:
         return end_value + (peak_value - end_value) * _cosine(step, n) ** exponent
 
     if warmup_steps == 0:

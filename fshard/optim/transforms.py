@@ -87,8 +87,14 @@ class ScaleByScheduleState(NamedTuple):
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     """Multiplies the updates of step ``t`` (from 0) by ``step_size_fn(t)``.
 
+    Eagerly ``t`` is a Python int (the count is read on the host). Under :func:`fshard.jit`
+    it is the count itself, a 0-dim int64 tensor, so that the schedule becomes tensor ops
+    in the one compiled graph instead of a trace-time constant (reading the count there
+    cannot be traced, and passing it as a Python int would compile once per step).
+
     Args:
-      step_size_fn: ``step -> factor``, e.g. a schedule from :mod:`fshard.optim.schedules`.
+      step_size_fn: ``step -> factor``, e.g. a schedule from :mod:`fshard.optim.schedules`;
+        to be jitted it must accept a tensor step (see that module).
 
     Returns:
       A :class:`GradientTransformation` with :class:`ScaleByScheduleState`.
@@ -105,9 +111,18 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 
     def update_fn(updates: Updates, state: ScaleByScheduleState, params: Params | None = None):
         del params
-        factor = step_size_fn(int(state.count))
-        new = map_updates(updates, lambda xs: torch._foreach_mul(xs, factor),
-                          lambda xs: torch._foreach_mul_(xs, factor))
+        count = state.count
+        if torch.compiler.is_compiling() or torch._guards.detect_fake_mode(count) is not None:
+            factor = step_size_fn(count)  # traced (fs.jit): no value to read
+        else:
+            factor = step_size_fn(int(count))
+
+        def by(xs: list[torch.Tensor]):
+            # A tensor factor lives where the count does (the CPU); the updates may not.
+            return factor.to(xs[0].device) if isinstance(factor, torch.Tensor) else factor
+
+        new = map_updates(updates, lambda xs: torch._foreach_mul(xs, by(xs)),
+                          lambda xs: torch._foreach_mul_(xs, by(xs)))
         return new, ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init_fn, update_fn)
@@ -248,10 +263,17 @@ class ScaleByAdamState(NamedTuple):
 def _adam_traced(out, g, m, v, count: torch.Tensor, b1: float, b2: float, eps: float) -> None:
     """Adam's step with the step count kept a tensor, for :func:`fshard.jit` (which traces
     without values: torch's non-capturable kernel reads the count in Python, and its
-    capturable one refuses CPU tensors). The formulas of torch's foreach kernel; the bias
-    corrections are tensor ops instead of Python floats (equal to ~1 ulp)."""
+    capturable one refuses CPU tensors).
+
+    The operations of torch's non-capturable foreach kernel in its order, so that a
+    float32 step rounds exactly as eager does: the bias corrections are float64 0-dim
+    tensors where torch has Python floats (the same IEEE double arithmetic, cast to the
+    moments' dtype where they meet them), and the step size multiplies ``m`` before the
+    division, as ``addcdiv``'s kernel computes ``out + value * m / denom``. Dividing by
+    the bias correction afterwards instead differs by an ulp, which compounds into
+    float32 losses 1e-7 apart after a few steps."""
     t = count.to(torch.float64) + 1
-    bc1 = 1 - torch.pow(b1, t)
+    step_size = 1 / (1 - torch.pow(b1, t))
     bc2_sqrt = (1 - torch.pow(b2, t)).sqrt()
     torch._foreach_lerp_(m, g, 1 - b1)
     torch._foreach_mul_(v, b2)
@@ -259,8 +281,7 @@ def _adam_traced(out, g, m, v, count: torch.Tensor, b1: float, b2: float, eps: f
     denom = torch._foreach_sqrt(v)
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(out, m, denom)
-    torch._foreach_div_(out, bc1)
+    torch._foreach_addcdiv_(out, torch._foreach_mul(m, step_size), denom)
 
 
 def _zeros_like_each(xs: list[torch.Tensor]) -> list[torch.Tensor]:
