@@ -74,7 +74,7 @@ def _sync(device: torch.device) -> None:
 
 def run(size: str, steps: int) -> dict:
     from common import one_rank_group
-    from jit_step import _fshard
+    from fshard.testing import transformer_train_step
 
     backend = one_rank_group()
     mesh = fs.make_mesh({"d": 1})
@@ -84,7 +84,7 @@ def run(size: str, steps: int) -> dict:
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g).to(dev)
     tgt = torch.roll(tok, -1, 1)
-    step, p0, s0 = _fshard("fsdp", cfg, mesh)
+    step, p0, s0 = transformer_train_step("fsdp", cfg, mesh)
     jstep = fs.jit(step)
     state = {"fshard eager": (p0, s0), "fshard jit": (p0, s0)}
     t_eager, t_comp = _torch_step(cfg, False), _torch_step(cfg, True)

@@ -27,7 +27,7 @@ from fshard.models import TransformerConfig  # noqa: E402
 def main() -> None:
     from common import one_rank_group
     from jit_gpu import SIZES, _torch_step
-    from jit_step import _fshard
+    from fshard.testing import transformer_train_step
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="large", choices=["small", "large"])
@@ -42,7 +42,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g).to(dev)
     tgt = torch.roll(tok, -1, 1)
-    step, p, s = _fshard("fsdp", cfg, mesh)
+    step, p, s = transformer_train_step("fsdp", cfg, mesh)
     box = {"p": p, "s": s}
 
     def fshard_step():

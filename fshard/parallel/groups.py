@@ -280,7 +280,9 @@ class Groups:
             self._last_rs = i
 
     def _key(self, i: int) -> tuple:
-        return (self.layouts[i].shapes, i, self.groups[i][0].untyped_storage().data_ptr())
+        # The storage object's address, not its data pointer: under fs.jit's fake tensors
+        # every data pointer is 0, which made the microbatches' accumulation slots collide.
+        return (self.layouts[i].shapes, i, self.groups[i][0].untyped_storage()._cdata)
 
     def _flush(self) -> None:
         if not self._bucket:
