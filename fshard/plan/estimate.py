@@ -250,16 +250,23 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
     gathered_fwd += tmp * in_flight * sh[rep].gathered * pb  # the backend's gather buffers
     root_acts = sum(_act_bytes(model.layers[i], layout, model) * b * model.layers[i].count for i in roots)
     block_acts = _act_bytes(block, layout, model) * b
-    if layout.remat:  # each block keeps its input; backward recomputes one block at a time
-        acts = root_acts + L * _boundary_bytes(block, layout, model) * b + block_acts
+    if layout.remat:
+        # Each block keeps its input. Backward recomputes one block at a time, the first
+        # after the head's backward: that block's activations belong to the later moment.
+        acts = root_acts + L * _boundary_bytes(block, layout, model) * b
     else:
         acts = root_acts + L * block_acts
     full_grads = sum(sh[i].gathered * model.layers[i].count for i in range(len(model.layers))) * rb
     block_grads = sh[rep].gathered * rb
     # Accumulation keeps the unreduced gradients of every group between microbatches.
     acc = full_grads if K > 1 else 0.0
-    if fsdp > 1:  # each reduce-scatter input (and the backend's buffer) lives until the end of backward
-        pending = (L - 1) * block_grads * (1 + tmp) + block_grads
+    if fsdp > 1:
+        # The block in backward makes its full-size gradients while one reduce-scatter, the
+        # previous block's, is in flight (fs.parallel's Groups.reduce finishes it when the
+        # next one starts), holding one full-size buffer: its input until the wait on NCCL;
+        # on gloo the input goes when the all-to-all completes, its receive buffer (as
+        # large) at the wait.
+        pending = block_grads + min(1, L - 1) * block_grads
     elif layout.dp > 1:  # DDP: autograd's gradients, then the bucket they are copied into
         pending = full_grads
     else:
@@ -267,7 +274,10 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
     persistent = {"params": master_bytes, "optimizer": 2 * master_bytes}
     at_bwd_start = {**persistent, "grads": 0.0, "gathered": gathered_root + gathered_fwd,
                     "activations": acts, "grad_buffers": acc}
-    at_bwd_end = {**persistent, "grads": master_bytes, "gathered": gathered_root + block_gathered,
+    # At the last block's backward the other blocks' gradients are reduced to shards; the
+    # root group's reduction waits until the end of backward.
+    reduced = (L - 1) * layer_shards(block, layout).local * rb if fsdp > 1 else master_bytes
+    at_bwd_end = {**persistent, "grads": reduced, "gathered": gathered_root + block_gathered,
                   "activations": block_acts + (_boundary_bytes(block, layout, model) * b if layout.remat else 0.0),
                   "grad_buffers": max(acc, pending)}
     ow = _optimizer_work(layout.master_dtype)
