@@ -107,17 +107,17 @@ def test_held_peak_matches_the_simulated_timeline(name, pp, m):
 
 
 def test_zero_bubble_estimate_counts_the_captured_gradients():
-    """pp=2 x tp=2, ZB, 8 microbatches: the memory kind ``w_pending`` is the held chunks
-    at the peak times one chunk's captured bytes at tp = 2, summed here from the layer
-    descriptions; 1F1B holds none, and ZB's peak is above what it was without the term."""
-    from fshard.plan.layout import _schedule
+    """pp=2 x tp=2, ZB, 8 microbatches: the memory kind ``w_pending`` is a number of chunks
+    held between I and W times one chunk's captured bytes at tp = 2, summed here from the
+    layer descriptions; 1F1B holds none."""
+    from fshard.plan.shards import stage_layers
 
     model = plan.describe_transformer(CFG)
     machine = _machine()
     zb = plan.Layout({"pp": 2, "tp": 2}, batch=16, microbatches=8, schedule="zb")
     est = plan.estimate(model, machine, zb)
     sch = zb.build_schedule()
-    stages = plan.estimate.__globals__["stage_layers"](model, sch.n_stages)
+    stages = stage_layers(model, sch.n_stages)
     b = zb.microbatch_size
 
     def chunk_wgrad(s: int) -> float:
