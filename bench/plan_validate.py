@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/plan_validate.py [--repeats 2] [--steps 12] [--out plan_validate.json]
     PYTHONPATH=. python bench/plan_validate.py --report plan_validate.json   # the table again
+    PYTHONPATH=. python bench/plan_validate.py --memory-only --only "fsdp=4;fsdp=4 remat" --out plan_validate.json
 
 For each repeat: calibrate this machine on 4 ranks (``fs.plan.calibrate``, all ranks at
 once; with ``--calibrate each``, a quick calibration right before each layout instead),
@@ -14,6 +15,13 @@ wrapped to ask for them): the measured bubble is ``1 - busy / wall`` per rank, m
 ranks, median over the steps after the warm-up. Next to it: the planner's predicted
 bubble, and the simulator fed with the F / I / W times the run measured (the stage
 spans) and the calibrated point-to-point cost.
+
+``--memory-only`` measures and predicts only the peak memory, which does not depend on the
+machine's speed or load: no calibration (the prediction uses the shipped ``h100`` file
+with gloo's staging buffers, ``comm_temporaries = 1``, the only machine figure the memory
+estimate reads), 6 steps, no bubble. With ``--out`` naming an existing results file, the
+memory fields of the layouts measured replace theirs there (``memory_measured_at`` says
+when); every other field is kept.
 
 Reported: per layout the predictions and measurements; the median absolute relative
 error of the step time, Spearman's rank correlation between predicted and measured step
@@ -63,6 +71,15 @@ LAYOUTS = [
 
 def _calibrate(path: str, quick: bool) -> None:
     plan.calibrate(fs.make_mesh({"ranks": 4}), path=path, quick=quick)
+
+
+def memory_machine() -> plan.Machine:
+    """The machine the memory-only mode predicts with: what the memory estimate reads
+    (gloo's staging buffers) is what a calibration here sets; speeds do not matter."""
+    import attrs
+
+    return attrs.evolve(plan.get_machine("h100"), name="memory-only", comm_temporaries=1.0,
+                        notes="memory-only validation: speeds are h100's, comm_temporaries as gloo")
 
 
 def _run(argv: list[str]) -> dict:
@@ -135,6 +152,8 @@ def main() -> None:
                          "(on a shared machine the load moves between layouts)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new layout after this many seconds (the rest are listed as skipped)")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="peak memory only: no calibration, no step times or bubbles (see the module doc)")
     ap.add_argument("--only", default=None, help="layout names separated by semicolons")
     ap.add_argument("--out", default=None, help="write all results as JSON")
     ap.add_argument("--report", default=None, metavar="JSON", help="only print the table of a saved --out file")
@@ -143,6 +162,9 @@ def main() -> None:
         report(json.loads(Path(args.report).read_text()))
         return
     layouts = [x for x in LAYOUTS if args.only is None or x[0] in args.only.split(";")]
+    if args.memory_only:
+        memory_only(layouts, args.steps if args.steps != ap.get_default("steps") else 6, args.out)
+        return
     results = []
     start = time.time()
     for rep in range(args.repeats):
@@ -203,6 +225,36 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     report(results)
+
+
+def memory_only(layouts: list[tuple[str, list[str]]], steps: int, out: str | None) -> None:
+    """Predicted and measured peak memory per layout; merged into ``out`` when it exists."""
+    machine_path = Path(tempfile.mkdtemp()) / "machine.json"
+    plan.save_machine(memory_machine(), machine_path)
+    rows = []
+    for name, flags in layouts:
+        log = Path(tempfile.mkdtemp()) / "log.json"
+        argv = MODEL + flags + ["--steps", str(steps), "--quiet", "--sample-chars", "0",
+                                "--log-json", str(log), "--machine", str(machine_path)]
+        fs.run_local(_run, argv, world_size=4, timeout_s=1800)
+        last = json.loads(log.read_text())[-1]
+        row = {"layout": name, "predicted_peak_mib": last["predicted_peak_mib"],
+               "measured_peak_mib": last["measured_peak_mib"],
+               "memory_measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        rows.append(row)
+        pm, mm = row["predicted_peak_mib"], row["measured_peak_mib"]
+        print(f"{name}: predicted {pm:.1f} MiB, measured {mm:.1f} MiB, error {(pm - mm) / mm:+.1%}", flush=True)
+    if out is None:
+        return
+    path = Path(out)
+    results = json.loads(path.read_text()) if path.exists() else []
+    for row in rows:
+        hits = [r for r in results if r["layout"] == row["layout"]]
+        for r in hits:
+            r.update(row)
+        if not hits:
+            results.append(row)
+    path.write_text(json.dumps(results, indent=1))
 
 
 def report(results: list[dict]) -> None:

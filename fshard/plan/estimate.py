@@ -17,9 +17,12 @@ work the model description gives, divided by tp where tensor parallelism splits 
 Memory, per rank, by kind: parameters, gradients and AdamW state (sharded by the spec
 rules), gathered parameters alive under the prefetch / reshard settings, activations
 (all microbatches a pipeline rank holds at its simulated peak; remat keeps only block
-inputs), and the step's full-size gradient buffers (FSDP keeps each layer's
-reduce-scatter input until the end of backward; gradient accumulation keeps unreduced
-gradients between microbatches; a pipeline stage accumulates gathered gradients).
+inputs), and the step's full-size gradient buffers (FSDP: the gradients of the block in backward
+and one reduce-scatter in flight; gradient accumulation keeps unreduced
+gradients between microbatches; a pipeline stage accumulates gathered gradients), and for
+schedules that split backward into I and W the gradients I captured for W of the
+microbatches between the two (``w_pending``; :func:`held_states` walks each rank's
+actions for when they are held).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from fractions import Fraction
-from typing import Any
+from typing import Any, Sequence
 
 import attrs
 
@@ -38,10 +41,10 @@ from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
 from fshard.plan.shards import layer_shards, stage_layers, stage_shards
 from fshard.plan.trace import OptimizerWork, trace_optimizer
 
-__all__ = ["Estimate", "estimate", "model_flops", "simulate_pipeline"]
+__all__ = ["Estimate", "estimate", "held_peak", "held_states", "model_flops", "simulate_pipeline"]
 
 TIME_KINDS = ("compute", "exposed_comm", "bubble", "optimizer")
-MEMORY_KINDS = ("params", "grads", "optimizer", "gathered", "activations", "grad_buffers")
+MEMORY_KINDS = ("params", "grads", "optimizer", "gathered", "activations", "grad_buffers", "w_pending")
 
 
 @attrs.frozen
@@ -55,7 +58,9 @@ class Estimate:
       breakdown: seconds by kind: ``compute``, ``exposed_comm``, ``bubble``,
         ``optimizer`` (they add up to ``step_s``).
       memory: peak bytes by kind: ``params``, ``grads``, ``optimizer``, ``gathered``,
-        ``activations``, ``grad_buffers`` (at the moment of the peak, on that rank).
+        ``activations``, ``grad_buffers``, ``w_pending`` (schedules that split backward
+        into I and W: the gradients captured for W of the microbatches between the two)
+        (at the moment of the peak, on that rank).
       memory_limit: the limit it was checked against (bytes; None: not checked).
       tokens_per_s: global tokens per second.
       mfu: model FLOPs utilisation (6N + 12 L T D per token, against ``machine.flops``).
@@ -136,6 +141,14 @@ def _act_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
         # contiguous copy while the gathered buffer stays alive too.
         rest += layer.tp_enter * layer.out_bytes / 2
     return (split + rest) * k
+
+
+def _wgrad_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
+    """Bytes per sample of the gradients a split backward holds from I to W, on one rank
+    (tensor parallelism divides the split part; sequence parallelism the rest too)."""
+    k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
+    rest = layer.wgrad_bytes - layer.wgrad_split
+    return (layer.wgrad_split / layout.tp + rest / (layout.tp if layout.sequence_parallel else 1)) * k
 
 
 def _boundary_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
@@ -250,24 +263,34 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
     gathered_fwd += tmp * in_flight * sh[rep].gathered * pb  # the backend's gather buffers
     root_acts = sum(_act_bytes(model.layers[i], layout, model) * b * model.layers[i].count for i in roots)
     block_acts = _act_bytes(block, layout, model) * b
-    if layout.remat:  # each block keeps its input; backward recomputes one block at a time
-        acts = root_acts + L * _boundary_bytes(block, layout, model) * b + block_acts
+    if layout.remat:
+        # Each block keeps its input. Backward recomputes one block at a time, the first
+        # after the head's backward: that block's activations belong to the later moment.
+        acts = root_acts + L * _boundary_bytes(block, layout, model) * b
     else:
         acts = root_acts + L * block_acts
     full_grads = sum(sh[i].gathered * model.layers[i].count for i in range(len(model.layers))) * rb
     block_grads = sh[rep].gathered * rb
     # Accumulation keeps the unreduced gradients of every group between microbatches.
     acc = full_grads if K > 1 else 0.0
-    if fsdp > 1:  # each reduce-scatter input (and the backend's buffer) lives until the end of backward
-        pending = (L - 1) * block_grads * (1 + tmp) + block_grads
+    if fsdp > 1:
+        # The block in backward makes its full-size gradients while one reduce-scatter, the
+        # previous block's, is in flight (fs.parallel's Groups.reduce finishes it when the
+        # next one starts), holding one full-size buffer: its input until the wait on NCCL;
+        # on gloo the input goes when the all-to-all completes, its receive buffer (as
+        # large) at the wait.
+        pending = block_grads + min(1, L - 1) * block_grads
     elif layout.dp > 1:  # DDP: autograd's gradients, then the bucket they are copied into
         pending = full_grads
     else:
         pending = 0.0
-    persistent = {"params": master_bytes, "optimizer": 2 * master_bytes}
+    persistent = {"params": master_bytes, "optimizer": 2 * master_bytes, "w_pending": 0.0}
     at_bwd_start = {**persistent, "grads": 0.0, "gathered": gathered_root + gathered_fwd,
                     "activations": acts, "grad_buffers": acc}
-    at_bwd_end = {**persistent, "grads": master_bytes, "gathered": gathered_root + block_gathered,
+    # At the last block's backward the other blocks' gradients are reduced to shards; the
+    # root group's reduction waits until the end of backward.
+    reduced = (L - 1) * layer_shards(block, layout).local * rb if fsdp > 1 else master_bytes
+    at_bwd_end = {**persistent, "grads": reduced, "gathered": gathered_root + block_gathered,
                   "activations": block_acts + (_boundary_bytes(block, layout, model) * b if layout.remat else 0.0),
                   "grad_buffers": max(acc, pending)}
     ow = _optimizer_work(layout.master_dtype)
@@ -296,6 +319,54 @@ def _peaks(schedule_key: tuple) -> tuple[int, ...]:
     from fshard.sched.simulate import simulate
 
     return simulate(_build(schedule_key)).peak_activations
+
+
+def held_states(schedule: Any) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per rank, ``(chunks alive, chunks between their I and their W)`` after each change,
+    walking the rank's actions in list order (a rank runs them one after another, so the
+    order of these events does not depend on the costs).
+
+    A chunk (stage, microbatch) is alive from the start of its F to the end of its W or
+    full B (as ``fs.sched.simulate``'s peak counts it); it is between I and W from the
+    end of its I to the end of its W: then it also holds the gradients that I captured
+    for W (``LayerDesc.wgrad_bytes``). At the end of an action its releases come before
+    the next action's acquisitions.
+
+    Args:
+      schedule: an ``fs.sched.Schedule`` (compute-only or lowered).
+
+    Returns:
+      One tuple of states per rank, starting at ``(0, 0)``.
+    """
+    from fshard.sched.ir import Kind
+
+    out = []
+    for actions in schedule.actions:
+        alive = pending = 0
+        states = [(0, 0)]
+        for a in actions:
+            parts = [p for p in a.parts if p.kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
+            if not parts:
+                continue
+            alive += sum(p.kind is Kind.F for p in parts)
+            states.append((alive, pending))
+            pending += sum(p.kind is Kind.I for p in parts) - sum(p.kind is Kind.W for p in parts)
+            alive -= sum(p.kind in (Kind.B, Kind.W) for p in parts)
+            states.append((alive, pending))
+        out.append(tuple(states))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _held_states(schedule_key: tuple) -> tuple[tuple[tuple[int, int], ...], ...]:
+    return held_states(_build(schedule_key))
+
+
+def held_peak(states: Sequence[tuple[int, int]], act_bytes: float, wgrad_bytes: float) -> tuple[int, int]:
+    """The state of ``states`` (one rank's, from :func:`held_states`) that holds the most
+    bytes, a chunk alive costing ``act_bytes`` and one between its I and W ``wgrad_bytes``
+    more: ``(chunks alive, chunks between I and W)`` then."""
+    return max(states, key=lambda s: (s[0] * act_bytes + s[1] * wgrad_bytes, s))
 
 
 def _build(key: tuple) -> Any:
@@ -341,12 +412,11 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     b = layout.microbatch_size
     rep = model.repeated
     pb, rb = DTYPE_BYTES[layout.dtype], DTYPE_BYTES[layout.master_dtype]
-    peaks = _peaks((layout.schedule, pp, m, layout.virtual))
     persistent, mems = [], []
     for r in range(pp):
         layers_r = [p for s in sch.stages_of(r) for p in stages[s]]
         persistent.append(_persistent(model, layout, layers_r))
-        mems.append(_pipeline_memory(model, layout, machine, sch, stages, r, peaks[r], persistent[r][0],
+        mems.append(_pipeline_memory(model, layout, machine, sch, stages, r, persistent[r][0],
                                      persistent[r][1], pb, rb))
     memory = max(mems, key=lambda d: sum(d.values()))
     peak = sum(memory.values())
@@ -403,16 +473,18 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
 
 
 def _pipeline_memory(model: ModelDesc, layout: Layout, machine: Machine, sch: Any, stages: list, r: int,
-                     peak_chunks: int, master_bytes: float, numel: int, pb: int, rb: int) -> dict[str, float]:
-    """Pipeline rank ``r`` at the larger of two moments: its activation peak (the
-    simulator's most microbatches alive, the stages' gathered parameters, the gradients
-    summed so far over microbatches and one microbatch's new ones), and the optimizer."""
+                     master_bytes: float, numel: int, pb: int, rb: int) -> dict[str, float]:
+    """Pipeline rank ``r`` at the larger of two moments: its activation peak (the most
+    bytes of microbatches alive, those between their I and W holding the gradients
+    captured for W too; the stages' gathered parameters, the gradients summed so far over
+    microbatches and one microbatch's new ones), and the optimizer."""
     b = layout.microbatch_size
     rep = model.repeated
     held = sch.stages_of(r)
     gathered = 0.0
     stage_grads = 0.0
     act_per_chunk = 0.0
+    wgrad_per_chunk = 0.0
     for s in held:
         sh = stage_shards(model, layout, stages[s])
         if layout.fsdp > 1 or layout.dtype != layout.master_dtype:
@@ -426,17 +498,21 @@ def _pipeline_memory(model: ModelDesc, layout: Layout, machine: Machine, sch: An
             else:
                 a += k * _act_bytes(layer, layout, model) * b
         act_per_chunk = max(act_per_chunk, a)
+        wgrad_per_chunk = max(wgrad_per_chunk, sum(k * _wgrad_bytes(model.layers[i], layout, model) * b
+                                                   for i, k in stages[s]))
     if layout.remat:  # one block recomputed at a time during backward
         act_per_chunk += _act_bytes(model.layers[rep], layout, model) * b
+    key = (layout.schedule, layout.pp, layout.microbatches, layout.virtual)
+    peak_chunks, w_pending = held_peak(_held_states(key)[r], act_per_chunk, wgrad_per_chunk)
     acts = peak_chunks * act_per_chunk
-    persistent = {"params": master_bytes, "optimizer": 2 * master_bytes}
+    persistent = {"params": master_bytes, "optimizer": 2 * master_bytes, "w_pending": 0.0}
     # The executor sums each microbatch's gradients (of the gathered parameters, in the
     # reduction dtype) into per-stage sums. At the activation peak one microbatch's new
     # gradients are being made; the sums exist already unless every microbatch is alive
     # at the peak (all forwards before any backward, as GPipe).
     sums = stage_grads if peak_chunks < layout.microbatches * len(held) else 0.0
     at_peak = {**persistent, "grads": 0.0, "gathered": gathered, "activations": acts,
-               "grad_buffers": sums + stage_grads * pb / rb}
+               "grad_buffers": sums + stage_grads * pb / rb, "w_pending": w_pending * wgrad_per_chunk}
     ow = _optimizer_work(layout.master_dtype)
     at_opt = {**persistent, "grads": master_bytes, "gathered": 0.0, "activations": 0.0,
               "grad_buffers": ow.transient_per_element * numel * DTYPE_BYTES[layout.master_dtype] / 4}

@@ -83,6 +83,10 @@ class LayerDesc:
       act_bytes: bytes saved for backward per sample (parameters excluded).
       act_split: the part of ``act_bytes`` that tensor parallelism divides.
       out_bytes: bytes of the activation the layer hands on, per sample.
+      wgrad_bytes: bytes per sample of the gradients a split backward holds from the
+        layer's I to its W besides ``act_bytes`` (``fs.sched.SplitBackward``'s captured
+        gradients at the weights' frontier nodes; schedules with W actions only).
+      wgrad_split: the part of ``wgrad_bytes`` that tensor parallelism divides.
       tp_enter: tensor-parallel region entries per call (Megatron's f: backward psum,
         or an all-gather forward with sequence parallelism).
       tp_exit: region exits per call (g: forward psum, or psum_scatter with SP).
@@ -109,6 +113,8 @@ class LayerDesc:
     act_bytes: float = 0.0
     act_split: float = 0.0
     out_bytes: float = 0.0
+    wgrad_bytes: float = 0.0
+    wgrad_split: float = 0.0
     tp_enter: int = 0
     tp_exit: int = 0
     sp_param_numel: int = 0
@@ -144,11 +150,12 @@ class LayerDesc:
             whole, part = getattr(self, f), getattr(self, f + "_split")
             if part.flops > whole.flops * (1 + 1e-9) or part.bytes > whole.bytes * (1 + 1e-9):
                 raise DescriptionError(f"{where}.{f}_split ({part}) must not exceed {where}.{f} ({whole})")
-        for f in ("act_bytes", "act_split", "out_bytes"):
+        for f in ("act_bytes", "act_split", "out_bytes", "wgrad_bytes", "wgrad_split"):
             _num(f"{where}.{f}", getattr(self, f))
-        if self.act_split > self.act_bytes * (1 + 1e-9):
-            raise DescriptionError(f"{where}.act_split ({self.act_split:g}) must not exceed act_bytes "
-                                   f"({self.act_bytes:g})")
+        for whole, part in (("act_bytes", "act_split"), ("wgrad_bytes", "wgrad_split")):
+            if getattr(self, part) > getattr(self, whole) * (1 + 1e-9):
+                raise DescriptionError(f"{where}.{part} ({getattr(self, part):g}) must not exceed {whole} "
+                                       f"({getattr(self, whole):g})")
         for f in ("tp_enter", "tp_exit", "sp_param_numel"):
             _num(f"{where}.{f}", getattr(self, f), integer=True)
         for i, (kind, phase, nbytes) in enumerate(self.tp_extra):
@@ -357,6 +364,7 @@ def describe_transformer(cfg: Any, *, seq_len: int | None = None, dtype: str = "
             fwd_split=split(a.fwd, b.fwd), bwd_input_split=split(a.bwd_input, b.bwd_input),
             bwd_weight_split=split(a.bwd_weight, b.bwd_weight),
             act_bytes=a.saved_bytes, act_split=min(a.saved_bytes, max(0.0, 2 * (a.saved_bytes - b.saved_bytes))),
+            wgrad_bytes=a.wgrad_bytes, wgrad_split=min(a.wgrad_bytes, max(0.0, 2 * (a.wgrad_bytes - b.wgrad_bytes))),
             out_bytes=act, **kw)
 
     layers = [
@@ -431,7 +439,10 @@ def describe_llama(*, name: str, dim: int, n_layers: int, n_heads: int, n_kv_hea
         bwd_weight_split=Work(proj, 0.0, 0),
         act_bytes=s * T * (2 * D + 2 * D + (D + 2 * kv) + D + 4 * F) + 4 * T * n_heads,
         act_split=s * T * ((D + 2 * kv) + D + 4 * F) + 4 * T * n_heads,
-        out_bytes=s * T * D, tp_enter=2, tp_exit=2, sp_param_numel=2 * D)
+        out_bytes=s * T * D, tp_enter=2, tp_exit=2, sp_param_numel=2 * D,
+        # Held from I to W: the gradients of every projection's output (q, k, v, w1, w3 split
+        # over tp; wo, w2 whole) and of both norms' outputs.
+        wgrad_bytes=s * T * (D + 2 * kv + 2 * F + 4 * D), wgrad_split=s * T * (D + 2 * kv + 2 * F))
     embed = LayerDesc(name="embed", count=1, params=[("tok_embeddings.weight", (V, D))],
                       tp_plan=[(r"tok_embeddings\.weight", "vocab")],
                       fwd=Work(0.0, 2 * s * T * D, 2), bwd_input=Work(), bwd_weight=Work(0.0, 2 * s * T * D, 2),
@@ -446,6 +457,7 @@ def describe_llama(*, name: str, dim: int, n_layers: int, n_heads: int, n_kv_hea
                      bwd_weight_split=Work(2 * D * V * T, 0.0, 0),
                      # the norm's input and output, and the fp32 logits for the loss's backward
                      act_bytes=2 * s * T * D + 4 * T * V, act_split=4 * T * V, out_bytes=4.0,
+                     wgrad_bytes=s * T * (D + V), wgrad_split=s * T * V,
                      tp_enter=1, sp_param_numel=D, tp_extra=(("pmax", "fwd", 4 * T), ("psum", "fwd", 8 * T)),
                      loss=True)
     return ModelDesc(name=name, seq_len=T, hidden=D, dtype=dtype, layers=(embed, block, head),

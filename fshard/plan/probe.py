@@ -6,9 +6,18 @@ the others alone:
 
 - on CUDA, ``torch.cuda.max_memory_allocated`` over that step (everything allocated);
 - on CPU, the bytes of the parameters and optimizer state handed to the step, plus the
-  peak of ``torch.profiler``'s running total of CPU tensor memory allocated during the
-  step (``profile_memory=True``; gloo's own buffers and Python objects are not tensors
-  and are not counted, as in ``bench/data_parallel.py``).
+  peak of the CPU memory allocated during the step that is alive at once, from
+  ``torch.profiler``'s allocation events (``profile_memory=True``: every allocation the
+  step's thread makes, gloo's staging buffers included; Python objects are not counted).
+
+  The profiler records a free only when the thread that frees has profiling on: a
+  tensor whose last reference a gloo worker thread drops (a collective's input, held by
+  its work object) is never seen freed, and the profiler's own running total stays too
+  high by that tensor from then on, by whole buffers at random from run to run (the
+  same fsdp=4 remat step measured 28.5 to 59.3 MiB). The probe therefore also watches,
+  with a dispatch mode, when every storage an op creates dies, on whichever thread, and
+  puts the missing frees back at that time (:func:`peak_from_events`); an allocation
+  whose address is allocated again before any free was seen is freed at the latest then.
 
 The profiled step is slower (the profiler records every op), so :meth:`summary` leaves
 it out of the median step time.
@@ -17,13 +26,17 @@ it out of the median step time.
 from __future__ import annotations
 
 import statistics
+import threading
+import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fshard import tree as tree_util
 
-__all__ = ["StepProbe", "local_bytes"]
+__all__ = ["StepProbe", "local_bytes", "peak_from_events"]
 
 
 def local_bytes(*trees: Any) -> int:
@@ -39,6 +52,90 @@ def local_bytes(*trees: Any) -> int:
     return sum(seen.values())
 
 
+class _StorageDeaths(TorchDispatchMode):
+    """When each storage that an op creates dies (the last tensor seen on it), on any thread:
+    ``deaths[address]`` lists the times (``time.time_ns()``, the profiler's clock)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, int] = {}  # storage address -> tensors seen on it still alive
+        self.deaths: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def _release(self, key: int) -> None:
+        now = time.time_ns()
+        with self._lock:
+            n = self.refs.get(key, 0) - 1
+            if n > 0:
+                self.refs[key] = n
+                return
+            self.refs.pop(key, None)
+            self.deaths.setdefault(key, []).append(now)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_util.leaves(out if isinstance(out, (list, tuple)) else [out]):
+            if type(t) is not torch.Tensor or t.device.type != "cpu":
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key == 0:
+                continue
+            with self._lock:
+                self.refs[key] = self.refs.get(key, 0) + 1
+            weakref.finalize(t, self._release, key)
+        return out
+
+
+def peak_from_events(allocations: Sequence[tuple[int, int, int]],
+                     deaths: dict[int, list[int]] | None = None) -> tuple[int, int]:
+    """The peak of bytes alive at once from allocation events, missing frees put back.
+
+    Args:
+      allocations: ``(time_ns, address, size)`` per event of one thread, a negative size
+        for a free (``torch.profiler``'s CPU memory events).
+      deaths: ``address -> [time_ns, ...]``: when storages at that address were seen to
+        die (on any thread), for allocations whose free event is missing.
+
+    Returns:
+      ``(peak bytes, bytes never seen freed)`` over allocations made within the events
+      (frees of older memory are ignored).
+    """
+    deaths = deaths or {}
+    events = sorted(allocations)
+    fixed: list[tuple[int, int]] = []  # (time, +-size), missing frees added
+    live: dict[int, tuple[int, int]] = {}  # address -> (alloc time, size)
+
+    def missing_free(addr: int, t_alloc: int, size: int, before: int | None) -> None:
+        later = [d for d in deaths.get(addr, ()) if d >= t_alloc and (before is None or d <= before)]
+        if later:
+            fixed.append((min(later), -size))
+        elif before is not None:  # the address came back: it was freed by then
+            fixed.append((before, -size))
+
+    for t, addr, size in events:
+        if size > 0:
+            if addr in live:
+                missing_free(addr, *live.pop(addr), before=t)
+            live[addr] = (t, size)
+            fixed.append((t, size))
+        elif addr in live:
+            live.pop(addr)
+            fixed.append((t, size))
+    never = 0
+    for addr, (t_alloc, size) in live.items():
+        n = len(fixed)
+        missing_free(addr, t_alloc, size, before=None)
+        if len(fixed) == n:
+            never += size
+    # At equal times, frees first: a death seen at the time of the next allocation.
+    fixed.sort(key=lambda e: (e[0], e[1]))
+    cur = peak = 0
+    for _, d in fixed:
+        cur += d
+        peak = max(peak, cur)
+    return peak, never
+
+
 class StepProbe:
     """Wraps a train step to measure its peak memory once, after ``warmup`` steps.
 
@@ -51,6 +148,7 @@ class StepProbe:
         self.calls = 0
         self.profiled: int | None = None  # index of the profiled call
         self.peak_bytes: int | None = None
+        self.never_freed_bytes: int = 0  # allocated in the profiled step, no free seen (CPU)
 
     def wrap(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def probed(params: Any, opt_state: Any, *rest: Any) -> Any:
@@ -76,8 +174,10 @@ class StepProbe:
         from torch.profiler import ProfilerActivity, profile
 
         at_rest = local_bytes(params, opt_state)
+        deaths = _StorageDeaths()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = step(params, opt_state, *rest)
+            with deaths:
+                out = step(params, opt_state, *rest)
         events = []
         stack = list(prof.profiler.kineto_results.experimental_event_tree())
         while stack:
@@ -85,15 +185,10 @@ class StepProbe:
             if e.tag == _EventType.Allocation:
                 f = e.extra_fields
                 if f.device.type == "cpu":
-                    events.append((e.start_time_ns, f.total_allocated, f.alloc_size))
+                    events.append((e.start_time_ns, f.ptr, f.alloc_size))
             stack.extend(e.children)
-        if not events:
-            return out, at_rest
-        events.sort()
-        # The running total counts what was allocated since profiling began (frees of older
-        # tensors are not seen): its value before the first event is the base.
-        base = events[0][1] - events[0][2]
-        return out, at_rest + max(0, max(total for _, total, _ in events) - base)
+        peak, self.never_freed_bytes = peak_from_events(events, deaths.deaths)
+        return out, at_rest + peak
 
     def summary(self, step_times: Sequence[float]) -> dict[str, float | None]:
         """``measured_step_s`` (median after the warm-up, the profiled step left out) and

@@ -29,7 +29,7 @@ def rows(estimates: Sequence[Estimate]) -> list[list[str]]:
                     f"{e.mfu:.1%}", _s(b["compute"], e.step_s), _s(b["exposed_comm"], e.step_s),
                     _s(b["bubble"], e.step_s), _s(b["optimizer"], e.step_s), _gib(e.peak_bytes),
                     _gib(m["params"] + m["grads"] + m["optimizer"]), _gib(m["gathered"]), _gib(m["activations"]),
-                    _gib(m["grad_buffers"])])
+                    _gib(m["grad_buffers"] + m["w_pending"])])  # ZB: the gradients held for W too
     return out
 
 

@@ -100,6 +100,9 @@ class LayerTrace:
         backward-weight (W); a full backward is I + W.
       saved_bytes: bytes autograd keeps from forward to backward, parameters excluded.
       output_bytes: bytes of the output (the activation handed to the next layer).
+      wgrad_bytes: bytes of the gradients a split backward (``fs.sched.SplitBackward``)
+        captures in I and holds until W, besides the saved activations (0 for a layer
+        whose input takes no gradient: its whole backward is W).
     """
 
     fwd: Work
@@ -107,6 +110,7 @@ class LayerTrace:
     bwd_weight: Work
     saved_bytes: float
     output_bytes: float
+    wgrad_bytes: float = 0.0
 
 
 def _nbytes(x: Any) -> int:
@@ -213,9 +217,26 @@ def trace_layer(fn: Callable[..., torch.Tensor], params: Any, inputs: Sequence[A
     if grad_inputs:
         _, bwd_i = _run(lambda: torch.autograd.grad(out, grad_inputs, seed, retain_graph=True))
     _, bwd_full = _run(lambda: torch.autograd.grad(out, grad_inputs + leaves, seed, allow_unused=True))
+    wgrad = _held_for_w(fn, params, leaves, xs) if len(grad_inputs) == 1 else 0
     per = 1.0 / batch
     return LayerTrace(fwd=fwd.scale(per), bwd_input=bwd_i.scale(per), bwd_weight=(bwd_full - bwd_i).scale(per),
-                      saved_bytes=sum(saved.values()) * per, output_bytes=_nbytes(out) * per)
+                      saved_bytes=sum(saved.values()) * per, output_bytes=_nbytes(out) * per,
+                      wgrad_bytes=wgrad * per)
+
+
+def _held_for_w(fn: Callable[..., torch.Tensor], params: Any, leaves: list[torch.Tensor],
+                xs: list[Any]) -> int:
+    """Bytes (distinct storages) of the gradients ``fs.sched.SplitBackward``'s I captures for W
+    on one forward of ``fn``: what the pipeline executor holds from a microbatch's I to its W."""
+    from fshard.sched.split import SplitBackward
+
+    x = next(t for t in xs if isinstance(t, torch.Tensor) and t.requires_grad)
+    out = fn(params, *xs)
+    split = SplitBackward(out, torch.ones_like(out), x, leaves)
+    held = {g.untyped_storage().data_ptr() or id(g): g.untyped_storage().nbytes()  # meta: no addresses
+            for g in split.captured_gradients()}
+    split.weight_grads()  # frees the graph
+    return sum(held.values())
 
 
 

@@ -90,6 +90,11 @@ class SplitBackward:
             for h in handles:
                 h.remove()
 
+    def captured_gradients(self) -> list[torch.Tensor]:
+        """The gradients I captured at the frontier nodes, held until :meth:`weight_grads`
+        (what a microbatch holds between its I and its W besides the saved activations)."""
+        return [g for grads in self._captured.values() for g in grads if g is not None]
+
     def weight_grads(self) -> tuple[list[int], list[torch.Tensor | None]]:
         """Runs W once; returns (leaf indices, their gradients) and frees the graph."""
         if self._full is not None:

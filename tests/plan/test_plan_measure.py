@@ -32,6 +32,46 @@ def test_probe_measures_the_peak_of_one_step_after_warmup():
     assert s["measured_peak_mib"] == pytest.approx(peak_mib)
 
 
+def test_peak_from_events_puts_back_the_frees_the_profiler_missed():
+    """The profiler records no free done on a thread without profiling: the peak is
+    recomputed with those frees at the times a dispatch mode saw the storages die, or,
+    where it saw nothing, when the address is allocated again."""
+    from fshard.plan.probe import peak_from_events
+
+    # a (100 B at 0x1) freed at t=2 on the step's thread; b (50 B at 0x2) freed at t=4 on a
+    # gloo thread (no event); c (70 B) allocated at t=5.
+    events = [(1, 0x1, 100), (2, 0x1, -100), (3, 0x2, 50), (5, 0x3, 70), (6, 0x3, -70)]
+    assert peak_from_events(events) == (120, 50)  # b never seen freed: 50 + 70 at t=5
+    assert peak_from_events(events, {0x2: [4]}) == (100, 0)  # b gone at t=4: a alone is the peak
+    assert peak_from_events(events, {0x2: [0]}) == (120, 50)  # a death before b existed is another storage's
+    # The address of b comes back at t=5 (a new allocation there): b was freed by then.
+    reuse = [(1, 0x2, 50), (5, 0x2, 70), (6, 0x2, -70)]
+    assert peak_from_events(reuse) == (70, 0)
+
+
+def test_probe_sees_a_tensor_freed_on_another_thread():
+    """A tensor whose last reference another thread drops (as a gloo worker drops a
+    collective's input) is freed there, where the profiler records no free: the probe
+    must not count it alive when the next 4 MiB arrive (the profiler's total says 8)."""
+    import threading
+
+    params, state = {"w": torch.zeros(256)}, {"m": torch.zeros(256)}
+
+    def step(p, s, x):
+        holder = [torch.ones(2**20)]                   # 4 MiB
+        t = threading.Thread(target=holder.clear)      # ... freed on that thread
+        t.start()
+        t.join()
+        b = torch.ones(2**20)                          # 4 MiB after the first is gone
+        del b
+        return p, s, x.sum()
+
+    probe = plan.StepProbe(warmup=0)
+    probe.wrap(step)(params, state, torch.ones(3))
+    assert 4.0 <= probe.peak_bytes / 2**20 < 4.01, probe.peak_bytes / 2**20
+    assert probe.never_freed_bytes < 64  # only the step's small result
+
+
 def _calibrate(path: str) -> dict:
     """Quick calibration on a 2 x 2 mesh whose ranks pretend to live on two hosts (ranks 0, 1
     and 2, 3): axis "y" stays inside a host, axis "x" spans them."""
