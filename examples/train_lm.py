@@ -100,7 +100,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                           "collectives), traced and compiled at the first step; BACKEND is torch.compile's: "
                           "inductor (the default), aot_eager (no code generation, faster to compile) or none "
                           "(run the captured graph uncompiled: checks the capture). The "
-                          "losses equal the eager step's. Not with pp or --microbatches > 1 (not capturable yet)")
+                          "losses equal the eager step's. Not with pp (not capturable yet)")
     run.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                      help="bfloat16 = bf16 compute and gathers over fp32 master weights")
     train = p.add_argument_group("training")
@@ -634,17 +634,15 @@ def make_jit_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.Grad
     The graph does not update in place (no ``fs.optim.donate()``): the old params must
     survive a non-finite step.
 
+    Gradient accumulation (``microbatches > 1``) is the eager step's loop, unrolled in the
+    graph: one trace holds every microbatch's forward and backward and the one reduction.
+
     Raises:
-      ConfigError: a pipeline (``pp``) or gradient accumulation (``microbatches > 1``):
-        they cannot be captured yet.
+      ConfigError: a pipeline (``pp``): it cannot be captured yet.
     """
     if plan.pp_axis:
         raise ConfigError("--jit cannot compile a pipeline step yet (the executor's point-to-point transfers "
                           "are not functional collectives): drop --jit, or pp from --mesh")
-    if microbatches > 1:
-        raise ConfigError(f"--jit cannot compile gradient accumulation (--microbatches {microbatches}) yet: "
-                          f"fs.parallel's accumulator keys its buffers by data pointer, which fs.jit's fake "
-                          f"tracing cannot read; drop --jit or --microbatches")
     eager = make_train_step(model, plan, specs, opt, microbatches, max_norm, inject, order)
 
     def loss_fn(params, tokens, targets, acc, sync):
@@ -654,7 +652,14 @@ def make_jit_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.Grad
         loss_fn, mesh=plan.mesh, in_specs=(specs, plan.batch_spec, plan.batch_spec, None, None), out_specs=P()))
 
     def compiled(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = grad_fn(params, tokens, targets, None, True)
+        acc = fs.parallel.GradAccumulator() if microbatches > 1 else None
+        losses = []
+        for k, (tok, tgt) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
+            loss, grads = grad_fn(params, tok, tgt, acc, k == microbatches - 1)
+            losses.append(loss)
+        if microbatches > 1:  # as the eager step: the last call's gradients are the sum
+            grads = fs.tree.tree_map(lambda g: g / microbatches, grads)
+        loss = sum(losses) / microbatches
         norm = fs.optim.global_norm(grads)
         if max_norm > 0:
             # Float64 tensors, and max_norm divided (not multiplied by a reciprocal, as

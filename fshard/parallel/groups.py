@@ -280,8 +280,8 @@ class Groups:
             self._last_rs = i
 
     def _key(self, i: int) -> tuple:
-        # The storage object's address, not its data pointer: under fs.jit's fake tensors
-        # every data pointer is 0, which made the microbatches' accumulation slots collide.
+        # The storage object's address, not its data pointer: fs.jit traces on fake
+        # tensors, whose data pointer cannot be read.
         return (self.layouts[i].shapes, i, self.groups[i][0].untyped_storage()._cdata)
 
     def _flush(self) -> None:
