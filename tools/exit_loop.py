@@ -135,7 +135,7 @@ def run_once(args: argparse.Namespace, index: int, log_dir: Path) -> dict[str, A
     env["OMP_NUM_THREADS"] = "1"
     if args.no_teardown:
         env["FSHARD_TEARDOWN_AT_EXIT"] = "0"
-    run_dir = log_dir / f"run{index:04d}"
+    run_dir = log_dir / f"{args.stamp}-{args.body}-run{index:04d}"
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if args.torchrun:
@@ -200,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rank_body is not None:
         rank_body(args.rank_body)
         return 0
+    args.stamp = time.strftime("%Y%m%d-%H%M%S") + ("-noteardown" if args.no_teardown else "")
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.nice(19))
