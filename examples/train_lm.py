@@ -1165,6 +1165,7 @@ if __name__ == "__main__":
             get_error_handler().record_exception(e)
         raise
     # Only after a clean run: after an error, other ranks may be gone, and this rank must
-    # exit (and fs.init's hook say why) without waiting on them.
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # exit (and fs.init's hook say why) without waiting on them. fs.shutdown(), not
+    # dist.destroy_process_group(): the meshes hold the groups, whose gloo threads must be
+    # joined before the interpreter finalizes (docs/reliability.md, "The abort at exit").
+    fs.shutdown()

@@ -14,6 +14,7 @@ from fshard.mesh import (
     current_mesh as current_mesh,
     gather as gather,
     init as init,
+    shutdown as shutdown,
     init_sharded as init_sharded,
     make_mesh as make_mesh,
     reshard as reshard,

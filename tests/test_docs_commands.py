@@ -62,6 +62,11 @@ NOT_RUN_HERE = {
                                                                         "pattern it stresses is pinned by "
                                                                         "tests/test_comm_one_at_a_time.py",
     r"PYTHONPATH=\.:tools python -m pytest .*": "the suite's own multi-rank modules, looped for the hunt",
+    r"(taskset -c 0 )?nice -n (10|19) python tools/exit_loop\.py --runs \d+ .*": "the abort-at-exit loop, "
+                                                                            "minutes (its --no-teardown arm exits 1 "
+                                                                            "when it reproduces the abort); its short "
+                                                                            "form runs here, and tests/mesh/"
+                                                                            "test_mesh_teardown.py pins the fix",
     r"python bench/(fsdp|ddp)\.py --steps 10": "a timing benchmark, minutes a run on a CI machine; its "
                                               "numbers are reported, not checked",
     # docs/jax.md

@@ -3,6 +3,7 @@
 from fshard.mesh.spec import P as P, PartitionSpec as PartitionSpec
 from fshard.mesh.mesh import Mesh as Mesh, make_mesh as make_mesh, current_mesh as current_mesh
 from fshard.mesh.process import init as init
+from fshard.mesh.teardown import shutdown as shutdown
 from fshard.mesh.sharding import (
     NamedSharding as NamedSharding,
     gather as gather,
@@ -13,7 +14,7 @@ from fshard.mesh.sharding import (
 from fshard.mesh.local import run_local as run_local, WorkerPool as WorkerPool, RankTimeoutError as RankTimeoutError
 
 __all__ = [
-    "P", "PartitionSpec", "Mesh", "make_mesh", "current_mesh", "init", "NamedSharding",
+    "P", "PartitionSpec", "Mesh", "make_mesh", "current_mesh", "init", "shutdown", "NamedSharding",
     "gather", "reshard", "shard", "spec_of", "run_local", "WorkerPool", "RankTimeoutError",
 ]
 

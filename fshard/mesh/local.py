@@ -52,7 +52,8 @@ class RankTimeoutError(TimeoutError):
     """Some ranks made no progress before the timeout; the message shows where each was stuck."""
 
 
-def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeout_s: float) -> None:
+def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeout_s: float,
+                 finalizes: bool = False) -> None:
     torch.set_num_threads(1)
     # The test suite sets this: a task that returns with a collective still in flight
     # fails (the backend would keep writing its buffers after the test moved on).
@@ -107,7 +108,15 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
         except BaseException as e:
             conn.send(("err", _pack_exc(e)))
     try:
-        dist.destroy_process_group()
+        if finalizes:
+            # A spawned rank exits through the interpreter's finalization, where a gloo
+            # worker still alive could abort it (fshard.mesh.teardown); a forked one
+            # leaves with os._exit and never finalizes.
+            from fshard.mesh import teardown
+
+            teardown.shutdown()
+        else:
+            dist.destroy_process_group()
     finally:
         conn.close()
 
@@ -173,7 +182,8 @@ class WorkerPool:
         for r in range(world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, daemon=True, name=f"{name}{r}",
-                            args=(r, world_size, self._store.port, child, self._stack_paths[r], timeout_s))
+                            args=(r, world_size, self._store.port, child, self._stack_paths[r], timeout_s,
+                                  start_method == "spawn"))
             p.start()
             child.close()
             self._conns.append(parent)

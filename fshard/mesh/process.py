@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fshard.mesh import failure
+from fshard.mesh import failure, teardown
 
 __all__ = ["init", "ensure_initialized", "enable_fault_stacks", "DEFAULT_TIMEOUT"]
 
@@ -37,7 +37,11 @@ def init(*, backend: str | None = None, timeout: timedelta | float | None = None
     A no-op when the group already exists or when no torchrun variable is set (one
     process). On CUDA with nccl, binds this process to GPU ``LOCAL_RANK``. Enables
     :func:`enable_fault_stacks`, so that a rank killed by a fatal signal prints every
-    thread's Python stack on stderr instead of vanishing without a word.
+    thread's Python stack on stderr instead of vanishing without a word. Registers
+    :func:`fshard.shutdown` to run at exit (after a clean end of the program; see
+    :mod:`fshard.mesh.teardown`): it completes fshard's collectives still in flight,
+    destroys the process groups and joins gloo's threads before the interpreter
+    finalizes, where a late gloo worker would abort the process.
 
     Args:
       backend: ``"nccl"`` or ``"gloo"``; default nccl when CUDA is available, else gloo.
@@ -71,6 +75,7 @@ def init(*, backend: str | None = None, timeout: timedelta | float | None = None
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout(timeout))
+    teardown.install_at_exit(owned=True)  # gloo's threads must be gone before finalization
     if world > 1:  # an uncaught error says whether this rank is the cause or a casualty
         failure.install(dist.distributed_c10d._get_default_store(), rank, world)
 
@@ -135,3 +140,4 @@ def ensure_initialized(n_ranks_wanted: int) -> None:
     dist.init_process_group(
         _default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=DEFAULT_TIMEOUT
     )
+    teardown.install_at_exit(owned=True)  # one rank's gloo group has worker threads too

@@ -1,0 +1,169 @@
+"""Teardown before the interpreter finalizes: ``fs.shutdown()`` and the hook ``fs.init()`` registers.
+
+Why: gloo runs a process group's collectives on worker threads. When a worker has run a
+collective it drops its own reference to it; if that is the last reference to a tensor
+whose Python object torch has kept alive (the caller dropped the tensor while the
+collective still held it), dropping it takes the GIL. Once the interpreter is
+finalizing, CPython ends any other thread that asks for the GIL (``pthread_exit``); the
+unwinding meets the collective's C++ destructor, which may not throw, and the C++
+runtime calls ``std::terminate``: ``terminate called without an active exception``, the
+rank dies of SIGABRT after its work was done. Seen in a core dump (docs/reliability.md,
+"The abort at exit"): the gloo worker in ``ProcessGroupGloo::runLoop`` ->
+``~AsyncAllgatherWork`` -> ``TensorImpl::decref_pyobject`` -> ``gil_scoped_acquire`` ->
+``take_gil`` -> ``PyThread_exit_thread`` -> ``std::terminate``, the main thread in
+``Py_FinalizeEx``. A worker that is merely late to drop a collective the main thread
+already waited for (a busy machine) is enough. torch does not tear its groups down at
+exit (pytorch/pytorch#179291 tried, and was abandoned), and ``destroy_process_group()``
+alone does not stop a group's threads while anything still references the group (a
+mesh's sub-groups, fshard's caches).
+
+So the teardown, while the interpreter is still whole: completes the collectives fshard
+still has in flight, destroys every process group, drops fshard's own references to
+groups (the mesh cache and each mesh's sub-groups, the checkpoint group, the in-flight
+records, the handles of finished collectives) and collects them, which destroys the groups' C++ objects; their destructors
+join the gloo workers (without the GIL, so a worker that needs it can finish). After
+it, no gloo worker is left to run into the finalizing interpreter, unless user code
+still holds a group of its own (``dist.new_group()``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import gc
+import os
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["shutdown", "install_at_exit", "at_exit_enabled"]
+
+# owned: fshard started the default group (fs.init or the one-rank group), so the hook
+# may destroy it; failed: an uncaught exception reached sys.excepthook.
+_STATE: dict[str, bool] = {"owned": False, "installed": False, "failed": False}
+TIMEOUT_S = float(os.environ.get("FSHARD_TEARDOWN_TIMEOUT_S", "60"))
+
+
+def at_exit_enabled() -> bool:
+    """Whether the hook is wanted (``FSHARD_TEARDOWN_AT_EXIT=0`` turns it off)."""
+    return os.environ.get("FSHARD_TEARDOWN_AT_EXIT", "1") != "0"
+
+
+def shutdown() -> None:
+    """Completes fshard's collectives in flight, destroys every process group, joins gloo's threads.
+
+    Call it where a script's distributed work ends (``fs.init()`` also runs it at exit
+    when it started the default group). Collective: every rank calls it, after the same
+    collectives. Idempotent; a no-op without torch.distributed. Meshes made before it
+    cannot be used after it.
+
+    Raises:
+      RuntimeError: a collective in flight failed (e.g. a peer is gone); the groups are
+        destroyed and fshard's references dropped anyway.
+    """
+    if not dist.is_available():
+        return
+    try:
+        _complete_in_flight()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _forget_groups()
+        # The groups' last references are gone: their destructors run here and join the
+        # gloo workers, while the interpreter can still give them the GIL.
+        gc.collect()
+
+
+def _complete_in_flight() -> None:
+    """Waits for the one collective fshard may have in flight per gloo group."""
+    comm = sys.modules.get("fshard.comm")
+    if comm is None:
+        return
+    # fshard.comm._LAST: the collective fshard started last on each gloo group (every
+    # earlier one was completed when the next one started).
+    pending = list(comm._LAST.values())
+    comm._LAST.clear()
+    errors = []
+    for handle in pending:
+        try:
+            handle._complete()
+        except Exception as e:  # a peer is gone: still tear down, then say so
+            errors.append(e)
+        handle._group = None  # completed: a handle the program keeps must not keep its group
+    if errors:
+        raise RuntimeError(f"fs.shutdown(): {len(errors)} collective(s) in flight failed; "
+                           f"the first: {errors[0]}") from errors[0]
+
+
+def _forget_groups() -> None:
+    """Drops every reference fshard keeps to a process group."""
+    from fshard.mesh import mesh as mesh_mod
+
+    for m in list(mesh_mod._MESH_CACHE.values()):
+        m._groups.clear()  # a user may still hold the mesh; its groups are destroyed
+        # torch's DeviceMesh keeps its groups by name in its root mesh's _pg_registry
+        # (torch 2.13), which outlives destroy_process_group().
+        dm = m.device_mesh
+        root = getattr(dm, "_root_mesh", None) or dm
+        for d in (dm, root):
+            registry = getattr(d, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
+    mesh_mod._MESH_CACHE.clear()
+    ckpt = sys.modules.get("fshard.checkpoint._common")
+    if ckpt is not None:
+        ckpt._GROUPS.clear()
+    comm = sys.modules.get("fshard.comm")
+    if comm is not None:
+        comm._LAST.clear()
+        comm._IS_GLOO.clear()
+        # A Handle keeps its group after it completed (for the one-in-flight rule); one the
+        # program still holds (a variable of its main script) would keep the group and its
+        # threads alive into finalization. One pass over the heap, at exit only.
+        for obj in gc.get_objects():
+            if type(obj) is comm.Handle:
+                obj._group = None
+
+
+def install_at_exit(*, owned: bool) -> None:
+    """Registers the teardown at exit (once); ``owned``: fshard started the default group.
+
+    The hook runs only when fshard started the default group (a group the caller made
+    with ``dist.init_process_group`` is the caller's to destroy: ``fs.shutdown()``), when
+    no uncaught exception ended the program (other ranks may then be gone or stuck, and
+    this rank must exit without waiting for them), and unless ``FSHARD_TEARDOWN_AT_EXIT=0``.
+    If it blocks longer than ``FSHARD_TEARDOWN_TIMEOUT_S`` (60 s; a peer stopped
+    mid-collective without dying), faulthandler prints every thread's stack and the
+    process exits with status 1.
+    """
+    _STATE["owned"] = _STATE["owned"] or owned
+    if _STATE["installed"]:
+        return
+    _STATE["installed"] = True
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        _STATE["failed"] = True
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    if not (_STATE["owned"] and at_exit_enabled()) or _STATE["failed"]:
+        return
+    stream = sys.stderr or sys.__stderr__
+    try:
+        faulthandler.dump_traceback_later(TIMEOUT_S, exit=True, file=stream)
+        armed = True
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no file descriptor to write to
+        armed = False
+    try:
+        shutdown()
+    except Exception as e:  # exiting anyway: say why the teardown stopped, not a traceback
+        print(f"fshard: teardown at exit: {e}", file=stream, flush=True)
+    finally:
+        if armed:
+            faulthandler.cancel_dump_traceback_later()
