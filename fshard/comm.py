@@ -336,13 +336,34 @@ class Handle:
         if not self._done:
             self._tensor = _F.wait_tensor(self._tensor)
             self._done = True
+            # Done: a handle the program keeps must not keep its group (and gloo's worker
+            # threads) alive into the interpreter's finalization (fshard.mesh.teardown).
+            self._group = None
 
     def wait(self) -> torch.Tensor:
-        self._complete()
         group = self._group
+        self._complete()
         if group is not None and _LAST.get(group.group_name) is self:
             del _LAST[group.group_name]
         return self._post(self._tensor) if self._post is not None else self._tensor
+
+
+def complete_in_flight() -> list[BaseException]:
+    """Completes the collective fshard has in flight on each gloo group (``fs.shutdown``).
+
+    Returns:
+      The errors of those that failed (a peer gone), after trying every one.
+    """
+    pending = list(_LAST.values())
+    _LAST.clear()
+    errors = []
+    for handle in pending:
+        try:
+            handle._complete()
+        except Exception as e:  # noqa: BLE001 - reported by the caller, after the others
+            errors.append(e)
+            handle._group = None
+    return errors
 
 
 def all_reduce(x: torch.Tensor, group, op: str, *, axes: Sequence[str]) -> torch.Tensor:

@@ -80,17 +80,8 @@ def _complete_in_flight() -> None:
     comm = sys.modules.get("fshard.comm")
     if comm is None:
         return
-    # fshard.comm._LAST: the collective fshard started last on each gloo group (every
-    # earlier one was completed when the next one started).
-    pending = list(comm._LAST.values())
-    comm._LAST.clear()
-    errors = []
-    for handle in pending:
-        try:
-            handle._complete()
-        except Exception as e:  # a peer is gone: still tear down, then say so
-            errors.append(e)
-        handle._group = None  # completed: a handle the program keeps must not keep its group
+    # At most one per gloo group: every earlier one completed when the next one started.
+    errors = comm.complete_in_flight()
     if errors:
         raise RuntimeError(f"fs.shutdown(): {len(errors)} collective(s) in flight failed; "
                            f"the first: {errors[0]}") from errors[0]
@@ -116,14 +107,7 @@ def _forget_groups() -> None:
         ckpt._GROUPS.clear()
     comm = sys.modules.get("fshard.comm")
     if comm is not None:
-        comm._LAST.clear()
-        comm._IS_GLOO.clear()
-        # A Handle keeps its group after it completed (for the one-in-flight rule); one the
-        # program still holds (a variable of its main script) would keep the group and its
-        # threads alive into finalization. One pass over the heap, at exit only.
-        for obj in gc.get_objects():
-            if type(obj) is comm.Handle:
-                obj._group = None
+        comm._IS_GLOO.clear()  # a completed Handle drops its group itself (fshard.comm.Handle)
 
 
 def install_at_exit(*, owned: bool) -> None:
