@@ -32,11 +32,12 @@ argument that requires grad is refused.
 Captured and tested against eager: DP, FSDP (2 and 4 ranks), HSDP (2x2), Megatron TP,
 ``fs.parallel``'s layer loop (FSDP and replicate), ``fs.optim`` with learning-rate
 schedules (tensor ops of the step count: one graph for every step) and
-``clip_by_global_norm`` (its norm's all-reduces become functional collectives).
+``clip_by_global_norm`` (its norm's all-reduces become functional collectives), and
+gradient accumulation with ``fs.parallel.GradAccumulator`` (the microbatch loop unrolled:
+``examples/train_lm.py --jit --microbatches 2``).
 
 Not yet capturable: ``fs.lax.ppermute`` and the pipeline executor (point-to-point
-transfers are not functional collectives), ``fs.parallel.GradAccumulator`` (it keys its
-buffers by data pointer, which fake tensors do not have), and anything else that calls
+transfers are not functional collectives), and anything else that calls
 ``torch.distributed`` directly.
 """
 
