@@ -54,7 +54,7 @@ KEY_FIGURES = {
     "offload": ["world2_host_to_device_copies", "world1_host_to_device_copies", "world2_max_shard_diff"],
     "gloo_cuda_ranks": ["fsdp_grad_err", "tp_grad_err", "pipeline_grad_err", "init_device_peak_rise_bytes"],
     "fully_shard_overhead": ["torch_s_per_step", "fshard_s_per_step", "ratio_fshard_over_torch"],
-    "jit": ["eager_s", "jit_s", "speedup"],
+    "jit": ["backend", "eager_s", "jit_s", "speedup"],
 }
 DRY_RUN_NOTE = (
     "CPU dry run: the same check scripts ran on the CPU over gloo. Every assertion about the "
