@@ -16,10 +16,14 @@ docs cannot go unrun.
 To keep the time modest, the README's "(or `dp=2,fsdp=2`, ...)" variants of a train_lm
 torchrun command run in-process on the shared 4-rank pool (``train_lm.main(argv)``, the
 same flags and defaults); the command itself, and the multi-node one, run under torchrun.
+A command that is another documented command plus flags that only add output
+(:data:`OUTPUT_ONLY_FLAGS`) runs once for both: its launch runs the shorter command's
+argv word for word, then those flags (a torchrun launch costs 15-35 s of CI).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -135,6 +139,33 @@ def _runnable(cmd: str) -> list[str]:
 
 RUN = [(doc, kind, step) for doc, kind, cmd in ALL if cmd not in TEMPLATES for step in _runnable(cmd)]
 
+# train_lm.py flags (with their value) that add output and change nothing the run computes:
+# --log-json writes the records (and profiles one step's memory for the prediction line).
+OUTPUT_ONLY_FLAGS = {"--log-json"}
+
+
+def _extends(longer: str, shorter: str) -> bool:
+    """Whether ``longer`` is ``shorter`` word for word followed only by output-only flags."""
+    a, b = shlex.split(longer), shlex.split(shorter)
+    if len(a) <= len(b) or a[:len(b)] != b or not any(w.endswith("train_lm.py") for w in b):
+        return False
+    rest = a[len(b):]
+    return len(rest) % 2 == 0 and all(f in OUTPUT_ONLY_FLAGS for f in rest[::2])
+
+
+def _launches() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
+    """RUN, less the steps another step extends: ``(doc, kind, step, [(doc, step) it also runs])``."""
+    out = []
+    for doc, kind, step in RUN:
+        if kind != "variant" and any(k != "variant" and _extends(s, step) for _, k, s in RUN):
+            continue
+        also = [(d, s) for d, k, s in RUN if k != "variant" and kind != "variant" and _extends(step, s)]
+        out.append((doc, kind, step, also))
+    return out
+
+
+LAUNCHES = _launches()
+
 
 def test_every_command_is_run_or_listed():
     assert any(kind == "block" for _, kind, _ in ALL) and any(kind == "inline" for _, kind, _ in ALL)
@@ -145,6 +176,16 @@ def test_every_command_is_run_or_listed():
             assert listed != runs, f"{doc}: {step!r} is both run and listed, or neither"
     for step in (s for s in TEMPLATES):
         assert any(cmd == step for _, _, cmd in ALL), f"TEMPLATES names {step!r}, which no document has any more"
+
+
+def test_every_run_step_is_launched_itself_or_by_a_command_that_extends_it():
+    launched = {(doc, step) for doc, _, step, _ in LAUNCHES}
+    also = {pair for *_, extra in LAUNCHES for pair in extra}
+    assert {(doc, step) for doc, _, step in RUN} == launched | also
+    assert also, "no documented command extends another one any more: drop OUTPUT_ONLY_FLAGS"
+    assert _extends("torchrun x/train_lm.py --mesh a --log-json l.json", "torchrun x/train_lm.py --mesh a")
+    assert not _extends("torchrun x/train_lm.py --mesh a --steps 9", "torchrun x/train_lm.py --mesh a")
+    assert not _extends("torchrun x/train_lm.py --mesh ab --log-json l.json", "torchrun x/train_lm.py --mesh a")
 
 
 def test_readme_test_command_is_what_ci_runs():
@@ -189,8 +230,9 @@ def _train(argv: list[str]) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("doc, kind, step", RUN, ids=[f"{d}: {s}" for d, _, s in RUN])
-def test_command_runs(doc, kind, step, tmp_path):
+@pytest.mark.parametrize("doc, kind, step, also", LAUNCHES,
+                         ids=[f"{d}: {s}" + "".join(f" (also {d2}: {s2})" for d2, s2 in a) for d, _, s, a in LAUNCHES])
+def test_command_runs(doc, kind, step, also, tmp_path):
     argv = _argv(step)
     if kind == "variant":  # torchrun --nproc-per-node 4 examples/train_lm.py ARGS: ARGS on the 4-rank pool
         n = int(argv[argv.index("--nproc-per-node") + 1])
@@ -204,3 +246,6 @@ def test_command_runs(doc, kind, step, tmp_path):
     assert run.returncode == 0, f"{doc}: {step}\n$ {shlex.join(argv)}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
     if "train_lm.py" in step:
         assert "loss" in run.stdout and "over steps 1-2" in run.stdout, run.stdout[-2000:]
+    if "--log-json" in argv:  # what the flag adds: the records of both steps
+        log = json.loads((tmp_path / argv[argv.index("--log-json") + 1]).read_text())
+        assert [r["step"] for r in log] == [1, 2], log

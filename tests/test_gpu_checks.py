@@ -3,8 +3,9 @@
 ``run.sh --cpu-dry-run`` runs every check script exactly as on a GPU, with the device
 (cuda -> cpu) and backend (nccl -> gloo) swapped and the device assertions skipped; the
 summary must say every check passed or was skipped for a stated reason, and list the
-device assertions each one skipped. Dry-run sizes are tiny (a few steps): this costs
-about 40 s of CPU, but every check is its own process, so wall time grows with load.
+device assertions each one skipped. Dry-run sizes are tiny (a few steps) and the jit
+check compiles with ``aot_eager`` (no Inductor C++ build, see check_jit.py): this costs
+about 35 s of CPU, but every check is its own process, so wall time grows with load.
 
 The runner itself (time limit, keeping going past a failure, a check that leaves no
 record) is tested with a stand-in interpreter, without torch.
@@ -54,6 +55,8 @@ def test_cpu_dry_run_passes_and_says_what_it_skipped(tmp_path):
 
     if not hasattr(fshard, "jit"):
         assert by_name["jit"]["status"] == "skipped" and by_name["jit"]["reason"] == "fs.jit not built"
+    else:
+        assert by_name["jit"]["figures"]["backend"] == "aot_eager"
     assert set(by_name["gloo_cuda_ranks"]["parts"]) == {"collectives", "init_sharded", "fsdp", "tp", "pipeline"}
     assert "Nothing in this summary ran on a GPU" in (tmp_path / "summary.md").read_text()
 

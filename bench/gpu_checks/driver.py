@@ -55,7 +55,7 @@ KEY_FIGURES = {
     "gloo_cuda_ranks": ["torch_gloo_on_device", "fsdp_grad_err", "tp_grad_err", "pipeline_grad_err",
                         "init_device_peak_rise_bytes"],
     "fully_shard_overhead": ["torch_s_per_step", "fshard_s_per_step", "ratio_fshard_over_torch"],
-    "jit": ["eager_s", "jit_s", "speedup"],
+    "jit": ["backend", "eager_s", "jit_s", "speedup"],
 }
 DRY_RUN_NOTE = (
     "CPU dry run: the same check scripts ran on the CPU over gloo. Every assertion about the "
