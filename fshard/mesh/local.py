@@ -52,6 +52,9 @@ class RankTimeoutError(TimeoutError):
     """Some ranks made no progress before the timeout; the message shows where each was stuck."""
 
 
+_GO = "go"  # the message that lets a started rank connect to the store
+
+
 def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeout_s: float,
                  finalizes: bool = False) -> None:
     torch.set_num_threads(1)
@@ -80,6 +83,14 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     try:
+        # Wait until the parent has started every rank. A forked rank inherits the
+        # parent's locks as they were at the fork: had an earlier rank already connected,
+        # the parent's store thread could be inside getnameinfo() (formatting that
+        # connection's address) holding glibc's resolver lock, and this rank would block
+        # forever in its own getnameinfo() (seen: bench/plan_validate.py hung in a
+        # 4-rank run_local start-up, the last rank in resolv_conf.c's lock).
+        if conn.recv() != _GO:
+            raise RuntimeError("fshard: a rank was not released by the pool that started it")
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
@@ -188,6 +199,11 @@ class WorkerPool:
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
+        for c in self._conns:  # every rank forked: now they may connect (see _worker_main)
+            try:
+                c.send(_GO)
+            except OSError:  # that rank already died: the start-up report below says how
+                pass
         self._collect(["ready"] * world_size, timeout_s=max(60.0, timeout_s), what="start-up")
 
     @property

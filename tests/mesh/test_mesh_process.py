@@ -208,3 +208,30 @@ def test_run_local_after_this_process_destroyed_its_own_group(monkeypatch):
     dist.all_reduce(t, group=mesh.group("fsdp"))
     assert t.item() == 1.0
     dist.destroy_process_group()
+
+
+def test_a_started_rank_waits_for_the_pool_before_it_connects(tmp_path):
+    # A forked rank inherits the parent's locks as they were at the fork. Had it connected
+    # to the store at once, the parent's store thread could hold glibc's resolver lock
+    # (formatting an earlier rank's address) while the next rank was forked, and that rank
+    # hung in getnameinfo (a 4-rank run_local of bench/plan_validate.py did). So a rank
+    # connects only after the pool released it; here it is not released.
+    import multiprocessing as mp
+
+    from fshard.mesh import local
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=local._worker_main, args=(0, 1, 1, child, str(tmp_path / "stack"), 5.0), daemon=True)
+    p.start()
+    child.close()
+    try:
+        assert not parent.poll(1.0)  # waiting for the pool: no store connection tried (port 1 has none)
+        parent.send("not go")
+        assert parent.poll(30)
+        kind, (_, tb) = parent.recv()
+        assert kind == "err" and "not released by the pool" in tb, tb
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
