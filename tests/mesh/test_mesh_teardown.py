@@ -47,6 +47,11 @@ def report():
     alive = [r() is not None for r in GROUPS]
     print("REPORT " + json.dumps({"gloo_threads": gloo_threads(), "groups_alive": alive,
                                   "initialized": dist.is_initialized()}), flush=True)
+    if os.environ.get("TEST_SHUTDOWN_AFTER_REPORT"):
+        # A program whose groups fshard leaves alive on purpose (not started by fshard,
+        # or after an uncaught exception) would otherwise be open to the very abort at
+        # exit these tests are about: it tears down itself, after the observation.
+        fs.shutdown()
 
 atexit.register(report)
 import fshard as fs
@@ -79,7 +84,7 @@ def _free_port() -> int:
 
 
 def _run(tmp_path: Path, body: str, *, world: int = 1, torchrun_env: bool = True,
-         teardown: bool = True) -> list[tuple[int, str, dict | None]]:
+         teardown: bool = True, shutdown_after_report: bool = False) -> list[tuple[int, str, dict | None]]:
     """Runs the program on ``world`` processes; returns (exit code, output, report) per rank."""
     script = tmp_path / "prog.py"
     script.write_text(textwrap.dedent(_PRELUDE) + textwrap.dedent(body))
@@ -89,6 +94,8 @@ def _run(tmp_path: Path, body: str, *, world: int = 1, torchrun_env: bool = True
         env.pop(v, None)
     if not teardown:
         env["FSHARD_TEARDOWN_AT_EXIT"] = "0"
+    if shutdown_after_report:
+        env["TEST_SHUTDOWN_AFTER_REPORT"] = "1"
     port = _free_port()
     procs = []
     for r in range(world):
@@ -154,7 +161,7 @@ def test_no_teardown_after_an_uncaught_exception(tmp_path):
     """After an uncaught exception the hook does nothing (peers may be gone or stuck in a
     collective, and this rank must exit without waiting for them)."""
     body = _TRAIN + "\nraise RuntimeError('boom')\n"
-    (code, out, rep), = _run(tmp_path, body, world=1, torchrun_env=False)
+    (code, out, rep), = _run(tmp_path, body, world=1, torchrun_env=False, shutdown_after_report=True)
     assert code == 1 and "RuntimeError: boom" in out, out
     assert rep is not None and rep["initialized"], f"the hook tore down after a failure: {rep}\n{out}"
 
@@ -167,7 +174,7 @@ def test_no_teardown_of_a_group_fshard_did_not_start(tmp_path):
     mesh = fs.make_mesh({"a": 1})
     comm.all_reduce(torch.ones(2), mesh.group("a"), "sum", axes=("a",))
     """
-    (code, out, rep), = _run(tmp_path, body, world=1, torchrun_env=False)
+    (code, out, rep), = _run(tmp_path, body, world=1, torchrun_env=False, shutdown_after_report=True)
     assert code == 0 and rep is not None and rep["initialized"], f"{rep}\n{out}"
     body += "fs.shutdown()\n"
     (code, out, rep), = _run(tmp_path, body, world=1, torchrun_env=False)
