@@ -127,11 +127,13 @@ class Jitted:
         return self._entry(*self._signature(args, kwargs)).graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key, paths, leaves, treedef = self._signature(args, kwargs)
-        entry = self._entry(key, paths, leaves, treedef)
+        key, call_args, leaves, treedef = self._signature(args, kwargs)
+        entry = self._entry(key, call_args, leaves, treedef)
         if entry.eager:
             return self._f(*args, **kwargs)
-        locals_ = [_local(x) for x in leaves if isinstance(x, torch.Tensor)]
+        # The local tensors themselves, not ``to_local()``'s views: no argument requires
+        # grad (refused above), so the autograd node per leaf would only cost host time.
+        locals_ = [x._local_tensor if isinstance(x, DTensor) else x for x in leaves if isinstance(x, torch.Tensor)]
         # Dynamo compiles no frame while a dispatch mode (comm_log's) is active: the graph
         # runs without them, and its collectives are replayed into the logs instead.
         try:
@@ -144,7 +146,8 @@ class Jitted:
                           RuntimeWarning, stacklevel=2)
             self._cache[key] = _Entry(None, None, (), (), entry.graph, eager=True)
             return self._f(*args, **kwargs)
-        _replay(entry.timeline)
+        if entry.timeline:
+            _replay(entry.timeline)
         flat, k = [], 0
         for kind, meta in entry.out_leaves:
             if kind == "const":
@@ -153,22 +156,26 @@ class Jitted:
             t = out[k]
             k += 1
             if kind == "dtensor":
-                mesh, placements, shape, stride = meta
-                t = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
+                # The traced output's spec (mesh, placements, global shape, stride, dtype),
+                # shared by every call: DTensor.from_local's autograd node and spec
+                # construction per leaf and call were most of fs.jit's host time per call.
+                t = DTensor(t, meta, requires_grad=t.requires_grad)
             flat.append(t)
         return tree_util.tree_unflatten(entry.out_tree, flat)
 
     # --- signature and cache -----------------------------------------------------------
     def _signature(self, args: tuple, kwargs: dict):
-        raw_paths, leaves, treedef = tree_util.tree_flatten_with_path((args, kwargs))
-        paths = [_path(p) for p in raw_paths]
+        """The cache key of a call. Runs on every call, so it reads each leaf's DTensor spec
+        and local tensor directly, and leaf paths are built only for a message."""
+        leaves, treedef = tree_util.tree_flatten((args, kwargs))
+        grad = torch.is_grad_enabled()
         sig = []
-        for path, x in zip(paths, leaves):
+        for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
-                if x.requires_grad and torch.is_grad_enabled():
+                if grad and x.requires_grad:
                     raise ValueError(
-                        f"fs.jit({self.__name__}): argument {path} requires grad. A captured graph has no "
-                        f"autograd of its own: differentiate inside the jitted function "
+                        f"fs.jit({self.__name__}): argument {_paths(args, kwargs)[i]} requires grad. A captured "
+                        f"graph has no autograd of its own: differentiate inside the jitted function "
                         f"(fs.jit(fs.value_and_grad(f)) or a shard_map'd value_and_grad), or pass a "
                         f"detached tensor."
                     )
@@ -178,18 +185,20 @@ class Jitted:
                     hash(x)
                 except TypeError:
                     raise TypeError(
-                        f"fs.jit({self.__name__}): argument {path} is a {type(x).__name__}, neither a tensor "
-                        f"nor hashable: non-tensor arguments are part of the compiled signature (static)."
+                        f"fs.jit({self.__name__}): argument {_paths(args, kwargs)[i]} is a {type(x).__name__}, "
+                        f"neither a tensor nor hashable: non-tensor arguments are part of the compiled "
+                        f"signature (static)."
                     ) from None
                 sig.append(("static", type(x), x))
-        key = (treedef, tuple(sig), torch.is_grad_enabled())
-        return key, paths, leaves, treedef
+        key = (treedef, tuple(sig), grad)
+        return key, (args, kwargs), leaves, treedef
 
-    def _entry(self, key, paths, leaves, treedef) -> _Entry:
+    def _entry(self, key, call_args, leaves, treedef) -> _Entry:
         entry = self._cache.get(key)
         if entry is None:
             if self._cache and os.environ.get("FSHARD_LOG_RECOMPILES"):
-                log.warning("fs.jit(%s) recompiles: %s", self.__name__, _why(key, paths, list(self._cache)))
+                log.warning("fs.jit(%s) recompiles: %s", self.__name__,
+                            _why(key, _paths(*call_args), list(self._cache)))
             entry = self._cache[key] = self._capture(leaves, treedef)
         return entry
 
@@ -221,7 +230,7 @@ class Jitted:
             kinds, tensors_out = [], []
             for o in out_flat:
                 if isinstance(o, DTensor):
-                    kinds.append(("dtensor", (o.device_mesh, o.placements, o.shape, o.stride())))
+                    kinds.append(("dtensor", o._spec))
                     tensors_out.append(o.to_local())
                 elif isinstance(o, torch.Tensor):
                     kinds.append(("tensor", None))
@@ -314,10 +323,17 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 
 def _tensor_sig(x: torch.Tensor) -> tuple:
     if isinstance(x, DTensor):
-        loc = x.to_local()
-        return ("dtensor", tuple(x.shape), x.stride(), x.dtype, x.device_mesh, tuple(x.placements),
+        spec, loc = x._spec, x._local_tensor
+        meta = spec.tensor_meta
+        return ("dtensor", tuple(meta.shape), meta.stride, meta.dtype, spec.mesh, spec.placements,
                 tuple(loc.shape), loc.stride())
     return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.device)
+
+
+def _paths(args: tuple, kwargs: dict) -> list[str]:
+    """Each leaf's path in the call, as a message names it (``args[0].w``, ``kwargs.lr``)."""
+    raw, _, _ = tree_util.tree_flatten_with_path((args, kwargs))
+    return [_path(p) for p in raw]
 
 
 def _path(p) -> str:
