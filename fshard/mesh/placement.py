@@ -140,6 +140,11 @@ def spec_to_placements(spec: PartitionSpec, mesh: Mesh) -> tuple[Placement, ...]
     minor order needs ``_StridedShard`` on the axes that shard "before" an axis that
     comes earlier in the mesh (torch's right-to-left sharding, as FSDP x TP uses).
     """
+    # Every shard_map call asks this for each of its DTensor arguments: cached per mesh.
+    cache = getattr(mesh, "__dict__", {}).setdefault("_spec_placements", {})
+    hit = cache.get(spec)
+    if hit is not None:
+        return hit
     placements: list[Placement] = [Replicate() for _ in mesh.axis_names]
     for d in range(len(spec)):
         axes = spec.dim_axes(d)
@@ -147,7 +152,8 @@ def spec_to_placements(spec: PartitionSpec, mesh: Mesh) -> tuple[Placement, ...]
             mi = mesh.axis_names.index(a)
             sf = math.prod(mesh.shape[b] for b in axes[:j] if mesh.axis_names.index(b) > mi)
             placements[mi] = Shard(d) if sf == 1 else _StridedShard(d, split_factor=sf)
-    return tuple(placements)
+    cache[spec] = out = tuple(placements)
+    return out
 
 
 def _same(a: Placement, b: Placement) -> bool:

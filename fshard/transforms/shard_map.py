@@ -105,25 +105,27 @@ def _enter(name: str, body: lax.Body, args: tuple, in_specs: Any, reshard: bool)
     # need no check, and become their local blocks through one autograd node.
     direct = [i for i, (x, spec) in enumerate(zip(values, flat))
               if isinstance(x, DTensor) and _in_layout(x, spec, mesh)]
-    skip, paths, bad = set(direct), None, []
+    skip, paths, bad = set(direct), [], []
+
+    def path_of(i: int) -> str:  # names for the error messages, made only when one is needed
+        if not paths:
+            paths.extend(f"args[{p.split('.', 1)[0]}]" + (f".{p.split('.', 1)[1]}" if "." in p else "")
+                         for p in tree_util.zip_with_path(list(args))[0])
+        return paths[i]
+
     for i, (x, spec) in enumerate(zip(values, flat)):
         if i in skip or not isinstance(x, torch.Tensor):
             continue
-        if paths is None:  # names for the error messages, made only when something is checked
-            paths = [f"args[{p.split('.', 1)[0]}]" + (f".{p.split('.', 1)[1]}" if "." in p else "")
-                     for p in tree_util.zip_with_path(list(args))[0]]
-        path = paths[i]
         if isinstance(x, DTensor):
-            have = placements_to_spec(x.placements, mesh, path=path)
+            have = placements_to_spec(x.placements, mesh, path=path_of(i))
             if have.padded(x.dim()) != spec.padded(x.dim()) and not reshard and not _same_layout(x, spec, mesh):
-                bad.append((path, spec, tuple(x.shape),
+                bad.append((path_of(i), spec, tuple(x.shape),
                             [f"the DTensor is laid out as {have}; pass reshard=True to redistribute it"]))
-        if isinstance(x, torch.Tensor):
-            # A DTensor knows its own (possibly uneven, FSDP-style) layout; plain tensors must divide.
-            probs = (spec_problems(spec, tuple(x.shape), mesh, allow_uneven=isinstance(x, DTensor)) if spec is not None else
-                     ["a tensor argument needs a P(...) spec; None marks static (non-tensor) arguments"])
-            if probs:
-                bad.append((path, spec, tuple(x.shape), probs))
+        # A DTensor knows its own (possibly uneven, FSDP-style) layout; plain tensors must divide.
+        probs = (spec_problems(spec, tuple(x.shape), mesh, allow_uneven=isinstance(x, DTensor)) if spec is not None else
+                 ["a tensor argument needs a P(...) spec; None marks static (non-tensor) arguments"])
+        if probs:
+            bad.append((path_of(i), spec, tuple(x.shape), probs))
     raise_spec_errors(f"shard_map({name}) in_specs", mesh, bad,
                       "Make each spec match its argument (specs are pytree prefixes of the arguments).")
     locals_ = dict(zip(direct, _Locals.apply(*(values[i] for i in direct)))) if direct else {}
