@@ -160,6 +160,9 @@ def _raw_permute(dtype):
             got = comm.permute(x, group, sends, me, axes=("x",))
         out.append((got, dict(log.counts), dict(log.wire), dict(log.bytes),
                     [(e.what, e.kind) for e in log.timeline]))
+    # A 0-d tensor (flattened to one element) and a non-contiguous one keep their shapes.
+    out.append((comm.permute(x[0, 0], group, _RAW_PERMS[0], me, axes=("x",)),
+                comm.permute(x.t(), group, _RAW_PERMS[0], me, axes=("x",))))
     try:
         comm.permute(x, group, [(0, 1), (0, 2)], me, axes=("x",))
     except ValueError as e:
@@ -173,7 +176,10 @@ def test_permute_values_zeros_and_log_on_4_ranks(dtype):
     xs = [(torch.arange(6).reshape(2, 3) + 10 * (r + 1)).to(dtype) for r in range(4)]
     for me, res in enumerate(results):
         assert "unique sources" in res[-1] and "(0, 2)" in res[-1]
-        for sends, (got, counts, wire, nbytes, timeline) in zip(_RAW_PERMS, res[:-1]):
+        scalar, transposed = res[-2]
+        assert torch.equal(scalar, xs[(me - 1) % 4][0, 0]) and scalar.shape == ()
+        assert torch.equal(transposed, xs[(me - 1) % 4].t())
+        for sends, (got, counts, wire, nbytes, timeline) in zip(_RAW_PERMS, res[:-2]):
             src = [s for s, d in sends if d == me]
             want = xs[src[0]] if src else torch.zeros_like(xs[me])
             assert got.dtype == dtype and torch.equal(got, want), (sends, me, got)
