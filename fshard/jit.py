@@ -36,9 +36,16 @@ schedules (tensor ops of the step count: one graph for every step) and
 gradient accumulation with ``fs.parallel.GradAccumulator`` (the microbatch loop unrolled:
 ``examples/train_lm.py --jit --microbatches 2``).
 
-Not yet capturable: ``fs.lax.ppermute`` and the pipeline executor (point-to-point
-transfers are not functional collectives), and anything else that calls
-``torch.distributed`` directly.
+``fs.lax.ppermute`` (and its backward, the inverse perm) is captured as one
+``all_to_all_single`` whose split sizes send this rank's whole tensor to its destination
+and nothing to the other ranks: Python ints of the tracing rank, baked into its graph, so
+the ranks' graphs differ in them (their collectives still match one to one). Tested
+against eager: rings, partial perms (ranks that receive zeros or send nothing), a perm
+over one axis of a 2-D mesh, in both orders of ``shard_map`` and ``value_and_grad``.
+
+Not yet capturable: the pipeline executor (``fs.sched``'s point-to-point transfers call
+``torch.distributed`` directly), and anything else that calls ``torch.distributed``
+directly.
 """
 
 from __future__ import annotations

@@ -137,3 +137,55 @@ def test_staged_collectives_equal_unstaged():
     x0 = torch.arange(24, dtype=torch.float64).reshape(4, 6)
     assert torch.equal(plain[0]["inplace"], 3 * x0)  # 1x + 2x: the in-place result was copied back
     assert torch.equal(plain[1]["reduce_scatter"], 1.5 * x0[2:])
+
+
+# --- permute: an all_to_all_single with per-peer split sizes -------------------------------
+_RAW_PERMS = [
+    [(i, (i + 1) % 4) for i in range(4)],  # a ring
+    [(0, 2), (2, 3), (1, 1)],              # 0 receives zeros, 3 sends nothing, 1 keeps a copy
+    [(1, 1)],                              # no pair between two ranks: nothing is issued
+    [],                                    # every rank receives zeros
+]
+
+
+def _raw_permute(dtype):
+    import fshard as fs
+
+    mesh = fs.make_mesh({"x": 4})
+    group, me = mesh.group("x"), dist.get_rank()
+    x = (torch.arange(6).reshape(2, 3) + 10 * (me + 1)).to(dtype)
+    out = []
+    for sends in _RAW_PERMS:
+        with comm.comm_log() as log:
+            got = comm.permute(x, group, sends, me, axes=("x",))
+        out.append((got, dict(log.counts), dict(log.wire), dict(log.bytes),
+                    [(e.what, e.kind) for e in log.timeline]))
+    # A 0-d tensor (flattened to one element) and a non-contiguous one keep their shapes.
+    out.append((comm.permute(x[0, 0], group, _RAW_PERMS[0], me, axes=("x",)),
+                comm.permute(x.t(), group, _RAW_PERMS[0], me, axes=("x",))))
+    try:
+        comm.permute(x, group, [(0, 1), (0, 2)], me, axes=("x",))
+    except ValueError as e:
+        out.append(str(e))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int64, torch.bool])
+def test_permute_values_zeros_and_log_on_4_ranks(dtype):
+    results = run_on_ranks(_raw_permute, dtype, world_size=4)
+    xs = [(torch.arange(6).reshape(2, 3) + 10 * (r + 1)).to(dtype) for r in range(4)]
+    for me, res in enumerate(results):
+        assert "unique sources" in res[-1] and "(0, 2)" in res[-1]
+        scalar, transposed = res[-2]
+        assert torch.equal(scalar, xs[(me - 1) % 4][0, 0]) and scalar.shape == ()
+        assert torch.equal(transposed, xs[(me - 1) % 4].t())
+        for sends, (got, counts, wire, nbytes, timeline) in zip(_RAW_PERMS, res[:-2]):
+            src = [s for s, d in sends if d == me]
+            want = xs[src[0]] if src else torch.zeros_like(xs[me])
+            assert got.dtype == dtype and torch.equal(got, want), (sends, me, got)
+            sent = xs[me].numel() * xs[me].element_size() * any(s == me != d for s, d in sends)
+            assert counts == {"ppermute": 1} and wire == nbytes == {"ppermute": sent}, (sends, me, wire)
+            # One all_to_all issued and waited by every rank (all take part, also with zero
+            # splits), unless no pair joins two ranks.
+            crossing = any(s != d for s, d in sends)
+            assert timeline == [("issue", "ppermute")] + [("wait", "ppermute")] * crossing, (sends, timeline)

@@ -163,6 +163,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "inverse = tuple((d, s) for s, d in ctx.perm)", "inverse = tuple(ctx.perm)",
         ("tests/test_lax.py::test_collective_values_and_grads_equal_global_functions",),
         "ppermute's backward sends cotangents the forward way"),
+    Mutation(
+        "ppermute_split_sizes_swapped", "fshard/comm.py",
+        "_F.all_to_all_single(wire, recv_from, send_to, group.group_name)",
+        "_F.all_to_all_single(wire, send_to, recv_from, group.group_name)",
+        ("tests/test_comm.py::test_permute_values_zeros_and_log_on_4_ranks",
+         "tests/test_jit.py::test_jit_ppermute_values_grads_and_comm_log_equal_eager_float64"),
+        "ppermute's all-to-all sends to the source and receives from the destination (a ring runs backwards)"),
     # --- pipelines (fshard/sched) -----------------------------------------------------------
     Mutation(
         "pipeline_dp_all_reduce_dropped", "fshard/sched/step.py",
