@@ -6,6 +6,12 @@ cost each other when they share CPU cores or a node's links):
 - matrix products (square, several sizes) per dtype: time ``= a + flops / F`` fitted
   over the sizes gives the sustained rate ``F``;
 - the fixed cost of a kernel (a one-element add, many times);
+- a real Transformer block, forward and backward through ``value_and_grad(shard_map)``, at
+  two batch sizes: matrix products of a model's shapes, attention and norms reach a
+  fraction of the square products' rate, and autograd and fshard cost a fixed host time
+  per call besides; the two timings, with the block's traced work
+  (:func:`~fshard.plan.model.describe_transformer`), fit ``matmul_efficiency`` and
+  ``layer_overhead_s`` so that the estimate's layer formula reproduces the block;
 - memory bandwidth (a large copy: bytes read + written per second);
 - per mesh axis, all-gather, reduce-scatter, all-reduce and point-to-point (a ring of
   sends) at several sizes: ``(latency, bandwidth)`` fitted to the ring formulas of
@@ -82,7 +88,7 @@ def _matmul_rate(dtype: torch.dtype, device: torch.device, sizes: Sequence[int],
 
 
 def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool = False,
-              name: str | None = None) -> Machine:
+              name: str | None = None, block: Any = None) -> Machine:
     """Measures this machine on every rank of ``mesh`` (collective) and saves a machine file.
 
     Args:
@@ -91,6 +97,10 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
         :func:`~fshard.plan.machine.default_machine_path`; ``""`` writes nothing).
       quick: fewer sizes and repeats (about a second on CPU) (optional, default False).
       name: the machine's name (optional; default ``"<host>-<device>"``).
+      block: the ``fshard.models.TransformerConfig`` whose block fits the compute
+        efficiency (optional; default: dim 256, 4 heads, 128 tokens, the size
+        ``bench/plan_validate.py`` trains; ``False`` skips the fit). Pass the
+        model to be planned: the efficiency depends on its shapes.
 
     Returns:
       The measured :class:`~fshard.plan.machine.Machine`, identical on every rank (rank
@@ -126,6 +136,17 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
     barrier()
     t = _timeit(lambda: dst.copy_(big), repeat=repeat, sync=sync)
     mem_bw = 2 * big.numel() * big.element_size() / t
+    del big, dst
+
+    efficiency, layer_overhead, fit_note = 1.0, 0.0, "block fit skipped"
+    if block is not False and "float32" in flops:
+        efficiency, layer_overhead, fit_note = _block_fit(block, mesh, flops["float32"], mem_bw, op_overhead,
+                                                          repeat, sync, barrier)
+        # Every rank uses rank 0's fit (the machine file is rank 0's figures).
+        if world > 1:
+            fit = torch.tensor([efficiency, layer_overhead], dtype=torch.float64)
+            dist.broadcast(fit, src=0)
+            efficiency, layer_overhead = float(fit[0]), float(fit[1])
 
     collectives, measurements = _collectives(mesh, quick, sync, barrier)
     overlap = _overlap(mesh, sync, barrier) if world > 1 else 0.5
@@ -139,7 +160,9 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
         mem_bandwidth=mem_bw,
         devices_per_node=torch.cuda.device_count() if cuda else 1 << 20,
         links=_links(collectives),
+        matmul_efficiency=efficiency,
         op_overhead_s=op_overhead,
+        layer_overhead_s=layer_overhead,
         collectives=collectives,
         overlap=overlap,
         cores_per_node=0 if cuda else (os.cpu_count() or 1),
@@ -147,7 +170,7 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
         calibrated_ranks=0 if cuda else world,
         sources=(f"fs.plan.calibrate on {host} ({device.type}), {world} rank(s) at once, "
                  f"{time.strftime('%Y-%m-%d %H:%M')}; load average {_load()}",),
-        notes="measured: " + "; ".join(measurements),
+        notes="measured: " + "; ".join([fit_note] + measurements),
     )
     if world > 1:  # every rank returns rank 0's figures (they measured at the same time)
         box = [machine]
@@ -157,6 +180,91 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
     if target and (world == 1 or dist.get_rank() == 0):
         save_machine(machine, Path(target))
     return machine
+
+
+def _reference_block() -> Any:
+    from fshard.models import TransformerConfig
+
+    return TransformerConfig(vocab_size=256, dim=256, n_layers=1, n_heads=4, max_seq_len=128)
+
+
+def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: float, repeat: int,
+               sync: Callable[[], None], barrier: Callable[[], None]) -> tuple[float, float, str]:
+    """``(matmul_efficiency, layer_overhead_s, note)`` from a block's forward + backward.
+
+    The block runs as a training step runs it: ``fs.value_and_grad`` of an ``fs.shard_map``
+    (checked mode, the default) over ``mesh`` with everything replicated (no collective), so
+    the time includes autograd's and fshard's host work per call. The estimate costs a
+    layer call of ``b`` samples ``b * (flops / (peak * eff) + bytes / BW) + ops * op_overhead
+    + layer_overhead`` (forward and backward: two calls); timing the block at two ``b``
+    gives the two unknowns. The efficiency is at most 1 (more would only come from noise),
+    and the overhead at least 0.
+    """
+    import optree
+
+    import fshard as fs
+    from fshard.mesh.spec import PartitionSpec as P
+    from fshard.models import transformer_init
+    from fshard.models.transformer import block as block_fn
+    from fshard.plan.model import describe_transformer
+
+    if cfg is None:
+        cfg = _reference_block()
+    desc = next(layer for layer in describe_transformer(cfg).layers if layer.name == "block")
+    work = desc.fwd + desc.bwd_input + desc.bwd_weight
+    device = mesh.device
+    with torch.device("meta"):
+        shapes = transformer_init(cfg, 0)["layers"][0]
+    g = torch.Generator().manual_seed(0)
+    params = optree.tree_map(lambda t: (torch.randn(t.shape, generator=g) * 0.02).to(device), shapes)
+    T = cfg.max_seq_len
+    grad = fs.value_and_grad(fs.shard_map(lambda p, x: block_fn(p, x, cfg).sum(), mesh=mesh,
+                                          in_specs=(P(), P()), out_specs=P()), argnums=(0, 1))
+
+    sizes = (1, 4)
+    times = []
+    for b in sizes:
+        x = torch.randn(b, T, cfg.dim, generator=g).to(device)
+        barrier()
+        times.append(_timeit(lambda: grad(params, x), repeat=max(3, repeat), sync=sync))
+    efficiency, layer_overhead = fit_block(sizes, times, work, peak, mem_bw, op_overhead)
+    note = (f"block fit (dim {cfg.dim}, {T} tokens, b={sizes}, through value_and_grad(shard_map)): "
+            f"{', '.join(f'{t * 1e3:.1f}' for t in times)} ms -> {efficiency:.2f} of the matmul rate, "
+            f"{layer_overhead * 1e3:.2f} ms per layer forward or backward call")
+    return efficiency, layer_overhead, note
+
+
+def fit_block(sizes: Sequence[int], times: Sequence[float], work: Any, peak: float, mem_bw: float,
+              op_overhead: float) -> tuple[float, float]:
+    """``(matmul_efficiency, layer_overhead_s)`` that make the estimate's layer formula give
+    ``times`` (forward + backward of one block, seconds) at ``sizes`` (samples).
+
+    The formula, for a block's forward and backward (two calls)::
+
+        t(b) = b * (flops / (peak * eff) + bytes / mem_bw) + ops * op_overhead + 2 * layer_overhead
+
+    Args:
+      sizes, times: two or more batch sizes and their measured times.
+      work: the block's :class:`~fshard.plan.trace.Work` summed over its phases.
+      peak: the matrix-product rate the efficiency is a share of (FLOP/s).
+      mem_bw, op_overhead: the machine's other calibrated figures.
+
+    Returns:
+      The efficiency, in ``(0, 1]``, and the overhead, ``>= 0``; a fit that would give a
+      negative overhead or rate (noise) keeps the overhead at 0 and fits the rate alone.
+    """
+    rest = [t - b * work.bytes / mem_bw - work.ops * op_overhead for b, t in zip(sizes, times)]
+    n = len(sizes)
+    xs = [b * work.flops for b in sizes]
+    mx, mr = sum(xs) / n, sum(rest) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    inv_rate = sum((x - mx) * (r - mr) for x, r in zip(xs, rest)) / sxx if sxx else 0.0
+    fixed = mr - inv_rate * mx
+    if inv_rate <= 0 or fixed < 0:
+        fixed = 0.0
+        num, den = sum(x * r for x, r in zip(xs, rest)), sum(x * x for x in xs)
+        inv_rate = num / den if num > 0 else 1.0 / peak
+    return min(1.0, max(1e-3, 1.0 / inv_rate / peak)), fixed / 2
 
 
 def _links(collectives: dict[str, dict[str, Link]]) -> dict[str, Link]:

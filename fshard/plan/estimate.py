@@ -10,7 +10,8 @@ Time, per rank::
            and point-to-point times; the slowest rank's costs)
          + optimizer (AdamW + global norm over this rank's shards, traced)
 
-A layer phase costs ``samples * (flops / F + bytes / BW) + kernels * overhead``, with the
+A layer phase costs ``samples * (flops / F + bytes / BW) + kernels * overhead`` (plus the
+machine's fixed host cost per forward or backward call, ``layer_overhead_s``), with the
 work the model description gives, divided by tp where tensor parallelism splits it
 (and the rest by tp too under sequence parallelism).
 
@@ -124,8 +125,11 @@ def _phase_time(machine: Machine, layout: Layout, model: ModelDesc, layer: Layer
                 samples: float) -> float:
     rpn = _ranks_per_node(machine, layout)
     flops, nbytes, ops = _work(layer, phase, layout, model)
+    # A layer's backward is one autograd pass (I and W together unless a schedule splits
+    # them): its fixed host cost is counted once, on I.
+    calls = 1.0 if phase != "bwd_weight" else 0.0
     return samples * (flops / machine.flops_rate(layout.dtype, rpn) + nbytes / machine.bytes_rate(rpn)) + \
-        ops * machine.overhead(rpn)
+        ops * machine.overhead(rpn) + calls * machine.layer_overhead(rpn)
 
 
 def _act_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:

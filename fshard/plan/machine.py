@@ -72,6 +72,10 @@ class Machine:
         figures are peaks; a calibrated machine measured its own, so 1.0).
       mem_efficiency: share of ``mem_bandwidth`` that elementwise kernels reach.
       op_overhead_s: fixed seconds per kernel (launch / dispatch), whatever its size.
+      layer_overhead_s: fixed seconds per call of a layer's forward or backward besides
+        its kernels' (eager autograd and fshard's bookkeeping on the host: shard_map's
+        checked-mode metadata, the layer loop); calibrated machines fit it from a block, a
+        GPU whose host runs ahead of it hides it (0).
       collectives: measured ``{kind: {level: Link}}`` fitted per collective kind (kinds
         ``all_gather``, ``psum_scatter``, ``psum``, ``ppermute``); where present they
         replace ``links`` for that kind.
@@ -97,6 +101,7 @@ class Machine:
     matmul_efficiency: float = 1.0
     mem_efficiency: float = 1.0
     op_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
     collectives: Mapping[str, Mapping[str, Link]] = attrs.field(factory=dict, converter=lambda d: {
         k: dict(v) for k, v in d.items()})
     overlap: float = 0.9
@@ -141,6 +146,7 @@ class Machine:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1 or (f != "overlap" and v == 0):
                 raise DescriptionError(f"{where}: {f} must be in {'[0, 1]' if f == 'overlap' else '(0, 1]'}, got {v!r}")
         _positive(f"{where}: op_overhead_s", self.op_overhead_s, allow_zero=True)
+        _positive(f"{where}: layer_overhead_s", self.layer_overhead_s, allow_zero=True)
         _positive(f"{where}: reserved_bytes", self.reserved_bytes, allow_zero=True)
         _positive(f"{where}: comm_temporaries", self.comm_temporaries, allow_zero=True)
         for f in ("cores_per_node", "calibrated_ranks"):
@@ -168,6 +174,10 @@ class Machine:
     def overhead(self, ranks_per_node: int | None = None) -> float:
         """Seconds of fixed cost per kernel on one rank."""
         return self.op_overhead_s / self.share(ranks_per_node)
+
+    def layer_overhead(self, ranks_per_node: int | None = None) -> float:
+        """Seconds of fixed host cost per layer forward or backward call on one rank."""
+        return self.layer_overhead_s / self.share(ranks_per_node)
 
     def share(self, ranks_per_node: int | None) -> float:
         """CPU machines: this rank's share of the speed measured at calibration (1 on GPUs)."""

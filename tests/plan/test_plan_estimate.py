@@ -166,3 +166,13 @@ def test_a_layout_that_does_not_fit_is_above_the_limit():
     small = plan.estimate(model, plan.get_machine("h100"), plan.Layout({"fsdp": 8}, batch=8, dtype="bfloat16"),
                           memory_limit=1e6)
     assert small.peak_bytes > 1e6 and not small.fits
+
+
+def test_layer_overhead_costs_once_per_layer_forward_and_backward_call(model):
+    """A flat layout with m microbatches runs each layer's forward and backward m times:
+    the fixed host cost per call adds exactly 2 * layers * m of it to the compute."""
+    lay = plan.Layout({"fsdp": 2}, batch=8, microbatches=2)
+    base = plan.estimate(model, _machine(), lay).breakdown["compute"]
+    more = plan.estimate(model, _machine(layer_overhead_s=1e-3), lay).breakdown["compute"]
+    calls = 2 * sum(layer.count for layer in model.layers) * 2
+    assert more - base == pytest.approx(calls * 1e-3)

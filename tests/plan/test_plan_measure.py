@@ -105,11 +105,41 @@ def test_calibrate_measures_and_saves_the_same_machine_on_every_rank(tmp_path):
     assert m.links["inter"] == m.collectives["all_gather"]["inter"]
     assert "axis x (n=2, inter)" in m.notes and "axis y (n=2, intra)" in m.notes
     assert m.calibrated_ranks == 4 and m.cores_per_node >= 1
+    assert 0 < m.matmul_efficiency <= 1 and m.layer_overhead_s >= 0 and "block fit (dim 256" in m.notes
     # the estimate can use it
     model = plan.describe_transformer(fs.models.TransformerConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2,
                                                                   max_seq_len=8))
     est = plan.estimate(model, m, plan.Layout({"fsdp": 2}, batch=4))
     assert est.step_s > 0
+
+
+def test_block_fit_recovers_the_efficiency_and_overhead_the_times_were_made_with():
+    import importlib
+
+    fit_block = importlib.import_module("fshard.plan.calibrate").fit_block
+    from fshard.plan.machine import Link, Machine
+    from fshard.plan.trace import Work
+
+    w = Work(flops=2e8, bytes=3e6, ops=30)
+    peak, bw, op = 1e11, 1e10, 2e-6
+
+    def t(b, eff, over):
+        return b * (w.flops / (peak * eff) + w.bytes / bw) + w.ops * op + 2 * over
+
+    eff, over = fit_block((1, 4), [t(1, 0.4, 3e-3), t(4, 0.4, 3e-3)], w, peak, bw, op)
+    assert eff == pytest.approx(0.4) and over == pytest.approx(3e-3)
+    # the estimate's formula then gives the block's times back
+    m = Machine(name="fit", memory_bytes=2**30, flops={"float32": peak}, mem_bandwidth=bw, devices_per_node=1,
+                links={"intra": Link(1e9, 1e-5), "inter": Link(1e9, 1e-5)}, matmul_efficiency=eff,
+                op_overhead_s=op, layer_overhead_s=over)
+    assert 4 * w.flops / m.flops_rate("float32") + 4 * w.bytes / m.bytes_rate() + w.ops * m.overhead() + \
+        2 * m.layer_overhead() == pytest.approx(t(4, 0.4, 3e-3))
+    # noise that would make the overhead negative: overhead 0, the rate from both points
+    eff, over = fit_block((1, 4), [t(1, 0.5, 0.0) * 0.5, t(4, 0.5, 0.0)], w, peak, bw, op)
+    assert over == 0.0 and 0 < eff <= 1
+    # a block faster than the square products' rate: capped at 1
+    eff, _ = fit_block((1, 4), [t(1, 2.0, 1e-3), t(4, 2.0, 1e-3)], w, peak, bw, op)
+    assert eff == 1.0
 
 
 def test_calibrated_links_fall_back_to_the_measured_level():
