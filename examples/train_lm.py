@@ -932,8 +932,9 @@ def write_log(path: str, records: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------------
 
 
-def plan_machine(args: argparse.Namespace, world: int) -> fs.plan.Machine:
-    """``--machine``, else this host's machine file, else a quick calibration (saved).
+def plan_machine(args: argparse.Namespace, world: int, cfg: TransformerConfig | None = None) -> fs.plan.Machine:
+    """``--machine``, else this host's machine file, else a quick calibration (saved) whose
+    compute efficiency is fitted on ``cfg``'s block.
 
     Rank 0 decides and its machine goes to every rank, so all ranks plan alike.
     """
@@ -948,7 +949,7 @@ def plan_machine(args: argparse.Namespace, world: int) -> fs.plan.Machine:
         dist.broadcast_object_list(box, src=0)
         machine = box[0]
     if machine is None:  # collective: every rank measures at once
-        machine = fs.plan.calibrate(fs.make_mesh({"ranks": world}), quick=True)
+        machine = fs.plan.calibrate(fs.make_mesh({"ranks": world}), quick=True, block=cfg)
     return machine
 
 
@@ -960,8 +961,9 @@ def plan_layout(args: argparse.Namespace, shape: dict[str, int], microbatches: i
 
 def choose_layout(args: argparse.Namespace, world: int, corpus: CharCorpus) -> None:
     """``--mesh auto``: sets the layout flags to the planner's best layout for ``world`` ranks."""
-    machine = plan_machine(args, world)
-    model = fs.plan.describe_transformer(model_config(args, corpus), seq_len=args.seq_len, dtype=args.dtype)
+    cfg = model_config(args, corpus)
+    machine = plan_machine(args, world, cfg)
+    model = fs.plan.describe_transformer(cfg, seq_len=args.seq_len, dtype=args.dtype)
     found = fs.plan.search(model, machine, world, args.batch_size, axes=AXES, dtype=args.dtype)
     if found.best is None:
         raise ConfigError(f"--mesh auto: no layout of {world} rank(s) fits --batch-size {args.batch_size} "
@@ -981,7 +983,7 @@ def predicted_vs_measured(args: argparse.Namespace, cfg: TransformerConfig, shap
                           records: list[dict[str, Any]]) -> dict[str, Any]:
     """``predicted_step_s``, ``measured_step_s`` (median after the warm-up), ``predicted_peak_mib``
     and ``measured_peak_mib`` (one profiled step), for the last log record."""
-    machine = plan_machine(args, dist.get_world_size() if dist.is_initialized() else 1)
+    machine = plan_machine(args, dist.get_world_size() if dist.is_initialized() else 1, cfg)
     try:
         est = fs.plan.estimate(fs.plan.describe_transformer(cfg, seq_len=args.seq_len, dtype=args.dtype),
                                machine, plan_layout(args, shape, microbatches))
