@@ -332,6 +332,9 @@ def _tensor_sig(x: torch.Tensor) -> tuple:
     if isinstance(x, DTensor):
         spec, loc = x._spec, x._local_tensor
         meta = spec.tensor_meta
+        if meta is None:  # a spec without its tensor's metadata: ask the DTensor
+            return ("dtensor", tuple(x.shape), x.stride(), x.dtype, spec.mesh, spec.placements,
+                    tuple(loc.shape), loc.stride())
         return ("dtensor", tuple(meta.shape), meta.stride, meta.dtype, spec.mesh, spec.placements,
                 tuple(loc.shape), loc.stride())
     return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.device)
