@@ -38,22 +38,38 @@ from fshard.models import TransformerConfig, TransformerModule, block, embed, he
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
 
 
-def _native_step(mode: str, cfg: TransformerConfig):
+def _native_step(mode: str, cfg: TransformerConfig, *, compiled: bool = False, backend: str = "inductor"):
+    """torch's step: ``fully_shard`` per block and on the root (``mode="fsdp"``) or DDP, then
+    ``loss.backward()`` and ``AdamW(foreach=True)`` (weight decay 0.01, as fshard's side).
+
+    ``compiled``: fsdp compiles each block with ``torch.compile(block, fullgraph=True)``
+    before ``fully_shard`` (torchtitan's order); DDP compiles the inner module and wraps
+    the compiled module (torch's "where to apply torch.compile": compile what DDP wraps,
+    not the wrapper; Dynamo's DDPOptimizer then cuts the graph at DDP's bucket bounds so
+    that each bucket's all-reduce still starts during backward). The optimizer stays the
+    eager foreach AdamW on both (torchtitan's recipe), built over the original parameters,
+    which the compiled modules share.
+    """
     model = TransformerModule(cfg, seed=0)
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
+            if compiled:
+                layer = model.layers[i] = torch.compile(layer, fullgraph=True, backend=backend)
             fully_shard(layer)
         fully_shard(model)
+        module = model
     else:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        if compiled:
+            model.compile(backend=backend)
+        module = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
 
     def step(tok, tgt):
-        loss = F.cross_entropy(model(tok).flatten(0, 1), tgt.flatten())
+        loss = F.cross_entropy(module(tok).flatten(0, 1), tgt.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
