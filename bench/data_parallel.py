@@ -2,6 +2,7 @@
 
     python bench/fsdp.py      # fshard FSDP vs fully_shard
     python bench/ddp.py       # fshard replicate vs DistributedDataParallel
+    python bench/fsdp.py --compiled [--backend inductor]   # and compiled against compiled
 
 The model is native_baseline.md's: decoder-only Transformer, vocab 512, dim 256, 4
 layers, 4 heads, seq 128, MLP 4x, learned positions, untied head, fp32, AdamW lr 1e-3,
@@ -19,13 +20,24 @@ steps). This counts tensor storage from torch's CPU allocator only: gloo's own t
 buffers and Python objects are not included (on either side). tracemalloc cannot see
 tensor memory, and ``ru_maxrss`` counts memory malloc keeps after ``free`` and cannot
 tell two sides of one process apart.
+
+``--compiled`` adds two sides, interleaved with the others (compiled against compiled):
+fshard's step under ``fs.jit`` (forward, gradient and AdamW in one graph; the pure step of
+``fshard.testing.transformer_train_step``, the same model and layer loop), and torch
+compiled: for FSDP each block ``torch.compile(block, fullgraph=True)`` before
+``fully_shard`` (torchtitan's recipe), for DDP the module compiled and then wrapped in DDP
+(torch's advice: compile what DDP wraps, not the wrapper). Both keep their eager foreach
+AdamW. The first step's time (trace + compile) is reported for both. ``--backend`` picks
+the ``torch.compile`` backend (``aot_eager``: no code generation, a quick check).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,22 +50,38 @@ from fshard.models import TransformerConfig, TransformerModule, block, embed, he
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
 
 
-def _native_step(mode: str, cfg: TransformerConfig):
+def _native_step(mode: str, cfg: TransformerConfig, *, compiled: bool = False, backend: str = "inductor"):
+    """torch's step: ``fully_shard`` per block and on the root (``mode="fsdp"``) or DDP, then
+    ``loss.backward()`` and ``AdamW(foreach=True)`` (weight decay 0.01, as fshard's side).
+
+    ``compiled``: fsdp compiles each block with ``torch.compile(block, fullgraph=True)``
+    before ``fully_shard`` (torchtitan's order); DDP compiles the inner module and wraps
+    the compiled module (torch's "where to apply torch.compile": compile what DDP wraps,
+    not the wrapper; Dynamo's DDPOptimizer then cuts the graph at DDP's bucket bounds so
+    that each bucket's all-reduce still starts during backward). The optimizer stays the
+    eager foreach AdamW on both (torchtitan's recipe), built over the original parameters,
+    which the compiled modules share.
+    """
     model = TransformerModule(cfg, seed=0)
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
+            if compiled:
+                layer = model.layers[i] = torch.compile(layer, fullgraph=True, backend=backend)
             fully_shard(layer)
         fully_shard(model)
+        module = model
     else:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        if compiled:
+            model.compile(backend=backend)
+        module = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
 
     def step(tok, tgt):
-        loss = F.cross_entropy(model(tok).flatten(0, 1), tgt.flatten())
+        loss = F.cross_entropy(module(tok).flatten(0, 1), tgt.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -101,41 +129,96 @@ def _batches(cfg: TransformerConfig, batch: int) -> dict[str, tuple[torch.Tensor
     tok = torch.randint(0, cfg.vocab_size, (batch * n, cfg.max_seq_len), generator=g)
     tgt = torch.roll(tok, -1, 1)
     rows = slice(r * batch, (r + 1) * batch)
-    return {"torch": (tok[rows], tgt[rows]), "fshard": (tok, tgt), "fshard_checked": (tok, tgt)}
+    return {k: (tok[rows], tgt[rows]) if k.startswith("torch") else (tok, tgt) for k in SIDES}
 
 
-def _make_step(side: str, mode: str, cfg: TransformerConfig, bucket_mb: float):
+def _jit_step(mode: str, cfg: TransformerConfig, mesh, backend: str):
+    """fshard's step under ``fs.jit``: forward, gradient and AdamW in one compiled graph.
+
+    ``fs.jit`` needs a pure step (no ``donate()``, no state in a closure): this is
+    ``fshard.testing.transformer_train_step``'s, the one the fs.jit tests check against
+    eager; the same model, layer loop and AdamW as :func:`_fshard_step`.
+    """
+    from fshard.testing import transformer_train_step
+
+    step, params, state = transformer_train_step("fsdp" if mode == "fsdp" else "replicate", cfg, mesh, axis="d")
+    jitted = fs.jit(step, backend=backend)
+    box = {"p": params, "s": state}
+
+    def call(tok, tgt):
+        loss, box["p"], box["s"] = jitted(box["p"], box["s"], tok, tgt)
+        return loss
+
+    return call
+
+
+# Every side's name: torch's steps (eager, compiled) get this rank's rows, fshard's the
+# global batch. fshard_checked runs with --checked only, the compiled ones with --compiled.
+SIDES = ("torch", "fshard", "fshard_checked", "torch_compiled", "fshard_jit")
+
+
+def _make_step(side: str, mode: str, cfg: TransformerConfig, bucket_mb: float, backend: str = "inductor"):
     mesh = fs.make_mesh({"d": dist.get_world_size()})
-    if side == "torch":
-        return _native_step(mode, cfg)
+    if side.startswith("torch"):
+        return _native_step(mode, cfg, compiled=side == "torch_compiled", backend=backend)
+    if side == "fshard_jit":
+        return _jit_step(mode, cfg, mesh, backend)
     return _fshard_step(mode, cfg, mesh, bucket_mb, check=side == "fshard_checked")
 
 
-def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0, checked: bool = False):
-    torch.set_num_threads(1)
-    cfg = TransformerConfig(**CFG)
-    names = ("torch", "fshard", "fshard_checked") if checked else ("torch", "fshard")
-    sides = {k: _make_step(k, mode, cfg, bucket_mb) for k in names}
-    args = _batches(cfg, batch)
-    times = {k: [] for k in sides}
-    losses = {k: [] for k in sides}
-    for i in range(steps + 3):
+def timed_rounds(sides: dict[str, Callable[[], Any]], steps: int,
+                 warmup: int = 3) -> tuple[dict[str, list[float]], dict[str, float], dict[str, list[Any]]]:
+    """Runs every side once per round, in order, for ``warmup + steps`` rounds (collective:
+    every rank calls it with the same sides).
+
+    Args:
+      sides: name -> a step without arguments that returns its loss.
+
+    Returns:
+      ``(times, first, losses)``: per side the step times of the rounds after the warm-up
+      and of the first round (for a compiled side: trace + compile + one step), in seconds
+      of the slowest rank, and what the step returned in every round.
+    """
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    losses: dict[str, list[Any]] = {k: [] for k in sides}
+    first: dict[str, float] = {}
+    for i in range(warmup + steps):
         for k, step in sides.items():
             dist.barrier()
             t0 = time.perf_counter()
-            loss = step(*args[k])
+            losses[k].append(step())
             dt = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
-            if i >= 3:
+            if i == 0:
+                first[k] = dt.item()
+            if i >= warmup:
                 times[k].append(dt.item())
-            if k == "torch":  # the native loss is this rank's; report the global mean like fshard
-                loss = loss.clone()
-                dist.all_reduce(loss)
-                loss = loss / dist.get_world_size()
-            losses[k].append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+    return times, first, losses
+
+
+def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0, checked: bool = False,
+             compiled: bool = False, backend: str = "inductor", cfg: dict | None = None):
+    """Times every side, interleaved; returns ``(times, losses, bytes, counts, first)``:
+    per side the step times after warm-up and every step's global mean loss, fshard's
+    collective bytes and counts of one step, and per side the first step's time (for the
+    compiled sides: trace + compile + one step)."""
+    torch.set_num_threads(1)
+    cfg = TransformerConfig(**(cfg or CFG))
+    names = ["torch", "fshard"] + ["fshard_checked"] * checked + ["torch_compiled", "fshard_jit"] * compiled
+    sides = {k: _make_step(k, mode, cfg, bucket_mb, backend) for k in names}
+    args = _batches(cfg, batch)
+    times, first, raw = timed_rounds({k: functools.partial(step, *args[k]) for k, step in sides.items()}, steps)
+    losses = {}
+    for k, values in raw.items():
+        if k.startswith("torch"):  # the native loss is this rank's; report the global mean like fshard
+            values = [v.clone() for v in values]
+            for v in values:
+                dist.all_reduce(v)
+            values = [v / dist.get_world_size() for v in values]
+        losses[k] = [float(v.full_tensor() if hasattr(v, "full_tensor") else v) for v in values]
     with fs.comm_log() as log:
         sides["fshard"](*args["fshard"])
-    return times, losses, dict(log.bytes), dict(log.counts)
+    return times, losses, dict(log.bytes), dict(log.counts), first
 
 
 def _tree_events(roots):
@@ -146,7 +229,8 @@ def _tree_events(roots):
         stack.extend(e.children)
 
 
-def peak_memory(side: str, mode: str, batch: int, bucket_mb: float = 25.0) -> tuple[int, int]:
+def peak_memory(side: str, mode: str, batch: int, bucket_mb: float = 25.0, backend: str = "inductor",
+                cfg: dict | None = None) -> tuple[int, int]:
     """``(live bytes at the start of the third step, peak live bytes during it)`` of one side.
 
     Live bytes: the profiler's running total of CPU tensor storage allocated since it
@@ -157,8 +241,8 @@ def peak_memory(side: str, mode: str, batch: int, bucket_mb: float = 25.0) -> tu
 
     torch.set_num_threads(1)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        cfg = TransformerConfig(**CFG)
-        step, args = _make_step(side, mode, cfg, bucket_mb), _batches(cfg, batch)[side]
+        cfg = TransformerConfig(**(cfg or CFG))
+        step, args = _make_step(side, mode, cfg, bucket_mb, backend), _batches(cfg, batch)[side]
         for i in range(3):
             dist.barrier()
             with record_function(f"bench_step_{i}"):
@@ -173,6 +257,13 @@ def peak_memory(side: str, mode: str, batch: int, bucket_mb: float = 25.0) -> tu
     return start, max(during, default=start)
 
 
+def _ratio(times: dict[str, list[float]], a: str, b: str) -> str:
+    """``a / b``: the median of the per-step ratios (each pair measured back to back), quartiles, range."""
+    r = sorted(x / y for x, y in zip(times[a], times[b]))
+    q = statistics.quantiles(r, n=4) if len(r) > 1 else r * 3
+    return f"{statistics.median(r):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, range {r[0]:.3f}-{r[-1]:.3f})"
+
+
 def main(mode: str) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world-size", type=int, default=2)
@@ -181,30 +272,41 @@ def main(mode: str) -> None:
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="replicate: gradient bucket size")
     ap.add_argument("--checked", action="store_true",
                     help="also time fshard in checked mode (shard_map(check=True)), interleaved with the others")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time fshard under fs.jit and torch compiled (fsdp: per-block torch.compile before "
+                         "fully_shard; ddp: the module compiled, then DDP), interleaved with the others")
+    ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
     args = ap.parse_args()
-    times, losses, nbytes, counts = fs.run_local(per_rank, mode, args.steps, args.batch, args.bucket_mb, args.checked,
-                                                 world_size=args.world_size, timeout_s=3000)[0]
-    memory = {side: fs.run_local(peak_memory, side, mode, args.batch, args.bucket_mb,
-                                 world_size=args.world_size, timeout_s=3000) for side in ("torch", "fshard")}
+    times, losses, nbytes, counts, first = fs.run_local(
+        per_rank, mode, args.steps, args.batch, args.bucket_mb, args.checked, args.compiled, args.backend,
+        world_size=args.world_size, timeout_s=3000)[0]
+    mem_sides = ("torch", "fshard") + (("torch_compiled", "fshard_jit") if args.compiled else ())
+    memory = {side: fs.run_local(peak_memory, side, mode, args.batch, args.bucket_mb, args.backend,
+                                 world_size=args.world_size, timeout_s=3000) for side in mem_sides}
     cfg = TransformerConfig(**CFG)
     init = transformer_init(cfg, 0)
     n_params = sum(x.numel() for x in fs.tree.leaves(init))
     n_block = sum(x.numel() for x in fs.tree.leaves(init["layers"]))
     native = "fully_shard" if mode == "fsdp" else "DistributedDataParallel"
+    names = {"torch": native, "fshard": f"fshard {mode}", "fshard_checked": f"fshard {mode} checked",
+             "torch_compiled": f"{native} compiled", "fshard_jit": f"fshard {mode} fs.jit"}
     print(f"{mode}: {args.world_size} gloo ranks x batch {args.batch}, {n_params:,} params, median of {args.steps} steps")
-    ratios = sorted(f / t for f, t in zip(times["fshard"], times["torch"]))
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"  {native:<24} {med['torch']:.3f} s/step")
     print(f"  fshard {mode:<17} {med['fshard']:.3f} s/step   ratio fshard/torch: median of per-step ratios "
-          f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f})")
+          f"{_ratio(times, 'fshard', 'torch')}")
     if args.checked:
-        cr = sorted(c / t for c, t in zip(times["fshard_checked"], times["torch"]))
-        cq = statistics.quantiles(cr, n=4) if len(cr) > 1 else cr * 3
         print(f"  fshard {mode} checked {med['fshard_checked']:.3f} s/step   ratio checked/torch: median "
-              f"{statistics.median(cr):.3f} (quartiles {cq[0]:.3f}-{cq[2]:.3f}); checked/unchecked "
+              f"{_ratio(times, 'fshard_checked', 'torch')}; checked/unchecked "
               f"{statistics.median(c / u for c, u in zip(times['fshard_checked'], times['fshard'])):.3f}")
-    print(f"  first losses  torch {losses['torch'][:3]}  fshard {losses['fshard'][:3]}")
+    if args.compiled:
+        print(f"  {names['torch_compiled']:<24} {med['torch_compiled']:.3f} s/step   ratio to {native}: "
+              f"{_ratio(times, 'torch_compiled', 'torch')}")
+        print(f"  {names['fshard_jit']:<24} {med['fshard_jit']:.3f} s/step   ratio fs.jit/torch compiled: "
+              f"{_ratio(times, 'fshard_jit', 'torch_compiled')}; fs.jit/torch: {_ratio(times, 'fshard_jit', 'torch')}")
+        print(f"  first step (trace + compile, backend {args.backend}): torch compiled "
+              f"{first['torch_compiled']:.1f} s, fs.jit {first['fshard_jit']:.1f} s")
+    print("  first losses  " + "  ".join(f"{k} {v[:3]}" for k, v in losses.items()))
     n = args.world_size
     if mode == "fsdp":
         # per rank: the root group's shard is gathered once (kept for backward), each block's
@@ -215,7 +317,6 @@ def main(mode: str) -> None:
     print(f"  fshard collectives per step: {counts}")
     print(f"  bytes per rank (input payload): {nbytes}  theoretical minimum: {minimum}")
     print("  peak live CPU tensor memory per rank (torch profiler; start of step -> peak during step):")
-    for side in ("torch", "fshard"):
-        name = native if side == "torch" else f"fshard {mode}"
+    for side in mem_sides:
         cells = "  ".join(f"rank {r}: {s / 2**20:.1f} -> {p / 2**20:.1f} MiB" for r, (s, p) in enumerate(memory[side]))
-        print(f"    {name:<24} {cells}")
+        print(f"    {names[side]:<24} {cells}")

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import threading
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -36,7 +34,7 @@ import torch.nn.functional as F
 
 import fshard as fs
 from fshard import P
-from torch.utils._python_dispatch import TorchDispatchMode
+from fshard.plan.probe import StorageWatch
 
 
 def _model(layers: int, dim: int):
@@ -118,54 +116,41 @@ def step_memory(side: str, layers: int, dim: int, rows: int, seq: int, steps: in
     return out, loss
 
 
-class LiveTensorBytes(TorchDispatchMode):
+class LiveTensorBytes(StorageWatch):
     """Live bytes of the tensor storage that ops create while the mode is on, and their peak.
 
-    Each new storage an op returns is counted until the last tensor on it dies (a
-    ``weakref.finalize`` on each tensor: torch keeps a tensor's Python object as long as
-    autograd or a collective holds the tensor, so it fires when the memory is released, on
-    whichever thread does it). Tensors that existed before the mode are not counted (nor
-    views of them, nor in-place results), nor what a tensor subclass (DTensor) computes
-    inside its own dispatch.
+    Each new storage an op returns is counted until the last tensor on it dies
+    (:class:`fshard.plan.probe.StorageWatch`: on whichever thread releases it). Tensors
+    that existed before the mode are not counted (nor views of them, nor in-place
+    results), nor what a tensor subclass (DTensor) computes inside its own dispatch.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.live: dict[int, list[int]] = {}  # storage address -> [bytes, tensors on it]
         self.total = self.peak = 0
-        self._lock = threading.Lock()
 
-    def _release(self, key: int) -> None:
-        with self._lock:
-            entry = self.live.get(key)
-            if entry is None:
-                return
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.live[key]
-                self.total -= entry[0]
+    def born(self, t: torch.Tensor, key: int, args: tuple, kwargs: dict) -> bool:
+        entry = self.live.get(key)
+        if entry is None:
+            inputs = {x.untyped_storage().data_ptr() for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if type(x) is torch.Tensor}
+            if key in inputs:
+                return False  # a view (or in-place result) of memory that existed before the mode
+            entry = self.live[key] = [t.untyped_storage().nbytes(), 0]
+            self.total += entry[0]
+            self.peak = max(self.peak, self.total)
+        entry[1] += 1
+        return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if type(t) is torch.Tensor}
-        for t in torch.utils._pytree.tree_leaves(out):
-            if type(t) is not torch.Tensor or t.device.type != "cpu":
-                continue
-            key = t.untyped_storage().data_ptr()
-            if key == 0:
-                continue
-            with self._lock:
-                entry = self.live.get(key)
-                if entry is None and key in inputs:
-                    continue  # a view (or in-place result) of memory that existed before the mode
-                if entry is None:
-                    entry = self.live[key] = [t.untyped_storage().nbytes(), 0]
-                    self.total += entry[0]
-                    self.peak = max(self.peak, self.total)
-                entry[1] += 1
-            weakref.finalize(t, self._release, key)
-        return out
+    def died(self, key: int, now_ns: int) -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.live[key]
+            self.total -= entry[0]
 
 
 def step_peak(side: str, layers: int, dim: int, rows: int, seq: int, steps: int = 3,

@@ -33,38 +33,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_checks"))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import fshard as fs  # noqa: E402
-from fshard.models import TransformerConfig, TransformerModule  # noqa: E402
+from fshard.models import TransformerConfig  # noqa: E402
 
 SIZES = {
     "small": (dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128), 8),
     "large": (dict(vocab_size=8192, dim=1024, n_layers=8, n_heads=16, max_seq_len=512), 8),
     "tiny": (dict(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=16), 2),
 }
-
-
-def _torch_step(cfg: TransformerConfig, compiled: bool):
-    from torch.distributed.fsdp import fully_shard
-
-    model = TransformerModule(cfg, seed=0)
-    for i, layer in enumerate(model.layers):
-        if compiled:
-            layer = torch.compile(layer, fullgraph=True)
-            model.layers[i] = layer
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
-
-    def step(tok, tgt):
-        loss = F.cross_entropy(model(tok).flatten(0, 1), tgt.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
 
 
 def _sync(device: torch.device) -> None:
@@ -74,6 +51,7 @@ def _sync(device: torch.device) -> None:
 
 def run(size: str, steps: int) -> dict:
     from common import one_rank_group
+    from data_parallel import _native_step
     from fshard.testing import transformer_train_step
 
     backend = one_rank_group()
@@ -87,7 +65,7 @@ def run(size: str, steps: int) -> dict:
     step, p0, s0 = transformer_train_step("fsdp", cfg, mesh)
     jstep = fs.jit(step)
     state = {"fshard eager": (p0, s0), "fshard jit": (p0, s0)}
-    t_eager, t_comp = _torch_step(cfg, False), _torch_step(cfg, True)
+    t_eager, t_comp = _native_step("fsdp", cfg), _native_step("fsdp", cfg, compiled=True)
     first = {}
     for name, fn in (("torch compiled", lambda: t_comp(tok, tgt)), ("fshard jit", lambda: jstep(p0, s0, tok, tgt))):
         _sync(dev)

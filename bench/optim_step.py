@@ -4,9 +4,13 @@ One process, plain tensors, ~3.5M float32 parameters shaped like a small transfo
 (4 layers of d=256: attention, a 4x MLP, norms, embeddings). Both step on the same
 gradients; the two runs alternate so that machine noise hits both alike.
 
-    PYTHONPATH=. python bench/optim_step.py [--threads 1] [--steps 50]
+    PYTHONPATH=. python bench/optim_step.py [--threads 1] [--steps 50] [--compiled [--backend inductor]]
 
 Prints the median step time of each and the ratio fshard / torch (< 1: fshard is faster).
+``--compiled`` adds, in the same rounds, torch's step compiled (``torch.compile(opt.step)``,
+torch's "compiling the optimizer" recipe) and fshard's pure update under ``fs.jit`` (one
+graph over every leaf; no ``donate()``: a jitted function is pure), each with its first
+call's time (trace + compile).
 """
 
 from __future__ import annotations
@@ -35,14 +39,14 @@ def make_params(d: int = 256, n_layers: int = 4, vocab: int = 1024, seed: int = 
             "ln_f": t(d)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=50)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def run(threads: int, steps: int, compiled: bool = False, backend: str = "inductor",
+        sizes: dict | None = None) -> tuple[dict[str, float], int, int, dict[str, float]]:
+    """Times every side, interleaved; returns ``(median ms per step, params, tensors, first)``,
+    ``first``: each compiled side's first call in seconds (trace + compile + one step).
+    ``sizes``: :func:`make_params`'s arguments (default: the bench size)."""
+    torch.set_num_threads(threads)
 
-    params = make_params()
+    params = make_params(**(sizes or {}))
     n = sum(x.numel() for x in tree_util.leaves(params))
     grads = tree_util.tree_map(lambda x: torch.randn_like(x) * 1e-3, params)
     hp = dict(lr=1e-3, weight_decay=0.1)
@@ -64,22 +68,68 @@ def main() -> None:
         with optim.donate():
             fs_step()
 
-    runs = (("torch", topt.step), ("fshard", fs_step), ("fshard donated", fs_step_donated))
+    runs = [("torch", topt.step), ("fshard", fs_step), ("fshard donated", fs_step_donated)]
+    if compiled:
+        import fshard as fs
+
+        # A second torch optimizer over its own copies: compiling one's step must not
+        # change the eager one's.
+        ctorch_params = [x.detach().clone().requires_grad_() for x in torch_params]
+        for p, q in zip(ctorch_params, torch_params):
+            p.grad = q.grad.clone()
+        copt = torch.optim.AdamW(ctorch_params, foreach=True, **hp)
+        ctorch_step = torch.compile(copt.step, backend=backend)
+
+        def pure_update(p, s, g):
+            updates, s = opt.update(g, s, p)
+            return optim.apply_updates(p, updates), s
+
+        jitted = fs.jit(pure_update, backend=backend)
+        jstate = {"params": params, "opt": opt.init(params)}
+
+        def jit_step() -> None:
+            jstate["params"], jstate["opt"] = jitted(jstate["params"], jstate["opt"], grads)
+
+        runs += [("torch compiled", ctorch_step), ("fshard jit", jit_step)]
     times: dict[str, list[float]] = {name: [] for name, _ in runs}
-    for i in range(args.steps + 5):
+    first: dict[str, float] = {}
+    for i in range(steps + 5):
         for name, fn in runs:
             t0 = time.perf_counter()
             fn()
-            if i >= 5:  # warm-up: allocator, first-step state creation
+            if i == 0 and name.endswith(("compiled", "jit")):
+                first[name] = time.perf_counter() - t0
+            if i >= 5:  # warm-up: allocator, first-step state creation, compiling
                 times[name].append(time.perf_counter() - t0)
+    if compiled:  # the same updates on every side, or the timing compares different work
+        for got, want in ((ctorch_params, torch_params), (tree_util.leaves(jstate["params"]), torch_params)):
+            torch.testing.assert_close([x.detach() for x in got], [x.detach() for x in want])
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(f"params: {n / 1e6:.2f}M in {len(torch_params)} tensors, threads={args.threads}, "
+    return med, n, len(torch_params), first
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--compiled", action="store_true", help="also time torch.compile(opt.step) and fs.jit(update)")
+    ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
+    args = ap.parse_args()
+    med, n, n_tensors, first = run(args.threads, args.steps, args.compiled, args.backend)
+    print(f"params: {n / 1e6:.2f}M in {n_tensors} tensors, threads={args.threads}, "
           f"steps={args.steps}")
     print(f"torch.optim.AdamW(foreach=True):        {med['torch']:.2f} ms/step")
     print(f"fs.optim.adamw (pure):                  {med['fshard']:.2f} ms/step")
     print(f"fs.optim.adamw (with fs.optim.donate()): {med['fshard donated']:.2f} ms/step")
     print(f"ratio fshard/torch: pure {med['fshard'] / med['torch']:.2f}, "
           f"donated {med['fshard donated'] / med['torch']:.2f}")
+    if args.compiled:
+        print(f"torch.compile(opt.step) ({args.backend}):   {med['torch compiled']:.2f} ms/step, "
+              f"first call {first['torch compiled']:.1f} s")
+        print(f"fs.jit(adamw update) ({args.backend}):      {med['fshard jit']:.2f} ms/step, "
+              f"first call {first['fshard jit']:.1f} s")
+        print(f"ratio fs.jit / torch compiled: {med['fshard jit'] / med['torch compiled']:.2f}; "
+              f"fs.jit / torch eager: {med['fshard jit'] / med['torch']:.2f}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ heads, seq 128, batch 8, fp32), same initial weights, same batch, one thread:
   fshard          transformer_apply under fs.value_and_grad, fs.optim.adamw, apply_updates
   fshard donated  the same inside fs.optim.donate() (update/apply_updates reuse buffers)
 
+and with ``--compiled`` (compiled against compiled; ``--backend``, default inductor):
+
+  torch compiled  the module compiled whole (``module.compile(fullgraph=True)``), the same
+                  eager foreach AdamW
+  fshard jit      the pure step (value_and_grad, adamw, apply_updates) under ``fs.jit``:
+                  forward, gradient and optimizer in one graph (no donate(): it is pure)
+
 The variants run interleaved, one step each per round, so machine noise hits them
 alike; each reports the median of ``--steps`` rounds after ``--warmup``, in wall time and
 in this thread's CPU time (with one intra-op thread, CPU autograd runs every kernel on
@@ -16,6 +23,7 @@ fshard is faster. ``--profile`` prints where an fshard step spends its time
 (torch.profiler, CPU) instead.
 
     PYTHONPATH=. python bench/overhead.py [--steps 20] [--warmup 3] [--threads 1] [--profile]
+    PYTHONPATH=. python bench/overhead.py --compiled [--backend inductor]
 """
 
 from __future__ import annotations
@@ -36,9 +44,9 @@ BATCH = 8
 HP = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, cfg: TransformerConfig = CFG, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, CFG.vocab_size, (BATCH, CFG.max_seq_len + 1), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]  # (B, T) inputs, (B, T) next-token targets
 
 
@@ -46,9 +54,13 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def torch_step_fn() -> Callable[[torch.Tensor, torch.Tensor], float]:
-    """The usual PyTorch loop; ``set_to_none`` so backward writes fresh grads, as fshard's."""
-    module = TransformerModule(CFG, seed=0)
+def torch_step_fn(cfg: TransformerConfig = CFG, compiled: bool = False,
+                  backend: str = "inductor") -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """The usual PyTorch loop; ``set_to_none`` so backward writes fresh grads, as fshard's.
+    ``compiled``: the module compiled whole, the optimizer eager."""
+    module = TransformerModule(cfg, seed=0)
+    if compiled:
+        module.compile(fullgraph=True, backend=backend)
     opt = torch.optim.AdamW(module.parameters(), lr=HP["lr"], betas=(HP["b1"], HP["b2"]),
                             eps=HP["eps"], weight_decay=HP["weight_decay"], foreach=True)
 
@@ -62,17 +74,25 @@ def torch_step_fn() -> Callable[[torch.Tensor, torch.Tensor], float]:
     return step
 
 
-def fshard_step_fn(donated: bool) -> Callable[[torch.Tensor, torch.Tensor], float]:
-    """A pure step, ``(params, state) -> (params, state)``, the state kept in a closure cell."""
-    params = transformer_init(CFG, seed=0)
+def fshard_step_fn(donated: bool, cfg: TransformerConfig = CFG,
+                   jit_backend: str | None = None) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """A pure step, ``(params, state) -> (params, state)``, the state kept in a closure cell;
+    ``jit_backend``: that step under ``fs.jit`` with this backend."""
+    params = transformer_init(cfg, seed=0)
     opt = fs.optim.adamw(**HP)
     carry = {"params": params, "opt": opt.init(params)}
-    loss_and_grads = fs.value_and_grad(lambda p, x, y: _loss(transformer_apply(p, x, CFG), y))
+    loss_and_grads = fs.value_and_grad(lambda p, x, y: _loss(transformer_apply(p, x, cfg), y))
+
+    def pure(p, s, tokens, targets):
+        loss, grads = loss_and_grads(p, tokens, targets)
+        updates, s = opt.update(grads, s, p)
+        return loss, fs.optim.apply_updates(p, updates), s
+
+    if jit_backend is not None:
+        pure = fs.jit(pure, backend=jit_backend)
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        loss, grads = loss_and_grads(carry["params"], tokens, targets)
-        updates, carry["opt"] = opt.update(grads, carry["opt"], carry["params"])
-        carry["params"] = fs.optim.apply_updates(carry["params"], updates)
+        loss, carry["params"], carry["opt"] = pure(carry["params"], carry["opt"], tokens, targets)
         return loss.item()
 
     if not donated:
@@ -85,19 +105,27 @@ def fshard_step_fn(donated: bool) -> Callable[[torch.Tensor, torch.Tensor], floa
     return donated_step
 
 
-def run(steps: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Wall and CPU step times in seconds per variant, after checking that they agree."""
-    variants = {"torch": torch_step_fn(), "fshard": fshard_step_fn(False),
-                "fshard donated": fshard_step_fn(True)}
+def run(steps: int, warmup: int, compiled: bool = False, backend: str = "inductor", cfg: TransformerConfig = CFG,
+        batch: int = BATCH) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float]]:
+    """Wall and CPU step times in seconds per variant, after checking that they agree, and
+    the compiled variants' first step (trace + compile + one step), wall seconds."""
+    variants = {"torch": torch_step_fn(cfg), "fshard": fshard_step_fn(False, cfg),
+                "fshard donated": fshard_step_fn(True, cfg)}
+    if compiled:
+        variants.update({"torch compiled": torch_step_fn(cfg, True, backend),
+                         "fshard jit": fshard_step_fn(False, cfg, backend)})
     wall: dict[str, list[float]] = {k: [] for k in variants}
     cpu: dict[str, list[float]] = {k: [] for k in variants}
+    first: dict[str, float] = {}
     for i in range(warmup + steps):
-        tokens, targets = _batch(i)
+        tokens, targets = _batch(i, cfg, batch)
         losses = {}
         for name, step in variants.items():
             t0, c0 = time.perf_counter(), time.thread_time()
             losses[name] = step(tokens, targets)
             dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+            if i == 0 and name in ("torch compiled", "fshard jit"):
+                first[name] = dt
             if i >= warmup:
                 wall[name].append(dt)
                 cpu[name].append(dc)
@@ -106,7 +134,7 @@ def run(steps: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list
         for name, loss in losses.items():
             if abs(loss - ref) > 1e-4 * abs(ref):
                 raise AssertionError(f"step {i}: {name} loss {loss} differs from torch's {ref}")
-    return wall, cpu
+    return wall, cpu, first
 
 
 def profile(steps: int, warmup: int) -> None:
@@ -130,12 +158,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--compiled", action="store_true", help="also time torch compiled and fshard under fs.jit")
+    ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.profile:
         profile(args.steps, args.warmup)
         return
-    wall, cpu = run(args.steps, args.warmup)
+    wall, cpu, first = run(args.steps, args.warmup, args.compiled, args.backend)
     n = sum(p.numel() for p in fs.tree.leaves(transformer_init(CFG, seed=0)))
     print(f"Transformer vocab={CFG.vocab_size} dim={CFG.dim} layers={CFG.n_layers} heads={CFG.n_heads} "
           f"seq={CFG.max_seq_len} batch={BATCH} fp32, {n / 1e6:.2f}M params; threads={args.threads}, "
@@ -147,6 +177,12 @@ def main() -> None:
             print(f"  {k:<15} {v:8.2f} ms/step   (min {min(times[k]) * 1e3:.2f}, max {max(times[k]) * 1e3:.2f})")
         print(f"  ratio fshard/torch: pure {med['fshard'] / med['torch']:.3f}, "
               f"donated {med['fshard donated'] / med['torch']:.3f}")
+        if args.compiled:
+            print(f"  ratio fs.jit/torch compiled {med['fshard jit'] / med['torch compiled']:.3f}, "
+                  f"fs.jit/torch {med['fshard jit'] / med['torch']:.3f}")
+    if args.compiled:
+        print(f" first step (trace + compile, {args.backend}): "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in first.items()))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,12 @@ ranks), where busy is the time inside compute: fshard's own per-action timers
 loss (receives are waited outside them in both). "simulated" is ``fs.sched.simulate``
 at unit costs (F = I = W = 1, full B = 2) and at the mean F, I and W times fshard
 measured (a full B split 1:1).
+
+No compiled rows (the other bench scripts' ``--compiled``): ``fs.jit`` cannot capture a
+pipeline step yet. The executor's sends and receives are point-to-point transfers, not
+functional collectives, and ``fs.jit`` refuses ``ppermute`` rather than run it once at trace
+time (``examples/train_lm.py --jit`` refuses ``pp`` likewise). Per-stage compilation of the
+stage bodies on both sides would be the next comparison.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from fshard.models import TransformerConfig  # noqa: E402
 
 def main() -> None:
     from common import one_rank_group
-    from jit_gpu import SIZES, _torch_step
+    from data_parallel import _native_step
+    from jit_gpu import SIZES
     from fshard.testing import transformer_train_step
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -48,7 +49,7 @@ def main() -> None:
     def fshard_step():
         _, box["p"], box["s"] = step(box["p"], box["s"], tok, tgt)
 
-    torch_step = _torch_step(cfg, False)
+    torch_step = _native_step("fsdp", cfg)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     for name, fn in (("torch fully_shard", lambda: torch_step(tok, tgt)), ("fshard", fshard_step)):

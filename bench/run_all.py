@@ -1,10 +1,12 @@
 """Runs every fshard-vs-native benchmark and prints one summary table.
 
-    python bench/run_all.py [--steps 10] [--only fsdp ddp tp pp overhead collectives]
+    python bench/run_all.py [--steps 10] [--only fsdp ddp tp pp overhead collectives] [--compiled]
 
 Each benchmark runs in its own process (they start their own ranks), one after the
 other, so they never share the 2 cores. The summary keeps each script's ratio lines;
-the full outputs follow it. Paste the result into bench/README.md.
+the full outputs follow it. Paste the result into bench/README.md. ``--compiled`` passes
+``--compiled`` to the scripts that have compiled sides (fs.jit and torch.compile; not pp:
+fs.jit cannot capture a pipeline yet).
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ BENCHES = {
 }
 
 
-def run(name: str, steps: int) -> tuple[str, float, int]:
+COMPILED = {"fsdp", "ddp", "tp", "overhead"}  # the scripts with a --compiled flag
+
+
+def run(name: str, steps: int, compiled: bool = False) -> tuple[str, float, int]:
     script, extra, _ = BENCHES[name]
-    args = [sys.executable, os.path.join(HERE, script)] + extra
+    args = [sys.executable, os.path.join(HERE, script)] + extra + (["--compiled"] if compiled and name in COMPILED else [])
     if name != "collectives":
         args += ["--steps", str(steps)]
     t0 = time.perf_counter()
@@ -42,10 +47,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", nargs="+", choices=sorted(BENCHES), default=list(BENCHES))
+    ap.add_argument("--compiled", action="store_true", help="also the compiled sides (minutes of compiling)")
     args = ap.parse_args()
     outputs = {}
     for name in args.only:
-        out, secs, rc = run(name, args.steps)
+        out, secs, rc = run(name, args.steps, args.compiled)
         outputs[name] = (out, secs, rc)
         print(f"[{name}] done in {secs:.0f} s (exit {rc})", flush=True)
     print("\n| benchmark | compares | ratio lines (fshard / torch) |\n|---|---|---|")

@@ -25,8 +25,11 @@ that lets DTensor lower its redistributions into plain functional collectives fi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import os
 import statistics
-import time
+import sys
 import types
 from collections import Counter
 
@@ -42,6 +45,9 @@ from fshard import P
 from fshard.models import TransformerConfig, TransformerModule, transformer_init
 from fshard.parallel import (TRANSFORMER_TP_PLAN, tp_embed, tp_logits, tp_specs, tp_transformer_block,
                              vocab_parallel_cross_entropy)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from data_parallel import timed_rounds  # noqa: E402
 
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
 _F = torch.ops._c10d_functional
@@ -77,7 +83,10 @@ def _local_heads_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.wo(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, T, D)
 
 
-def _torch_step(cfg: TransformerConfig, mesh):
+def _torch_step(cfg: TransformerConfig, mesh, compiled: bool = False, backend: str = "inductor"):
+    """``compiled``: after ``parallelize_module``, each block ``torch.compile(block,
+    fullgraph=True)`` (torchtitan's order: TP, then per-block compile); the embedding, the
+    head and ``loss_parallel`` stay eager."""
     model = TransformerModule(cfg, seed=0)
     plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
             "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
@@ -88,6 +97,9 @@ def _torch_step(cfg: TransformerConfig, mesh):
         for name in ("attention.wo", "feed_forward.w2"):
             plan[f"layers.{i}.{name}"] = RowwiseParallel()
     parallelize_module(model, mesh.device_mesh, plan)
+    if compiled:
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, fullgraph=True, backend=backend)
     params = list(model.parameters())
     # foreach kernels cannot mix DTensors and plain tensors in one list: two groups.
     groups = [{"params": [p for p in params if isinstance(p, DTensor)]},
@@ -106,7 +118,10 @@ def _torch_step(cfg: TransformerConfig, mesh):
     return step
 
 
-def _fshard_step(cfg: TransformerConfig, mesh, sp: bool):
+def _fshard_step(cfg: TransformerConfig, mesh, sp: bool, jit_backend: str | None = None):
+    """fshard's TP (``sp``: + sequence parallel) step; ``jit_backend``: the whole step
+    (forward, gradient, AdamW) under ``fs.jit`` with that backend, without ``donate()``
+    (a jitted step is pure: it cannot update its inputs in place)."""
     params = transformer_init(cfg, 0)
     specs = tp_specs(params, TRANSFORMER_TP_PLAN, "tp")
     sharded = fs.shard(params, specs, mesh)
@@ -122,54 +137,68 @@ def _fshard_step(cfg: TransformerConfig, mesh, sp: bool):
 
     grad_fn = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=(specs, P(), P()),
                                              out_specs=P(), check=False))
+
+    def update(p, s, tok, tgt):
+        loss, grads = grad_fn(p, tok, tgt)
+        updates, s = opt.update(grads, s, p)
+        return loss, fs.optim.apply_updates(p, updates), s
+
+    pure = update if jit_backend is None else fs.jit(update, backend=jit_backend)
     box = {"p": sharded, "s": state}
 
     def step(tok, tgt):
-        loss, grads = grad_fn(box["p"], tok, tgt)
-        with fs.optim.donate():
-            updates, box["s"] = opt.update(grads, box["s"], box["p"])
-            box["p"] = fs.optim.apply_updates(box["p"], updates)
+        with fs.optim.donate() if jit_backend is None else contextlib.nullcontext():
+            loss, box["p"], box["s"] = pure(box["p"], box["s"], tok, tgt)
         return loss.full_tensor()
 
     return step
 
 
-def per_rank(steps: int, batch: int):
+def per_rank(steps: int, batch: int, compiled: bool = False, backend: str = "inductor", cfg: dict | None = None):
+    """Times every side, interleaved; returns ``(median s/step, losses, wire, first)`` per side
+    (``first``: the first step's time, for the compiled sides trace + compile + one step)."""
     torch.set_num_threads(1)
     mesh = fs.make_mesh({"tp": dist.get_world_size()})
-    cfg = TransformerConfig(**CFG)
+    cfg = TransformerConfig(**(cfg or CFG))
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g)
     tgt = torch.roll(tok, -1, 1)
     sides = {"torch": _torch_step(cfg, mesh), "fshard": _fshard_step(cfg, mesh, False),
              "fshard_sp": _fshard_step(cfg, mesh, True)}
-    times, losses = {k: [] for k in sides}, {k: [] for k in sides}
-    for i in range(steps + 3):
-        for k, step in sides.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = step(tok, tgt)
-            dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
-            if i >= 3:
-                times[k].append(dt.item())
-            losses[k].append(float(loss))
+    if compiled:
+        sides.update(torch_compiled=_torch_step(cfg, mesh, True, backend),
+                     fshard_jit=_fshard_step(cfg, mesh, False, backend),
+                     fshard_sp_jit=_fshard_step(cfg, mesh, True, backend))
+    times, first, raw = timed_rounds({k: functools.partial(step, tok, tgt) for k, step in sides.items()}, steps)
+    losses = {k: [float(v) for v in values] for k, values in raw.items()}
     wire = {}
     for k, step in sides.items():
+        if k.endswith(("_jit", "_compiled")):
+            continue  # a compiled graph's collectives do not pass through a dispatch mode
         with _Wire() as w:
             step(tok, tgt)
         wire[k] = (dict(w.counts), dict(w.bytes))
-    return {k: statistics.median(v) for k, v in times.items()}, losses, wire
+    return {k: statistics.median(v) for k, v in times.items()}, losses, wire, first
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time fshard (TP, TP + SP) under fs.jit and torch with per-block torch.compile")
+    ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
     args = ap.parse_args()
-    times, losses, wire = fs.run_local(per_rank, args.steps, args.batch, world_size=2, timeout_s=3000)[0]
+    times, losses, wire, first = fs.run_local(per_rank, args.steps, args.batch, args.compiled, args.backend,
+                                              world_size=2, timeout_s=3000)[0]
     print(f"tp=2, 2 gloo ranks x the same batch {args.batch}, median of {args.steps} steps")
     for k in times:
+        if k not in wire:  # a compiled side
+            vs_compiled = "" if k == "torch_compiled" else \
+                f"  ratio/torch_compiled {times[k] / times['torch_compiled']:.2f}"
+            print(f"  {k:<14} {times[k]:.3f} s/step  ratio/torch {times[k] / times['torch']:.2f}{vs_compiled}  "
+                  f"first step (trace + compile, {args.backend}) {first[k]:.1f} s")
+            continue
         counts, nbytes = wire[k]
         # Ring algorithms on n = 2 ranks send per rank: all_reduce its payload, all_gather its
         # input (the shard), reduce_scatter half its input.

@@ -586,30 +586,55 @@ def apply_gradients(params: Any, opt_state: Any, grads: Any, loss: torch.Tensor,
     return params, opt_state, norm, None
 
 
+def make_grad_fn(model: Model, plan: Plan, specs: Any,
+                 wrap_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[..., Any]:
+    """``grad_fn(params, tokens, targets, acc, sync) -> (loss, grads)`` on global values.
+
+    Args:
+      wrap_loss: applied to each rank's loss inside the body (the eager step's fault
+        injection); None: the loss as it is.
+    """
+    def loss_fn(params, tokens, targets, acc, sync):
+        loss = per_device_loss(params, tokens, targets, acc, sync, model=model, plan=plan)
+        return loss if wrap_loss is None else wrap_loss(loss)
+
+    # None in in_specs: the accumulator and the sync flag pass through as they are.
+    return fs.value_and_grad(fs.shard_map(
+        loss_fn, mesh=plan.mesh, in_specs=(specs, plan.batch_spec, plan.batch_spec, None, None), out_specs=P()))
+
+
+def microbatch_grads(grad_fn: Callable[..., Any], params: Any, tokens: torch.Tensor, targets: torch.Tensor,
+                     microbatches: int) -> tuple[torch.Tensor, Any]:
+    """The mean loss and gradients of the global batch ``(B, T)``, cut into ``microbatches`` slices.
+
+    The slices are the same on every mesh; their gradients are accumulated and only the
+    last slice reduces them, once, as FSDP2's ``set_requires_gradient_sync(False)`` would.
+    The eager step runs this loop as it is; ``fs.jit`` unrolls it into one graph.
+
+    Returns:
+      ``(loss, grads)``: the mean over the microbatches of each.
+    """
+    acc = fs.parallel.GradAccumulator() if microbatches > 1 else None
+    losses = []
+    for k, (tok, tgt) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
+        loss, grads = grad_fn(params, tok, tgt, acc, k == microbatches - 1)
+        losses.append(loss)
+    if microbatches > 1:  # the last call's gradients are the sum over the microbatches
+        grads = fs.tree.tree_map(lambda g: g / microbatches, grads)
+    return sum(losses) / microbatches, grads
+
+
 def make_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.GradientTransformation,
                     microbatches: int, max_norm: float, inject: Injection, order: dict[str, int]) -> TrainStep:
     """The train step on global values (DTensor params, the whole batch on every rank).
 
-    With ``microbatches > 1`` the global batch is cut into that many slices (the same
-    slices on every mesh) and their gradients accumulated: only the last slice
-    reduces them, once, as FSDP2's ``set_requires_gradient_sync(False)`` would.
+    With ``microbatches > 1`` the gradients are accumulated over that many slices of the
+    batch (:func:`microbatch_grads`).
     """
-    def loss_fn(params, tokens, targets, acc, sync):
-        return inject.loss(per_device_loss(params, tokens, targets, acc, sync, model=model, plan=plan))
-
-    # None in in_specs: the accumulator and the sync flag pass through as they are.
-    grad_fn = fs.value_and_grad(fs.shard_map(
-        loss_fn, mesh=plan.mesh, in_specs=(specs, plan.batch_spec, plan.batch_spec, None, None), out_specs=P()))
+    grad_fn = make_grad_fn(model, plan, specs, inject.loss)
 
     def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        acc = fs.parallel.GradAccumulator() if microbatches > 1 else None
-        losses = []
-        for k, (tok, tgt) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
-            loss, grads = grad_fn(params, tok, tgt, acc, k == microbatches - 1)
-            losses.append(loss)
-        if microbatches > 1:  # the last call's gradients are the sum over the microbatches
-            grads = fs.tree.tree_map(lambda g: g / microbatches, grads)
-        loss = sum(losses) / microbatches
+        loss, grads = microbatch_grads(grad_fn, params, tokens, targets, microbatches)
         params, opt_state, norm, bad = apply_gradients(params, opt_state, inject.grads(grads), loss, opt, plan,
                                                        max_norm, order)
         return params, opt_state, loss, norm, bad
@@ -645,21 +670,10 @@ def make_jit_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.Grad
                           "are not functional collectives): drop --jit, or pp from --mesh")
     eager = make_train_step(model, plan, specs, opt, microbatches, max_norm, inject, order)
 
-    def loss_fn(params, tokens, targets, acc, sync):
-        return per_device_loss(params, tokens, targets, acc, sync, model=model, plan=plan)
-
-    grad_fn = fs.value_and_grad(fs.shard_map(
-        loss_fn, mesh=plan.mesh, in_specs=(specs, plan.batch_spec, plan.batch_spec, None, None), out_specs=P()))
+    grad_fn = make_grad_fn(model, plan, specs)
 
     def compiled(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        acc = fs.parallel.GradAccumulator() if microbatches > 1 else None
-        losses = []
-        for k, (tok, tgt) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
-            loss, grads = grad_fn(params, tok, tgt, acc, k == microbatches - 1)
-            losses.append(loss)
-        if microbatches > 1:  # as the eager step: the last call's gradients are the sum
-            grads = fs.tree.tree_map(lambda g: g / microbatches, grads)
-        loss = sum(losses) / microbatches
+        loss, grads = microbatch_grads(grad_fn, params, tokens, targets, microbatches)
         norm = fs.optim.global_norm(grads)
         if max_norm > 0:
             # Float64 tensors, and max_norm divided (not multiplied by a reciprocal, as

@@ -122,6 +122,11 @@ def group() -> Any | None:
     return g
 
 
+def forget_groups() -> None:
+    """Drops the checkpoint groups (``fs.shutdown()``: they are destroyed with the world)."""
+    _GROUPS.clear()
+
+
 def rank_of(g: Any | None) -> int:
     """This process's rank in ``g`` (0 without a group)."""
     return 0 if g is None else dist.get_rank(g)

@@ -195,6 +195,31 @@ def make_mesh(
     return mesh
 
 
+def forget_meshes() -> None:
+    """Drops the mesh cache and every process group fshard's meshes hold (``fs.shutdown()``).
+
+    A caller may still hold a mesh: its groups are destroyed, so it cannot be used after
+    this.
+    """
+    for m in list(_MESH_CACHE.values()):
+        m._groups.clear()
+        _forget_device_mesh_groups(m.device_mesh)
+    _MESH_CACHE.clear()
+
+
+def _forget_device_mesh_groups(dm: DeviceMesh) -> None:
+    # The one place fshard reads torch's private DeviceMesh state, because torch offers no
+    # public way: torch 2.13's DeviceMesh keeps its groups by name in its root mesh's
+    # _pg_registry, which outlives destroy_process_group() and would keep the groups (and
+    # their gloo worker threads) alive into interpreter finalization (fshard.mesh.teardown).
+    # Missing attributes (another torch) leave nothing to clear.
+    root = getattr(dm, "_root_mesh", None) or dm
+    for d in (dm, root):
+        registry = getattr(d, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+
+
 def current_mesh() -> Mesh | None:
     """The mesh of the innermost ``with mesh:`` block, or ``None``."""
     return _CURRENT.get()

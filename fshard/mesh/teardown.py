@@ -89,22 +89,12 @@ def _complete_in_flight() -> None:
 
 def _forget_groups() -> None:
     """Drops every reference fshard keeps to a process group."""
-    from fshard.mesh import mesh as mesh_mod
+    from fshard.mesh.mesh import forget_meshes
 
-    for m in list(mesh_mod._MESH_CACHE.values()):
-        m._groups.clear()  # a user may still hold the mesh; its groups are destroyed
-        # torch's DeviceMesh keeps its groups by name in its root mesh's _pg_registry
-        # (torch 2.13), which outlives destroy_process_group().
-        dm = m.device_mesh
-        root = getattr(dm, "_root_mesh", None) or dm
-        for d in (dm, root):
-            registry = getattr(d, "_pg_registry", None)
-            if isinstance(registry, dict):
-                registry.clear()
-    mesh_mod._MESH_CACHE.clear()
+    forget_meshes()  # the mesh cache, each mesh's sub-groups, torch's DeviceMesh registries
     ckpt = sys.modules.get("fshard.checkpoint._common")
-    if ckpt is not None:
-        ckpt._GROUPS.clear()
+    if ckpt is not None:  # never imported: it made no group
+        ckpt.forget_groups()
     comm = sys.modules.get("fshard.comm")
     if comm is not None:
         comm._IS_GLOO.clear()  # a completed Handle drops its group itself (fshard.comm.Handle)

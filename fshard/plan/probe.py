@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fshard import tree as tree_util
 
-__all__ = ["StepProbe", "local_bytes", "peak_from_events"]
+__all__ = ["StepProbe", "StorageWatch", "local_bytes", "peak_from_events"]
 
 
 def local_bytes(*trees: Any) -> int:
@@ -52,7 +52,52 @@ def local_bytes(*trees: Any) -> int:
     return sum(seen.values())
 
 
-class _StorageDeaths(TorchDispatchMode):
+class StorageWatch(TorchDispatchMode):
+    """Base of the dispatch modes that follow the CPU storages ops create until they die.
+
+    For each plain CPU tensor an op returns, :meth:`born` is called; when it returns True,
+    :meth:`died` is called once that tensor's Python object is gone. torch keeps a tensor's
+    Python object as long as autograd or a collective holds the tensor, so this is when
+    its memory is released, on whichever thread drops it (a gloo worker's, too). Both run
+    under ``self.lock``. DTensor's own dispatch is not seen: only the plain tensors it
+    computes with.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def born(self, t: torch.Tensor, key: int, args: tuple, kwargs: dict) -> bool:
+        """A tensor ``t`` on the storage at address ``key``, returned by an op called with
+        ``args`` / ``kwargs``; returns whether to call :meth:`died` when ``t`` dies."""
+        raise NotImplementedError
+
+    def died(self, key: int, now_ns: int) -> None:
+        """A tensor on the storage at ``key`` died at ``now_ns`` (``time.time_ns()``)."""
+        raise NotImplementedError
+
+    def _release(self, key: int) -> None:
+        now = time.time_ns()
+        with self.lock:
+            self.died(key, now)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if type(t) is not torch.Tensor or t.device.type != "cpu":
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key == 0:
+                continue
+            with self.lock:
+                follow = self.born(t, key, args, kwargs)
+            if follow:
+                weakref.finalize(t, self._release, key)
+        return out
+
+
+class _StorageDeaths(StorageWatch):
     """When each storage that an op creates dies (the last tensor seen on it), on any thread:
     ``deaths[address]`` lists the times (``time.time_ns()``, the profiler's clock)."""
 
@@ -60,30 +105,18 @@ class _StorageDeaths(TorchDispatchMode):
         super().__init__()
         self.refs: dict[int, int] = {}  # storage address -> tensors seen on it still alive
         self.deaths: dict[int, list[int]] = {}
-        self._lock = threading.Lock()
 
-    def _release(self, key: int) -> None:
-        now = time.time_ns()
-        with self._lock:
-            n = self.refs.get(key, 0) - 1
-            if n > 0:
-                self.refs[key] = n
-                return
-            self.refs.pop(key, None)
-            self.deaths.setdefault(key, []).append(now)
+    def born(self, t: torch.Tensor, key: int, args: tuple, kwargs: dict) -> bool:
+        self.refs[key] = self.refs.get(key, 0) + 1
+        return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_util.leaves(out if isinstance(out, (list, tuple)) else [out]):
-            if type(t) is not torch.Tensor or t.device.type != "cpu":
-                continue
-            key = t.untyped_storage().data_ptr()
-            if key == 0:
-                continue
-            with self._lock:
-                self.refs[key] = self.refs.get(key, 0) + 1
-            weakref.finalize(t, self._release, key)
-        return out
+    def died(self, key: int, now_ns: int) -> None:
+        n = self.refs.get(key, 0) - 1
+        if n > 0:
+            self.refs[key] = n
+            return
+        self.refs.pop(key, None)
+        self.deaths.setdefault(key, []).append(now_ns)
 
 
 def peak_from_events(allocations: Sequence[tuple[int, int, int]],

@@ -1,0 +1,99 @@
+"""The compiled sides of the bench scripts (issue 17, item 5) run and compute what the eager sides do.
+
+Smoke tests, not timings: a tiny model, a few steps, the ``aot_eager`` backend (Dynamo and
+AOTAutograd, no code generation), so that a script's ``--compiled`` path cannot rot. Each
+side trains from the same initial weights on the same data, so its losses (or parameters)
+must match its eager counterpart's: a compiled side that computed something else would
+make its timing meaningless. The full-size runs and their numbers are in bench/README.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fshard.testing import run_on_ranks
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+TINY = dict(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16)
+RTOL = 1e-4  # fp32, a few steps: compiled and eager round differently
+
+
+def _bench(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return __import__(name)
+
+
+def _close(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want) and got, (what, got, want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= RTOL * abs(b), f"{what}: step {i}: {a} vs {b}"
+
+
+def _data_parallel(mode):
+    dp = _bench("data_parallel")
+    out = dp.per_rank(mode, 1, 1, 25.0, False, True, "aot_eager", TINY)
+    memory = {side: dp.peak_memory(side, mode, 1, 25.0, "aot_eager", TINY) for side in ("torch_compiled", "fshard_jit")}
+    return out, memory
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_data_parallel_compiled_sides_match_eager(mode):
+    # bench/fsdp.py / bench/ddp.py --compiled: fully_shard with per-block torch.compile, or
+    # the module compiled under DDP; fshard's step under fs.jit.
+    (times, losses, _, _, first), memory = run_on_ranks(_data_parallel, mode, world_size=2)[0]
+    assert set(times) == {"torch", "fshard", "torch_compiled", "fshard_jit"}
+    assert all(len(v) == 1 for v in times.values()) and set(first) == set(times)
+    _close(losses["torch_compiled"], losses["torch"], "torch compiled vs torch")
+    _close(losses["fshard_jit"], losses["fshard"], "fs.jit vs fshard eager")
+    _close(losses["fshard"], losses["torch"], "fshard vs torch")
+    for side, (start, peak) in memory.items():  # the profiler saw the parameters, then the step's activations
+        assert 0 < start < peak, (side, start, peak)
+
+
+def _jit_step():
+    return _bench("jit_step").per_rank("replicate", 1, "aot_eager", TINY)
+
+
+def test_jit_step_times_native_compiled_too():
+    first, med, ratio, losses = run_on_ranks(_jit_step, world_size=2)[0]
+    assert set(med) == set(ratio) == {"native", "native compiled", "eager", "jit"}
+    assert set(first) == {"jit", "native compiled"}
+    _close(losses["jit"], losses["eager"], "fs.jit vs fshard eager")
+
+
+def _tp():
+    return _bench("tp").per_rank(1, 2, True, "aot_eager", TINY)
+
+
+def test_tp_compiled_sides_match_eager():
+    # bench/tp.py --compiled: parallelize_module with per-block torch.compile; fshard's TP
+    # and TP + SP steps under fs.jit.
+    times, losses, wire, first = run_on_ranks(_tp, world_size=2)[0]
+    assert set(times) == {"torch", "fshard", "fshard_sp", "torch_compiled", "fshard_jit", "fshard_sp_jit"}
+    assert set(wire) == {"torch", "fshard", "fshard_sp"} and set(first) == set(times)
+    _close(losses["torch_compiled"], losses["torch"], "torch compiled vs torch")
+    _close(losses["fshard_jit"], losses["fshard"], "fs.jit TP vs fshard TP")
+    _close(losses["fshard_sp_jit"], losses["fshard_sp"], "fs.jit TP + SP vs fshard TP + SP")
+
+
+def test_optim_step_compiled_sides_update_like_eager():
+    # run() itself checks that torch.compile(opt.step) and fs.jit(update) end with the
+    # eager torch optimizer's parameters.
+    med, n, n_tensors, first = _bench("optim_step").run(torch.get_num_threads(), 1, True, "aot_eager",
+                                                        sizes=dict(d=16, n_layers=1, vocab=32))
+    assert set(med) == {"torch", "fshard", "fshard donated", "torch compiled", "fshard jit"}
+    assert set(first) == {"torch compiled", "fshard jit"} and n_tensors == 11
+
+
+def test_overhead_compiled_sides_match_torch():
+    # run() itself raises when any side's loss leaves torch's at any step.
+    from fshard.models import TransformerConfig
+
+    wall, cpu, first = _bench("overhead").run(1, 1, True, "aot_eager", cfg=TransformerConfig(**TINY), batch=2)
+    assert set(wall) == set(cpu) == {"torch", "fshard", "fshard donated", "torch compiled", "fshard jit"}
+    assert set(first) == {"torch compiled", "fshard jit"}
