@@ -134,7 +134,8 @@ def analyse(trace_path: str, steps: int, top: int = 12) -> dict:
 
 def main() -> None:
     from common import one_rank_group
-    from jit_gpu import SIZES, _torch_step
+    from data_parallel import _native_step
+    from jit_gpu import SIZES
 
     from fshard.testing import transformer_train_step
 
@@ -154,7 +155,7 @@ def main() -> None:
     tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g).to(dev)
     tgt = torch.roll(tok, -1, 1)
     step, p, s = transformer_train_step("fsdp", cfg, mesh)
-    sides = {"torch": (lambda ts: (lambda: ts(tok, tgt)))(_torch_step(cfg, False))}
+    sides = {"torch": (lambda ts: (lambda: ts(tok, tgt)))(_native_step("fsdp", cfg))}
     for name, f in (("fshard", step),) + (() if args.no_jit else (("fshard_jit", fs.jit(step)),)):
         box = {"p": p, "s": s}
 
