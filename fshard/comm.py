@@ -307,6 +307,11 @@ def _is_gloo(group, device_type: str) -> bool:
     return known
 
 
+def forget_groups() -> None:
+    """Drops the cached backend of every group (``fs.shutdown()`` destroys the groups)."""
+    _IS_GLOO.clear()
+
+
 def one_at_a_time(group) -> None:
     """Waits for the collective fshard still has in flight on ``group`` (gloo groups only).
 

@@ -97,7 +97,7 @@ def _forget_groups() -> None:
         ckpt.forget_groups()
     comm = sys.modules.get("fshard.comm")
     if comm is not None:
-        comm._IS_GLOO.clear()  # a completed Handle drops its group itself (fshard.comm.Handle)
+        comm.forget_groups()  # a completed Handle drops its group itself (fshard.comm.Handle)
 
 
 def install_at_exit(*, owned: bool) -> None:
