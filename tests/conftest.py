@@ -48,6 +48,18 @@ def _xdist_groups(items):
             item.add_marker(pytest.mark.xdist_group("conformance"))
 
 
+# The modules whose tests start whole programs (torchrun jobs, the GPU checks' dry run, a
+# notebook kernel: 10-60 s each) go first in the collection order under xdist, so that the
+# run does not end with one worker busy on one of them and the other idle.
+_LONG = ("test_docs_commands.py", "test_gpu_checks.py", "test_examples.py", "test_faults.py",
+         "test_notebook.py", "test_soak.py", "test_sched_stage_fsdp.py", "test_train_lm_faults.py")
+
+
+def _long_first(items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.path.name not in _LONG)  # stable: the rest keep their order
+
+
 # --- seeded shuffled order --------------------------------------------------------
 # FSHARD_SHUFFLE_SEED=N runs the suite in an order drawn from N: the modules in a random
 # order, and the tests of each module in a random order, so that a test that only passes
@@ -72,6 +84,7 @@ def pytest_collection_modifyitems(session, config, items):
     _xdist_groups(items)
     seed = _shuffle_seed()
     if seed is None:
+        _long_first(items)
         return
     rng = random.Random(seed)
     modules = {}

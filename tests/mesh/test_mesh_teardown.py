@@ -21,6 +21,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from fshard.testing import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
 
