@@ -14,10 +14,50 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_configure(config):
+    # Registered here too, so that the mark is known when pytest-xdist is not installed.
+    config.addinivalue_line("markers", "xdist_group(name): tests that pytest-xdist runs on one worker")
+    # FSHARD_TEST_CPU_PROFILE=path: per test, wall time against the CPU it caused (tests/_cpu_profile.py).
+    path = os.environ.get("FSHARD_TEST_CPU_PROFILE")
+    if path:
+        from _cpu_profile import CpuProfile
+
+        config.pluginmanager.register(CpuProfile(path), "fshard-cpu-profile")
+
+
 def pytest_sessionfinish(session, exitstatus):
     from fshard.testing import shutdown_pools
 
     shutdown_pools()
+
+
+# --- pytest-xdist (pyproject's addopts: -n 2 --dist loadgroup) ------------------
+# Two tests at a time: the suite's own processes use about one of the machine's two cores
+# on average (subprocess start-ups, grace periods and timeouts it waits through, one-rank
+# phases). Each xdist worker has its own worker pools (fshard.testing) and forkserver;
+# ports for children come from fshard.testing.free_port, drawn per worker outside the
+# ephemeral range. Tests that share session state run on one worker:
+_CONFORMANCE = os.path.join("tests", "conformance") + os.sep
+
+
+def _xdist_groups(items):
+    for item in items:
+        # The conformance session runs every selected program on its first request (on
+        # 4 ranks, and JAX in a subprocess): split over two workers, both would run all.
+        if _CONFORMANCE in str(item.path):
+            item.add_marker(pytest.mark.xdist_group("conformance"))
+
+
+# The modules whose tests start whole programs (torchrun jobs, the GPU checks' dry run, a
+# notebook kernel: 10-60 s each) go first in the collection order under xdist, so that the
+# run does not end with one worker busy on one of them and the other idle.
+_LONG = ("test_docs_commands.py", "test_gpu_checks.py", "test_examples.py", "test_faults.py",
+         "test_notebook.py", "test_soak.py", "test_sched_stage_fsdp.py", "test_train_lm_faults.py")
+
+
+def _long_first(items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.path.name not in _LONG)  # stable: the rest keep their order
 
 
 # --- seeded shuffled order --------------------------------------------------------
@@ -39,9 +79,12 @@ def _shuffle_seed():
         raise pytest.UsageError(f"{_SHUFFLE_ENV}={text!r}: expected an integer seed") from None
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
+    _xdist_groups(items)
     seed = _shuffle_seed()
     if seed is None:
+        _long_first(items)
         return
     rng = random.Random(seed)
     modules = {}

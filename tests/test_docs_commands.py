@@ -27,14 +27,13 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from fshard.testing import run_on_ranks
+from fshard.testing import free_port, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -194,12 +193,6 @@ def test_readme_test_command_is_what_ci_runs():
     assert readme[0] in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _argv(step: str) -> list[str]:
     """The command as an argv, in short form, runnable from any directory."""
     argv = shlex.split(step)
@@ -207,12 +200,12 @@ def _argv(step: str) -> list[str]:
         if "--rdzv-endpoint" in step:  # multi-node: its own rendezvous, on loopback
             text = step
             for pattern, repl in MULTI_NODE:
-                text = re.sub(pattern, repl.format(port=_free_port()), text)
+                text = re.sub(pattern, repl.format(port=free_port()), text)
             argv = shlex.split(text)
             argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
         else:
             argv = [sys.executable, "-m", "torch.distributed.run", "--master-addr", "127.0.0.1",
-                    "--master-port", str(_free_port()), *argv[1:]]
+                    "--master-port", str(free_port()), *argv[1:]]
     elif argv[0] in ("python", "python3"):
         argv = [sys.executable, *argv[1:]]
     argv = [str(ROOT / a) if not a.startswith("-") and "/" in a and (ROOT / a).exists() else a for a in argv]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import psutil
 import pytest
 
 import fshard as fs
+from fshard.testing import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _faults  # noqa: E402
@@ -33,13 +33,6 @@ ARGV = ["--mesh", "fsdp=4", "--remat", "--steps", "40", "--dtype", "float64", "-
         "--heads", "4", "--seq-len", "16", "--batch-size", "8", "--quiet"]
 VICTIM, AT_CALL = 2, 19
 LIMIT_S = 60.0
-
-
-def free_port() -> int:
-    """A port nothing listens on now (loopback); torchrun's agent binds it right after."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _left_behind(pid_dir: Path) -> list[int]:

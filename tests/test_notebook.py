@@ -10,6 +10,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat", reason="pip install fshard[test] (nbformat, nbclient, ipykernel)")
 nbclient = pytest.importorskip("nbclient", reason="pip install fshard[test] (nbformat, nbclient, ipykernel)")
 pytest.importorskip("ipykernel", reason="pip install fshard[test] (nbformat, nbclient, ipykernel)")
+from traitlets.config import Config  # noqa: E402  (nbclient's dependency)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "notebook.ipynb"
@@ -21,7 +22,13 @@ def test_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+    # The kernel talks over Unix sockets, not TCP: jupyter_client picks TCP ports by binding
+    # port 0 and closing it before the kernel binds them, a race with the gloo groups of the
+    # tests that run beside this one (pytest-xdist) for the same ephemeral ports.
+    config = Config()
+    config.KernelManager.transport = "ipc"
+    config.KernelManager.ip = str(tmp_path / "kernel")
+    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", config=config,
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError naming the cell if any cell fails
 

@@ -117,9 +117,27 @@ def rank_body(body: str) -> None:
 
 # --- the driver's side ------------------------------------------------------------------
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """``fshard.testing.free_port`` (a free port below the ephemeral range, this pytest-xdist
+    worker's share), without importing torch into the driver."""
+    import random
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, low)
+        if port % count != index % count or 29400 <= port < 29600:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise OSError(f"no free port in [20000, {low}) after 200 draws")
 
 
 def _rank_cmd(args: argparse.Namespace) -> list[str]:

@@ -6,7 +6,6 @@ and the other ranks only report a lost connection.
 
 import ctypes
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 import fshard as fs
-from fshard.testing import run_on_ranks
+from fshard.testing import free_port, run_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -86,16 +85,10 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_torchrun_like(mode: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER",)}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()),
+               MASTER_PORT=str(free_port()),
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))
     return subprocess.run([sys.executable, "-c", _SCRIPT, mode], env=env, capture_output=True,
                           text=True, timeout=120)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from fshard.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
@@ -77,12 +78,6 @@ print("gloo threads before exit", gloo_threads(), flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, body: str, *, world: int = 1, torchrun_env: bool = True,
          teardown: bool = True, shutdown_after_report: bool = False) -> list[tuple[int, str, dict | None]]:
     """Runs the program on ``world`` processes; returns (exit code, output, report) per rank."""
@@ -96,7 +91,7 @@ def _run(tmp_path: Path, body: str, *, world: int = 1, torchrun_env: bool = True
         env["FSHARD_TEARDOWN_AT_EXIT"] = "0"
     if shutdown_after_report:
         env["TEST_SHUTDOWN_AFTER_REPORT"] = "1"
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(world):
         renv = dict(env)
