@@ -67,6 +67,11 @@ def _state(config):
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under pytest-xdist every worker collects every test; only the one dealt the
+        # "conformance" group (tests/conftest.py) runs them, and it starts JAX at its
+        # first conformance test.
+        return
     wanted = _wanted(session.items)  # after -k / -m deselection
     if not wanted:
         return
