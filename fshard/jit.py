@@ -258,6 +258,8 @@ class Jitted:
         finally:
             comm._LOGS.reset(outer)
         _functional_collectives(gm)
+        if self._backend not in _ORDER_KEEPING_BACKENDS and _has_p2p(gm):
+            return self._failed(f"compile (backend={self._backend!r})", JitCaptureError(_P2P_REORDERED))
         if self._backend is None:
             run = gm
         else:
@@ -322,6 +324,24 @@ def _functional_collectives(gm) -> None:
 
 
 _C10D = torch.ops._c10d_functional
+
+# Point-to-point transfers (fs.sched's pipeline) pair up across ranks in program order, which no
+# data dependency of one rank's graph shows: only backends that run the graph in its order keep them.
+_ORDER_KEEPING_BACKENDS = (None, "aot_eager", "eager")
+_P2P_REORDERED = (
+    "the graph holds point-to-point transfers (fs.sched's pipeline: fshard.p2p_batch), which must run in "
+    "program order: a rank's wait for a receive depends on a peer's send that no data dependency of its "
+    "own graph shows. Inductor fuses and reorders kernels across them (seen: a 1F1B rank waited for a "
+    "gradient before sending the activation its peer needed, and the ranks deadlocked). Use "
+    "backend='aot_eager' or backend=None.")
+
+
+_P2P_OPS = frozenset({"fshard.p2p_batch.default", "_c10d_functional.batch_p2p_ops.default",
+                      "_c10d_functional.isend.default", "_c10d_functional.irecv.default"})
+
+
+def _has_p2p(gm) -> bool:
+    return any(n.op == "call_function" and str(n.target) in _P2P_OPS for n in gm.graph.nodes)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

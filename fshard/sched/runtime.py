@@ -22,9 +22,10 @@ Shapes: the first SEND_F across each stage boundary is preceded by an int64 head
 must give the same shape and dtype (checked where it is produced). Gradient buffers
 take the shape of the stage output this rank computed itself.
 
-Under ``fs.jit`` (:func:`tracing`): each batch of transfers is one functional
-``torch.ops._c10d_functional.batch_p2p_ops`` and each wait a ``wait_tensor``, nodes of
-the captured graph; a received tensor is the ``wait_tensor``'s result. The headers are
+Under ``fs.jit`` (:func:`tracing`): each batch of transfers is one functional op
+``torch.ops.fshard.p2p_batch`` (``batch_isend_irecv`` inside) and each wait a
+``wait_tensor``, nodes of the captured graph; a received tensor is the ``wait_tensor``'s
+result. The headers are
 not in the graph: they are exchanged once, for real, while the ranks trace (as
 ``fs.lax.ppermute``'s split sizes, the shapes become Python ints baked into each rank's
 graph). So every rank must trace the step together (a new batch shape retraces them
@@ -124,11 +125,49 @@ class _Traced:
 
     @staticmethod
     def post(ops: list[dist.P2POp]) -> list[_Traced]:
-        group = ops[0].group
-        outs = _C10D.batch_p2p_ops(["isend" if op.op is dist.isend else "irecv" for op in ops],
-                                   [op.group_peer for op in ops], [op.tag for op in ops],
-                                   [op.tensor for op in ops], group.group_name)
+        outs = torch.ops.fshard.p2p_batch([op.op is dist.isend for op in ops],
+                                          [op.group_peer for op in ops], [op.tensor for op in ops],
+                                          ops[0].group.group_name)
         return [_Traced(t) for t in outs]
+
+
+# The graph's transfers. Not torch's functional ``batch_p2p_ops``: it registers a send's work
+# under both its input and the empty tensor it returns, and a gloo send waited twice blocks,
+# so one of the two entries (and, through the work, the sent tensor) would stay in c10d's
+# work registry after every step. Here each output has its own registration, which
+# ``wait_tensor`` pops once.
+@torch.library.custom_op("fshard::p2p_batch", mutates_args=())
+def _p2p_batch(sends: list[bool], peers: list[int], tensors: list[torch.Tensor],
+               group_name: str) -> list[torch.Tensor]:
+    """Posts sends of ``tensors[i]`` (``sends[i]``) and receives shaped like ``tensors[i]``
+    (the others) with group rank ``peers[i]``, as one ``batch_isend_irecv``;
+    returns per op an empty token (send) or the buffer being received, each to be waited
+    with ``wait_tensor``."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    outs = _p2p_outputs(sends, tensors)
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) if send else
+           dist.P2POp(dist.irecv, out, group=group, group_peer=peer)
+           for send, t, out, peer in zip(sends, tensors, outs, peers)]
+    works = dist.batch_isend_irecv(ops)
+    for i, out in enumerate(outs):
+        # One work per op (gloo), or one for the batch (a coalescing backend: waited per output).
+        torch._C._distributed_c10d._register_work(out, works[i] if len(works) == len(ops) else works[0])
+    return outs
+
+
+@_p2p_batch.register_fake
+def _(sends, peers, tensors, group_name):
+    return _p2p_outputs(sends, tensors)
+
+
+def _p2p_outputs(sends: list[bool], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.new_empty(0) if send else torch.empty_like(t, memory_format=torch.contiguous_format)
+            for send, t in zip(sends, tensors)]
+
+
+torch.fx.node.has_side_effect(torch.ops.fshard.p2p_batch.default)
 
 
 class _Saved:
