@@ -25,13 +25,12 @@ take the shape of the stage output this rank computed itself.
 Under ``fs.jit`` (:func:`tracing`): each batch of transfers is one functional op
 ``torch.ops.fshard.p2p_batch`` (``batch_isend_irecv`` inside) and each wait a
 ``wait_tensor``, nodes of the captured graph; a received tensor is the ``wait_tensor``'s
-result. The headers are
-not in the graph: they are exchanged once, for real, while the ranks trace (as
-``fs.lax.ppermute``'s split sizes, the shapes become Python ints baked into each rank's
-graph). So every rank must trace the step together (a new batch shape retraces them
-all), and a captured graph receives the shapes of its trace: a rank whose stage output
-shape changes without its neighbours retracing (a new parameter shape on one rank
-only) is not supported.
+result. The headers are not in the graph: they are exchanged once, for real, while the
+ranks trace (as ``fs.lax.ppermute``'s split sizes, the shapes become Python ints baked
+into each rank's graph). So every rank must trace the step together (a new batch shape
+retraces them all), and a captured graph receives the shapes of its trace: a rank whose
+stage output shape changes without its neighbours retracing (a new parameter shape on
+one rank only) is not supported.
 """
 
 from __future__ import annotations
@@ -466,7 +465,7 @@ class Executor:
                 self._in_meta[a.stage] = self._recv_header_now(a)
             elif a.kind is Kind.RECV_F and a.stage not in self._in_meta:
                 h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.wire)
-                works = self._post_batch(ops + [self._op(dist.irecv, h, a)])
+                works = _Once.post(ops + [self._op(dist.irecv, h, a)])
                 self._register(works[:-1], n_send, keyed)
                 self._wait(works[-1:])
                 self._in_meta[a.stage] = (tuple(h[2:2 + int(h[0])].tolist()), _DTYPES[int(h[1])])
@@ -481,8 +480,8 @@ class Executor:
         """While tracing: sends ``a``'s header for real, outside the graph (the receiver's
         trace sizes its buffer from it)."""
         with _disable_current_modes():
-            op = self._op(dist.isend, _header(t.shape, t.dtype, self.wire), a)
-            self._header_sends.append(dist.isend(op.tensor, group=self.group, group_dst=op.group_peer))
+            h = _header(t.shape, t.dtype, self.wire)
+            self._header_sends.append(dist.isend(h, group=self.group, group_dst=self.schedule.peer_rank(a)))
 
     def _recv_header_now(self, a: Action) -> tuple[tuple[int, ...], torch.dtype]:
         """While tracing: receives ``a``'s header for real, outside the graph."""
