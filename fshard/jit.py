@@ -43,9 +43,21 @@ the ranks' graphs differ in them (their collectives still match one to one). Tes
 against eager: rings, partial perms (ranks that receive zeros or send nothing), a perm
 over one axis of a 2-D mesh, in both orders of ``shard_map`` and ``value_and_grad``.
 
-Not yet capturable: the pipeline executor (``fs.sched``'s point-to-point transfers call
-``torch.distributed`` directly), and anything else that calls ``torch.distributed``
-directly.
+The pipeline step (``fs.sched.pipeline_step``, every schedule: GPipe, 1F1B, interleaved,
+zero-bubble, ...) is captured too: each run of SEND/RECV actions is one
+``torch.ops.fshard.p2p_batch`` node (a ``batch_isend_irecv``) and each wait a
+``wait_tensor``; the activation-shape headers and the loss dtype are exchanged for real
+while the ranks trace, so the shapes are Python ints of each rank's graph (every rank
+traces together; a rank whose stage output shape changes while its peer keeps its graph is
+not supported). Tested against eager with the optimizer update in the graph: losses,
+gradients and updated parameters (1e-12, float64), comm_log counts and bytes, on pp=2 and
+on dp=2 x pp=2 (data-parallel sum, stage-level FSDP). Such a graph needs a backend that
+runs it in program order: ``aot_eager`` or ``None``. ``"inductor"`` is refused (a
+:class:`JitCaptureError`, or eager with ``on_capture_error="eager"``): it fuses kernels
+across the transfers, whose pairing across ranks no data dependency shows (seen: a
+deadlock). ``return_stats=True`` is refused (its timings are wall-clock ones of an eager run).
+
+Not yet capturable: anything that calls ``torch.distributed`` directly.
 """
 
 from __future__ import annotations
@@ -258,6 +270,8 @@ class Jitted:
         finally:
             comm._LOGS.reset(outer)
         _functional_collectives(gm)
+        if self._backend not in _ORDER_KEEPING_BACKENDS and _has_p2p(gm):
+            return self._failed(f"compile (backend={self._backend!r})", JitCaptureError(_P2P_REORDERED))
         if self._backend is None:
             run = gm
         else:
@@ -322,6 +336,24 @@ def _functional_collectives(gm) -> None:
 
 
 _C10D = torch.ops._c10d_functional
+
+# Point-to-point transfers (fs.sched's pipeline) pair up across ranks in program order, which no
+# data dependency of one rank's graph shows: only backends that run the graph in its order keep them.
+_ORDER_KEEPING_BACKENDS = (None, "aot_eager", "eager")
+_P2P_REORDERED = (
+    "the graph holds point-to-point transfers (fs.sched's pipeline: fshard.p2p_batch), which must run in "
+    "program order: a rank's wait for a receive depends on a peer's send that no data dependency of its "
+    "own graph shows. Inductor fuses and reorders kernels across them (seen: a 1F1B rank waited for a "
+    "gradient before sending the activation its peer needed, and the ranks deadlocked). Use "
+    "backend='aot_eager' or backend=None.")
+
+
+_P2P_OPS = frozenset({"fshard.p2p_batch.default", "_c10d_functional.batch_p2p_ops.default",
+                      "_c10d_functional.isend.default", "_c10d_functional.irecv.default"})
+
+
+def _has_p2p(gm) -> bool:
+    return any(n.op == "call_function" and str(n.target) in _P2P_OPS for n in gm.graph.nodes)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,16 @@ Shapes: the first SEND_F across each stage boundary is preceded by an int64 head
 (ndim, dtype, sizes) so the receiver can size its buffers; every later microbatch
 must give the same shape and dtype (checked where it is produced). Gradient buffers
 take the shape of the stage output this rank computed itself.
+
+Under ``fs.jit`` (:func:`tracing`): each batch of transfers is one functional op
+``torch.ops.fshard.p2p_batch`` (``batch_isend_irecv`` inside) and each wait a
+``wait_tensor``, nodes of the captured graph; a received tensor is the ``wait_tensor``'s
+result. The headers are not in the graph: they are exchanged once, for real, while the
+ranks trace (as ``fs.lax.ppermute``'s split sizes, the shapes become Python ints baked
+into each rank's graph). So every rank must trace the step together (a new batch shape
+retraces them all), and a captured graph receives the shapes of its trace: a rank whose
+stage output shape changes without its neighbours retracing (a new parameter shape on
+one rank only) is not supported.
 """
 
 from __future__ import annotations
@@ -33,13 +43,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fshard import comm
 from fshard import tree as tree_util
 from fshard.sched.ir import Action, Kind, Schedule, ScheduleError
 from fshard.sched.split import SplitBackward, differentiable, grad, wants_grad
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "tracing"]
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 _SENDS = (Kind.SEND_F, Kind.SEND_B)
@@ -47,6 +58,19 @@ _MAX_DIMS = 8  # header: [ndim, dtype code, size_0, ..., size_7]
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
            torch.complex128)
+_C10D = torch.ops._c10d_functional
+
+
+def tracing() -> bool:
+    """True while a graph is being captured: ``fs.jit``'s ``make_fx`` trace on fake tensors
+    (or Dynamo). A direct ``torch.distributed`` call would then run once, at trace time,
+    and be missing from the graph, so transfers go through functional ops instead.
+
+    Detected from the active fake mode rather than a flag that ``fs.jit`` sets: it holds for
+    any trace (a user's own ``make_fx`` too), and ``fs.optim`` and ``clip_by_global_norm``
+    decide the same way.
+    """
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
 
 
 class _Once:
@@ -80,6 +104,69 @@ class _Once:
         shared = _Once(SimpleNamespace(wait=lambda: [w.wait() for w in works]),
                        [op.tensor for op in ops])
         return [shared] * len(ops)
+
+
+class _Traced:
+    """A transfer captured in the graph (:func:`tracing`): waiting is a ``wait_tensor``
+    node, and for a receive its result, not the buffer, is what the consumer reads."""
+
+    __slots__ = ("tensor", "done")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.done = tensor, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.tensor, self.done = _C10D.wait_tensor(self.tensor), True
+
+    def finished(self) -> bool:
+        return False  # a graph cannot ask; sends are waited at the end of the step
+
+    @staticmethod
+    def post(ops: list[dist.P2POp]) -> list[_Traced]:
+        outs = torch.ops.fshard.p2p_batch([op.op is dist.isend for op in ops],
+                                          [op.group_peer for op in ops], [op.tensor for op in ops],
+                                          ops[0].group.group_name)
+        return [_Traced(t) for t in outs]
+
+
+# The graph's transfers. Not torch's functional ``batch_p2p_ops``: it registers a send's work
+# under both its input and the empty tensor it returns, and a gloo send waited twice blocks,
+# so one of the two entries (and, through the work, the sent tensor) would stay in c10d's
+# work registry after every step. Here each output has its own registration, which
+# ``wait_tensor`` pops once.
+@torch.library.custom_op("fshard::p2p_batch", mutates_args=())
+def _p2p_batch(sends: list[bool], peers: list[int], tensors: list[torch.Tensor],
+               group_name: str) -> list[torch.Tensor]:
+    """Posts sends of ``tensors[i]`` (``sends[i]``) and receives shaped like ``tensors[i]``
+    (the others) with group rank ``peers[i]``, as one ``batch_isend_irecv``;
+    returns per op an empty token (send) or the buffer being received, each to be waited
+    with ``wait_tensor``."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    outs = _p2p_outputs(sends, tensors)
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) if send else
+           dist.P2POp(dist.irecv, out, group=group, group_peer=peer)
+           for send, t, out, peer in zip(sends, tensors, outs, peers)]
+    works = dist.batch_isend_irecv(ops)
+    for i, out in enumerate(outs):
+        # One work per op (gloo), or one for the batch (a coalescing backend: waited per output).
+        torch._C._distributed_c10d._register_work(out, works[i] if len(works) == len(ops) else works[0])
+    return outs
+
+
+@_p2p_batch.register_fake
+def _(sends, peers, tensors, group_name):
+    return _p2p_outputs(sends, tensors)
+
+
+def _p2p_outputs(sends: list[bool], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.new_empty(0) if send else torch.empty_like(t, memory_format=torch.contiguous_format)
+            for send, t in zip(sends, tensors)]
+
+
+torch.fx.node.has_side_effect(torch.ops.fshard.p2p_batch.default)
 
 
 class _Saved:
@@ -166,6 +253,9 @@ class Executor:
                                if a.kind in (Kind.RECV_F, Kind.RECV_B))
         self._posted: set[Action] = set()
         self.prefetch = prefetch if dist.get_backend(group) == "gloo" else 0
+        self.traced = tracing()
+        self._post_batch = _Traced.post if self.traced else _Once.post
+        self._header_sends: list[Any] = []  # while tracing: the real header sends in flight
 
     def run(self) -> Executor:
         """Executes every action of this rank in order; returns self."""
@@ -193,6 +283,9 @@ class Executor:
             i += 1
         self._wait(self._sent)
         self._sent.clear()
+        for work in self._header_sends:
+            work.wait()
+        self._header_sends.clear()
         return self
 
     def _wait(self, works: Sequence[_Once]) -> None:
@@ -345,7 +438,10 @@ class Executor:
             t = t.contiguous() if t.device == self.wire else t.to(self.wire).contiguous()
             if a.kind is Kind.SEND_F and a.stage not in self._headed:
                 self._headed.add(a.stage)
-                ops.append(self._op(dist.isend, _header(t), a))
+                if self.traced:
+                    self._send_header_now(t, a)
+                else:
+                    ops.append(self._op(dist.isend, _header(t.shape, t.dtype, t.device), a))
             ops.append(self._op(dist.isend, t, a))
             self.n_sends += 1
             self.bytes_sent += t.numel() * t.element_size()
@@ -365,7 +461,9 @@ class Executor:
             if self._unposted.popleft() != a:
                 raise ScheduleError(f"rank {self.rank}: {a} posted out of list order")
             self._posted.add(a)
-            if a.kind is Kind.RECV_F and a.stage not in self._in_meta:
+            if a.kind is Kind.RECV_F and a.stage not in self._in_meta and self.traced:
+                self._in_meta[a.stage] = self._recv_header_now(a)
+            elif a.kind is Kind.RECV_F and a.stage not in self._in_meta:
                 h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.wire)
                 works = _Once.post(ops + [self._op(dist.irecv, h, a)])
                 self._register(works[:-1], n_send, keyed)
@@ -376,7 +474,21 @@ class Executor:
             ops.append(self._op(dist.irecv, buf, a))
             keyed.append((a, buf))
         if ops:
-            self._register(_Once.post(ops), n_send, keyed)
+            self._register(self._post_batch(ops), n_send, keyed)
+
+    def _send_header_now(self, t: torch.Tensor, a: Action) -> None:
+        """While tracing: sends ``a``'s header for real, outside the graph (the receiver's
+        trace sizes its buffer from it)."""
+        with _disable_current_modes():
+            h = _header(t.shape, t.dtype, self.wire)
+            self._header_sends.append(dist.isend(h, group=self.group, group_dst=self.schedule.peer_rank(a)))
+
+    def _recv_header_now(self, a: Action) -> tuple[tuple[int, ...], torch.dtype]:
+        """While tracing: receives ``a``'s header for real, outside the graph."""
+        with _disable_current_modes():
+            h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.wire)
+            dist.recv(h, group=self.group, group_src=self.schedule.peer_rank(a))
+            return tuple(h[2:2 + int(h[0])].tolist()), _DTYPES[int(h[1])]
 
     def _register(self, works: list[_Once], n_send: int,
                   keyed: list[tuple[Action, torch.Tensor]]) -> None:
@@ -417,10 +529,11 @@ class Executor:
             raise ScheduleError(f"rank {self.rank}: {Action(consumer, s, mb)} needs "
                                 f"{Action(kind, s, mb)}, which was not posted before it")
         self._wait([entry[0]])
-        buf = entry[1] if entry[1].device == self.device else entry[1].to(self.device)
+        buf = entry[0].tensor if isinstance(entry[0], _Traced) else entry[1]
+        buf = buf if buf.device == self.device else buf.to(self.device)
         return buf.requires_grad_(differentiable(buf)) if kind is Kind.RECV_F else buf
 
 
-def _header(t: torch.Tensor) -> torch.Tensor:
-    h = [t.dim(), _DTYPES.index(t.dtype), *t.shape]
-    return torch.tensor(h + [0] * (2 + _MAX_DIMS - len(h)), dtype=torch.int64, device=t.device)
+def _header(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    h = [len(shape), _DTYPES.index(dtype), *shape]
+    return torch.tensor(h + [0] * (2 + _MAX_DIMS - len(h)), dtype=torch.int64, device=device)

@@ -18,13 +18,15 @@ Example (one MLP layer per stage, 2 pipeline ranks)::
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fshard import comm
 from fshard import lax
@@ -33,7 +35,7 @@ from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.sharding import spec_of
 from fshard.sched.ir import Action, Kind, Schedule
 from fshard.sched.lower import add_reduce_grad, add_unshard_reshard, lower
-from fshard.sched.runtime import Executor
+from fshard.sched.runtime import Executor, tracing
 from fshard.sched.stage_fsdp import StageFSDP, StageShards
 from fshard.sched.validate import validate
 from fshard.transforms.shard_map import set_global_shape
@@ -184,6 +186,13 @@ def pipeline_step(
                          f"{schedule.n_virtual} = {schedule.n_stages}, got {got}")
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError("pipeline_step: batch must be a pair (inputs, targets)")
+    if return_stats and tracing():
+        # Checked before any transfer, so that no peer waits for this rank's trace.
+        raise ValueError(
+            "pipeline_step(return_stats=True) cannot be captured by fs.jit: StepStats holds "
+            "wall-clock timings of one eager run and is no pytree of tensors (its losses "
+            "would be the trace's fake tensors). Inside fs.jit pass return_stats=False and "
+            "time the jitted call; for per-microbatch losses or timings, run an eager step.")
     config = _fsdp_config(fsdp, mesh, axis, data)
     rank = mesh.axis_index(axis)
     n_data = mesh.axis_size(data) if data else 1
@@ -394,21 +403,53 @@ def _mean_loss(executor: Executor, schedule: Schedule, mesh: Mesh, axis: str,
     """The mean microbatch loss, broadcast from the last stage's rank (and averaged over data)."""
     codes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
     buf = torch.zeros(2, dtype=torch.float64, device=mesh.device)
+    code = 1
     if executor.rank == schedule.last_rank:
         loss = torch.stack(executor.losses).mean()
-        buf[0], buf[1] = loss.double(), codes.index(loss.dtype) if loss.dtype in codes else 1
+        code = codes.index(loss.dtype) if loss.dtype in codes else 1
+        buf[0], buf[1] = loss.double(), code
+    traced = tracing()
     if schedule.n_ranks > 1:
         group = mesh.group(axis)
         comm.record("broadcast", (axis,), buf.numel() * buf.element_size())
         comm.one_at_a_time(group)
-        dist.broadcast(buf, dist.get_global_rank(group, schedule.last_rank), group=group)
+        if traced:
+            # The dtype is a Python value every rank's graph needs: sent for real, once, at
+            # trace time; the value itself is broadcast by the graph (same bytes as eager).
+            with _disable_current_modes():
+                real = torch.tensor([code], dtype=torch.int64, device=mesh.device)
+                dist.broadcast(real, group=group, group_src=schedule.last_rank)
+                code = int(real[0])
+            with _unlogged():  # logged above, as eager logs it
+                buf = _C10D.wait_tensor(_C10D.broadcast(buf, schedule.last_rank, group.group_name))
+        else:
+            dist.broadcast(buf, dist.get_global_rank(group, schedule.last_rank), group=group)
+            code = int(buf[1])
+    value = buf[0]
     if data and mesh.axis_size(data) > 1:
-        value = buf[:1].clone()
-        comm.record("psum", data, value.numel() * value.element_size())
+        part = buf[:1].clone()
+        comm.record("psum", data, part.numel() * part.element_size())
         comm.one_at_a_time(mesh.group(data))
-        dist.all_reduce(value, group=mesh.group(data))
-        buf[0] = value[0] / mesh.axis_size(data)
-    return buf[0].to(codes[int(buf[1])])
+        if traced:
+            with _unlogged():
+                part = _C10D.wait_tensor(_C10D.all_reduce(part, "sum", mesh.group(data).group_name))
+        else:
+            dist.all_reduce(part, group=mesh.group(data))
+        value = part[0] / mesh.axis_size(data)
+    return value.to(codes[code])
+
+
+_C10D = torch.ops._c10d_functional
+
+
+@contextlib.contextmanager
+def _unlogged() -> Iterator[None]:
+    """comm_log's dispatch mode records nothing while no log is open (the caller logged it)."""
+    token = comm._LOGS.set(())
+    try:
+        yield
+    finally:
+        comm._LOGS.reset(token)
 
 
 def _grads_out(stage_params: Sequence[Any], originals: dict[int, list[Any]],
