@@ -47,6 +47,7 @@ import functools
 import logging
 import os
 import sysconfig
+import time
 import traceback
 import warnings
 from typing import Any, Callable
@@ -234,6 +235,7 @@ class Jitted:
         # The trace's collectives are not this call's (they are replayed per call), and no
         # mode of the caller's (comm_log's, which would count them twice) sees the trace.
         outer = comm._LOGS.set(())
+        t0 = time.perf_counter()
         try:
             with _disable_current_modes():
                 gm = make_fx(traced, tracing_mode="fake")(*[_local(x) for x in tensors])
@@ -242,6 +244,8 @@ class Jitted:
         finally:
             comm._LOGS.reset(outer)
         _functional_collectives(gm)
+        log.info("fs.jit(%s): traced %d graph nodes in %.1f s", self.__name__, len(gm.graph.nodes),
+                 time.perf_counter() - t0)
         if self._backend is None:
             run = gm
         else:
@@ -269,12 +273,15 @@ class _FirstCallChecked:
     def __call__(self, *args):
         if self._ok:
             return self._compiled(*args)
+        t0 = time.perf_counter()
         try:
             out = self._compiled(*args)
         except Exception as e:  # noqa: BLE001
             raise JitCaptureError(_capture_message(self._owner.__name__, f"compile (backend={self._owner._backend!r})",
                                                    e)) from e
         self._ok = True
+        log.info("fs.jit(%s): compiled (backend %r) and ran the first call in %.1f s", self._owner.__name__,
+                 self._owner._backend, time.perf_counter() - t0)
         return out
 
 
