@@ -47,6 +47,21 @@ def per_rank(target: str, steps: int, profile: str | None) -> dict:
         fs.jit = functools.partial(fs.jit, options=json.loads(os.environ["FSHARD_JIT_BENCH_OPTIONS"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     events: list[str] = []
+    builds: list[tuple[float, int]] = []
+    if os.environ.get("FSHARD_JIT_BENCH_TIME_BUILDS"):  # per C++ compile (in-process: compile_threads 1)
+        from torch._inductor import cpp_builder
+
+        build = cpp_builder.CppBuilder.build
+
+        def timed(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return build(self, *a, **k)
+            finally:
+                size = sum(os.path.getsize(s) for s in self._sources_args.split() if os.path.exists(s)) \
+                    if isinstance(getattr(self, "_sources_args", None), str) else -1
+                builds.append((time.perf_counter() - t0, size))
+        cpp_builder.CppBuilder.build = timed
     handler = logging.Handler()
     handler.emit = lambda rec: events.append(rec.getMessage())
     jlog = logging.getLogger("fshard.jit")
@@ -109,6 +124,10 @@ def per_rank(target: str, steps: int, profile: str | None) -> dict:
     jlog.removeHandler(handler)
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if builds:
+        builds.sort(reverse=True)
+        events.append(f"{len(builds)} C++ builds, {sum(b[0] for b in builds):.1f} s; slowest (s, source bytes): "
+                      + ", ".join(f"{b[0]:.1f} {b[1]}" for b in builds[:8]))
     return {"times": t.tolist(), "events": events, "compile_times": compile_times(repr="str", aggregate=True),
             "kernels": metrics.generated_kernel_count, "cpp_vec_kernels": metrics.generated_cpp_vec_kernel_count,
             "inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"])}
@@ -140,10 +159,11 @@ def main() -> None:
             print(f"== {args.target} {run} ({args.ranks} ranks, load {load:.1f} -> {os.getloadavg()[0]:.1f}, "
                   f"{time.strftime('%H:%M:%S', time.gmtime())} UTC): first step {r0['times'][0]:.1f} s, later steps "
                   f"{later * 1e3:.1f} ms (median), run wall {wall:.0f} s")
-            for e in r0["events"]:
-                print("   ", e)
-            print(f"    kernels {r0['kernels']} (cpp vec {r0['cpp_vec_kernels']}); inductor counters "
-                  f"{ {k: v for k, v in r0['inductor'].items() if 'cache' in k} }; aot {r0['aot']}")
+            for rank, r in enumerate(res):
+                for e in r["events"]:
+                    print(f"    rank {rank}:", e)
+                print(f"    rank {rank}: kernels {r['kernels']} (cpp vec {r['cpp_vec_kernels']}); inductor "
+                      f"{ {k: v for k, v in r['inductor'].items() if 'cache' in k} }; aot {r['aot']}")
             print("    " + r0["compile_times"].replace("\n", "\n    "))
     finally:
         if args.cache is None:

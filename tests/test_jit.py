@@ -385,3 +385,49 @@ def _ppermute_body():
 def test_jit_refuses_ppermute_rather_than_running_it_once_at_trace_time():
     for msg in run_on_ranks(_ppermute_body, world_size=2):
         assert "fs.lax.ppermute cannot be captured by fs.jit yet" in msg and "test_jit.py" in msg, msg
+
+
+def _once_per_host_body(cache_dir):
+    """A 2-rank Inductor compile into a fresh cache: who compiled first, who reused it."""
+    from torch._dynamo.utils import counters
+
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # read by Inductor at each compile
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    jlog = logging.getLogger("fshard.jit")
+    jlog.addHandler(handler)
+    level = jlog.level
+    jlog.setLevel(logging.INFO)
+    hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+    try:
+        n = torch.distributed.get_world_size()
+        mesh = fs.make_mesh({"x": n})
+        # A graph of its own (the 0.37): no other test's compiled kernels in this process's caches.
+        f = fs.shard_map(lambda x: fs.lax.psum(torch.cos(x) * 0.37 + x, "x"), mesh=mesh, in_specs=P("x"),
+                         out_specs=P(), check=False)
+        x = torch.randn(4 * n, 5, generator=torch.Generator().manual_seed(5), dtype=F64)
+        got, want = fs.jit(f)(x), f(x)
+    finally:
+        jlog.removeHandler(handler)
+        jlog.setLevel(level)
+        if old is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+    hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"] - hits
+    first = [r for r in records if "compiling it first on this host" in r]
+    return (got.full_tensor() - want.full_tensor()).abs().max().item(), len(first), hits, records
+
+
+def test_jit_inductor_ranks_of_one_host_compile_once(tmp_path):
+    # Two ranks, an empty Inductor cache: one compiles, the other waits for it and loads
+    # the cached result (a cache hit), instead of both compiling the same graph on the
+    # same cores (bench/README.md, "fs.jit": compile time).
+    results = run_on_ranks(_once_per_host_body, str(tmp_path / "inductor"), world_size=2, timeout_s=600)
+    for err, _, _, _ in results:
+        assert err <= 1e-12
+    assert sorted(r[1] for r in results) == [0, 1], [r[3] for r in results]
+    reuser = next(r for r in results if r[1] == 0)
+    assert reuser[2] >= 1 and any("compiling from the cache" in m for m in reuser[3]), reuser
