@@ -10,6 +10,15 @@ trace time and leaves only its tensor operations in an aten FX graph, the collec
 (``"inductor"`` by default, ``"aot_eager"`` to debug, or ``None`` to run the captured
 graph as it is). Nothing of Dynamo ever sees a ContextVar.
 
+Compile time (``bench/jit_compile.py``; ``bench/README.md``, "fs.jit"): Inductor compiles
+the aten graph directly (``torch._inductor.standalone_compile``), without Dynamo tracing
+it again, and the ranks of one host compile a graph once: the views that slice a rank's
+rows out of a global input (the only rank-dependent part of a data-parallel step) run
+before the compiled graph, so every rank has the same graph; the first process to reach
+it compiles it while the others wait on a file lock in the Inductor cache directory, then
+load it from the cache. The compiled graph is cached there (``TORCHINDUCTOR_CACHE_DIR``)
+across processes. The log (logger ``fshard.jit``, INFO) says how long each part took.
+
 Consequences (JAX's rules):
 
 - Python side effects and values read from tensors happen once, at trace time. Reading a
@@ -298,16 +307,11 @@ class _Compiled:
         return out
 
 
-# Inductor settings for fs.jit's graphs, applied to their compilation only (the caller's
-# options win). Each one is measured in bench/README.md ("fs.jit", compile time).
-_INDUCTOR_PATCHES: dict[str, Any] = {}
-
-
 def _inductor_compile(gm, args: tuple, options: dict | None):
     """Inductor's compiled callable for ``gm`` on inputs like ``args`` (static shapes)."""
     from torch._inductor import standalone_compile
 
-    patches = {**_INDUCTOR_PATCHES, **(options or {})}
+    patches = dict(options or {})  # Inductor config, for this compilation only
     with _once_per_host(_graph_key(gm, args, patches)):
         return standalone_compile(gm, list(args), dynamic_shapes="from_example_inputs",
                                   options={"config_patches": patches})
