@@ -431,3 +431,26 @@ def test_jit_inductor_ranks_of_one_host_compile_once(tmp_path):
     assert sorted(r[1] for r in results) == [0, 1], [r[3] for r in results]
     reuser = next(r for r in results if r[1] == 0)
     assert reuser[2] >= 1 and any("compiling from the cache" in m for m in reuser[3]), reuser
+
+
+def _slice_and_mutate(a, b):
+    b[1:].add_(1)  # b is mutated through a view: its views must stay in the graph
+    return a[2:4] * 2 + b[:2].sum()
+
+
+def test_jit_hoists_the_input_slices_of_inputs_the_graph_does_not_mutate():
+    # fs.jit runs the slices of its inputs (shard_map's per-rank rows) before the compiled
+    # graph, so that every rank compiles the same graph; an input the graph mutates keeps
+    # its views inside (the compiled graph must see the aliasing).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fshard.jit import _hoist_input_views
+
+    gm = make_fx(_slice_and_mutate)(torch.ones(6), torch.ones(6))
+    prologue, main = _hoist_input_views(gm)
+    assert prologue.code.count("aten.slice") == 1 and "2, 4" in prologue.code, prologue.code
+    assert main.code.count("aten.slice") == 2 and "add_" in main.code, main.code
+    a, b, b_eager = torch.arange(6.0), torch.arange(6.0), torch.arange(6.0)
+    want = _slice_and_mutate(a, b_eager)
+    got = main(*prologue(a, b))
+    assert torch.equal(got, want) and torch.equal(b, b_eager)
