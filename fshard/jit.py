@@ -10,6 +10,15 @@ trace time and leaves only its tensor operations in an aten FX graph, the collec
 (``"inductor"`` by default, ``"aot_eager"`` to debug, or ``None`` to run the captured
 graph as it is). Nothing of Dynamo ever sees a ContextVar.
 
+Compile time (``bench/jit_compile.py``; ``bench/README.md``, "fs.jit"): Inductor compiles
+the aten graph directly (``torch._inductor.standalone_compile``), without Dynamo tracing
+it again, and the ranks of one host compile a graph once: the views that slice a rank's
+rows out of a global input (the only rank-dependent part of a data-parallel step) run
+before the compiled graph, so every rank has the same graph; the first process to reach
+it compiles it while the others wait on a file lock in the Inductor cache directory, then
+load it from the cache. The compiled graph is cached there (``TORCHINDUCTOR_CACHE_DIR``)
+across processes. The log (logger ``fshard.jit``, INFO) says how long each part took.
+
 Consequences (JAX's rules):
 
 - Python side effects and values read from tensors happen once, at trace time. Reading a
@@ -62,10 +71,12 @@ Not yet capturable: anything that calls ``torch.distributed`` directly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sysconfig
+import time
 import traceback
 import warnings
 from typing import Any, Callable
@@ -262,6 +273,7 @@ class Jitted:
         # The trace's collectives are not this call's (they are replayed per call), and no
         # mode of the caller's (comm_log's, which would count them twice) sees the trace.
         outer = comm._LOGS.set(())
+        t0 = time.perf_counter()
         try:
             with _disable_current_modes():
                 gm = make_fx(traced, tracing_mode="fake")(*[_local(x) for x in tensors])
@@ -270,14 +282,11 @@ class Jitted:
         finally:
             comm._LOGS.reset(outer)
         _functional_collectives(gm)
+        log.info("fs.jit(%s): traced %d graph nodes in %.1f s", self.__name__, len(gm.graph.nodes),
+                 time.perf_counter() - t0)
         if self._backend not in _ORDER_KEEPING_BACKENDS and _has_p2p(gm):
             return self._failed(f"compile (backend={self._backend!r})", JitCaptureError(_P2P_REORDERED))
-        if self._backend is None:
-            run = gm
-        else:
-            compiled = torch.compile(gm, fullgraph=True, backend=self._backend, dynamic=False,
-                                     options=self._options)
-            run = _FirstCallChecked(compiled, self)
+        run = gm if self._backend is None else _Compiled(gm, self)
         return _Entry(run, found["tree"], found["kinds"], found["timeline"], gm)
 
     def _failed(self, stage: str, e: BaseException) -> _Entry:
@@ -289,23 +298,170 @@ class Jitted:
         return _Entry(None, None, (), (), None, eager=True)
 
 
-class _FirstCallChecked:
-    """Runs the compiled graph; a failure of the first call (Dynamo/backend compilation)
-    is reported as a :class:`JitCaptureError` naming the backend."""
+class _Compiled:
+    """Compiles the captured graph at the first call and runs it; a failure to compile is
+    reported as a :class:`JitCaptureError` naming the backend.
 
-    def __init__(self, compiled, owner: Jitted) -> None:
-        self._compiled, self._owner, self._ok = compiled, owner, False
+    Inductor (``backend="inductor"``) compiles the aten graph directly
+    (``torch._inductor.standalone_compile``): the graph is already what Dynamo would
+    produce, and compiling without running lets the ranks of one host share the work
+    (:func:`_once_per_host`). Other backends go through ``torch.compile(fullgraph=True)``.
+    """
+
+    def __init__(self, gm, owner: Jitted) -> None:
+        self._gm, self._owner, self._fn = gm, owner, None
 
     def __call__(self, *args):
-        if self._ok:
-            return self._compiled(*args)
+        if self._fn is not None:
+            return self._fn(*args)
+        owner = self._owner
+        t0 = time.perf_counter()
         try:
-            out = self._compiled(*args)
+            if owner._backend == "inductor":
+                prologue, main = _hoist_input_views(self._gm)
+                inputs = prologue(*args) if prologue is not None else args
+                compiled = _inductor_compile(main, inputs, owner._options)
+                fn = compiled if prologue is None else (lambda *a: compiled(*prologue(*a)))
+                log.info("fs.jit(%s): compiled (Inductor) in %.1f s", owner.__name__, time.perf_counter() - t0)
+                out = compiled(*inputs)
+            else:  # Dynamo compiles at the first call
+                fn = torch.compile(self._gm, fullgraph=True, backend=owner._backend, dynamic=False,
+                                   options=owner._options)
+                out = fn(*args)
+                log.info("fs.jit(%s): compiled (backend %r) and ran the first call in %.1f s", owner.__name__,
+                         owner._backend, time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001
-            raise JitCaptureError(_capture_message(self._owner.__name__, f"compile (backend={self._owner._backend!r})",
+            raise JitCaptureError(_capture_message(owner.__name__, f"compile (backend={owner._backend!r})",
                                                    e)) from e
-        self._ok = True
+        self._fn = fn
         return out
+
+
+def _inductor_compile(gm, args: tuple, options: dict | None):
+    """Inductor's compiled callable for ``gm`` on inputs like ``args`` (static shapes)."""
+    from torch._inductor import standalone_compile
+
+    patches = dict(options or {})  # Inductor config, for this compilation only
+    with _once_per_host(_graph_key(gm, args, patches)):
+        return standalone_compile(gm, list(args), dynamic_shapes="from_example_inputs",
+                                  options={"config_patches": patches})
+
+
+def _graph_key(gm, args: tuple, patches: dict) -> str:
+    """A digest of what Inductor compiles: the graph's code, the inputs' layouts, the settings."""
+    import hashlib
+
+    text = "\n".join([torch.__version__, gm.code, repr(sorted(patches.items()))] +
+                      [repr((tuple(a.shape), a.stride(), a.dtype, a.device)) if isinstance(a, torch.Tensor) else repr(a)
+                       for a in args])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def _once_per_host(key: str):
+    """The first process of this host (of this Inductor cache directory) to compile graph
+    ``key`` compiles it alone; the others wait and then compile from the cache it filled.
+
+    Every rank compiles the same graph; compiling them at once on one host does the same
+    work once per rank, on cores they share. Waiting costs the others a warm compile
+    (loading the cached result) after the first one's cold compile. Compiling runs no
+    collective, so a waiting rank blocks no one. The lock is an OS file lock: a process
+    that dies holding it releases it.
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch.utils._filelock import FileLock
+
+    where = os.path.join(cache_dir(), "fshard_jit")
+    os.makedirs(where, exist_ok=True)
+    done = os.path.join(where, key + ".done")
+    if os.path.exists(done):
+        log.info("fs.jit: graph %s was compiled on this host before: compiling from the cache", key[:12])
+        yield
+        return
+    t0 = time.perf_counter()
+    lock = FileLock(os.path.join(where, key + ".lock"))
+    lock.acquire()
+    if os.path.exists(done):  # another process compiled it while this one waited
+        lock.release()
+        log.info("fs.jit: graph %s was compiled on this host by another process (waited %.1f s): compiling "
+                 "from the cache", key[:12], time.perf_counter() - t0)
+        yield
+        return
+    log.info("fs.jit: graph %s: compiling it first on this host", key[:12])
+    try:
+        yield
+        with open(done, "w"):
+            pass
+    finally:
+        lock.release()
+
+
+def _hoist_input_views(gm):
+    """Splits ``gm`` into ``(prologue, main)``: the prologue computes the views of the
+    graph's inputs that the graph takes first (``shard_map`` slicing this rank's rows out
+    of a global batch), the main graph everything else, from the prologue's results.
+
+    Those views are the only rank-dependent part of a data-parallel step (their offsets
+    are the rank's): without them every rank of a host compiles the same graph, which one
+    compile can serve (:func:`_once_per_host`; Inductor's cache keys ignore a storage
+    offset). Views of an input that the graph mutates stay in the graph (the compiled
+    graph must see the aliasing). ``prologue`` is ``None`` when there is nothing to hoist.
+    The prologue runs at every call: a handful of view ops.
+    """
+    graph = gm.graph
+    outside = {n for n in graph.nodes if n.op == "placeholder"}
+    mutated = set()
+    for n in graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            mutated.update(a for a in n.all_input_nodes)
+    # An input the graph mutates, directly or through a view, keeps all its views inside.
+    blocked = {n for n in outside if _reaches(n, mutated)}
+    for n in graph.nodes:
+        if (n.op == "call_function" and (n.target is _GETITEM or n.target in _SLICES) and n.all_input_nodes
+                and all(a in outside and a not in blocked for a in n.all_input_nodes)):
+            outside.add(n)
+    if all(n.op == "placeholder" for n in outside):
+        return None, gm
+    needed = [n for n in graph.nodes if n in outside and any(u not in outside for u in n.users)]
+    pro, env = torch.fx.Graph(), {}
+    for n in graph.nodes:
+        if n in outside:
+            env[n] = pro.node_copy(n, lambda a: env[a])
+    pro.output([env[n] for n in needed])
+    main, env = torch.fx.Graph(), {}
+    for n in needed:
+        env[n] = main.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    for n in graph.nodes:
+        if n not in outside:
+            env[n] = main.node_copy(n, lambda a: env[a])
+    return torch.fx.GraphModule(gm, pro), torch.fx.GraphModule(gm, main)
+
+
+_GETITEM = __import__("operator").getitem  # of a split's results
+_ATEN = torch.ops.aten
+# Views that take a part of a tensor (whose offsets may be the rank's); whole-tensor views
+# (reshapes) stay in the graph: hoisting them would only add host work to every call.
+_SLICES = frozenset({_ATEN.slice.Tensor, _ATEN.select.int, _ATEN.narrow.default, _ATEN.split.Tensor,
+                     _ATEN.split_with_sizes.default, _ATEN.unbind.int, _ATEN.chunk.default})
+
+
+def _is_view(node) -> bool:
+    if node.target is _GETITEM:
+        return True
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def _reaches(node, targets: set) -> bool:
+    """Whether ``node`` or a view of it (transitively) is in ``targets``."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in targets:
+            return True
+        todo.extend(u for u in n.users if _is_view(u))
+    return False
 
 
 # --- helpers -------------------------------------------------------------------------------

@@ -675,3 +675,72 @@ def test_jit_pipeline_refuses_stats_and_reordering_backends_clearly():
         assert name == "JitCaptureError" and "point-to-point" in msg and "aot_eager" in msg, r
         warned, err = r["fallback"]
         assert err == 0.0 and any("point-to-point" in w and "eagerly" in w for w in warned), r
+
+
+def _once_per_host_body(cache_dir):
+    """A 2-rank Inductor compile into a fresh cache: who compiled first, who reused it."""
+    from torch._dynamo.utils import counters
+
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # read by Inductor at each compile
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    jlog = logging.getLogger("fshard.jit")
+    jlog.addHandler(handler)
+    level = jlog.level
+    jlog.setLevel(logging.INFO)
+    hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+    try:
+        n = torch.distributed.get_world_size()
+        mesh = fs.make_mesh({"x": n})
+        # A graph of its own (the 0.37): no other test's compiled kernels in this process's caches.
+        f = fs.shard_map(lambda x: fs.lax.psum(torch.cos(x) * 0.37 + x, "x"), mesh=mesh, in_specs=P("x"),
+                         out_specs=P(), check=False)
+        x = torch.randn(4 * n, 5, generator=torch.Generator().manual_seed(5), dtype=F64)
+        got, want = fs.jit(f)(x), f(x)
+    finally:
+        jlog.removeHandler(handler)
+        jlog.setLevel(level)
+        if old is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+    hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"] - hits
+    first = [r for r in records if "compiling it first on this host" in r]
+    return (got.full_tensor() - want.full_tensor()).abs().max().item(), len(first), hits, records
+
+
+def test_jit_inductor_ranks_of_one_host_compile_once(tmp_path):
+    # Two ranks, an empty Inductor cache: one compiles, the other waits for it and loads
+    # the cached result (a cache hit), instead of both compiling the same graph on the
+    # same cores (bench/README.md, "fs.jit": compile time).
+    results = run_on_ranks(_once_per_host_body, str(tmp_path / "inductor"), world_size=2, timeout_s=600)
+    for err, _, _, _ in results:
+        assert err <= 1e-12
+    assert sorted(r[1] for r in results) == [0, 1], [r[3] for r in results]
+    reuser = next(r for r in results if r[1] == 0)
+    assert reuser[2] >= 1 and any("compiling from the cache" in m for m in reuser[3]), reuser
+
+
+def _slice_and_mutate(a, b):
+    b[1:].add_(1)  # b is mutated through a view: its views must stay in the graph
+    return a[2:4] * 2 + b[:2].sum()
+
+
+def test_jit_hoists_the_input_slices_of_inputs_the_graph_does_not_mutate():
+    # fs.jit runs the slices of its inputs (shard_map's per-rank rows) before the compiled
+    # graph, so that every rank compiles the same graph; an input the graph mutates keeps
+    # its views inside (the compiled graph must see the aliasing).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fshard.jit import _hoist_input_views
+
+    gm = make_fx(_slice_and_mutate)(torch.ones(6), torch.ones(6))
+    prologue, main = _hoist_input_views(gm)
+    assert prologue.code.count("aten.slice") == 1 and "2, 4" in prologue.code, prologue.code
+    assert main.code.count("aten.slice") == 2 and "add_" in main.code, main.code
+    a, b, b_eager = torch.arange(6.0), torch.arange(6.0), torch.arange(6.0)
+    want = _slice_and_mutate(a, b_eager)
+    got = main(*prologue(a, b))
+    assert torch.equal(got, want) and torch.equal(b, b_eager)
