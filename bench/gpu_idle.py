@@ -37,7 +37,6 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import fshard as fs  # noqa: E402
-from fshard.models import TransformerConfig  # noqa: E402
 
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
@@ -133,9 +132,8 @@ def analyse(trace_path: str, steps: int, top: int = 12) -> dict:
 
 
 def main() -> None:
-    from common import one_rank_group
     from data_parallel import _native_step
-    from jit_gpu import SIZES
+    from jit_gpu import one_rank_setup
 
     from fshard.testing import transformer_train_step
 
@@ -146,14 +144,8 @@ def main() -> None:
     ap.add_argument("--no-jit", action="store_true", help="skip the fs.jit side (its compile takes ~90 s)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    one_rank_group()
-    mesh = fs.make_mesh({"d": 1})
+    _, mesh, cfg, tok, tgt = one_rank_setup(args.size)
     dev = mesh.device
-    cfg_kw, batch = SIZES["tiny" if dev.type == "cpu" else args.size]
-    cfg = TransformerConfig(**cfg_kw)
-    g = torch.Generator().manual_seed(0)
-    tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g).to(dev)
-    tgt = torch.roll(tok, -1, 1)
     step, p, s = transformer_train_step("fsdp", cfg, mesh)
     sides = {"torch": (lambda ts: (lambda: ts(tok, tgt)))(_native_step("fsdp", cfg))}
     for name, f in (("fshard", step),) + (() if args.no_jit else (("fshard_jit", fs.jit(step)),)):

@@ -49,10 +49,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(size: str, steps: int) -> dict:
+def one_rank_setup(size: str):
+    """The one-rank group, its mesh, the model config of ``size`` (``tiny`` on a CPU) and a
+    seeded batch: ``(backend, mesh, cfg, tokens, targets)``, for this script and the
+    profiling scripts that compare the same steps (profile_gpu_step.py, gpu_idle.py)."""
     from common import one_rank_group
-    from data_parallel import _native_step
-    from fshard.testing import transformer_train_step
 
     backend = one_rank_group()
     mesh = fs.make_mesh({"d": 1})
@@ -61,7 +62,15 @@ def run(size: str, steps: int) -> dict:
     cfg = TransformerConfig(**cfg_kw)
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g).to(dev)
-    tgt = torch.roll(tok, -1, 1)
+    return backend, mesh, cfg, tok, torch.roll(tok, -1, 1)
+
+
+def run(size: str, steps: int) -> dict:
+    from data_parallel import _native_step
+    from fshard.testing import transformer_train_step
+
+    backend, mesh, cfg, tok, tgt = one_rank_setup(size)
+    dev = mesh.device
     step, p0, s0 = transformer_train_step("fsdp", cfg, mesh)
     jstep = fs.jit(step)
     state = {"fshard eager": (p0, s0), "fshard jit": (p0, s0)}

@@ -21,13 +21,11 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import fshard as fs  # noqa: E402
-from fshard.models import TransformerConfig  # noqa: E402
 
 
 def main() -> None:
-    from common import one_rank_group
     from data_parallel import _native_step
-    from jit_gpu import SIZES
+    from jit_gpu import one_rank_setup
     from fshard.testing import transformer_train_step
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -35,14 +33,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=20)
     args = ap.parse_args()
-    one_rank_group()
-    mesh = fs.make_mesh({"d": 1})
+    _, mesh, cfg, tok, tgt = one_rank_setup(args.size)
     dev = mesh.device
-    cfg_kw, batch = SIZES["tiny" if dev.type == "cpu" else args.size]
-    cfg = TransformerConfig(**cfg_kw)
-    g = torch.Generator().manual_seed(0)
-    tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g).to(dev)
-    tgt = torch.roll(tok, -1, 1)
     step, p, s = transformer_train_step("fsdp", cfg, mesh)
     box = {"p": p, "s": s}
 
