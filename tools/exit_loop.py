@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -117,27 +116,14 @@ def rank_body(body: str) -> None:
 
 # --- the driver's side ------------------------------------------------------------------
 def _free_port() -> int:
-    """``fshard.testing.free_port`` (a free port below the ephemeral range, this pytest-xdist
-    worker's share), without importing torch into the driver."""
-    import random
+    """``fshard.testing.free_port``, loaded from its torch-free file by path: importing the
+    ``fshard`` package would import torch into the driver."""
+    import importlib.util
 
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
-    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, low)
-        if port % count != index % count or 29400 <= port < 29600:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise OSError(f"no free port in [20000, {low}) after 200 draws")
+    spec = importlib.util.spec_from_file_location("_fshard_ports", ROOT / "fshard" / "_ports.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.free_port()
 
 
 def _rank_cmd(args: argparse.Namespace) -> list[str]:
