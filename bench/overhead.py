@@ -4,6 +4,7 @@ Same model (the Transformer of ``fshard.models``: vocab 512, dim 256, 4 layers, 
 heads, seq 128, batch 8, fp32), same initial weights, same batch, one thread:
 
   torch           TransformerModule, loss.backward(), torch.optim.AdamW(foreach=True)
+  torch fused     the same with torch.optim.AdamW(fused=True) (one kernel per parameter)
   fshard          transformer_apply under fs.value_and_grad, fs.optim.adamw, apply_updates
   fshard donated  the same inside fs.optim.donate() (update/apply_updates reuse buffers)
 
@@ -54,15 +55,17 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def torch_step_fn(cfg: TransformerConfig = CFG, compiled: bool = False,
-                  backend: str = "inductor") -> Callable[[torch.Tensor, torch.Tensor], float]:
+def torch_step_fn(cfg: TransformerConfig = CFG, compiled: bool = False, backend: str = "inductor",
+                  fused: bool = False) -> Callable[[torch.Tensor, torch.Tensor], float]:
     """The usual PyTorch loop; ``set_to_none`` so backward writes fresh grads, as fshard's.
-    ``compiled``: the module compiled whole, the optimizer eager."""
+    ``compiled``: the module compiled whole, the optimizer eager. ``fused``: AdamW's fused
+    kernels instead of its foreach ones."""
     module = TransformerModule(cfg, seed=0)
     if compiled:
         module.compile(fullgraph=True, backend=backend)
     opt = torch.optim.AdamW(module.parameters(), lr=HP["lr"], betas=(HP["b1"], HP["b2"]),
-                            eps=HP["eps"], weight_decay=HP["weight_decay"], foreach=True)
+                            eps=HP["eps"], weight_decay=HP["weight_decay"],
+                            **({"fused": True} if fused else {"foreach": True}))
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> float:
         opt.zero_grad(set_to_none=True)
@@ -109,7 +112,8 @@ def run(steps: int, warmup: int, compiled: bool = False, backend: str = "inducto
         batch: int = BATCH) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float]]:
     """Wall and CPU step times in seconds per variant, after checking that they agree, and
     the compiled variants' first step (trace + compile + one step), wall seconds."""
-    variants = {"torch": torch_step_fn(cfg), "fshard": fshard_step_fn(False, cfg),
+    variants = {"torch": torch_step_fn(cfg), "torch fused": torch_step_fn(cfg, fused=True),
+                "fshard": fshard_step_fn(False, cfg),
                 "fshard donated": fshard_step_fn(True, cfg)}
     if compiled:
         variants.update({"torch compiled": torch_step_fn(cfg, True, backend),
@@ -179,7 +183,8 @@ def main() -> None:
               f"donated {med['fshard donated'] / med['torch']:.3f}")
         if args.compiled:
             print(f"  ratio fs.jit/torch compiled {med['fshard jit'] / med['torch compiled']:.3f}, "
-                  f"fs.jit/torch {med['fshard jit'] / med['torch']:.3f}")
+                  f"fs.jit/torch {med['fshard jit'] / med['torch']:.3f}, "
+                  f"fs.jit/torch fused {med['fshard jit'] / med['torch fused']:.3f}")
     if args.compiled:
         print(f" first step (trace + compile, {args.backend}): "
               + ", ".join(f"{k} {v:.1f} s" for k, v in first.items()))
