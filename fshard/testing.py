@@ -49,7 +49,12 @@ def _pool(world_size: int) -> WorkerPool:
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive:
         # Takes effect when the forkserver starts (the first pool); later calls are no-ops.
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "fshard", "fshard.mesh.local"])
+        # torch._dynamo too: every rank's first DTensor.from_local imports it (about 0.8 s of
+        # CPU per rank, once in the forkserver instead), and Inductor's compile_fx, which a
+        # rank's first fs.jit compile imports (about 0.9 s, aot_eager included). Neither
+        # starts a thread (transformers would: its model modules are imported per rank).
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            ["torch", "torch._dynamo", "torch._inductor.compile_fx", "fshard", "fshard.mesh.local"])
         pool = WorkerPool(world_size, start_method="forkserver", timeout_s=DEFAULT_TIMEOUT_S)
         _POOLS[world_size] = pool
     return pool

@@ -23,7 +23,11 @@ def _load_soak():
 def test_soak_one_tiny_run(tmp_path):
     out = tmp_path / "soak.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    # What is tested is the soak loop (torchrun, progress parsing, the JSON and the summary), so
+    # the run is as small as it gets: 2 ranks (the later --mesh of --example-args wins over the
+    # mesh's own dp=2,fsdp=2; its axes stay) and a smaller model: half the CPU of 4 ranks.
     proc = subprocess.run([sys.executable, str(SOAK), "--max-runs", "1", "--steps", "2", "--mesh", "dp_fsdp",
+                           "--nproc", "2", "--example-args=--mesh dp=1,fsdp=2 --dim 16 --seq-len 16",
                            "--json", str(out), "--log-dir", str(tmp_path / "logs")],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -31,6 +35,7 @@ def test_soak_one_tiny_run(tmp_path):
     assert (result["runs"], result["steps"], result["crashes"]) == (1, 2, 0)
     (run,) = result["records"]
     assert run["mesh"] == "dp_fsdp" and run["status"] == "ok" and math.isfinite(run["final_loss"])
+    assert run["argv"][-6:] == ["--mesh", "dp=1,fsdp=2", "--dim", "16", "--seq-len", "16"], run["argv"]
     assert "1 runs, 2 steps, 0 crashed" in proc.stdout
     assert not any((tmp_path / "logs").iterdir())  # a clean run keeps no files
 

@@ -45,7 +45,7 @@ Every scenario of seed_tests.md section 5, by number (files under tests/; "here"
  29  stage placement keeps global layer names  sched/test_sched_runtime.py (every pipeline test: stage params keyed by layer index);
                                                test_checkpoint.py: test_pipeline_stages_keep_global_layer_indices
  30  PP x TP x FSDP against one process        sched/test_sched_stage_fsdp.py: test_scenario30_pp_x_tp_x_fsdp_on_a_2x2x2_mesh (8 ranks),
-                                               test_scenario30_pp_x_tp_x_fsdp_five_adamw_steps_match_one_process
+                                               test_scenario30_pp_x_tp_x_fsdp_adamw_steps_match_one_process
  31  PP x replicate, Policy(bf16, fp32)        sched/test_sched_runtime.py: test_scenario31_pp_x_replicate_policy_bf16_losses_match_single_process_policy
  32  UNSHARD/RESHARD actions                   sched/test_sched_stage_fsdp.py: test_scenario32_unshard_reshard_actions_set_the_gather_count
  33  8 pipeline chunks, params + Adam state    test_checkpoint.py: test_scenario33_eight_pipeline_chunks_keep_global_keys_with_adam_state

@@ -359,7 +359,7 @@ def test_bad_stage_fsdp_config_names_axis_and_remedy():
             assert line in msgs["partial"], msgs["partial"]
 
 
-# --- seed scenario 30: pp x tp x fsdp, five AdamW steps against one process ----------------
+# --- seed scenario 30: pp x tp x fsdp, AdamW steps against one process ----------------------
 
 def _tp_stage_fn(params, x, stage):
     for key in sorted(params["layers"], key=int):
@@ -367,17 +367,22 @@ def _tp_stage_fn(params, x, stage):
     return x
 
 
+# The seed runs 5 steps of 8 microbatches; 3 steps of 4 run every schedule's warm-up, steady
+# state and cool-down, and AdamW with moments from earlier steps, at a third of the time.
+S30_STEPS, S30_MICROBATCHES = 3, 4
+
+
 def _scenario30_body(cases):
     out = []
     cfg = fs.models.MLPStackConfig(dim=8, dim_multipliers=(2,) * N_LAYERS)
     params = fs.models.mlp_stack_init(cfg, 0, dtype=torch.float64)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(5, 16, 8, generator=g, dtype=torch.float64)  # 5 steps x 16 rows
-    y = torch.randn(5, 16, 8, generator=g, dtype=torch.float64)
+    x = torch.randn(S30_STEPS, 16, 8, generator=g, dtype=torch.float64)  # steps x 16 rows
+    y = torch.randn(S30_STEPS, 16, 8, generator=g, dtype=torch.float64)
     opt = fs.optim.adamw(0.01, b1=0.9, b2=0.95, weight_decay=0.1)
 
     ref, ref_state, ref_losses = params, opt.init(params), []
-    for step in range(5):
+    for step in range(S30_STEPS):
         loss, grads = fs.value_and_grad(
             lambda p: _loss_fn(fs.models.mlp_stack_apply(p, x[step], cfg), y[step]))(ref)
         updates, ref_state = opt.update(grads, ref_state, ref)
@@ -387,7 +392,7 @@ def _scenario30_body(cases):
     for shape, name, kw in cases:
         mesh = fs.make_mesh(shape)
         rank = mesh.axis_index("pp")
-        sch = getattr(fs.sched, name)(2, 8, **kw)
+        sch = getattr(fs.sched, name)(2, S30_MICROBATCHES, **kw)
         per = N_LAYERS // sch.n_stages
         sp = []
         for s in range(sch.n_stages):
@@ -400,7 +405,7 @@ def _scenario30_body(cases):
         state = [None if e is None else opt.init(e) for e in sp]
         losses = []
         with fs.comm_log() as log:
-            for step in range(5):
+            for step in range(S30_STEPS):
                 loss, grads = fs.sched.pipeline_step(
                     _tp_stage_fn, _loss_fn, sp, (x[step], y[step]), schedule=sch, mesh=mesh,
                     data_axes="fsdp", fsdp="fsdp")
@@ -427,16 +432,17 @@ def _scenario30_body(cases):
             # and one in backward (the transpose of "f"), except on stage 0's first layer,
             # whose input (the data) needs no gradient; one all-gather and one
             # reduce-scatter per stage over fsdp.
-            "tp_psums": log.by_axis[("psum", ("tp",))] / 5,
-            "expected_tp_psums": 8 * (2 * per * n_held - (0 in sch.stages_of(rank)))
+            "tp_psums": log.by_axis[("psum", ("tp",))] / S30_STEPS,
+            "expected_tp_psums": S30_MICROBATCHES * (2 * per * n_held - (0 in sch.stages_of(rank)))
             if shape["tp"] > 1 else 0,
-            "fsdp": (log.by_axis[("all_gather", ("fsdp",))] / 5, log.by_axis[("psum_scatter", ("fsdp",))] / 5),
+            "fsdp": (log.by_axis[("all_gather", ("fsdp",))] / S30_STEPS,
+                     log.by_axis[("psum_scatter", ("fsdp",))] / S30_STEPS),
             "expected_fsdp": (n_held, n_held) if shape["fsdp"] > 1 else (0, 0),
         })
     return out
 
 
-def test_scenario30_pp_x_tp_x_fsdp_five_adamw_steps_match_one_process():
+def test_scenario30_pp_x_tp_x_fsdp_adamw_steps_match_one_process():
     # Two axes of size 2 at a time on 4 ranks; all three: test_scenario30_..._2x2x2_mesh.
     schedules = [("gpipe", {}), ("one_f_one_b", {}), ("interleaved_1f1b", {}), ("looped_bfs", {}),
                  ("zero_bubble", {"n_virtual": 2})]
@@ -450,7 +456,7 @@ def test_scenario30_pp_x_tp_x_fsdp_five_adamw_steps_match_one_process():
 
 
 def test_scenario30_pp_x_tp_x_fsdp_on_a_2x2x2_mesh():
-    # The seed's mesh with all three axes of size 2 (8 ranks): fsdp x pp x tp, five AdamW
+    # The seed's mesh with all three axes of size 2 (8 ranks): fsdp x pp x tp, S30_STEPS AdamW
     # steps per schedule against one process, and per axis the counted collectives. Three
     # schedules, one of each kind the executor runs differently (one stage per rank, several
     # stages per rank, split I/W backward); all five run on two axes at a time above.
