@@ -19,6 +19,20 @@ it compiles it while the others wait on a file lock in the Inductor cache direct
 load it from the cache. The compiled graph is cached there (``TORCHINDUCTOR_CACHE_DIR``)
 across processes. The log (logger ``fshard.jit``, INFO) says how long each part took.
 
+Collectives under Inductor (``fshard/_jit_comm.py``, :func:`fshard._jit_comm.collective_passes`,
+the one place that chooses): independent collectives of one kind, process group and dtype
+are merged into buckets of up to 25 MB (all-gathers, all-reduces, reduce-scatters, and the
+even all-to-alls that carry fshard's gloo reduce-scatter), and Inductor's overlap
+scheduling moves collectives' starts earlier and their waits later, behind compute that
+does not need them. Every decision depends on the graph only (order, kinds, groups, sizes;
+analytical runtime estimates, no benchmarking, no collective while compiling) and no rank
+is baked into the compiled graph, so every rank issues the same collectives in the same
+order and one compile serves the ranks of a host. The bytes on the wire are eager's, and
+``fs.comm_log`` still reports eager's collectives (the logical ones, before bucketing).
+``options`` replaces these entries: ``{"post_grad_custom_post_pass": None}`` turns
+bucketing off, ``{"aten_distributed_optimizations.enable_overlap_scheduling": False}``
+the reordering.
+
 Consequences (JAX's rules):
 
 - Python side effects and values read from tensors happen once, at trace time. Reading a
@@ -124,7 +138,10 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
       on_capture_error: ``"raise"`` (default): a function that cannot be captured raises
         :class:`JitCaptureError`; ``"eager"``: warn (naming the cause) and run that
         signature eagerly from then on.
-      options: passed to ``torch.compile(options=...)``.
+      options: Inductor config for this compilation (``torch.compile(options=...)``); with
+        ``"inductor"`` it is applied over fshard's collective passes
+        (``fshard._jit_comm.collective_passes()``: bucketing and overlap scheduling), whose
+        entries it may replace.
 
     Returns:
       A :class:`Jitted` with ``f``'s signature and results (DTensors laid out as eager).
@@ -338,10 +355,15 @@ class _Compiled:
 
 
 def _inductor_compile(gm, args: tuple, options: dict | None):
-    """Inductor's compiled callable for ``gm`` on inputs like ``args`` (static shapes)."""
+    """Inductor's compiled callable for ``gm`` on inputs like ``args`` (static shapes),
+    with fshard's collective bucketing and reordering (:func:`fshard._jit_comm.collective_passes`)
+    unless ``options`` replaces them."""
     from torch._inductor import standalone_compile
 
-    patches = dict(options or {})  # Inductor config, for this compilation only
+    from fshard._jit_comm import collective_passes
+
+    # Inductor config, for this compilation only; the caller's options win.
+    patches = {**collective_passes(), **(options or {})}
     with _once_per_host(_graph_key(gm, args, patches)):
         return standalone_compile(gm, list(args), dynamic_shapes="from_example_inputs",
                                   options={"config_patches": patches})
@@ -476,6 +498,7 @@ def _functional_collectives(gm) -> None:
         buf = node.args[0]
         with graph.inserting_before(node):
             fresh = graph.call_function(_C10D.all_reduce.default, node.args, node.kwargs)
+        fresh.meta = dict(node.meta)  # same shape and dtype: what later passes size it by
         for user in list(node.users):
             if user.target is not _C10D.wait_tensor.default:
                 raise JitCaptureError(f"fs.jit: an in-place all-reduce is used by {user.format_node()} before "
