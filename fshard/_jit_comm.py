@@ -110,15 +110,15 @@ class BucketCollectives(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.fx_passes import bucketing as b
 
-        for kind, bucket in _back_to_back_runs(graph, int(self.bucket_mb * 2**20)):
+        for kind, bucket, wait_point in _back_to_back_runs(graph, int(self.bucket_mb * 2**20)):
             if kind == "all_gather":
-                _merge(graph, bucket, _all_gather_merge, _all_gather_args)
+                _merge(graph, bucket, _all_gather_merge, _all_gather_args, wait_point)
             elif kind == "all_to_all":
-                _merge(graph, bucket, _all_to_all_merge, _all_to_all_args)
+                _merge(graph, bucket, _all_to_all_merge, _all_to_all_args, wait_point)
             elif kind == "reduce_scatter":
-                b.merge_reduce_scatter_bucket(graph, bucket, "default")
+                b.merge_reduce_scatter_bucket(graph, bucket, "default", wait_insertion_point=wait_point)
             else:
-                b.merge_all_reduce_bucket(graph, bucket)
+                b.merge_all_reduce_bucket(graph, bucket, wait_insertion_point=wait_point)
 
 
 _SOURCE_HASH = get_hash_for_files((__file__,))
@@ -156,31 +156,42 @@ def _is_view(node: torch.fx.Node) -> bool:
     return node.target is operator.getitem or (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
 
 
-def _back_to_back_runs(graph: torch.fx.Graph, cap_bytes: int) -> list[tuple[str, list[torch.fx.Node]]]:
-    """The buckets: maximal runs of collectives of one kind, group and dtype that the graph
-    already issues back to back, in graph order.
+def _feeds(node: torch.fx.Node, key: tuple) -> bool:
+    """Whether every use of ``node`` (through views) is a collective of kind ``key``."""
+    return bool(node.users) and all(_kind(u) == key or (_is_view(u) and _feeds(u, key)) for u in node.users)
 
-    A run holds only members, their waits, views, the nodes that prepare a later member's
-    input (all their users are members) and the nodes computed from members' results
-    alone (a gloo reduce-scatter's local sum); the next other node ends it, and the members
-    waited for within the run are its bucket. So merging moves no other compute across a
-    collective: no result is needed earlier, no collective that the program overlapped
-    with compute (issued in one run, waited for after it) is touched, and no gathered
-    tensor lives longer. A member whose input depends on an earlier member's result, or
-    that would take the run over ``cap_bytes``, starts a new run.
+
+def _back_to_back_runs(graph: torch.fx.Graph, cap_bytes: int) -> list[tuple[str, list[torch.fx.Node], Any]]:
+    """The buckets ``(kind, collectives, wait_point)``: collectives of one kind, group and
+    dtype that the graph already issues back to back and waits for back to back.
+
+    A run holds only collectives of one kind, their waits, views, the nodes that prepare
+    a later collective's input (all their uses are such collectives) and the nodes computed
+    from the run's results alone (a gloo reduce-scatter's local sum); the next other node
+    ends it. The collectives waited for within their run are one bucket (``wait_point``
+    ``None``: the merged wait follows the merged collective, as the separate ones did). Those
+    still in flight when it ends (issued together, then overlapped with compute) are one
+    bucket if their waits are back to back too (only views and results of theirs between
+    them): the merged wait goes where the first of them was (``wait_point``, the node it
+    goes before). So merging moves no other compute across a collective: no result is
+    needed earlier, nothing overlapped is overlapped less, and no gathered tensor lives
+    longer. A collective whose input depends on an earlier one's result, or that would
+    take the run over ``cap_bytes``, starts a new run.
     """
-    buckets: list[tuple[str, list[torch.fx.Node]]] = []
+    buckets: list[tuple[str, list[torch.fx.Node], Any]] = []
+    in_flight: list[tuple[str, list[torch.fx.Node]]] = []
     run: list[torch.fx.Node] = []
-    results: set[torch.fx.Node] = set()  # nodes of the run computed from its members' results
+    results: set[torch.fx.Node] = set()  # nodes of the run computed from its collectives' results
     key, size = None, 0
 
     def flush():
         nonlocal key, size
-        # A member still in flight when the run ends overlaps the compute after it (a
-        # prefetch, an asynchronous reduction): it stays as it is.
         done = [c for c in run if next(iter(c.users)) in results]
         if len(done) > 1:
-            buckets.append((key[0], done))
+            buckets.append((key[0], done, None))
+        flying = [c for c in run if c not in done]
+        if len(flying) > 1:
+            in_flight.append((key[0], flying))
         run.clear()
         results.clear()
         key, size = None, 0
@@ -201,15 +212,42 @@ def _back_to_back_runs(graph: torch.fx.Graph, cap_bytes: int) -> list[tuple[str,
         if node.target is _C10D.wait_tensor.default and inputs[0] in run:
             results.add(node)
         elif inputs and all(a in results for a in inputs) and node.op == "call_function":
-            results.add(node)  # a view or epilogue of members' results
-        elif _is_view(node) or (node.op == "call_function" and node.users and
-                                all(_kind(u) == key for u in node.users)):
+            results.add(node)  # a view or epilogue of the run's results
+        elif _is_view(node) or (node.op == "call_function" and _feeds(node, key)):
             if any(a in results for a in inputs):
-                results.add(node)  # prepares a later member's input from an earlier one's result
+                results.add(node)  # prepares a later collective's input from an earlier one's result
         else:
             flush()
     flush()
+    for kind, flying in in_flight:
+        waits = {next(iter(c.users)) for c in flying}
+        point = _adjacent_waits(graph, waits)
+        if point is not None:
+            buckets.append((kind, flying, point))
     return buckets
+
+
+def _adjacent_waits(graph: torch.fx.Graph, waits: set) -> Any:
+    """The node after the first of ``waits`` if nothing but views and results of theirs lies
+    between the first and the last of them, else ``None``."""
+    seen, results, first = 0, set(waits), None
+    for node in graph.nodes:
+        if node in waits:
+            seen += 1
+            first = first or node
+            if seen == len(waits):
+                point = first.next
+                while point in waits:  # those are replaced: the merged wait goes before a node that stays
+                    point = point.next
+                return point
+            continue
+        if first is None:
+            continue
+        if node.op == "call_function" and node.all_input_nodes and all(a in results for a in node.all_input_nodes):
+            results.add(node)
+        elif not _is_view(node):
+            return None
+    return None
 
 
 def _even_splits(node: torch.fx.Node) -> bool:
@@ -218,11 +256,11 @@ def _even_splits(node: torch.fx.Node) -> bool:
             and len(set(in_splits)) == 1 and all(isinstance(s, int) for s in in_splits))
 
 
-def _merge(graph, bucket, fn, args_fn) -> None:
+def _merge(graph, bucket, fn, args_fn, wait_point) -> None:
     from torch._inductor.fx_passes.bucketing import process_collective_bucket
 
     group_name = bucket[0].args[-1]
-    process_collective_bucket(graph, bucket, fn, lambda ins: args_fn(bucket, ins),
+    process_collective_bucket(graph, bucket, fn, lambda ins: args_fn(bucket, ins), wait_insertion_point=wait_point,
                               extra_graph_inps=[group_name] if isinstance(group_name, torch.fx.Node) else None)
 
 
