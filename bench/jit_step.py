@@ -24,6 +24,8 @@ interleaved, and gives each one's ratio to the others.
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import statistics
 import time
 
@@ -36,6 +38,7 @@ from fshard.models import TransformerConfig
 from fshard.testing import transformer_train_step
 
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
+_COLLECTIVE = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\(")
 
 # --comm-passes: fs.jit sides by which of its collective passes (fshard/_jit_comm.py) run.
 _JIT_SIDE = {"on": "jit", "off": "jit, comm passes off", "bucket": "jit, bucketing only", "reorder": "jit, reordering only"}
@@ -60,11 +63,17 @@ def per_rank(mode, steps, backend, cfg=None, variants=("on",)):
     jsteps = {_JIT_SIDE[v]: fs.jit(step, backend=backend, options=_JIT_OPTIONS[v]()) for v in variants}
     state = {"eager": (p0, s0), **{k: (p0, s0) for k in jsteps}}
     rows = slice(r * 8, (r + 1) * 8)
-    first = {}
+    first, calls = {}, {}
+    from torch._inductor.graph import GraphLowering
+
     for k, jstep in jsteps.items():
+        codes = []
+        GraphLowering.save_output_code = codes.append  # Inductor's hook: the code it compiled or loaded
         t0 = time.perf_counter()
         jstep(*state[k], tok, tgt)  # the step is functional: its result is dropped, the sides start equal
         first[k] = time.perf_counter() - t0
+        GraphLowering.save_output_code = None
+        calls[k] = dict(collections.Counter(m for code in codes for m in _COLLECTIVE.findall(code) if m != "wait_tensor"))
     # torch's compiled step is not: its first call is the first of its steps (a warm-up step).
     t0 = time.perf_counter()
     native_compiled(tok[rows], tgt[rows])
@@ -87,7 +96,7 @@ def per_rank(mode, steps, backend, cfg=None, variants=("on",)):
     losses = {k: [v.full_tensor().item() for v in raw[k]] for k in ("eager", *jsteps)}
     ratio = {k: {ref: statistics.median(a / b for a, b in zip(times[k], times[ref])) for ref in ("native", "native compiled", *jsteps)}
              for k in times}
-    return first, {k: statistics.median(v) for k, v in times.items()}, ratio, losses
+    return first, {k: statistics.median(v) for k, v in times.items()}, ratio, losses, calls
 
 
 def main():
@@ -103,7 +112,7 @@ def main():
     if not variants or any(v not in _JIT_SIDE for v in variants):
         ap.error(f"--comm-passes {args.comm_passes!r}: use a comma-separated list of {', '.join(_JIT_SIDE)}")
     # Compiling takes minutes on a loaded 2-core machine: the default 300 s limit of the call is too short.
-    first, med, ratio, losses = fs.run_local(per_rank, args.mode, args.steps, args.backend, None, variants,
+    first, med, ratio, losses, calls = fs.run_local(per_rank, args.mode, args.steps, args.backend, None, variants,
                                              world_size=2, timeout_s=3000)[0]
     native = "fully_shard" if args.mode == "fsdp" else "DDP"
     jits = [_JIT_SIDE[v] for v in variants]
@@ -116,7 +125,8 @@ def main():
               f"  to {native} compiled {ratio[k]['native compiled']:.2f}"
               + "".join(f"  to {j} {ratio[k][j]:.3f}" for j in jits if j != k and k in jits))
     for k in jits:
-        print(f"max |loss eager - loss {k}|:", max(abs(a - b) for a, b in zip(losses["eager"], losses[k])))
+        print(f"max |loss eager - loss {k}|:", max(abs(a - b) for a, b in zip(losses["eager"], losses[k])),
+              " collective calls in its compiled code (backend inductor):", calls[k])
 
 
 if __name__ == "__main__":

@@ -11,37 +11,49 @@ run and does not contain the rank).
 
 What runs (Inductor's post-grad passes; sources in ``torch/_inductor/fx_passes``):
 
-- :class:`BucketCollectives`, a ``post_grad_custom_post_pass``: merges each run of
-  collectives of one kind, process group and dtype that the graph already issues back to
-  back (:func:`_back_to_back_runs`: between the first one's start and the last one's wait
-  there is no other compute than preparing their inputs and reducing their results) into
-  one collective over a flat buffer, with the same bytes on the wire: all-gathers
-  (``all_gather_into_tensor``), all-reduces, NCCL reduce-scatters
-  (``reduce_scatter_tensor``) and all-to-alls with equal splits (``all_to_all_single``:
-  fshard's gloo reduce-scatter, ``fs.lax.all_to_all``; ``ppermute``'s uneven ones are left
-  alone); at most ``bucket_mb`` per bucket. It saves the calls and nothing else changes:
-  the compute between collectives stays where the program put it, so the overlap the
-  program had (``fs.parallel``'s prefetches and asynchronous reductions) and its memory
-  (reshard after forward) are kept. ``fs.parallel`` already gathers and reduces one flat
-  buffer per layer; what this merges is per-leaf code (``fs.lax.all_gather`` of each
-  parameter in a ``shard_map`` body). Torch's greedy bucketing
-  (``bucket_all_gathers_fx`` & co., ``bucketing.greedy_bucket_collective_by_mb``) is not
-  used: it merges any independent collectives of a kind up to the cap, also a forward
-  gather with the backward regather of another layer, which moves the merged gather to
-  the start of the step and keeps every gathered parameter alive through it (measured
-  with the cap at 25 MB: the bench step's forward and backward gathers all fit in one
-  bucket). And its merged all-gather writes this rank's input at ``rank * numel`` of the
-  output, a constant of the compiling rank that a cached graph hands to the other ranks;
-  the merge here gathers a concatenation instead (rank-free).
-- Overlap scheduling (``aten_distributed_optimizations.enable_overlap_scheduling``): moves
-  collectives' starts earlier and their waits later, behind independent compute, and
-  pins that order for Inductor's scheduler (``insert_overlap_deps``). It ranks candidates by
-  runtime estimates; both estimators are set to ``"analytical"`` (roofline and bandwidth
-  formulas of the shapes): the default ``compute_estimator="benchmark"`` times kernels and
-  then all-gathers the timings over the default group at compile time, which with one
-  compiling rank per host would deadlock. Its own bucketing (``collective_bucketing``,
-  ``pre_bucketing_fsdp_collectives``) is off: it merges all-gathers with torch's
-  rank-baked merge (above).
+- :class:`BucketCollectives` (on), a ``post_grad_custom_post_pass``: merges collectives of
+  one kind, process group and dtype that the graph already issues back to back and waits
+  for back to back (:func:`_back_to_back_runs`) into one collective over a flat buffer,
+  with the same bytes on the wire: all-gathers (``all_gather_into_tensor``), all-reduces,
+  NCCL reduce-scatters (``reduce_scatter_tensor``) and all-to-alls with equal splits
+  (``all_to_all_single``: fshard's gloo reduce-scatter, ``fs.lax.all_to_all``;
+  ``ppermute``'s uneven ones are left alone); at most ``bucket_mb`` per bucket. It saves
+  calls and changes nothing else: the compute between collectives stays where it was, so
+  the overlap the graph had (``fs.parallel``'s prefetches and asynchronous reductions,
+  Inductor's own sinking of waits to their first use) and its memory (reshard after
+  forward) are kept. ``fs.parallel`` already gathers and reduces one flat buffer per
+  layer, so its steps have nothing to merge; what this merges is per-leaf code
+  (``fs.lax.all_gather`` of each parameter in a ``shard_map`` body, the per-leaf
+  reduce-scatters of its backward).
+
+  Torch's own FX bucketing (``bucket_all_gathers_fx``, ``bucket_reduce_scatters_fx``,
+  ``bucket_all_reduces_fx``: ``bucketing.greedy_bucket_collective_by_mb``) is not used, for
+  two reasons. It merges any independent collectives of a kind up to the cap: on
+  ``bench/jit_step.py``'s FSDP step at 25 MB (its selection run on the captured graph),
+  all 8 all-gathers (forward gathers and backward regathers) into one, which gathers every
+  parameter once at the start of the step and keeps it to the end (no reshard after
+  forward, no prefetch overlap), and the same selection over the 5 reduce-scatters (NCCL's
+  ``reduce_scatter_tensor``; gloo's all-to-alls it does not touch) makes one, after the
+  last gradient. And its
+  merged all-gather (``all_gather_merge_fn_to_trace``, also the ``custom_ops`` mode and the
+  overlap scheduler's bucketer) copies this rank's input to ``rank * numel`` of the output:
+  a constant of the compiling rank in the compiled graph, which Inductor's cache (its key
+  does not hold the rank) and fs.jit's once-per-host compile hand to the other ranks. The
+  merge here gathers a concatenation and takes each input's columns (rank-free).
+- Overlap scheduling (off; ``collective_passes(reorder=True)`` turns it on):
+  ``aten_distributed_optimizations.enable_overlap_scheduling`` moves collectives' starts
+  earlier and their waits later, behind independent compute, and pins that order for
+  Inductor's scheduler (``insert_overlap_deps``). It ranks candidates by runtime
+  estimates: with ``reorder=True`` both estimators are ``"analytical"`` (roofline and
+  bandwidth formulas of the shapes and the device's datasheet: the same on every rank of
+  a cluster of one GPU type), because the default ``compute_estimator="benchmark"`` times
+  kernels and then all-gathers the timings over the default group while compiling, which
+  deadlocks when one rank per host compiles and the others wait for it. Its own bucketing
+  (``collective_bucketing``, ``pre_bucketing_fsdp_collectives``) stays off: it uses the
+  rank-baked merge above. Off by default because on a CPU-only torch (this project's CI)
+  it fails to compile: its roofline estimate of every compute node asks Triton for the
+  memory bandwidth (``torch._inductor.utils.get_gpu_dram_gbps``: ``ModuleNotFoundError: No
+  module named 'triton'``), and it has not run on a GPU build here yet.
 - Not used: ``reorder_for_compute_comm_overlap`` (Inductor's scheduler-level reordering:
   it may benchmark, and ``runtime_estimations_align_across_all_distributed_ranks`` runs a
   collective while compiling).

@@ -19,19 +19,21 @@ it compiles it while the others wait on a file lock in the Inductor cache direct
 load it from the cache. The compiled graph is cached there (``TORCHINDUCTOR_CACHE_DIR``)
 across processes. The log (logger ``fshard.jit``, INFO) says how long each part took.
 
-Collectives under Inductor (``fshard/_jit_comm.py``, :func:`fshard._jit_comm.collective_passes`,
-the one place that chooses): independent collectives of one kind, process group and dtype
-are merged into buckets of up to 25 MB (all-gathers, all-reduces, reduce-scatters, and the
-even all-to-alls that carry fshard's gloo reduce-scatter), and Inductor's overlap
-scheduling moves collectives' starts earlier and their waits later, behind compute that
-does not need them. Every decision depends on the graph only (order, kinds, groups, sizes;
-analytical runtime estimates, no benchmarking, no collective while compiling) and no rank
-is baked into the compiled graph, so every rank issues the same collectives in the same
-order and one compile serves the ranks of a host. The bytes on the wire are eager's, and
-``fs.comm_log`` still reports eager's collectives (the logical ones, before bucketing).
-``options`` replaces these entries: ``{"post_grad_custom_post_pass": None}`` turns
-bucketing off, ``{"aten_distributed_optimizations.enable_overlap_scheduling": False}``
-the reordering.
+Collectives under Inductor (``fshard/_jit_comm.py``; :func:`fshard._jit_comm.collective_passes`
+is the one place that chooses): collectives of one kind, process group and dtype that the
+graph issues back to back and waits for back to back are merged into one over a flat
+buffer (up to 25 MB; all-gathers, all-reduces, reduce-scatters, and the even all-to-alls
+that carry fshard's gloo reduce-scatter): per-leaf gathers and reductions become one call,
+and nothing else moves, so overlap and memory stay as they were (``fs.parallel``'s steps
+already use one flat buffer per layer: nothing to merge there). Torch's compute/
+communication reordering (its overlap scheduling) is off: it needs Triton even for CPU
+graphs. Every decision depends on the graph only (order, kinds, groups, sizes; no
+timing, no collective while compiling) and no rank is baked into the compiled graph, so
+every rank issues the same collectives in the same order and one compile serves the
+ranks of a host. The bytes on the wire are eager's, and ``fs.comm_log`` still reports
+eager's collectives (the logical ones, before merging). ``options`` replaces these
+entries: ``{"post_grad_custom_post_pass": None}`` turns merging off
+(``fshard._jit_comm.without_collective_passes()``).
 
 Consequences (JAX's rules):
 
@@ -140,7 +142,7 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
         signature eagerly from then on.
       options: Inductor config for this compilation (``torch.compile(options=...)``); with
         ``"inductor"`` it is applied over fshard's collective passes
-        (``fshard._jit_comm.collective_passes()``: bucketing and overlap scheduling), whose
+        (``fshard._jit_comm.collective_passes()``: merging back-to-back collectives), whose
         entries it may replace.
 
     Returns:
