@@ -38,8 +38,10 @@ What runs (Inductor's post-grad passes; sources in ``torch/_inductor/fx_passes``
   merged all-gather (``all_gather_merge_fn_to_trace``, also the ``custom_ops`` mode and the
   overlap scheduler's bucketer) copies this rank's input to ``rank * numel`` of the output:
   a constant of the compiling rank in the compiled graph, which Inductor's cache (its key
-  does not hold the rank) and fs.jit's once-per-host compile hand to the other ranks. The
-  merge here gathers a concatenation and takes each input's columns (rank-free).
+  does not hold the rank) and fs.jit's once-per-host compile hand to the other ranks (seen:
+  the module rank 1 compiled gathers from offset 18, rank 1's slot, and rank 0 ran it from
+  the cache; gloo's values were still right, but the graph is rank 1's). The merge here
+  gathers a concatenation and takes each input's columns (rank-free).
 - Overlap scheduling (off; ``collective_passes(reorder=True)`` turns it on):
   ``aten_distributed_optimizations.enable_overlap_scheduling`` moves collectives' starts
   earlier and their waits later, behind independent compute, and pins that order for

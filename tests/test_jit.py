@@ -810,9 +810,10 @@ def test_jit_bucketing_merges_only_back_to_back_collectives_float64(which):
     assert results[0][1] == results[1][1]
 
 
-def _inductor_bucketing_body():
+def _inductor_bucketing_body(options=None):
     """Three leaves gathered and three values reduce-scattered, back to back, under Inductor
-    (the default collective passes): the compiled code's collectives on this rank."""
+    (the default collective passes, or ``options``): the compiled code's collectives on
+    this rank."""
     from torch._inductor.graph import GraphLowering
 
     n = torch.distributed.get_world_size()
@@ -833,7 +834,7 @@ def _inductor_bucketing_body():
         with fs.comm_log() as elog:
             want = f(p, x)
         with fs.comm_log() as jlog:
-            got = fs.jit(f)(p, x)
+            got = fs.jit(f, options=options)(p, x)
     finally:
         GraphLowering.save_output_code = None
     err = max((a.full_tensor() - b.full_tensor()).abs().max().item()
