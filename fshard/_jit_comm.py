@@ -71,7 +71,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 __all__ = ["collective_passes", "without_collective_passes", "BucketCollectives", "BUCKET_MB"]
 
 # Per-bucket cap (MB of the larger of a collective's input and output), fs.parallel's DDP
-# bucket size. Larger buckets are fewer calls but keep gathered parameters alive longer.
+# bucket size: it bounds the flat buffer (and its copy) a merge adds.
 BUCKET_MB = 25.0
 
 _C10D = torch.ops._c10d_functional
@@ -107,7 +107,7 @@ def collective_passes(bucket_mb: float | None = BUCKET_MB, reorder: bool = False
 
 
 class BucketCollectives(CustomGraphPass):
-    """Merges independent collectives of one kind, group and dtype into buckets of at most
+    """Merges back-to-back collectives of one kind, group and dtype into buckets of at most
     ``bucket_mb`` (see the module docstring). Deterministic: graph order and sizes only."""
 
     def __init__(self, bucket_mb: float) -> None:
