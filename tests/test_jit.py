@@ -767,6 +767,10 @@ def _bucket_pass_body(which):
     if which == "mlp":  # per-leaf gathers in a shard_map body
         step, params, state, _ = _make_step(_mesh("fsdp"), "fsdp", "inside", True, F64, "clip")
         args = (params, state, *_data(n, 0))
+    elif which == "psum":  # all-reduces issued back to back
+        step = fs.shard_map(lambda x: [fs.lax.psum(x * k, "x") for k in (1.0, 2.0, 3.0)], mesh=_mesh("dp"),
+                            in_specs=P("x"), out_specs=[P()] * 3, check=False)
+        args = (torch.randn(4 * n, 3, generator=torch.Generator().manual_seed(4), dtype=F64),)
     else:  # fs.parallel's layer loop: one flat buffer per layer, prefetched, reduced asynchronously
         from fshard.models import TransformerConfig
         from fshard.testing import transformer_train_step
@@ -790,11 +794,11 @@ def _bucket_pass_body(which):
     return before, after, diff(got, ref), diff(got, want)
 
 
-@pytest.mark.parametrize("which", ["mlp", "fsdp", "replicate"])
+@pytest.mark.parametrize("which", ["mlp", "psum", "fsdp", "replicate"])
 def test_jit_bucketing_merges_only_back_to_back_collectives_float64(which):
     # Collectives the program issues back to back (the MLP's per-leaf all-gathers, and its
-    # per-leaf reduce-scatters (all-to-alls on gloo) at the end of the captured backward)
-    # become one each; those it overlaps with compute (fs.parallel's prefetched layer
+    # per-leaf reduce-scatters (all-to-alls on gloo) at the end of the captured backward;
+    # three psums) become one each; those it overlaps with compute (fs.parallel's prefetched layer
     # gathers, its asynchronous per-layer reductions, the loss's all-reduce) stay as they
     # are. Every rank decides the same, and the merged collectives compute what the
     # separate ones did.
@@ -805,6 +809,8 @@ def test_jit_bucketing_merges_only_back_to_back_collectives_float64(which):
             assert before.count("all_gather_into_tensor") == 3 and after.count("all_gather_into_tensor") == 1, after
             assert before.count("all_to_all_single") == 3 and after.count("all_to_all_single") == 1, after
             assert len(after) == len(before) - 4, (before, after)  # the 2 all-reduces stay
+        elif which == "psum":
+            assert before == ["all_reduce"] * 3 and after == ["all_reduce"], after
         else:
             assert after == before, (before, after)
     assert results[0][1] == results[1][1]
