@@ -1,6 +1,6 @@
 """fs.jit vs eager fshard vs torch's fully_shard / DDP: the data-parallel bench step, compiled.
 
-    python bench/jit_step.py [--mode fsdp|replicate] [--steps 10] [--backend inductor]
+    python bench/jit_step.py [--mode fsdp|replicate] [--steps 10] [--backend inductor] [--comm-passes on,off]
 
 The model and step of ``bench/data_parallel.py`` (Transformer vocab 512, dim 256, 4 layers,
 seq 128, fp32, AdamW, 2 gloo ranks x batch 8): fshard's step (gather_params + scan_layers +
@@ -16,11 +16,16 @@ is reported: set ``TORCHINDUCTOR_CACHE_DIR`` to an empty directory for a cold co
 ``bench/fsdp.py --compiled`` / ``bench/ddp.py --compiled`` time the same compiled sides next
 to fshard's eager step with ``fs.optim.donate()`` (this script's eager side is the pure
 step that fs.jit compiles) and add peak memory.
+``--comm-passes on,off`` (also ``bucket``, ``reorder``) runs one fs.jit side per setting of
+fs.jit's collective passes (``fshard/_jit_comm.py``: bucketing, overlap scheduling),
+interleaved, and gives each one's ratio to the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import statistics
 import time
 
@@ -28,13 +33,21 @@ import torch
 import torch.distributed as dist
 
 import fshard as fs
+from fshard._jit_comm import without_collective_passes
 from fshard.models import TransformerConfig
 from fshard.testing import transformer_train_step
 
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
+_COLLECTIVE = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\(")
+
+# --comm-passes: fs.jit sides by which of its collective passes (fshard/_jit_comm.py) run.
+_JIT_SIDE = {"on": "jit", "off": "jit, comm passes off", "bucket": "jit, bucketing only", "reorder": "jit, reordering only"}
+_JIT_OPTIONS = {"on": lambda: None, "off": without_collective_passes,
+                "bucket": lambda: without_collective_passes(bucketing=True),
+                "reorder": lambda: without_collective_passes(reorder=True)}
 
 
-def per_rank(mode, steps, backend, cfg=None):
+def per_rank(mode, steps, backend, cfg=None, variants=("on",)):
     from data_parallel import _native_step, timed_rounds  # bench/ is the working directory's sibling: run from the repo root
 
     torch.set_num_threads(1)
@@ -47,12 +60,20 @@ def per_rank(mode, steps, backend, cfg=None):
     native = _native_step(mode, cfg)
     native_compiled = _native_step(mode, cfg, compiled=True, backend=backend)
     step, p0, s0 = transformer_train_step(mode, cfg, mesh)
-    jstep = fs.jit(step, backend=backend)
-    state = {"eager": (p0, s0), "jit": (p0, s0)}
+    jsteps = {_JIT_SIDE[v]: fs.jit(step, backend=backend, options=_JIT_OPTIONS[v]()) for v in variants}
+    state = {"eager": (p0, s0), **{k: (p0, s0) for k in jsteps}}
     rows = slice(r * 8, (r + 1) * 8)
-    t0 = time.perf_counter()
-    jstep(*state["jit"], tok, tgt)  # the step is functional: its result is dropped, the sides start equal
-    first = {"jit": time.perf_counter() - t0}
+    first, calls = {}, {}
+    from torch._inductor.graph import GraphLowering
+
+    for k, jstep in jsteps.items():
+        codes = []
+        GraphLowering.save_output_code = codes.append  # Inductor's hook: the code it compiled or loaded
+        t0 = time.perf_counter()
+        jstep(*state[k], tok, tgt)  # the step is functional: its result is dropped, the sides start equal
+        first[k] = time.perf_counter() - t0
+        GraphLowering.save_output_code = None
+        calls[k] = dict(collections.Counter(m for code in codes for m in _COLLECTIVE.findall(code) if m != "wait_tensor"))
     # torch's compiled step is not: its first call is the first of its steps (a warm-up step).
     t0 = time.perf_counter()
     native_compiled(tok[rows], tgt[rows])
@@ -69,13 +90,13 @@ def per_rank(mode, steps, backend, cfg=None):
         "native": lambda: native(tok[rows], tgt[rows]),
         "native compiled": lambda: native_compiled(tok[rows], tgt[rows]),
         "eager": fshard("eager", step),
-        "jit": fshard("jit", jstep),
+        **{k: fshard(k, jstep) for k, jstep in jsteps.items()},
     }
     times, _, raw = timed_rounds(sides, steps, warmup=2)
-    losses = {k: [v.full_tensor().item() for v in raw[k]] for k in ("eager", "jit")}
-    ratio = {k: {ref: statistics.median(a / b for a, b in zip(times[k], times[ref])) for ref in ("native", "native compiled")}
+    losses = {k: [v.full_tensor().item() for v in raw[k]] for k in ("eager", *jsteps)}
+    ratio = {k: {ref: statistics.median(a / b for a, b in zip(times[k], times[ref])) for ref in ("native", "native compiled", *jsteps)}
              for k in times}
-    return first, {k: statistics.median(v) for k, v in times.items()}, ratio, losses
+    return first, {k: statistics.median(v) for k, v in times.items()}, ratio, losses, calls
 
 
 def main():
@@ -83,18 +104,29 @@ def main():
     ap.add_argument("--mode", default="fsdp", choices=["fsdp", "replicate"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--comm-passes", default="on",
+                    help="comma-separated fs.jit sides by collective passes (fshard/_jit_comm.py): on (the default "
+                         "passes), off, bucket (bucketing only), reorder (overlap scheduling only); e.g. on,off")
     args = ap.parse_args()
+    variants = tuple(args.comm_passes.split(","))
+    if not variants or any(v not in _JIT_SIDE for v in variants):
+        ap.error(f"--comm-passes {args.comm_passes!r}: use a comma-separated list of {', '.join(_JIT_SIDE)}")
     # Compiling takes minutes on a loaded 2-core machine: the default 300 s limit of the call is too short.
-    first, med, ratio, losses = fs.run_local(per_rank, args.mode, args.steps, args.backend, world_size=2,
-                                             timeout_s=3000)[0]
+    first, med, ratio, losses, calls = fs.run_local(per_rank, args.mode, args.steps, args.backend, None, variants,
+                                             world_size=2, timeout_s=3000)[0]
     native = "fully_shard" if args.mode == "fsdp" else "DDP"
-    print(f"{args.mode}, 2 gloo ranks, backend {args.backend}: first call (trace + compile): fs.jit "
-          f"{first['jit']:.1f} s, {native} compiled {first['native compiled']:.1f} s")
-    names = {"native": native, "native compiled": f"{native} compiled", "eager": "fshard eager", "jit": "fshard jit"}
+    jits = [_JIT_SIDE[v] for v in variants]
+    print(f"{args.mode}, 2 gloo ranks, backend {args.backend}: first call (trace + compile): "
+          + ", ".join(f"fs.{k} {first[k]:.1f} s" for k in jits) + f", {native} compiled {first['native compiled']:.1f} s")
+    names = {"native": native, "native compiled": f"{native} compiled", "eager": "fshard eager",
+             **{k: f"fshard {k}" for k in jits}}
     for k, name in names.items():
-        print(f"{name:>20}: {med[k] * 1e3:8.1f} ms/step  ratio to {native} {ratio[k]['native']:.2f}"
-              f"  to {native} compiled {ratio[k]['native compiled']:.2f}")
-    print("max |loss eager - loss jit|:", max(abs(a - b) for a, b in zip(losses["eager"], losses["jit"])))
+        print(f"{name:>32}: {med[k] * 1e3:8.1f} ms/step  ratio to {native} {ratio[k]['native']:.2f}"
+              f"  to {native} compiled {ratio[k]['native compiled']:.2f}"
+              + "".join(f"  to {j} {ratio[k][j]:.3f}" for j in jits if j != k and k in jits))
+    for k in jits:
+        print(f"max |loss eager - loss {k}|:", max(abs(a - b) for a, b in zip(losses["eager"], losses[k])),
+              " collective calls in its compiled code (backend inductor):", calls[k])
 
 
 if __name__ == "__main__":

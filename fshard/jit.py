@@ -19,6 +19,22 @@ it compiles it while the others wait on a file lock in the Inductor cache direct
 load it from the cache. The compiled graph is cached there (``TORCHINDUCTOR_CACHE_DIR``)
 across processes. The log (logger ``fshard.jit``, INFO) says how long each part took.
 
+Collectives under Inductor (``fshard/_jit_comm.py``; :func:`fshard._jit_comm.collective_passes`
+is the one place that chooses): collectives of one kind, process group and dtype that the
+graph issues back to back and waits for back to back are merged into one over a flat
+buffer (up to 25 MB; all-gathers, all-reduces, reduce-scatters, and the even all-to-alls
+that carry fshard's gloo reduce-scatter): per-leaf gathers and reductions become one call,
+and nothing else moves, so overlap and memory stay as they were (``fs.parallel``'s steps
+already use one flat buffer per layer: nothing to merge there). Torch's compute/
+communication reordering (its overlap scheduling) is off: it needs Triton even for CPU
+graphs. Every decision depends on the graph only (order, kinds, groups, sizes; no
+timing, no collective while compiling) and no rank is baked into the compiled graph, so
+every rank issues the same collectives in the same order and one compile serves the
+ranks of a host. The bytes on the wire are eager's, and ``fs.comm_log`` still reports
+eager's collectives (the logical ones, before merging). ``options`` replaces these
+entries: ``{"post_grad_custom_post_pass": None}`` turns merging off
+(``fshard._jit_comm.without_collective_passes()``).
+
 Consequences (JAX's rules):
 
 - Python side effects and values read from tensors happen once, at trace time. Reading a
@@ -124,7 +140,10 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
       on_capture_error: ``"raise"`` (default): a function that cannot be captured raises
         :class:`JitCaptureError`; ``"eager"``: warn (naming the cause) and run that
         signature eagerly from then on.
-      options: passed to ``torch.compile(options=...)``.
+      options: Inductor config for this compilation (``torch.compile(options=...)``); with
+        ``"inductor"`` it is applied over fshard's collective passes
+        (``fshard._jit_comm.collective_passes()``: merging back-to-back collectives), whose
+        entries it may replace.
 
     Returns:
       A :class:`Jitted` with ``f``'s signature and results (DTensors laid out as eager).
@@ -338,10 +357,15 @@ class _Compiled:
 
 
 def _inductor_compile(gm, args: tuple, options: dict | None):
-    """Inductor's compiled callable for ``gm`` on inputs like ``args`` (static shapes)."""
+    """Inductor's compiled callable for ``gm`` on inputs like ``args`` (static shapes),
+    with fshard's collective bucketing and reordering (:func:`fshard._jit_comm.collective_passes`)
+    unless ``options`` replaces them."""
     from torch._inductor import standalone_compile
 
-    patches = dict(options or {})  # Inductor config, for this compilation only
+    from fshard._jit_comm import collective_passes
+
+    # Inductor config, for this compilation only; the caller's options win.
+    patches = {**collective_passes(), **(options or {})}
     with _once_per_host(_graph_key(gm, args, patches)):
         return standalone_compile(gm, list(args), dynamic_shapes="from_example_inputs",
                                   options={"config_patches": patches})
@@ -476,6 +500,7 @@ def _functional_collectives(gm) -> None:
         buf = node.args[0]
         with graph.inserting_before(node):
             fresh = graph.call_function(_C10D.all_reduce.default, node.args, node.kwargs)
+        fresh.meta = dict(node.meta)  # same shape and dtype: what later passes size it by
         for user in list(node.users):
             if user.target is not _C10D.wait_tensor.default:
                 raise JitCaptureError(f"fs.jit: an in-place all-reduce is used by {user.format_node()} before "

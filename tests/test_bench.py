@@ -62,7 +62,7 @@ def _jit_step():
 
 
 def test_jit_step_times_native_compiled_too():
-    first, med, ratio, losses = run_on_ranks(_jit_step, world_size=2)[0]
+    first, med, ratio, losses, _ = run_on_ranks(_jit_step, world_size=2)[0]
     assert set(med) == set(ratio) == {"native", "native compiled", "eager", "jit"}
     assert set(first) == {"jit", "native compiled"}
     _close(losses["jit"], losses["eager"], "fs.jit vs fshard eager")

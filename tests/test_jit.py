@@ -744,3 +744,119 @@ def test_jit_hoists_the_input_slices_of_inputs_the_graph_does_not_mutate():
     want = _slice_and_mutate(a, b_eager)
     got = main(*prologue(a, b))
     assert torch.equal(got, want) and torch.equal(b, b_eager)
+
+
+# --- collective bucketing under Inductor (fshard/_jit_comm.py) ------------------------------
+_COLLECTIVE_CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\(")
+
+
+def _collective_calls(code):
+    return [m.group(1) for m in _COLLECTIVE_CALL.finditer(code) if m.group(1) != "wait_tensor"]
+
+
+def _bucket_pass_body(which):
+    """fs.jit's bucketing pass applied to a captured step graph, which then runs uncompiled
+    (backend=None: the merged collectives run for real, without Inductor): the collectives
+    before and after, and the largest difference to the unbucketed graph and to eager."""
+    from torch._inductor.pattern_matcher import stable_topological_sort
+    from torch.distributed.tensor import DTensor
+
+    from fshard._jit_comm import BucketCollectives
+
+    n = torch.distributed.get_world_size()
+    if which == "mlp":  # per-leaf gathers in a shard_map body
+        step, params, state, _ = _make_step(_mesh("fsdp"), "fsdp", "inside", True, F64, "clip")
+        args = (params, state, *_data(n, 0))
+    elif which == "psum":  # all-reduces issued back to back
+        step = fs.shard_map(lambda x: [fs.lax.psum(x * k, "x") for k in (1.0, 2.0, 3.0)], mesh=_mesh("dp"),
+                            in_specs=P("x"), out_specs=[P()] * 3, check=False)
+        args = (torch.randn(4 * n, 3, generator=torch.Generator().manual_seed(4), dtype=F64),)
+    else:  # fs.parallel's layer loop: one flat buffer per layer, prefetched, reduced asynchronously
+        from fshard.models import TransformerConfig
+        from fshard.testing import transformer_train_step
+
+        cfg = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
+        step, params, state = transformer_train_step(which, cfg, fs.make_mesh({"d": n}), dtype=F64)
+        tok = torch.randint(0, 32, (2 * n, 8), generator=torch.Generator().manual_seed(0))
+        args = (params, state, tok, torch.roll(tok, -1, 1))
+    plain, bucketed = fs.jit(step, backend=None), fs.jit(step, backend=None)  # two captures of one step
+    gm = bucketed.graph(*args)
+    before = _collective_calls(gm.code)
+    BucketCollectives(25)(gm.graph)
+    stable_topological_sort(gm.graph)  # as Inductor's post-grad passes do after it
+    gm.graph.lint()
+    gm.recompile()
+    after = _collective_calls(gm.code)
+    want, ref, got = step(*args), plain(*args), bucketed(*args)
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    diff = lambda a, b: max((full(u) - full(v)).abs().max().item()  # noqa: E731
+                            for u, v in zip(fs.tree.leaves(a), fs.tree.leaves(b)))
+    return before, after, diff(got, ref), diff(got, want)
+
+
+@pytest.mark.parametrize("which", ["mlp", "psum", "fsdp", "replicate"])
+def test_jit_bucketing_merges_only_back_to_back_collectives_float64(which):
+    # Collectives the program issues back to back (the MLP's per-leaf all-gathers, and its
+    # per-leaf reduce-scatters (all-to-alls on gloo) at the end of the captured backward;
+    # three psums) become one each; those it overlaps with compute (fs.parallel's prefetched layer
+    # gathers, its asynchronous per-layer reductions, the loss's all-reduce) stay as they
+    # are. Every rank decides the same, and the merged collectives compute what the
+    # separate ones did.
+    results = run_on_ranks(_bucket_pass_body, which, world_size=2)
+    for before, after, err_plain, err_eager in results:
+        assert err_plain <= 1e-12 and err_eager <= 1e-12, (err_plain, err_eager)
+        if which == "mlp":
+            assert before.count("all_gather_into_tensor") == 3 and after.count("all_gather_into_tensor") == 1, after
+            assert before.count("all_to_all_single") == 3 and after.count("all_to_all_single") == 1, after
+            assert len(after) == len(before) - 4, (before, after)  # the 2 all-reduces stay
+        elif which == "psum":
+            assert before == ["all_reduce"] * 3 and after == ["all_reduce"], after
+        else:
+            assert after == before, (before, after)
+    assert results[0][1] == results[1][1]
+
+
+def _inductor_bucketing_body(options=None):
+    """Three leaves gathered and three values reduce-scattered, back to back, under Inductor
+    (the default collective passes, or ``options``): the compiled code's collectives on
+    this rank."""
+    from torch._inductor.graph import GraphLowering
+
+    n = torch.distributed.get_world_size()
+    mesh = fs.make_mesh({"x": n})
+
+    def body(p, x):
+        gathered = [fs.lax.all_gather(p[k], "x", tiled=True) for k in ("a", "b", "c")]
+        scattered = [fs.lax.psum_scatter(x * k, "x", tiled=True) for k in (1.0, 2.0, 3.0)]
+        return gathered, scattered
+
+    f = fs.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=([P()] * 3, [P("x")] * 3), check=False)
+    g = torch.Generator().manual_seed(7)
+    p = {k: torch.randn(2 * n, d, generator=g, dtype=F64) for k, d in (("a", 3), ("b", 1), ("c", 5))}
+    x = torch.randn(4 * n * n, 3, generator=g, dtype=F64)
+    codes = []
+    GraphLowering.save_output_code = codes.append  # Inductor's hook: the code each compile (or cache load) made
+    try:
+        with fs.comm_log() as elog:
+            want = f(p, x)
+        with fs.comm_log() as jlog:
+            got = fs.jit(f, options=options)(p, x)
+    finally:
+        GraphLowering.save_output_code = None
+    err = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+              for a, b in zip(fs.tree.leaves(got), fs.tree.leaves(want)))
+    return (err, [c for code in codes for c in _collective_calls(code)], dict(elog.counts), dict(jlog.counts),
+            dict(elog.wire_by_axis), dict(jlog.wire_by_axis))
+
+
+def test_jit_inductor_buckets_collectives_float64():
+    # fs.jit's default Inductor compile merges the 3 all-gathers into one and the 3
+    # reduce-scatters (all-to-alls on gloo) into one; values equal eager, comm_log
+    # reports eager's collectives and bytes, and the ranks run the same collectives in
+    # the same order.
+    results = run_on_ranks(_inductor_bucketing_body, world_size=2, timeout_s=300)
+    for err, calls, ecounts, jcounts, ewire, jwire in results:
+        assert err <= 1e-12
+        assert calls == ["all_gather_into_tensor", "all_to_all_single"], calls
+        assert jcounts == ecounts == {"all_gather": 3, "psum_scatter": 3} and jwire == ewire, (ecounts, jcounts)
+    assert results[0][1] == results[1][1]
