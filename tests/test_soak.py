@@ -23,14 +23,16 @@ def _load_soak():
 def test_soak_one_tiny_run(tmp_path):
     out = tmp_path / "soak.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, str(SOAK), "--max-runs", "1", "--steps", "2", "--mesh", "dp_fsdp",
-                           "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+    # 2 ranks: the soak's own work (torchrun, the progress, the JSON, the clean-up) does
+    # not depend on the mesh, and each rank costs seconds of start-up.
+    proc = subprocess.run([sys.executable, str(SOAK), "--max-runs", "1", "--steps", "2", "--mesh", "fsdp",
+                           "--nproc", "2", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert (result["runs"], result["steps"], result["crashes"]) == (1, 2, 0)
+    assert (result["runs"], result["steps"], result["crashes"], result["nproc"]) == (1, 2, 0, 2)
     (run,) = result["records"]
-    assert run["mesh"] == "dp_fsdp" and run["status"] == "ok" and math.isfinite(run["final_loss"])
+    assert run["mesh"] == "fsdp" and run["status"] == "ok" and math.isfinite(run["final_loss"])
     assert "1 runs, 2 steps, 0 crashed" in proc.stdout
     assert not any((tmp_path / "logs").iterdir())  # a clean run keeps no files
 
