@@ -211,8 +211,11 @@ class WorkerPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
-            **kwargs: Any) -> list[Any]:
+            grace_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Runs ``fn(*args, **kwargs)`` on every rank; returns the results by rank.
+
+        ``timeout_s`` and ``grace_s`` override the pool's for this call (a caller that
+        knows the other ranks stay blocked after a failure need not wait for them).
 
         Raises:
           Exception: the first failing rank's exception (its own type), with the rank
@@ -221,9 +224,11 @@ class WorkerPool:
         """
         for c in self._conns:
             c.send((fn, args, kwargs))
-        return self._collect(None, timeout_s=timeout_s or self.timeout_s, what=getattr(fn, "__name__", "fn"))
+        return self._collect(None, timeout_s=timeout_s or self.timeout_s, what=getattr(fn, "__name__", "fn"),
+                             grace_s=grace_s)
 
-    def _collect(self, expect, *, timeout_s: float, what: str) -> list[Any]:
+    def _collect(self, expect, *, timeout_s: float, what: str, grace_s: float | None = None) -> list[Any]:
+        grace_s = self.grace_s if grace_s is None else grace_s
         results: dict[int, Any] = {}
         errors: dict[int, tuple[Any, str]] = {}
         deadline = time.monotonic() + timeout_s
@@ -231,7 +236,7 @@ class WorkerPool:
         while pending:
             now = time.monotonic()
             if errors:
-                deadline = min(deadline, self._first_error_time + self.grace_s)
+                deadline = min(deadline, self._first_error_time + grace_s)
             if now >= deadline:
                 break
             ready = mpc.wait([self._conns[r] for r in pending], timeout=min(0.5, deadline - now))

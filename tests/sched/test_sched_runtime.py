@@ -574,4 +574,5 @@ def test_stage_output_shape_change_names_stage_and_both_shapes():
     with pytest.raises(ValueError, match=r"stage 0 output changed between microbatches: "
                                          r"microbatch 0 gave shape \(2, 6\).*microbatch 1 "
                                          r"gives shape \(4, 6\)"):
-        run_on_ranks(_shape_change_body, world_size=2, timeout_s=60)
+        # Rank 1 stays blocked in its receive by design: no grace period to wait out.
+        run_on_ranks(_shape_change_body, world_size=2, timeout_s=60, grace_s=0.5)
