@@ -380,7 +380,7 @@ def _trim_stack(text: str) -> str:
 
 
 def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
-              timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
+              timeout_s: float = 300.0, grace_s: float = 5.0, **kwargs: Any) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` on ``world_size`` ranks and returns each rank's result.
 
     Works from a plain script or a notebook: the ranks are forked child processes, so
@@ -392,6 +392,8 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
       *args, **kwargs: passed to ``fn`` on every rank.
       world_size: number of ranks (2 cores here: keep it at 4 or fewer).
       timeout_s: limit for the whole call (default 300 s).
+      grace_s: after one rank fails, how long the others get to finish before they are
+        taken as blocked by the failure and killed (default 5 s).
 
     Returns:
       ``[result_of_rank_0, result_of_rank_1, ...]``.
@@ -408,7 +410,8 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
     gc.collect()
     gc.freeze()
     try:
-        pool = WorkerPool(world_size, start_method="fork", timeout_s=timeout_s, name="fshard-local-rank")
+        pool = WorkerPool(world_size, start_method="fork", timeout_s=timeout_s, grace_s=grace_s,
+                          name="fshard-local-rank")
         try:
             for c in pool._conns:
                 c.send("inherited")
