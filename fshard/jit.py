@@ -136,7 +136,10 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
         with or without arguments.
       backend: the ``torch.compile`` backend: ``"inductor"`` (default), ``"aot_eager"``
         (debugging: no code generation), any other backend name or callable, or ``None``
-        (run the captured graph without compiling it).
+        (run the captured graph without compiling it). ``"eager"`` is ``None``: Dynamo's
+        eager backend runs what Dynamo captured as it is, and the graph here is captured
+        already (a second capture by Dynamo, seconds for a training step, would change
+        nothing).
       on_capture_error: ``"raise"`` (default): a function that cannot be captured raises
         :class:`JitCaptureError`; ``"eager"``: warn (naming the cause) and run that
         signature eagerly from then on.
@@ -305,7 +308,7 @@ class Jitted:
                  time.perf_counter() - t0)
         if self._backend not in _ORDER_KEEPING_BACKENDS and _has_p2p(gm):
             return self._failed(f"compile (backend={self._backend!r})", JitCaptureError(_P2P_REORDERED))
-        run = gm if self._backend is None else _Compiled(gm, self)
+        run = gm if self._backend in _UNCOMPILED_BACKENDS else _Compiled(gm, self)
         return _Entry(run, found["tree"], found["kinds"], found["timeline"], gm)
 
     def _failed(self, stage: str, e: BaseException) -> _Entry:
@@ -521,6 +524,8 @@ _C10D = torch.ops._c10d_functional
 # Point-to-point transfers (fs.sched's pipeline) pair up across ranks in program order, which no
 # data dependency of one rank's graph shows: only backends that run the graph in its order keep them.
 _ORDER_KEEPING_BACKENDS = (None, "aot_eager", "eager")
+# Backends that run the captured graph as it is (see jit()'s ``backend``).
+_UNCOMPILED_BACKENDS = (None, "eager")
 _P2P_REORDERED = (
     "the graph holds point-to-point transfers (fs.sched's pipeline: fshard.p2p_batch), which must run in "
     "program order: a rank's wait for a receive depends on a peer's send that no data dependency of its "

@@ -61,8 +61,12 @@ def _pool(world_size: int) -> WorkerPool:
 
 
 def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int,
-                 timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+                 timeout_s: float | None = None, grace_s: float | None = None, **kwargs: Any) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` on ``world_size`` ranks of a shared pool.
+
+    ``grace_s``: after one rank fails, how long the others get to finish before they are
+    taken as blocked and the pool is replaced (default: the pool's, 5 s). A test whose
+    failure leaves the other ranks blocked by design can pass a shorter one.
 
     Returns:
       Each rank's result, by rank.
@@ -73,7 +77,7 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int,
     """
     pool = _pool(world_size)
     try:
-        return pool.run(fn, *args, timeout_s=timeout_s or DEFAULT_TIMEOUT_S, **kwargs)
+        return pool.run(fn, *args, timeout_s=timeout_s or DEFAULT_TIMEOUT_S, grace_s=grace_s, **kwargs)
     finally:
         if not pool.alive:
             pool.shutdown(kill=True)

@@ -241,7 +241,11 @@ def _killed_child(path: str, marker: str) -> None:
 
 def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
     path, marker = str(tmp_path / "ck"), str(tmp_path / "marker")
-    child = mp.get_context("spawn").Process(target=_killed_child, args=(path, marker))
+    # A fresh process, forked from the rank pools' forkserver (torch and fshard imported
+    # there once): spawn would spend seconds importing them again.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "fshard", "fshard.mesh.local"])  # as fshard.testing's pools
+    child = ctx.Process(target=_killed_child, args=(path, marker))
     child.start()
     try:
         deadline = time.monotonic() + 60

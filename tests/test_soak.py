@@ -32,7 +32,7 @@ def test_soak_one_tiny_run(tmp_path):
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert (result["runs"], result["steps"], result["crashes"]) == (1, 2, 0)
+    assert (result["runs"], result["steps"], result["crashes"], result["nproc"]) == (1, 2, 0, 2)
     (run,) = result["records"]
     assert run["mesh"] == "dp_fsdp" and run["status"] == "ok" and math.isfinite(run["final_loss"])
     assert run["argv"][-6:] == ["--mesh", "dp=1,fsdp=2", "--dim", "16", "--seq-len", "16"], run["argv"]

@@ -216,8 +216,11 @@ class WorkerPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
-            **kwargs: Any) -> list[Any]:
+            grace_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Runs ``fn(*args, **kwargs)`` on every rank; returns the results by rank.
+
+        ``timeout_s`` and ``grace_s`` override the pool's for this call (a caller that
+        knows the other ranks stay blocked after a failure need not wait for them).
 
         Raises:
           Exception: the first failing rank's exception (its own type), with the rank
@@ -226,9 +229,11 @@ class WorkerPool:
         """
         for c in self._conns:
             c.send((fn, args, kwargs))
-        return self._collect(None, timeout_s=timeout_s or self.timeout_s, what=getattr(fn, "__name__", "fn"))
+        return self._collect(None, timeout_s=timeout_s or self.timeout_s, what=getattr(fn, "__name__", "fn"),
+                             grace_s=grace_s)
 
-    def _collect(self, expect, *, timeout_s: float, what: str) -> list[Any]:
+    def _collect(self, expect, *, timeout_s: float, what: str, grace_s: float | None = None) -> list[Any]:
+        grace_s = self.grace_s if grace_s is None else grace_s
         results: dict[int, Any] = {}
         errors: dict[int, tuple[Any, str]] = {}
         deadline = time.monotonic() + timeout_s
@@ -236,7 +241,7 @@ class WorkerPool:
         while pending:
             now = time.monotonic()
             if errors:
-                deadline = min(deadline, self._first_error_time + self.grace_s)
+                deadline = min(deadline, self._first_error_time + grace_s)
             if now >= deadline:
                 break
             ready = mpc.wait([self._conns[r] for r in pending], timeout=min(0.5, deadline - now))
@@ -380,7 +385,7 @@ def _trim_stack(text: str) -> str:
 
 
 def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
-              timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
+              timeout_s: float = 300.0, grace_s: float = 5.0, **kwargs: Any) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` on ``world_size`` ranks and returns each rank's result.
 
     Works from a plain script or a notebook: the ranks are forked child processes, so
@@ -392,6 +397,8 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
       *args, **kwargs: passed to ``fn`` on every rank.
       world_size: number of ranks (2 cores here: keep it at 4 or fewer).
       timeout_s: limit for the whole call (default 300 s).
+      grace_s: after one rank fails, how long the others get to finish before they are
+        taken as blocked by the failure and killed (default 5 s).
 
     Returns:
       ``[result_of_rank_0, result_of_rank_1, ...]``.
@@ -408,7 +415,8 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
     gc.collect()
     gc.freeze()
     try:
-        pool = WorkerPool(world_size, start_method="fork", timeout_s=timeout_s, name="fshard-local-rank")
+        pool = WorkerPool(world_size, start_method="fork", timeout_s=timeout_s, grace_s=grace_s,
+                          name="fshard-local-rank")
         try:
             for c in pool._conns:
                 c.send("inherited")

@@ -85,23 +85,44 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_torchrun_like(mode: str) -> subprocess.CompletedProcess:
+def _start_torchrun_like(mode: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER",)}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()),
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))
-    return subprocess.run([sys.executable, "-c", _SCRIPT, mode], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.Popen([sys.executable, "-c", _SCRIPT, mode], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
-def test_init_makes_a_crashing_rank_print_its_python_stacks():
-    out = _run_torchrun_like("init")
-    assert out.returncode == -11, (out.returncode, out.stderr[-3000:])
-    _assert_crash_report(out.stderr)
+@pytest.fixture(scope="module")
+def torchrun_like():
+    """Both one-process runs, started together (each is mostly its interpreter's and torch's
+    start-up on one core: together they take the time of one); ``torchrun_like(mode)``
+    waits for that run's ``(returncode, stderr)``."""
+    procs = {mode: _start_torchrun_like(mode) for mode in ("init", "plain")}
+    done: dict[str, tuple[int, str]] = {}
+
+    def result(mode: str) -> tuple[int, str]:
+        if mode not in done:
+            _, err = procs[mode].communicate(timeout=120)
+            done[mode] = (procs[mode].returncode, err)
+        return done[mode]
+
+    yield result
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
 
 
-def test_without_init_a_crashing_process_prints_no_python_stack():
+def test_init_makes_a_crashing_rank_print_its_python_stacks(torchrun_like):
+    returncode, stderr = torchrun_like("init")
+    assert returncode == -11, (returncode, stderr[-3000:])
+    _assert_crash_report(stderr)
+
+
+def test_without_init_a_crashing_process_prints_no_python_stack(torchrun_like):
     # The control: the stack above comes from fs.init(), not from the interpreter.
-    out = _run_torchrun_like("plain")
-    assert out.returncode == -11, (out.returncode, out.stderr[-3000:])
-    assert "_crash_in_native_code" not in out.stderr
+    returncode, stderr = torchrun_like("plain")
+    assert returncode == -11, (returncode, stderr[-3000:])
+    assert "_crash_in_native_code" not in stderr

@@ -551,8 +551,9 @@ def test_split_backward_matches_full_backward_with_shared_weights():
         torch.testing.assert_close(gr, ref[1 + i], rtol=0, atol=1e-14)
 
 
-# --- a stage whose output shape changes (kept last: the other rank is left blocked in a
-# receive and the pool is torn down after the harness' grace period) ----------------------
+# --- a stage whose output shape changes: the other rank is left blocked in a receive, so
+# it runs on ranks of its own (fs.run_local: forked for this call, killed after it), not on
+# the shared pool, which every later 2-rank test would have to start again ------------------
 
 def _shape_change_body():
     mesh = fs.make_mesh({"pp": 2})
@@ -574,4 +575,5 @@ def test_stage_output_shape_change_names_stage_and_both_shapes():
     with pytest.raises(ValueError, match=r"stage 0 output changed between microbatches: "
                                          r"microbatch 0 gave shape \(2, 6\).*microbatch 1 "
                                          r"gives shape \(4, 6\)"):
-        run_on_ranks(_shape_change_body, world_size=2, timeout_s=60)
+        # Rank 1 stays blocked in its receive by design: no grace period to wait out.
+        fs.run_local(_shape_change_body, world_size=2, timeout_s=60, grace_s=0.5)
