@@ -179,11 +179,21 @@ def test_resume_from_another_models_checkpoint_names_the_fields_and_changes_noth
     assert _hashes(ck) == before
 
 
-def _script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _scripts(*argvs: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
+    """Runs ``train_lm.py ARGV`` for each argv, all at once (one process each: a
+    single-process run leaves the second core idle); their results in order."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=180)
+    procs = [subprocess.Popen([sys.executable, str(EXAMPLES / "train_lm.py"), *argv], cwd=cwd, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in argvs]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:  # one timed out: leave none behind
+                p.kill()
+                p.communicate()
 
 
 @pytest.mark.timeout(200)
@@ -191,14 +201,14 @@ def test_script_reports_bad_checkpoint_and_nonfinite_loss_in_one_line(step_2, tm
     ck = tmp_path / "ck"
     shutil.copytree(step_2, ck)
     _corrupt(ck, "corrupted")
-    run = _script(STEPS + ["--checkpoint-dir", str(ck), "--resume"], tmp_path)
+    run, nonfinite = _scripts(STEPS + ["--checkpoint-dir", str(ck), "--resume"],
+                              ["--steps", "3", "--inject-nonfinite", "2"] + TINY, cwd=tmp_path)
     assert run.returncode == 1, run.stderr[-3000:]
     assert "train_lm.py: error: reading the checkpoint" in run.stderr and "is corrupt" in run.stderr
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
-    run = _script(["--steps", "3", "--inject-nonfinite", "2"] + TINY, tmp_path)
-    assert run.returncode == 1, run.stderr[-3000:]
-    assert "train_lm.py: error: step 2: the loss is nan" in run.stderr, run.stderr[-3000:]
-    assert "Traceback" not in run.stderr
+    assert nonfinite.returncode == 1, nonfinite.stderr[-3000:]
+    assert "train_lm.py: error: step 2: the loss is nan" in nonfinite.stderr, nonfinite.stderr[-3000:]
+    assert "Traceback" not in nonfinite.stderr
 
 
 # --- NaN / inf ---------------------------------------------------------------------

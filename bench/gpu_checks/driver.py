@@ -1,4 +1,5 @@
-"""Runs every GPU check in sequence under one time limit and writes one summary (see run.sh).
+"""Runs every GPU check in sequence (a dry run may run ``--jobs`` at once) under one time limit
+and writes one summary (see run.sh).
 
 Each check is its own process (a CUDA error or a hung collective cannot take the others
 down), gets at most its own cap or what is left of the total, and is killed with its
@@ -19,6 +20,7 @@ figures, assertions {checked, skipped_on_cpu}, parts, reason (why skipped), erro
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import datetime as _dt
 import json
 import os
@@ -26,6 +28,7 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -136,9 +139,13 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds for all checks together (max 600)")
     ap.add_argument("--only", default=None, help="comma-separated check names (default: all)")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the checks")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="checks run at once (default 1; more only with --cpu-dry-run: on a GPU they would share it)")
     args = ap.parse_args()
     if args.time_limit > 600:
         ap.error("--time-limit: at most 600 s (a GPU is lent for 10 minutes per command)")
+    if args.jobs < 1 or (args.jobs > 1 and not args.cpu_dry_run):
+        ap.error("--jobs: 1, or more with --cpu-dry-run (checks sharing a GPU would skew its figures)")
     now = _dt.datetime.now()
     suffix = "_cpu-dry-run" if args.cpu_dry_run else ""
     out = Path(args.out or os.environ.get("OUT") or REPO / "bench" / "results" /
@@ -159,7 +166,10 @@ def main() -> int:
         "time_limit_s": args.time_limit, "total_seconds": 0.0, "checks": []}
     t0 = time.perf_counter()
     deadline = t0 + args.time_limit
-    for name, script, cap in checks:
+    lock = threading.Lock()
+    done: dict[int, dict[str, Any]] = {}
+
+    def one(i: int, name: str, script: str, cap: float) -> None:
         left = deadline - time.perf_counter()
         if left < 5:
             record = {"check": name, "status": "failed", "passed": False, "seconds": 0.0, "mode": mode,
@@ -170,16 +180,24 @@ def main() -> int:
             limit = min(cap * (3 if args.cpu_dry_run else 1), left)
             print(f"--- {name} (at most {limit:.0f} s)", flush=True)
             record = run_check(name, script, limit, out, args.cpu_dry_run, args.python)
-        print(f"    {record['status']} in {record['seconds']:.1f} s"
-              + (f": {record['reason']}" if record.get("reason") else "")
-              + (f": {record['error'].splitlines()[0]}" if record.get("error") else ""), flush=True)
-        summary["checks"].append(record)
-        if record.get("device") and summary["machine"].get("device") in (None, "cpu"):
-            summary["machine"].update(record["device"])
-        summary["total_seconds"] = round(time.perf_counter() - t0, 3)
-        summary["ok"] = all(r["status"] == "passed" or (r["status"] == "skipped" and r.get("reason"))
-                            for r in summary["checks"])
-        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        with lock:
+            print(f"    {name}: {record['status']} in {record['seconds']:.1f} s"
+                  + (f": {record['reason']}" if record.get("reason") else "")
+                  + (f": {record['error'].splitlines()[0]}" if record.get("error") else ""), flush=True)
+            done[i] = record
+            summary["checks"] = [done[k] for k in sorted(done)]  # in the table's order, whatever finished first
+            if record.get("device") and summary["machine"].get("device") in (None, "cpu"):
+                summary["machine"].update(record["device"])
+            summary["total_seconds"] = round(time.perf_counter() - t0, 3)
+            summary["ok"] = all(r["status"] == "passed" or (r["status"] == "skipped" and r.get("reason"))
+                                for r in summary["checks"])
+            (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+
+    # --jobs 1 (always on a GPU): one check after another, in order. A dry run may run
+    # several at once (each is its own process; none of its assertions is about time).
+    with cf.ThreadPoolExecutor(args.jobs) as pool:
+        for f in [pool.submit(one, i, *c) for i, c in enumerate(checks)]:
+            f.result()
     table = _table(summary)
     (out / "summary.md").write_text(table)
     print(table)

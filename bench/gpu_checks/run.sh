@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one call: bench/gpu_checks/run.sh [--cpu-dry-run] [--out DIR] [--time-limit S] [--only a,b]
+# Every GPU check in one call: bench/gpu_checks/run.sh [--cpu-dry-run [--jobs N]] [--out DIR] [--time-limit S] [--only a,b]
 #
 # Runs the checks one after another (each in its own process, each with a time cap), keeps
 # going past a failure, and writes summary.json, summary.md and logs/ to DIR (default: $OUT

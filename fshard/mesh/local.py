@@ -4,8 +4,10 @@ Each rank is a child process on a loopback gloo group, one thread each. The pare
 hosts the rendezvous store, so there is no port race. A failure on any rank is raised
 in the caller as the original exception type, with the rank and the remote traceback
 attached; ranks left blocked in a collective by that failure are killed after a short
-grace period, and a group that makes no progress before the timeout is killed with a
-stack dump of every stuck rank. No child outlives the call (``run_local``) or the pool.
+grace period (``run_local`` stops a failed rank at once, so that the ranks blocked on it
+fail with a lost peer rather than wait), and a group that makes no progress before the
+timeout is killed with a stack dump of every stuck rank. No child outlives the call
+(``run_local``) or the pool.
 
 Why processes and not torch's threaded process group or ``LocalTensorMode``: the
 threaded group shares one global RNG and one autograd engine between ranks, and
@@ -232,7 +234,16 @@ class WorkerPool:
         return self._collect(None, timeout_s=timeout_s or self.timeout_s, what=getattr(fn, "__name__", "fn"),
                              grace_s=grace_s)
 
-    def _collect(self, expect, *, timeout_s: float, what: str, grace_s: float | None = None) -> list[Any]:
+    def _collect(self, expect, *, timeout_s: float, what: str, grace_s: float | None = None,
+                 stop_failed: bool = False) -> list[Any]:
+        """Each rank's reply to ``what``, by rank; raises the first failure (see :meth:`run`).
+
+        ``grace_s``: how long the other ranks get after one fails (default: the pool's).
+        ``stop_failed`` (one-shot ranks, :func:`run_local`): a rank that reported an error is
+        killed at once. Its connections close, so a rank blocked in a collective with it
+        fails with a lost peer now (and is stopped in turn) instead of waiting out the
+        grace period; only ranks blocked on each other still wait for it.
+        """
         grace_s = self.grace_s if grace_s is None else grace_s
         results: dict[int, Any] = {}
         errors: dict[int, tuple[Any, str]] = {}
@@ -259,6 +270,8 @@ class WorkerPool:
                     if not errors:
                         self._first_error_time = time.monotonic()
                     errors[r] = payload
+                    if stop_failed:
+                        self._procs[r].kill()
                 else:
                     results[r] = payload
             for r in list(pending):  # a child that died without a word
@@ -405,7 +418,9 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
 
     Raises:
       Exception: the exception of the first failing rank, with its rank and remote
-        traceback attached; every child is gone when it propagates.
+        traceback attached; every child is gone when it propagates. A rank that fails is
+        stopped at once: the ranks in a collective with it fail too (a lost peer, listed
+        in the notes) instead of waiting out the grace period.
       RankTimeoutError: no result in time; the message shows each stuck rank's stack.
     """
     _INHERITED["task"] = (fn, args, kwargs)
@@ -420,7 +435,7 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
         try:
             for c in pool._conns:
                 c.send("inherited")
-            return pool._collect(None, timeout_s=timeout_s, what=getattr(fn, "__name__", "fn"))
+            return pool._collect(None, timeout_s=timeout_s, what=getattr(fn, "__name__", "fn"), stop_failed=True)
         finally:
             pool.shutdown(kill=not pool.alive)
             pool._store = None  # release the rendezvous server now, not at some later collection
