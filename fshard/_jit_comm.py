@@ -125,6 +125,14 @@ class BucketCollectives(CustomGraphPass):
         from torch._inductor.fx_passes import bucketing as b
 
         for kind, bucket, wait_point in _back_to_back_runs(graph, int(self.bucket_mb * 2**20)):
+            if wait_point is _IN_FLIGHT:
+                # Found now, on the graph as the earlier merges left it: a point found before
+                # them could be a node one of them erased (a done bucket's wait, or the first
+                # wait of a bucket merged earlier); if the waits are no longer adjacent, the
+                # bucket stays as it is.
+                wait_point = _adjacent_waits(graph, {next(iter(c.users)) for c in bucket})
+                if wait_point is None:
+                    continue
             if kind == "all_gather":
                 _merge(graph, bucket, _all_gather_merge, _all_gather_args, wait_point)
             elif kind == "all_to_all":
@@ -136,6 +144,7 @@ class BucketCollectives(CustomGraphPass):
 
 
 _SOURCE_HASH = get_hash_for_files((__file__,))
+_IN_FLIGHT = object()  # an in-flight bucket's wait point: found when it is merged
 
 
 def _kind(node: torch.fx.Node) -> tuple | None:
@@ -147,7 +156,7 @@ def _kind(node: torch.fx.Node) -> tuple | None:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return None  # no metadata to size it by
-    dtype = val.dtype
+    dtype = (val.dtype, val.device)  # a group may carry CPU (gloo) and CUDA (NCCL) collectives
     if node.target is _C10D.all_gather_into_tensor.default:
         return ("all_gather", _resolve_group_name(node.args[2]), dtype)
     if node.target is _C10D.all_to_all_single.default and _even_splits(node):
@@ -157,6 +166,11 @@ def _kind(node: torch.fx.Node) -> tuple | None:
     if node.target is _C10D.all_reduce.default:
         return ("all_reduce", _resolve_group_name(node.args[2]), node.args[1], dtype)
     return None
+
+
+def _is_c10d(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a functional collective (or its wait)."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional"
 
 
 def _nbytes(node: torch.fx.Node) -> int:
@@ -225,8 +239,9 @@ def _back_to_back_runs(graph: torch.fx.Graph, cap_bytes: int) -> list[tuple[str,
         inputs = node.all_input_nodes
         if node.target is _C10D.wait_tensor.default and inputs[0] in run:
             results.add(node)
-        elif inputs and all(a in results for a in inputs) and node.op == "call_function":
-            results.add(node)  # a view or epilogue of the run's results
+        elif (inputs and all(a in results for a in inputs) and node.op == "call_function"
+              and not _is_c10d(node)):
+            results.add(node)  # a view or epilogue of the run's results (never another collective)
         elif _is_view(node) or (node.op == "call_function" and _feeds(node, key)):
             if any(a in results for a in inputs):
                 results.add(node)  # prepares a later collective's input from an earlier one's result
@@ -234,10 +249,8 @@ def _back_to_back_runs(graph: torch.fx.Graph, cap_bytes: int) -> list[tuple[str,
             flush()
     flush()
     for kind, flying in in_flight:
-        waits = {next(iter(c.users)) for c in flying}
-        point = _adjacent_waits(graph, waits)
-        if point is not None:
-            buckets.append((kind, flying, point))
+        if _adjacent_waits(graph, {next(iter(c.users)) for c in flying}) is not None:
+            buckets.append((kind, flying, _IN_FLIGHT))
     return buckets
 
 
