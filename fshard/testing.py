@@ -37,6 +37,8 @@ from fshard.mesh.local import WorkerPool
 
 __all__ = ["run_on_ranks", "shutdown_pools", "assert_close", "free_port", "MESH_SHAPES", "transformer_train_step"]
 
+# What the test pools' forkserver imports once for every rank it forks (see _pool).
+FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "fshard", "fshard.mesh.local")
 _POOLS: dict[int, WorkerPool] = {}
 DEFAULT_TIMEOUT_S = float(os.environ.get("FSHARD_TEST_TIMEOUT_S", "120"))
 
@@ -53,8 +55,7 @@ def _pool(world_size: int) -> WorkerPool:
         # CPU per rank, once in the forkserver instead), and Inductor's compile_fx, which a
         # rank's first fs.jit compile imports (about 0.9 s, aot_eager included). Neither
         # starts a thread (transformers would: its model modules are imported per rank).
-        multiprocessing.get_context("forkserver").set_forkserver_preload(
-            ["torch", "torch._dynamo", "torch._inductor.compile_fx", "fshard", "fshard.mesh.local"])
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
         pool = WorkerPool(world_size, start_method="forkserver", timeout_s=DEFAULT_TIMEOUT_S)
         _POOLS[world_size] = pool
     return pool

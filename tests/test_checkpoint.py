@@ -20,7 +20,7 @@ import fshard as fs
 import fshard.checkpoint as ckpt
 from fshard import P
 from fshard import tree as tree_util
-from fshard.testing import run_on_ranks
+from fshard.testing import FORKSERVER_PRELOAD, run_on_ranks
 
 DT = torch.float64
 
@@ -244,7 +244,7 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
     # A fresh process, forked from the rank pools' forkserver (torch and fshard imported
     # there once): spawn would spend seconds importing them again.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "fshard", "fshard.mesh.local"])  # as fshard.testing's pools
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # the same forkserver as the pools'
     child = ctx.Process(target=_killed_child, args=(path, marker))
     child.start()
     try:

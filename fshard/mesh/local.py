@@ -23,6 +23,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -124,6 +125,13 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
                     f"Handle): their buffers stay in use by the backend")
             conn.send(("ok", result))
         except BaseException as e:
+            # run_local kills a rank as soon as its error arrives: what it printed must be
+            # out of its buffers first.
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
             conn.send(("err", _pack_exc(e)))
     try:
         if finalizes:

@@ -49,7 +49,7 @@ def _local_diff(dist, ref, specs, mesh):
     blocks (replicas included), so together the ranks check every element of every leaf.
     A block of the wrong shape, or a leaf not laid out by its spec, counts as infinite."""
     worst = 0.0
-    for x, spec, r in zip(fs.tree.leaves(dist), fs.tree.leaves(specs), fs.tree.leaves(ref)):
+    for x, spec, r in zip(fs.tree.leaves(dist), fs.tree.leaves(specs), fs.tree.leaves(ref), strict=True):
         local, want = x.to_local(), r[local_block(spec, r.shape, mesh)]
         if tuple(x.placements) != fs.NamedSharding(mesh, spec).placements or local.shape != want.shape:
             return float("inf")

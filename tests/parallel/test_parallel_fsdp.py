@@ -116,7 +116,7 @@ def _local_diff(dist, ref, specs, mesh):
     A block of the wrong shape, or a leaf not laid out by its spec, counts as infinite."""
     worst = 0.0
     flat_specs = fs.tree.broadcast_prefix(specs, ref, is_prefix_leaf=is_spec)
-    for x, spec, r in zip(fs.tree.leaves(dist), flat_specs, fs.tree.leaves(ref)):
+    for x, spec, r in zip(fs.tree.leaves(dist), flat_specs, fs.tree.leaves(ref), strict=True):
         local, want = x.to_local(), r[local_block(spec, r.shape, mesh, uneven=True)]
         if tuple(x.placements) != fs.NamedSharding(mesh, spec).placements or local.shape != want.shape:
             return float("inf")

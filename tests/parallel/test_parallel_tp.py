@@ -50,7 +50,7 @@ def _local_diff(dist, ref, specs, mesh):
     blocks (replicas included), so together the ranks check every element of every leaf.
     A block of the wrong shape counts as an infinite difference."""
     worst = 0.0
-    for x, spec, r in zip(fs.tree.leaves(dist), fs.tree.leaves(specs), fs.tree.leaves(ref)):
+    for x, spec, r in zip(fs.tree.leaves(dist), fs.tree.leaves(specs), fs.tree.leaves(ref), strict=True):
         local, want = x.to_local(), r[local_block(spec, r.shape, mesh, uneven=True)]
         if local.shape != want.shape:
             return float("inf")

@@ -21,8 +21,9 @@ TINY = ["--dtype", "float64", "--dim", "16", "--heads", "4", "--seq-len", "16", 
 
 def _layers(case: str) -> int:
     # Pipelines need 4 (zbv and interleaved hold 2 stages per rank on pp=2); without one,
-    # 2 layers show the per-layer terms as well as 4 do, at less cost.
-    return 4 if case.startswith("pp=") else 2
+    # 3 layers (a first, a middle and a last one: prefetch and reshard treat each
+    # differently) show the per-layer terms as well as 4 do, at less cost.
+    return 4 if case.startswith("pp=") else 3
 
 
 CASES = {
