@@ -35,7 +35,8 @@ import torch
 from fshard._ports import free_port  # noqa: F401 - re-exported: tests and tools use it here
 from fshard.mesh.local import WorkerPool
 
-__all__ = ["run_on_ranks", "shutdown_pools", "assert_close", "free_port", "MESH_SHAPES", "transformer_train_step"]
+__all__ = ["run_on_ranks", "shutdown_pools", "assert_close", "local_block_diff", "free_port", "MESH_SHAPES",
+           "transformer_train_step"]
 
 # What the test pools' forkserver imports once for every rank it forks (see _pool).
 FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "fshard", "fshard.mesh.local")
@@ -93,6 +94,28 @@ def shutdown_pools() -> None:
 
 
 atexit.register(shutdown_pools)
+
+
+def local_block_diff(dist: Any, ref: Any, specs: Any, mesh: Any, *, uneven: bool = False) -> float:
+    """Worst difference between this rank's blocks of ``dist`` (DTensors laid out by ``specs``,
+    a spec tree or a prefix of one) and the same blocks of the global ``ref``, without a
+    collective: every rank checks its own blocks (replicas included), so together the ranks
+    check every element of every leaf. ``uneven``: blocks cut like ``torch.chunk`` (FSDP's
+    layout; see :func:`fshard.mesh.placement.local_block`). A leaf not laid out by its spec,
+    or a block of the wrong shape, counts as infinite."""
+    import fshard as fs
+    from fshard.mesh.placement import local_block
+    from fshard.mesh.spec import is_spec
+
+    worst = 0.0
+    flat_specs = fs.tree.broadcast_prefix(specs, ref, is_prefix_leaf=is_spec)
+    for x, spec, r in zip(fs.tree.leaves(dist), flat_specs, fs.tree.leaves(ref), strict=True):
+        local, want = x.to_local(), r[local_block(spec, r.shape, mesh, uneven=uneven)]
+        if tuple(x.placements) != fs.NamedSharding(mesh, spec).placements or local.shape != want.shape:
+            return float("inf")
+        if local.numel():
+            worst = max(worst, (local - want).abs().max().item())
+    return worst
 
 
 def assert_close(actual: Any, expected: Any, *, rtol: float = 1.3e-6, atol: float = 1e-5,

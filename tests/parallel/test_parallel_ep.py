@@ -20,12 +20,11 @@ import torch.nn.functional as F
 
 import fshard as fs
 from fshard import P
-from fshard.mesh.placement import local_block
 from fshard.models import TransformerConfig, attention, embed, head, transformer_init
 from fshard.parallel import TRANSFORMER_TP_PLAN, gather_params, tp_embed, tp_enter, tp_exit, tp_logits, tp_specs
 from fshard.parallel import vocab_parallel_cross_entropy
 from fshard.parallel.ep import ep_rules, ep_specs, expert_capacity, moe_ffn, moe_init
-from fshard.testing import run_on_ranks
+from fshard.testing import local_block_diff, run_on_ranks
 
 CFG = TransformerConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=32)
 HIDDEN, N_EXPERTS, ROWS_PER_RANK = 128, 8, 2
@@ -41,20 +40,6 @@ LAYOUTS = {
 
 def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(fs.tree.leaves(a), fs.tree.leaves(b)))
-
-
-def _local_diff(dist, ref, specs, mesh):
-    """Worst difference between this rank's blocks of ``dist`` (DTensors laid out by ``specs``)
-    and the same blocks of the global ``ref``, without a collective: every rank checks its own
-    blocks (replicas included), so together the ranks check every element of every leaf.
-    A block of the wrong shape, or a leaf not laid out by its spec, counts as infinite."""
-    worst = 0.0
-    for x, spec, r in zip(fs.tree.leaves(dist), fs.tree.leaves(specs), fs.tree.leaves(ref), strict=True):
-        local, want = x.to_local(), r[local_block(spec, r.shape, mesh)]
-        if tuple(x.placements) != fs.NamedSharding(mesh, spec).placements or local.shape != want.shape:
-            return float("inf")
-        worst = max(worst, (local - want).abs().max().item())
-    return worst
 
 
 def _norm(p, x):
@@ -202,7 +187,7 @@ def _train(name, steps, top_k, cf, check=True, order="outside"):
         ref_loss, ref_grads = fs.value_and_grad(lambda p: _ref_loss(p, tok, tgt, top_k, cf, n_groups, drops))(ref)
         # Each rank's blocks (no gather per step: with the strided expert layouts it cost more
         # than the step); the params are gathered at the end.
-        g_diff = max(g_diff, _local_diff(grads, ref_grads, specs, mesh))
+        g_diff = max(g_diff, local_block_diff(grads, ref_grads, specs, mesh))
         updates, state = opt.update(grads, state, sharded)
         sharded = fs.optim.apply_updates(sharded, updates)
         upd, ref_state = ref_opt.update(ref_grads, ref_state, ref)

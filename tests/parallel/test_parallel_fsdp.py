@@ -15,10 +15,8 @@ import torch.nn.functional as F
 
 import fshard as fs
 from fshard import P
-from fshard.mesh.placement import local_block
-from fshard.mesh.spec import is_spec
 from fshard.models import TransformerConfig, block, embed, head, transformer_init
-from fshard.testing import run_on_ranks
+from fshard.testing import local_block_diff, run_on_ranks
 
 CFG = dict(vocab_size=33, dim=16, n_layers=3, n_heads=4, max_seq_len=8)
 
@@ -98,7 +96,7 @@ def _train(shape, mode, raf, remat, tie, steps, check, offload=False, detailed=F
         losses.append((loss.item(), ref_loss.item()))
         # Each rank's blocks against the reference's, every step (a gather per step cost about
         # as much as the step); the last step's params are also gathered, through DTensor.
-        worst = max(worst, _local_diff(sharded, ref, specs, mesh))
+        worst = max(worst, local_block_diff(sharded, ref, specs, mesh, uneven=True))
     full = fs.gather(sharded)
     worst = max(worst, max((a - b).abs().max().item() for a, b in zip(fs.tree.leaves(full), fs.tree.leaves(ref))))
     on_cpu &= all(_local(t).device.type == "cpu" for t in fs.tree.leaves((sharded, state)))
@@ -107,22 +105,6 @@ def _train(shape, mode, raf, remat, tie, steps, check, offload=False, detailed=F
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t  # optimizer state holds plain step counts
-
-
-def _local_diff(dist, ref, specs, mesh):
-    """Worst difference between this rank's blocks of ``dist`` (DTensors laid out by ``specs``)
-    and the same blocks of the global ``ref``, without a collective: every rank checks its own
-    blocks (replicas included), so together the ranks check every element of every leaf.
-    A block of the wrong shape, or a leaf not laid out by its spec, counts as infinite."""
-    worst = 0.0
-    flat_specs = fs.tree.broadcast_prefix(specs, ref, is_prefix_leaf=is_spec)
-    for x, spec, r in zip(fs.tree.leaves(dist), flat_specs, fs.tree.leaves(ref), strict=True):
-        local, want = x.to_local(), r[local_block(spec, r.shape, mesh, uneven=True)]
-        if tuple(x.placements) != fs.NamedSharding(mesh, spec).placements or local.shape != want.shape:
-            return float("inf")
-        if local.numel():
-            worst = max(worst, (local - want).abs().max().item())
-    return worst
 
 
 def _train_detailed(*args, **kwargs):

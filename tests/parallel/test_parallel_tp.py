@@ -19,12 +19,11 @@ import torch.nn.functional as F
 
 import fshard as fs
 from fshard import P
-from fshard.mesh.placement import local_block
 from fshard.models import (MLPStackConfig, TransformerConfig, block, embed, head, mlp_stack_apply,
                            mlp_stack_init, transformer_init)
 from fshard.parallel import (MLP_STACK_TP_PLAN, TRANSFORMER_TP_PLAN, tp_embed, tp_logits, tp_mlp, tp_specs,
                              tp_transformer_block, vocab_parallel_cross_entropy)
-from fshard.testing import run_on_ranks
+from fshard.testing import local_block_diff, run_on_ranks
 
 TF = dict(vocab_size=32, dim=16, n_layers=2, n_heads=4, max_seq_len=8)
 
@@ -42,21 +41,6 @@ LAYOUTS = {
 
 def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(fs.tree.leaves(a), fs.tree.leaves(b)))
-
-
-def _local_diff(dist, ref, specs, mesh):
-    """Worst difference between this rank's blocks of ``dist`` (DTensors laid out by ``specs``)
-    and the same blocks of the global ``ref``, without a collective: every rank checks its own
-    blocks (replicas included), so together the ranks check every element of every leaf.
-    A block of the wrong shape counts as an infinite difference."""
-    worst = 0.0
-    for x, spec, r in zip(fs.tree.leaves(dist), fs.tree.leaves(specs), fs.tree.leaves(ref), strict=True):
-        local, want = x.to_local(), r[local_block(spec, r.shape, mesh, uneven=True)]
-        if local.shape != want.shape:
-            return float("inf")
-        if local.numel():
-            worst = max(worst, (local - want).abs().max().item())
-    return worst
 
 
 def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, order="outside", **tf):
@@ -101,13 +85,13 @@ def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, 
         # Per step, each rank's blocks against the reference's (no gather: it cost as much as
         # the step); the gradients must be laid out like the params for that to be the check.
         layouts_kept &= laid_out(grads)
-        g_diff = max(g_diff, _local_diff(grads, ref_grads, specs, mesh))
+        g_diff = max(g_diff, local_block_diff(grads, ref_grads, specs, mesh, uneven=True))
         updates, state = opt.update(grads, state, sharded)
         sharded = fs.optim.apply_updates(sharded, updates)
         upd, ref_state = ref_opt.update(ref_grads, ref_state, ref)
         ref = fs.optim.apply_updates(ref, upd)
         losses.append((loss.item(), ref_loss.item()))
-        p_diff = max(p_diff, _local_diff(sharded, ref, specs, mesh))
+        p_diff = max(p_diff, local_block_diff(sharded, ref, specs, mesh, uneven=True))
     layouts_kept &= laid_out(sharded)
     p_diff = max(p_diff, _max_diff(fs.gather(sharded), ref))  # and once through DTensor's own gather
     placements = {str(tuple(x.placements)) for x in fs.tree.leaves(sharded)}
