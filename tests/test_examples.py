@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from fshard.testing import run_on_ranks
+
+from _procs import run_together
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -163,32 +163,13 @@ def test_bad_flags_are_config_errors_naming_the_fix():
     assert train_lm.parse_mesh(None, 4) == {"fsdp": 4}
 
 
-def _start_script(cmd: list[str], tmp_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
-        out, err = proc.communicate()
-        pytest.fail(f"{shlex.join(proc.args)} did not finish in {timeout_s:.0f} s:\n{out[-2000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _kill_left(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:  # another job failed the test first
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
 
 
 def _run_script(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    return _finish(_start_script(cmd, tmp_path))
+    return run_together([cmd], cwd=tmp_path, env=_env())[0]
 
 
 def test_script_one_process_prints_progress_and_a_sample(tmp_path):
@@ -210,13 +191,9 @@ def test_script_under_torchrun(tmp_path):
     # Both jobs at once: each spends much of its time starting up (torchrun, then two
     # ranks importing torch) or in the rendezvous, which leaves the second core idle.
     script = [torchrun, "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "train_lm.py")]
-    procs = [_start_script(script + ["--mesh", "pp=2", "--layers", "2", "--steps", "3", "--sample-chars", "20",
-                                     "--log-json", str(log)], tmp_path),
-             _start_script(script + ["--mesh", "fsdp=4"], tmp_path)]
-    try:
-        run, bad = [_finish(p) for p in procs]
-    finally:
-        _kill_left(procs)
+    run, bad = run_together([script + ["--mesh", "pp=2", "--layers", "2", "--steps", "3", "--sample-chars", "20",
+                                       "--log-json", str(log)],
+                             script + ["--mesh", "fsdp=4"]], cwd=tmp_path, env=_env())
     assert run.returncode == 0, run.stderr[-3000:]
     assert "pipeline: schedule '1f1b', 2 stages, 4 microbatches" in run.stdout
     assert [r["step"] for r in json.loads(log.read_text())] == [1, 2, 3]

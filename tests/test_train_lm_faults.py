@@ -25,6 +25,8 @@ import torch
 import fshard as fs
 from fshard.testing import run_on_ranks
 
+from _procs import run_together
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 if str(EXAMPLES) not in sys.path:  # ranks' errors are train_lm's classes: unpickled here
@@ -180,20 +182,11 @@ def test_resume_from_another_models_checkpoint_names_the_fields_and_changes_noth
 
 
 def _scripts(*argvs: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
-    """Runs ``train_lm.py ARGV`` for each argv, all at once (one process each: a
-    single-process run leaves the second core idle); their results in order."""
+    """Runs ``train_lm.py ARGV`` for each argv, all at once; their results in order."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(EXAMPLES / "train_lm.py"), *argv], cwd=cwd, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in argvs]
-    try:
-        outs = [p.communicate(timeout=180) for p in procs]
-        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
-    finally:
-        for p in procs:
-            if p.poll() is None:  # one timed out: leave none behind
-                p.kill()
-                p.communicate()
+    return run_together([[sys.executable, str(EXAMPLES / "train_lm.py"), *argv] for argv in argvs], cwd=cwd, env=env,
+                        timeout_s=180)
 
 
 @pytest.mark.timeout(200)
