@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 import fshard as fs
 from fshard import P, comm
-from fshard.testing import run_on_ranks
+from fshard.testing import local_block_diff, run_on_ranks
 
 
 def _mlp_params(shapes, seed=0):
@@ -118,8 +118,11 @@ def _train_mlp(shapes, steps, placement, delay, twice):
         up, ref_state = ref_opt.update(rg, ref_state, ref)
         ref = fs.optim.apply_updates(ref, up)
         losses.append((loss.item(), rl.item()))
-        worst = max(worst, max((a - b).abs().max().item()
-                               for a, b in zip(fs.tree.leaves(fs.gather(sharded)), fs.tree.leaves(ref))))
+        # Each rank's blocks every step (no gather per step); the last params also through
+        # DTensor's own gather.
+        worst = max(worst, local_block_diff(sharded, ref, specs, mesh, uneven=True))
+    worst = max(worst, max((a - b).abs().max().item()
+                           for a, b in zip(fs.tree.leaves(fs.gather(sharded)), fs.tree.leaves(ref))))
     contiguous &= all(t.to_local().is_contiguous() for t in fs.tree.leaves(sharded))
     return losses, worst, contiguous
 
@@ -144,7 +147,9 @@ def _with_and_without_delays(shapes, steps):
 @pytest.mark.parametrize("shapes", [((16, 15), (15, 8)), ((7, 15), (15, 3)), ((16, 17), (17, 8))])
 @pytest.mark.parametrize("n", [2, 4])
 def test_scenario1_uneven_mlp_shards(shapes, n):
-    for losses, worst, _ in run_on_ranks(_train_mlp, shapes, 10, False, False, False, world_size=n):
+    # 4 Adam steps (the seed runs 10): every step's loss and each rank's blocks are compared,
+    # and steps 1-3 read Adam's moments.
+    for losses, worst, _ in run_on_ranks(_train_mlp, shapes, 4, False, False, False, world_size=n):
         assert all(abs(a - b) < 1e-10 for a, b in losses) and worst < 1e-10
 
 
