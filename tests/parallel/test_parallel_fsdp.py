@@ -19,6 +19,9 @@ from fshard.models import TransformerConfig, block, embed, head, transformer_ini
 from fshard.testing import local_block_diff, run_on_ranks
 
 CFG = dict(vocab_size=33, dim=16, n_layers=3, n_heads=4, max_seq_len=8)
+# Adam steps per run (some ran 3): each step's loss and params are compared, the second
+# step's update reads the moments of the first.
+STEPS = 2
 
 
 def _setup(shape, mode, tie):
@@ -142,12 +145,30 @@ def _assert_parity(results, tol=1e-10):
 
 ORDERS = ["outside", "inside"]  # value_and_grad(shard_map(f)) and shard_map(value_and_grad(f))
 
+_RUNS: dict = {}
+
+
+def _run(shape, mode, raf, remat, tie, steps, check, offload=False, order="outside"):
+    """Every rank's ``_train_detailed`` results for these arguments, computed once per session:
+    several tests check different things about the same run (the offload test's baseline is
+    another test's run, the order and checked-mode comparisons reuse the parity runs).
+    ``r[:3]`` of each rank's result is ``_train``'s (losses, counts, worst)."""
+    key = (tuple(shape.items()), mode, raf, remat, tie, steps, check, offload, order)
+    if key not in _RUNS:
+        _RUNS[key] = run_on_ranks(_train_detailed, shape, mode, raf, remat, tie, steps, check, offload=offload,
+                                  order=order, world_size=math.prod(shape.values()))
+    return _RUNS[key]
+
+
+def _plain(results):
+    return [r[:3] for r in results]
+
 
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("raf", [True, False])
 def test_fsdp_transformer_loss_params_and_comm_counts(n, raf, order):
-    results = run_on_ranks(_train, {"fsdp": n}, "fsdp", raf, False, False, 3, True, order=order, world_size=n)
+    results = _plain(_run({"fsdp": n}, "fsdp", raf, False, False, STEPS, True, order=order))
     _assert_parity(results)
     g = CFG["n_layers"] + 1  # one group per block plus the root group
     for _, counts, _ in results:
@@ -161,12 +182,12 @@ def test_fsdp_transformer_loss_params_and_comm_counts(n, raf, order):
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("remat, tie", [(True, False), (False, True), (True, True)])
 def test_fsdp_remat_and_tied_weights(remat, tie, order):
-    _assert_parity(run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, remat, tie, 2, True, order=order, world_size=2))
+    _assert_parity(_plain(_run({"fsdp": 2}, "fsdp", True, remat, tie, STEPS, True, order=order)))
 
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_replicate_is_ddp(order):
-    results = run_on_ranks(_train, {"dp": 2}, "replicate", False, False, False, 3, True, order=order, world_size=2)
+    results = _plain(_run({"dp": 2}, "replicate", False, False, False, STEPS, True, order=order))
     _assert_parity(results)
     for _, counts, _ in results:
         for c in counts:
@@ -176,7 +197,7 @@ def test_replicate_is_ddp(order):
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_hsdp_2x2(order):
-    results = run_on_ranks(_train, {"dp": 2, "fsdp": 2}, "hsdp", True, False, False, 2, True, order=order, world_size=4)
+    results = _plain(_run({"dp": 2, "fsdp": 2}, "hsdp", True, False, False, STEPS, True, order=order))
     _assert_parity(results)
     for _, counts, _ in results:
         for c in counts:
@@ -188,8 +209,7 @@ def test_hsdp_2x2(order):
 def test_fsdp_2x2_reshard_to_inner_axis_regathers_over_it_only(raf, order):
     # Scenario 3 with RAF=2 on 2 "nodes" of 2: forward gathers over both axes, backward
     # regathers each block over ("fsdp_in",) only; the reduce-scatter stays over both.
-    results = run_on_ranks(_train_detailed, {"fsdp_out": 2, "fsdp_in": 2}, "fsdp2d", raf, False, False, 3, True,
-                           order=order, world_size=4)
+    results = _run({"fsdp_out": 2, "fsdp_in": 2}, "fsdp2d", raf, False, False, STEPS, True, order=order)
     _assert_parity([r[:3] for r in results])
     both, L = ("fsdp_out", "fsdp_in"), CFG["n_layers"]
     for _, counts, _, by_axis, _, calls in results:
@@ -211,12 +231,10 @@ def test_fsdp_2x2_reshard_to_inner_axis_regathers_over_it_only(raf, order):
 def test_offload_parity_and_everything_stays_on_the_host(shape, mode, raf, order):
     # Scenario 5 on CPU meshes: the compute device is the CPU, so the copies are no-ops,
     # but every gather goes through _to_compute and every gradient through the host path.
-    steps = 2
-    results = run_on_ranks(_train_detailed, shape, mode, raf, False, False, steps, True, offload=True,
-                           order=order, world_size=math.prod(shape.values()))
+    steps = STEPS
+    results = _run(shape, mode, raf, False, False, steps, True, offload=True, order=order)
     _assert_parity([r[:3] for r in results])
-    base = run_on_ranks(_train, shape, mode, raf, False, False, steps, True, order=order,
-                        world_size=math.prod(shape.values()))
+    base = _plain(_run(shape, mode, raf, False, False, steps, True, order=order))  # another test's run
     L = CFG["n_layers"]
     for (losses, counts, _, _, on_cpu, calls), (base_losses, base_counts, _) in zip(results, base):
         assert losses == base_losses and counts == base_counts  # bitwise the same as without offload
@@ -233,15 +251,15 @@ def test_offload_parity_and_everything_stays_on_the_host(shape, mode, raf, order
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_unchecked_mode_gives_identical_results(order):
-    a = run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, False, False, 2, True, order=order, world_size=2)
-    b = run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, False, False, 2, False, order=order, world_size=2)
+    a = _plain(_run({"fsdp": 2}, "fsdp", True, False, False, STEPS, True, order=order))
+    b = _plain(_run({"fsdp": 2}, "fsdp", True, False, False, STEPS, False, order=order))
     assert [x[0] for x in a] == [x[0] for x in b]
 
 
 def test_both_orders_give_bitwise_equal_losses_and_params():
     # Same collectives, same kernels, same order: the two compositions agree exactly.
-    a = run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, False, False, 2, True, order="outside", world_size=2)
-    b = run_on_ranks(_train, {"fsdp": 2}, "fsdp", True, False, False, 2, True, order="inside", world_size=2)
+    a = _plain(_run({"fsdp": 2}, "fsdp", True, False, False, STEPS, True, order="outside"))
+    b = _plain(_run({"fsdp": 2}, "fsdp", True, False, False, STEPS, True, order="inside"))
     assert [x[0] for x in a] == [x[0] for x in b] and [x[1] for x in a] == [x[1] for x in b]
 
 
