@@ -202,13 +202,15 @@ def _dp_pp_body(cases):
     mesh = fs.make_mesh({"dp": 2, "pp": 2})
     rank, dp = mesh.axis_index("pp"), mesh.axis_index("dp")
     params = _init()
+    x, y = _data(16)  # global batch; dp rank d takes rows 8d..8d+7
+    # The references, once for all cases: the global batch's and this dp rank's half's.
+    full_loss, full_grads = _reference(params, x, y)
+    half = slice(8 * dp, 8 * dp + 8)
+    _, full_half_grads = _reference(params, x[half], y[half])
     out = []
     for name, kw, mode in cases:
         sch = _make(name, 2, 4, kw)
-        x, y = _data(16)  # global batch; dp rank d takes rows 8d..8d+7
-        ref_loss, ref_grads = _reference(params, x, y)
-        half = slice(8 * dp, 8 * dp + 8)
-        _, half_grads = _reference(params, x[half], y[half])
+        ref_loss, ref_grads, half_grads = full_loss, full_grads, full_half_grads
         if mode in ("fsdp", "scan"):  # compare this rank's shard of every gradient
             shard = lambda t: t.chunk(2)[dp]  # noqa: E731
             ref_grads = fs.tree.tree_map(shard, ref_grads)
