@@ -2,7 +2,7 @@
 
 Every scenario of seed_tests.md section 5, by number (files under tests/; "here" is this file):
 
-  1  uneven dim-0 MLP shards, 10 Adam steps    here: test_scenario1_uneven_mlp_shards
+  1  uneven dim-0 MLP shards, 4 Adam steps     here: test_scenario1_uneven_mlp_shards
   2  shard the largest dim, contiguous shards  here: test_scenario2_shard_largest_dim_keeps_shards_contiguous
   3  Transformer, one group per block, counts  parallel/test_parallel_fsdp.py: test_fsdp_transformer_loss_params_and_comm_counts,
                                                test_fsdp_2x2_reshard_to_inner_axis_regathers_over_it_only
