@@ -16,7 +16,7 @@ import torch
 
 import fshard as fs
 from fshard import P
-from fshard.testing import run_on_ranks
+from fshard.testing import collective_calls, inductor_output_code, run_on_ranks
 
 F64 = torch.float64
 
@@ -747,13 +747,6 @@ def test_jit_hoists_the_input_slices_of_inputs_the_graph_does_not_mutate():
 
 
 # --- collective bucketing under Inductor (fshard/_jit_comm.py) ------------------------------
-_COLLECTIVE_CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\(")
-
-
-def _collective_calls(code):
-    return [m.group(1) for m in _COLLECTIVE_CALL.finditer(code) if m.group(1) != "wait_tensor"]
-
-
 def _bucket_pass_body(which):
     """fs.jit's bucketing pass applied to a captured step graph, which then runs uncompiled
     (backend=None: the merged collectives run for real, without Inductor): the collectives
@@ -781,12 +774,12 @@ def _bucket_pass_body(which):
         args = (params, state, tok, torch.roll(tok, -1, 1))
     plain, bucketed = fs.jit(step, backend=None), fs.jit(step, backend=None)  # two captures of one step
     gm = bucketed.graph(*args)
-    before = _collective_calls(gm.code)
+    before = collective_calls(gm.code)
     BucketCollectives(25)(gm.graph)
     stable_topological_sort(gm.graph)  # as Inductor's post-grad passes do after it
     gm.graph.lint()
     gm.recompile()
-    after = _collective_calls(gm.code)
+    after = collective_calls(gm.code)
     want, ref, got = step(*args), plain(*args), bucketed(*args)
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
     diff = lambda a, b: max((full(u) - full(v)).abs().max().item()  # noqa: E731
@@ -820,8 +813,6 @@ def _inductor_bucketing_body(options=None):
     """Three leaves gathered and three values reduce-scattered, back to back, under Inductor
     (the default collective passes, or ``options``): the compiled code's collectives on
     this rank."""
-    from torch._inductor.graph import GraphLowering
-
     n = torch.distributed.get_world_size()
     mesh = fs.make_mesh({"x": n})
 
@@ -834,18 +825,13 @@ def _inductor_bucketing_body(options=None):
     g = torch.Generator().manual_seed(7)
     p = {k: torch.randn(2 * n, d, generator=g, dtype=F64) for k, d in (("a", 3), ("b", 1), ("c", 5))}
     x = torch.randn(4 * n * n, 3, generator=g, dtype=F64)
-    codes = []
-    GraphLowering.save_output_code = codes.append  # Inductor's hook: the code each compile (or cache load) made
-    try:
-        with fs.comm_log() as elog:
-            want = f(p, x)
-        with fs.comm_log() as jlog:
-            got = fs.jit(f, options=options)(p, x)
-    finally:
-        GraphLowering.save_output_code = None
+    with fs.comm_log() as elog:
+        want = f(p, x)
+    with inductor_output_code() as codes, fs.comm_log() as jlog:  # the code each compile (or cache load) made
+        got = fs.jit(f, options=options)(p, x)
     err = max((a.full_tensor() - b.full_tensor()).abs().max().item()
               for a, b in zip(fs.tree.leaves(got), fs.tree.leaves(want)))
-    return (err, [c for code in codes for c in _collective_calls(code)], dict(elog.counts), dict(jlog.counts),
+    return (err, [c for code in codes for c in collective_calls(code)], dict(elog.counts), dict(jlog.counts),
             dict(elog.wire_by_axis), dict(jlog.wire_by_axis))
 
 
