@@ -293,6 +293,14 @@ def test_jit_refuses_an_argument_that_requires_grad():
         fs.jit(lambda p: p["w"] * 2)({"w": torch.ones(2, requires_grad=True)})
 
 
+# FSDP: 2 layers (a layer's gather prefetched during the one before, regathered in backward).
+# Replicate, under aot_eager (Dynamo and AOTAutograd compile on every rank: 2 layers cost
+# twice 1): 1 layer, which has what aot_eager adds, the in-place bucket all-reduces
+# functionalized, with the root's bucket reduced while the layer's is in flight; the 2-layer
+# replicate step's capture equals eager in test_jit_bucketing_merges_only_back_to_back_collectives_float64.
+LAYER_LOOP_LAYERS = {"fsdp": 2, "replicate": 1}
+
+
 def _layer_loop_body(mode, backend):
     """fs.parallel's FSDP / replicate layer loop (gather_params, scan_layers: flat-buffer
     gathers, regather in backward through saved-tensor hooks, async reductions), AdamW:
@@ -302,7 +310,7 @@ def _layer_loop_body(mode, backend):
 
     n = torch.distributed.get_world_size()
     mesh = fs.make_mesh({"d": n})
-    cfg = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
+    cfg = TransformerConfig(vocab_size=32, dim=16, n_layers=LAYER_LOOP_LAYERS[mode], n_heads=2, max_seq_len=8)
     step, sharded, state = transformer_train_step(mode, cfg, mesh, dtype=F64)
     tok = torch.randint(0, 32, (2 * n, 8), generator=torch.Generator().manual_seed(0))
     tgt = torch.roll(tok, -1, 1)
