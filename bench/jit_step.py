@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import statistics
 import time
 
@@ -35,10 +34,9 @@ import torch.distributed as dist
 import fshard as fs
 from fshard._jit_comm import without_collective_passes
 from fshard.models import TransformerConfig
-from fshard.testing import transformer_train_step
+from fshard.testing import collective_calls, inductor_output_code, transformer_train_step
 
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
-_COLLECTIVE = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\(")
 
 # --comm-passes: fs.jit sides by which of its collective passes (fshard/_jit_comm.py) run.
 _JIT_SIDE = {"on": "jit", "off": "jit, comm passes off", "bucket": "jit, bucketing only", "reorder": "jit, reordering only"}
@@ -64,16 +62,12 @@ def per_rank(mode, steps, backend, cfg=None, variants=("on",)):
     state = {"eager": (p0, s0), **{k: (p0, s0) for k in jsteps}}
     rows = slice(r * 8, (r + 1) * 8)
     first, calls = {}, {}
-    from torch._inductor.graph import GraphLowering
-
     for k, jstep in jsteps.items():
-        codes = []
-        GraphLowering.save_output_code = codes.append  # Inductor's hook: the code it compiled or loaded
-        t0 = time.perf_counter()
-        jstep(*state[k], tok, tgt)  # the step is functional: its result is dropped, the sides start equal
-        first[k] = time.perf_counter() - t0
-        GraphLowering.save_output_code = None
-        calls[k] = dict(collections.Counter(m for code in codes for m in _COLLECTIVE.findall(code) if m != "wait_tensor"))
+        with inductor_output_code() as codes:  # the code Inductor compiled or loaded
+            t0 = time.perf_counter()
+            jstep(*state[k], tok, tgt)  # the step is functional: its result is dropped, the sides start equal
+            first[k] = time.perf_counter() - t0
+        calls[k] = dict(collections.Counter(c for code in codes for c in collective_calls(code)))
     # torch's compiled step is not: its first call is the first of its steps (a warm-up step).
     t0 = time.perf_counter()
     native_compiled(tok[rows], tgt[rows])

@@ -25,10 +25,12 @@ Test bodies are module-level functions (they are sent to the ranks by reference)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import multiprocessing
 import os
-from typing import Any, Callable
+import re
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -36,7 +38,7 @@ from fshard._ports import free_port  # noqa: F401 - re-exported: tests and tools
 from fshard.mesh.local import WorkerPool
 
 __all__ = ["run_on_ranks", "shutdown_pools", "assert_close", "local_block_diff", "free_port", "MESH_SHAPES",
-           "transformer_train_step"]
+           "transformer_train_step", "collective_calls", "inductor_output_code"]
 
 # What the test pools' forkserver imports once for every rank it forks (see _pool).
 FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "fshard", "fshard.mesh.local")
@@ -192,3 +194,34 @@ def transformer_train_step(mode: str, cfg: Any, mesh: Any, *, axis: str = "d", d
 
     sharded = fs.shard(params, specs, mesh, uneven=True)
     return step, sharded, opt.init(sharded)
+
+
+# A call of a functional collective in a captured graph's code or in Inductor's output code.
+_COLLECTIVE_CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\(")
+
+
+def collective_calls(code: str) -> list[str]:
+    """The functional collectives (``all_gather_into_tensor``, ``all_reduce``, ...) that
+    ``code`` (a captured graph's ``gm.code`` or Inductor's output code) calls, in order,
+    their ``wait_tensor`` calls left out."""
+    return [m.group(1) for m in _COLLECTIVE_CALL.finditer(code) if m.group(1) != "wait_tensor"]
+
+
+@contextlib.contextmanager
+def inductor_output_code() -> Iterator[list[str]]:
+    """Collects, while the block runs, the Python code of every graph Inductor compiles or
+    loads from its cache (through its ``GraphLowering.save_output_code`` hook; the hook's
+    previous value is restored after).
+
+    Yields:
+      The list the codes are appended to, one string per compiled graph.
+    """
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    old = GraphLowering.save_output_code
+    GraphLowering.save_output_code = codes.append
+    try:
+        yield codes
+    finally:
+        GraphLowering.save_output_code = old
