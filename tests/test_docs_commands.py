@@ -236,8 +236,9 @@ def machine_file(tmp_path_factory) -> Path:
     never $HOME's. docs/plan.md: without ``--machine``, train_lm.py reads this host's machine
     file, "else a quick calibration that is saved there for the next run": the first
     command that plans (``--mesh auto``, in the documents' order) calibrates and saves it,
-    the next (``--log-json``'s prediction) reads it (a 4-rank calibration costs 10-15 s of
-    wall on 2 cores; tests/plan/test_plan_measure.py checks what it measures)."""
+    the next (``--log-json``'s prediction) reads it (a 4-rank calibration costs 2-7 s of
+    CPU and 3-14 s of wall on 2 cores; tests/plan/test_plan_measure.py checks what it
+    measures)."""
     return tmp_path_factory.mktemp("planner") / MACHINE_FILE
 
 
