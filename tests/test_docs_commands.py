@@ -19,26 +19,24 @@ same flags and defaults); the command itself, and the multi-node one, run under 
 A command that is another documented command plus flags that only add output
 (:data:`OUTPUT_ONLY_FLAGS`) runs once for both: its launch runs the shorter command's
 argv word for word, then those flags (a torchrun launch costs 15-35 s of CI). The commands
-that run as subprocesses run two at a time (each test's own and the next one's, see
-:class:`_Launcher`), each with ``FSHARD_MACHINE`` in its own directory: the planner's
-machine file is calibrated there, never read from or written to $HOME.
+that run as subprocesses run one at a time (:func:`_procs.run_together`), each in a
+directory of its own, with ``FSHARD_MACHINE`` in one directory for the module
+(:func:`machine_file`): the planner's machine file is calibrated there by the first
+command that plans and read by the next, never read from or written to $HOME.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
+from _procs import run_together
 from fshard.testing import free_port, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,90 +230,38 @@ LAUNCH_TIMEOUT_S = 240
 MACHINE_FILE = "machine.json"
 
 
-class _Launcher:
-    """Runs the selected tests' commands as subprocesses, each test's own and, ahead of it,
-    the next one's: two at a time. A launch spends much of its time on one core (torchrun's
-    start-up, a one-process command) or waiting (rendezvous, exit), so the next one's
-    start-up fills the other core. Each command runs once, in a directory of its own, with
-    the same argv, environment and timeout as when it ran alone; its test asserts on its
-    result. Under pytest-xdist (two tests at a time already) there is no look-ahead."""
-
-    def __init__(self, order: list[tuple[str, str, str]], workdir: Path) -> None:
-        self.order, self.workdir = order, workdir
-        self.pool = cf.ThreadPoolExecutor(2, thread_name_prefix="docs-launch")
-        self.started: dict[tuple[str, str, str], cf.Future] = {}
-        self.procs: list[subprocess.Popen] = []
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def _start(self, key: tuple[str, str, str]) -> cf.Future:
-        if key not in self.started:
-            cwd = self.workdir / f"launch{len(self.started)}"
-            cwd.mkdir()
-            self.started[key] = self.pool.submit(self._run, key[2], cwd)
-        return self.started[key]
-
-    def _run(self, step: str, cwd: Path) -> tuple[list[str], Path, subprocess.CompletedProcess]:
-        argv = _argv(step)  # a free port drawn just before the launch that binds it
-        # The planner's machine file (--mesh auto, --log-json's prediction) in the launch's
-        # directory, not in $HOME: each run calibrates (a second of CPU) and saves it there.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "OMP_NUM_THREADS": "1", "FSHARD_MACHINE": str(cwd / MACHINE_FILE)}
-        with self.lock:  # not after close(): it kills what was started
-            if self.closed:
-                raise RuntimeError("the launcher was closed before this command started")
-            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    start_new_session=True)
-            self.procs.append(proc)
-        try:
-            out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            out, err = proc.communicate()
-            err += f"\n(killed: still running after {LAUNCH_TIMEOUT_S} s)"
-        return argv, cwd, subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-    def result(self, key: tuple[str, str, str]) -> tuple[list[str], Path, subprocess.CompletedProcess]:
-        future = self._start(key)
-        if key in self.order:
-            ahead = self.order[self.order.index(key) + 1:self.order.index(key) + 2]
-            for nxt in ahead:
-                self._start(nxt)
-        return future.result()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        with self.lock:
-            self.closed = True
-            for proc in self.procs:
-                if proc.poll() is None:  # a look-ahead launch whose test did not run (-x, Ctrl-C)
-                    _kill_group(proc)
-        self.pool.shutdown(wait=True)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
-    except ProcessLookupError:
-        pass
-
-
 @pytest.fixture(scope="module")
-def launcher(request, tmp_path_factory):
-    order = []
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # this process runs every selected test, in this order
-        order = [(p["doc"], p["kind"], p["step"]) for item in request.session.items
-                 if item.path == request.path and getattr(item, "originalname", None) == "test_command_runs"
-                 for p in [item.callspec.params] if p["kind"] != "variant"]
-    launcher = _Launcher(order, tmp_path_factory.mktemp("launches"))
-    yield launcher
-    launcher.close()
+def machine_file(tmp_path_factory) -> Path:
+    """The planner's machine file (``FSHARD_MACHINE``) of every command this module runs,
+    never $HOME's. docs/plan.md: without ``--machine``, train_lm.py reads this host's machine
+    file, "else a quick calibration that is saved there for the next run": the first
+    command that plans (``--mesh auto``, in the documents' order) calibrates and saves it,
+    the next (``--log-json``'s prediction) reads it (a 4-rank calibration costs 2-7 s of
+    CPU and 3-14 s of wall on 2 cores; tests/plan/test_plan_measure.py checks what it
+    measures)."""
+    return tmp_path_factory.mktemp("planner") / MACHINE_FILE
+
+
+def _plans(argv: list[str]) -> bool:
+    """Whether train_lm.py consults the planner's machine (``--mesh auto``, ``--log-json``)."""
+    if not any(a.endswith("train_lm.py") for a in argv):
+        return False
+    return "--log-json" in argv or ("--mesh" in argv and argv[argv.index("--mesh") + 1] == "auto")
+
+
+def _state(path: Path) -> tuple[bytes, int, int] | None:
+    """The file's bytes and identity (a save replaces it: a new inode and mtime), or None."""
+    try:
+        st = path.stat()
+        return path.read_bytes(), st.st_ino, st.st_mtime_ns
+    except FileNotFoundError:
+        return None
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("doc, kind, step, also", LAUNCHES,
                          ids=[f"{d}: {s}" + "".join(f" (also {d2}: {s2})" for d2, s2 in a) for d, _, s, a in LAUNCHES])
-def test_command_runs(doc, kind, step, also, launcher):
+def test_command_runs(doc, kind, step, also, tmp_path, machine_file):
     if kind == "variant":  # torchrun --nproc-per-node 4 examples/train_lm.py ARGS: ARGS on the 4-rank pool
         argv = _argv(step)
         n = int(argv[argv.index("--nproc-per-node") + 1])
@@ -323,12 +269,20 @@ def test_command_runs(doc, kind, step, also, launcher):
         records = run_on_ranks(_train, argv[script + 1:], world_size=n, timeout_s=240)
         assert [r["step"] for r in records[0]] == [1, 2]
         return
-    argv, cwd, run = launcher.result((doc, kind, step))
+    argv = _argv(step)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1", "FSHARD_MACHINE": str(machine_file)}
+    before = _state(machine_file)
+    (run,) = run_together([argv], cwd=tmp_path, env=env, timeout_s=LAUNCH_TIMEOUT_S)
     assert run.returncode == 0, f"{doc}: {step}\n$ {shlex.join(argv)}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
     if "train_lm.py" in step:
         assert "loss" in run.stdout and "over steps 1-2" in run.stdout, run.stdout[-2000:]
-    if "--mesh auto" in step:  # no machine file yet: a quick calibration, "saved there for the next run"
-        assert json.loads((cwd / MACHINE_FILE).read_text())["flops"], run.stdout[-2000:]
+    if before is None and _plans(argv):  # no machine file yet: a quick calibration, saved for the next run
+        assert json.loads(machine_file.read_text())["flops"], run.stdout[-2000:]
+    else:  # read (a command that plans after the first), or not used at all: not measured or written again
+        assert _state(machine_file) == before, f"{step}: the machine file was written again"
     if "--log-json" in argv:  # what the flag adds: the records of both steps
-        log = json.loads((cwd / argv[argv.index("--log-json") + 1]).read_text())
+        log = json.loads((tmp_path / argv[argv.index("--log-json") + 1]).read_text())
         assert [r["step"] for r in log] == [1, 2], log
+    if "exit_loop.py" in step:  # the loop's own verdict, besides its exit status
+        assert re.search(r"\): 0 with an abort at exit \(0 ranks\), 0 failed", run.stdout), run.stdout[-2000:]
