@@ -25,6 +25,17 @@ def pytest_configure(config):
         config.pluginmanager.register(CpuProfile(path), "fshard-cpu-profile")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_pool_groups():
+    """After each module, the pool ranks destroy the process groups of the meshes its tests
+    made (fshard.testing.release_pool_groups): kept, their gloo threads wake every 10 ms
+    for the rest of the suite."""
+    yield
+    from fshard.testing import release_pool_groups
+
+    release_pool_groups()
+
+
 def pytest_sessionfinish(session, exitstatus):
     from fshard.testing import shutdown_pools
 

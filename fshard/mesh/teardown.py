@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["shutdown", "install_at_exit", "at_exit_enabled"]
+__all__ = ["shutdown", "install_at_exit", "at_exit_enabled", "release_groups"]
 
 # owned: fshard started the default group (fs.init or the one-rank group), so the hook
 # may destroy it; failed: an uncaught exception reached sys.excepthook.
@@ -85,6 +85,41 @@ def _complete_in_flight() -> None:
     if errors:
         raise RuntimeError(f"fs.shutdown(): {len(errors)} collective(s) in flight failed; "
                            f"the first: {errors[0]}") from errors[0]
+
+
+def release_groups() -> None:
+    """Destroys the process groups fshard made (meshes' sub-groups, the checkpoint groups),
+    keeping the default group, and forgets every mesh.
+
+    Why: each gloo group runs a transport thread that wakes every 10 ms for as long as the
+    group lives, idle or not. A long-lived process that has made many meshes (a test
+    suite's worker ranks, a notebook) pays for all of them: measured on 4 ranks, 10
+    two-axis meshes (30 groups per rank) kept 0.08-0.12 of a core busy doing nothing,
+    0.002-0.012 after this. The next ``make_mesh`` builds its groups again (milliseconds).
+
+    Collective: every rank calls it, with no collective of those groups in flight on any
+    rank (it completes fshard's own first). Meshes made before it cannot be used after it.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    from fshard.mesh import mesh as _mesh
+
+    _complete_in_flight()
+    groups: dict[int, Any] = {}
+    for m in _mesh._MESH_CACHE.values():
+        for a in m.axis_names:
+            g = m.device_mesh.get_group(a)
+            groups[id(g)] = g
+        groups.update((id(g), g) for g in m._groups.values())
+    ckpt = sys.modules.get("fshard.checkpoint._common")
+    if ckpt is not None:
+        groups.update((id(g), g) for g in ckpt._GROUPS.values() if g is not None)
+    world = dist.GroupMember.WORLD
+    for g in groups.values():
+        if g is not world and g is not None:
+            dist.destroy_process_group(g)
+    _forget_groups()
+    gc.collect()  # the groups' last references: their destructors join the gloo threads
 
 
 def _forget_groups() -> None:
