@@ -231,18 +231,28 @@ def _tree_events(roots):
 
 def peak_memory(side: str, mode: str, batch: int, bucket_mb: float = 25.0, backend: str = "inductor",
                 cfg: dict | None = None) -> tuple[int, int]:
-    """``(live bytes at the start of the third step, peak live bytes during it)`` of one side.
+    """``(live bytes at the start of the third step, peak live bytes during it)`` of one side
+    (:func:`step_peak_memory` of :func:`_make_step`'s step)."""
+    def make():
+        c = TransformerConfig(**(cfg or CFG))
+        return _make_step(side, mode, c, bucket_mb, backend), _batches(c, batch)[side]
+
+    return step_peak_memory(make)
+
+
+def step_peak_memory(make: Callable[[], tuple[Callable[..., Any], tuple]]) -> tuple[int, int]:
+    """``(live bytes at the start of the third step, peak live bytes during it)`` of the step
+    that ``make()`` returns with its arguments (collective: every rank calls it).
 
     Live bytes: the profiler's running total of CPU tensor storage allocated since it
-    started (before the model was built) and not yet freed.
+    started (before ``make`` built the model) and not yet freed.
     """
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.set_num_threads(1)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        cfg = TransformerConfig(**(cfg or CFG))
-        step, args = _make_step(side, mode, cfg, bucket_mb, backend), _batches(cfg, batch)[side]
+        step, args = make()
         for i in range(3):
             dist.barrier()
             with record_function(f"bench_step_{i}"):

@@ -14,6 +14,8 @@ and with ``--compiled`` (compiled against compiled; ``--backend``, default induc
                   eager foreach AdamW
   fshard jit      the pure step (value_and_grad, adamw, apply_updates) under ``fs.jit``:
                   forward, gradient and optimizer in one graph (no donate(): it is pure)
+  fshard jit donated  the same with ``fs.jit(donate_argnums=(0, 1))``: the new params and
+                  optimizer state are computed into the old ones' buffers
 
 The variants run interleaved, one step each per round, so machine noise hits them
 alike; each reports the median of ``--steps`` rounds after ``--warmup``, in wall time and
@@ -80,7 +82,8 @@ def torch_step_fn(cfg: TransformerConfig = CFG, compiled: bool = False, backend:
 def fshard_step_fn(donated: bool, cfg: TransformerConfig = CFG,
                    jit_backend: str | None = None) -> Callable[[torch.Tensor, torch.Tensor], float]:
     """A pure step, ``(params, state) -> (params, state)``, the state kept in a closure cell;
-    ``jit_backend``: that step under ``fs.jit`` with this backend."""
+    ``jit_backend``: that step under ``fs.jit`` with this backend (``donated``: with
+    ``donate_argnums=(0, 1)``, not ``fs.optim.donate()``)."""
     params = transformer_init(cfg, seed=0)
     opt = fs.optim.adamw(**HP)
     carry = {"params": params, "opt": opt.init(params)}
@@ -92,13 +95,13 @@ def fshard_step_fn(donated: bool, cfg: TransformerConfig = CFG,
         return loss, fs.optim.apply_updates(p, updates), s
 
     if jit_backend is not None:
-        pure = fs.jit(pure, backend=jit_backend)
+        pure = fs.jit(pure, backend=jit_backend, donate_argnums=(0, 1) if donated else ())
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> float:
         loss, carry["params"], carry["opt"] = pure(carry["params"], carry["opt"], tokens, targets)
         return loss.item()
 
-    if not donated:
+    if not donated or jit_backend is not None:
         return step
 
     def donated_step(tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -117,7 +120,8 @@ def run(steps: int, warmup: int, compiled: bool = False, backend: str = "inducto
                 "fshard donated": fshard_step_fn(True, cfg)}
     if compiled:
         variants.update({"torch compiled": torch_step_fn(cfg, True, backend),
-                         "fshard jit": fshard_step_fn(False, cfg, backend)})
+                         "fshard jit": fshard_step_fn(False, cfg, backend),
+                         "fshard jit donated": fshard_step_fn(True, cfg, backend)})
     wall: dict[str, list[float]] = {k: [] for k in variants}
     cpu: dict[str, list[float]] = {k: [] for k in variants}
     first: dict[str, float] = {}
@@ -128,7 +132,7 @@ def run(steps: int, warmup: int, compiled: bool = False, backend: str = "inducto
             t0, c0 = time.perf_counter(), time.thread_time()
             losses[name] = step(tokens, targets)
             dt, dc = time.perf_counter() - t0, time.thread_time() - c0
-            if i == 0 and name in ("torch compiled", "fshard jit"):
+            if i == 0 and name in ("torch compiled", "fshard jit", "fshard jit donated"):
                 first[name] = dt
             if i >= warmup:
                 wall[name].append(dt)
@@ -178,13 +182,15 @@ def main() -> None:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         print(f" {label} time:")
         for k, v in med.items():
-            print(f"  {k:<15} {v:8.2f} ms/step   (min {min(times[k]) * 1e3:.2f}, max {max(times[k]) * 1e3:.2f})")
+            print(f"  {k:<18} {v:8.2f} ms/step   (min {min(times[k]) * 1e3:.2f}, max {max(times[k]) * 1e3:.2f})")
         print(f"  ratio fshard/torch: pure {med['fshard'] / med['torch']:.3f}, "
               f"donated {med['fshard donated'] / med['torch']:.3f}")
         if args.compiled:
             print(f"  ratio fs.jit/torch compiled {med['fshard jit'] / med['torch compiled']:.3f}, "
                   f"fs.jit/torch {med['fshard jit'] / med['torch']:.3f}, "
-                  f"fs.jit/torch fused {med['fshard jit'] / med['torch fused']:.3f}")
+                  f"fs.jit/torch fused {med['fshard jit'] / med['torch fused']:.3f}; donated: "
+                  f"fs.jit/torch fused {med['fshard jit donated'] / med['torch fused']:.3f}, "
+                  f"fs.jit/torch compiled {med['fshard jit donated'] / med['torch compiled']:.3f}")
     if args.compiled:
         print(f" first step (trace + compile, {args.backend}): "
               + ", ".join(f"{k} {v:.1f} s" for k, v in first.items()))

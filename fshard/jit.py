@@ -35,6 +35,11 @@ eager's collectives (the logical ones, before merging). ``options`` replaces the
 entries: ``{"post_grad_custom_post_pass": None}`` turns merging off
 (``fshard._jit_comm.without_collective_passes()``).
 
+Memory: Inductor's reordering for locality is off (``_MEMORY``; ``options`` may turn it
+on): over a whole step it moved kernels across forward, backward and the optimizer and kept
+buffers alive longer (``bench/jit_memory.py``). ``donate_argnums`` computes results into the
+donated arguments' buffers, JAX's buffer donation (see :func:`jit`).
+
 Consequences (JAX's rules):
 
 - Python side effects and values read from tensors happen once, at trace time. Reading a
@@ -127,7 +132,8 @@ class _Entry:
 
 
 def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None = "inductor",
-        on_capture_error: str = "raise", options: dict | None = None) -> Any:
+        on_capture_error: str = "raise", options: dict | None = None,
+        donate_argnums: int | tuple[int, ...] = ()) -> Any:
     """Compiles ``f`` (a function of pytrees of tensors / DTensors) into one graph per signature.
 
     Args:
@@ -147,26 +153,44 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
         ``"inductor"`` it is applied over fshard's collective passes
         (``fshard._jit_comm.collective_passes()``: merging back-to-back collectives), whose
         entries it may replace.
+      donate_argnums: positional arguments whose tensors the call may overwrite with its
+        results, JAX's buffer donation: each result leaf takes the first unused donated
+        leaf of the same layout (shape, stride, dtype, device; for a DTensor also mesh,
+        placements and local shape), in flattening order, and is computed into it (a
+        ``copy_`` at the end of the graph, which Inductor fuses into the kernel that
+        computes the result: the step allocates no new params or optimizer state). The
+        result *is* that argument's tensor (the same object), so the donated arguments
+        must not be used after the call, as in JAX (where they are deleted) and
+        ``fs.optim.donate()``. A donated leaf that no result can take is left unchanged,
+        with a warning naming it (JAX: "Some donated buffers were not usable").
 
     Returns:
       A :class:`Jitted` with ``f``'s signature and results (DTensors laid out as eager).
 
     Raises:
-      ValueError: an unknown ``on_capture_error``.
+      ValueError: an unknown ``on_capture_error``; a ``donate_argnums`` entry that is not a
+        non-negative int (at the call: one past the positional arguments).
     """
     if on_capture_error not in ("raise", "eager"):
         raise ValueError(f"fs.jit: on_capture_error={on_capture_error!r}; use 'raise' or 'eager'.")
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in donate):
+        raise ValueError(f"fs.jit: donate_argnums={donate_argnums!r}; use non-negative ints, the positions of "
+                         f"the arguments whose tensors the call may overwrite.")
     if f is None:
-        return functools.partial(jit, backend=backend, on_capture_error=on_capture_error, options=options)
-    return Jitted(f, backend, on_capture_error, options)
+        return functools.partial(jit, backend=backend, on_capture_error=on_capture_error, options=options,
+                                 donate_argnums=donate)
+    return Jitted(f, backend, on_capture_error, options, donate)
 
 
 class Jitted:
     """A jitted function: ``__call__`` as ``f``; ``cache_size``, ``graph(*args)`` to inspect."""
 
-    def __init__(self, f: Callable[..., Any], backend, on_capture_error: str, options: dict | None) -> None:
+    def __init__(self, f: Callable[..., Any], backend, on_capture_error: str, options: dict | None,
+                 donate_argnums: tuple[int, ...] = ()) -> None:
         functools.update_wrapper(self, f)
         self._f, self._backend, self._on_error, self._options = f, backend, on_capture_error, options
+        self._donate = tuple(sorted(set(donate_argnums)))
         self._cache: dict[tuple, _Entry] = {}
 
     @property
@@ -204,6 +228,9 @@ class Jitted:
         for kind, meta in entry.out_leaves:
             if kind == "const":
                 flat.append(meta)
+                continue
+            if kind == "donated":  # computed into this argument's tensor: the result is that tensor
+                flat.append(leaves[meta])
                 continue
             t = out[k]
             k += 1
@@ -251,17 +278,37 @@ class Jitted:
             if self._cache and os.environ.get("FSHARD_LOG_RECOMPILES"):
                 log.warning("fs.jit(%s) recompiles: %s", self.__name__,
                             _why(key, _paths(*call_args), list(self._cache)))
-            entry = self._cache[key] = self._capture(leaves, treedef)
+            entry = self._cache[key] = self._capture(leaves, treedef, self._donated_leaves(*call_args))
         return entry
 
+    def _donated_leaves(self, args: tuple, kwargs: dict) -> dict[int, str]:
+        """Leaf index (in the flattened ``(args, kwargs)``) -> path, of the donated tensors."""
+        if not self._donate:
+            return {}
+        if self._donate[-1] >= len(args):
+            raise ValueError(f"fs.jit({self.__name__}): donate_argnums={self._donate} but the call has "
+                             f"{len(args)} positional argument(s); donation names positional arguments.")
+        paths = _paths(args, kwargs)
+        first = 0
+        out = {}
+        for i, a in enumerate(args):
+            n = len(tree_util.leaves(a))
+            if i in self._donate:
+                out.update((j, paths[j]) for j in range(first, first + n))
+            first += n
+        return out
+
     # --- capture ---------------------------------------------------------------------------
-    def _capture(self, leaves: list, treedef) -> _Entry:
+    def _capture(self, leaves: list, treedef, donated: dict[int, str] | None = None) -> _Entry:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         rebuild = [(x.device_mesh, x.placements, x.shape, x.stride()) if isinstance(x, DTensor) else None
                    for x in tensors]
         found: dict[str, Any] = {}
+        # Donated tensor leaves, in order: (leaf index, layout) for matching results to them.
+        donors = [(i, _tensor_sig(x)) for i, x in enumerate(leaves)
+                  if i in (donated or {}) and isinstance(x, torch.Tensor)]
 
         def traced(*locals_):
             it = iter(zip(locals_, rebuild))
@@ -280,7 +327,21 @@ class Jitted:
             found["timeline"] = tuple(tlog.timeline)
             out_flat, found["tree"] = tree_util.tree_flatten(out)
             kinds, tensors_out = [], []
+            by_leaf = dict(zip([i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)], locals_))
+            inputs = {id(t) for t in locals_}
+            # A donated argument that is also returned (as it is or as a view) keeps its value:
+            # the result shares its buffer already.
+            returned = {id(b) for o in out_flat if isinstance(o, torch.Tensor)
+                        for b in [_base_input(o, inputs)] if b is not None}
+            free = [(j, sig) for j, sig in donors if id(by_leaf[j]) not in returned]
             for o in out_flat:
+                j = _take_donor(o, free, inputs) if free else None
+                if j is not None:
+                    # The result is computed into the donated argument's tensor; Inductor fuses
+                    # the copy into the kernel that computes it.
+                    by_leaf[j].copy_(o.to_local() if isinstance(o, DTensor) else o)
+                    kinds.append(("donated", j))
+                    continue
                 if isinstance(o, DTensor):
                     kinds.append(("dtensor", o._spec))
                     tensors_out.append(o.to_local())
@@ -290,6 +351,7 @@ class Jitted:
                 else:
                     kinds.append(("const", o))
             found["kinds"] = tuple(kinds)
+            found["unused"] = [j for j, _ in free]
             return tensors_out
 
         # The trace's collectives are not this call's (they are replayed per call), and no
@@ -304,6 +366,11 @@ class Jitted:
         finally:
             comm._LOGS.reset(outer)
         _functional_collectives(gm)
+        if found.get("unused"):
+            warnings.warn(f"fs.jit({self.__name__}): donated tensors no result could take (no result of the "
+                          f"same shape, stride, dtype and layout left): "
+                          f"{', '.join(donated[j] for j in found['unused'])}. They are left unchanged.",
+                          UserWarning, stacklevel=4)
         log.info("fs.jit(%s): traced %d graph nodes in %.1f s", self.__name__, len(gm.graph.nodes),
                  time.perf_counter() - t0)
         if self._backend not in _ORDER_KEEPING_BACKENDS and _has_p2p(gm):
@@ -368,10 +435,17 @@ def _inductor_compile(gm, args: tuple, options: dict | None):
     from fshard._jit_comm import collective_passes
 
     # Inductor config, for this compilation only; the caller's options win.
-    patches = {**collective_passes(), **(options or {})}
+    patches = {**_MEMORY, **collective_passes(), **(options or {})}
     with _once_per_host(_graph_key(gm, args, patches)):
         return standalone_compile(gm, list(args), dynamic_shapes="from_example_inputs",
                                   options={"config_patches": patches})
+
+
+# A whole training step is one graph: Inductor's reordering for locality moves kernels next
+# to their consumers across forward, backward and the optimizer, and that kept buffers alive
+# longer (bench/jit_memory.py, 2 ranks: peak live memory of the FSDP step 124-137 -> 110 MiB,
+# replicate 129 -> 119, eager fshard 104-106 and 112) for about 1 % more CPU time per step.
+_MEMORY = {"reorder_for_locality": False}
 
 
 def _graph_key(gm, args: tuple, patches: dict) -> str:
@@ -540,6 +614,31 @@ _P2P_OPS = frozenset({"fshard.p2p_batch.default", "_c10d_functional.batch_p2p_op
 
 def _has_p2p(gm) -> bool:
     return any(n.op == "call_function" and str(n.target) in _P2P_OPS for n in gm.graph.nodes)
+
+
+def _take_donor(o: Any, free: list, inputs: set[int]) -> int | None:
+    """The leaf index of the first donated tensor in ``free`` with ``o``'s layout, removed
+    from ``free``; ``None`` if there is none or ``o`` is not a fresh result. An argument
+    returned as it is (or a view of one) is not computed into another (``free`` holds no
+    returned argument either): copying argument into argument at the end of the graph
+    would make the order of the copies matter."""
+    if not isinstance(o, torch.Tensor) or _base_input(o, inputs) is not None:
+        return None
+    sig = _tensor_sig(o)
+    for k, (j, s) in enumerate(free):
+        if s == sig:
+            del free[k]
+            return j
+    return None
+
+
+def _base_input(o: torch.Tensor, inputs: set[int]) -> torch.Tensor | None:
+    """The graph input that ``o`` (a traced result) is, or is a view of; else ``None``."""
+    loc = o._local_tensor if isinstance(o, DTensor) else o
+    for t in (loc, loc._base):
+        if t is not None and id(t) in inputs:
+            return t
+    return None
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

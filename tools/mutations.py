@@ -170,6 +170,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_comm.py::test_permute_values_zeros_and_log_on_4_ranks",
          "tests/test_jit.py::test_jit_ppermute_values_grads_and_comm_log_equal_eager_float64"),
         "ppermute's all-to-all sends to the source and receives from the destination (a ring runs backwards)"),
+    Mutation(
+        "jit_donation_copy_dropped", "fshard/jit.py",
+        "by_leaf[j].copy_(o.to_local() if isinstance(o, DTensor) else o)", "pass",
+        ("tests/test_jit_donate.py::test_donated_results_equal_undonated_and_are_the_arguments",),
+        "fs.jit(donate_argnums=...) returns the donated arguments without computing the results into them"),
     # --- pipelines (fshard/sched) -----------------------------------------------------------
     Mutation(
         "pipeline_dp_all_reduce_dropped", "fshard/sched/step.py",

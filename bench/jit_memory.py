@@ -1,0 +1,80 @@
+"""Peak memory per rank of fshard's data-parallel step: eager against ``fs.jit`` variants.
+
+    PYTHONPATH=. python bench/jit_memory.py [--mode fsdp|replicate] [--sides eager,jit,...]
+
+The model and step of ``bench/jit_step.py`` (Transformer vocab 512, dim 256, 4 layers, seq
+128, fp32, AdamW, 2 gloo ranks x batch 8). Each side runs 3 steps in its own processes
+under ``torch.profiler(profile_memory=True)`` (``bench/data_parallel.py``'s
+``step_peak_memory``): live CPU tensor bytes at the start of the third step and the peak
+during it. Sides:
+
+  eager           ``bench/data_parallel.py``'s eager fshard step (``fs.optim.donate()``)
+  eager pure      the pure step that fs.jit compiles, run eagerly (no donation)
+  jit             ``fs.jit`` (Inductor, fshard's settings)
+  jit donated     ``fs.jit(donate_argnums=(0, 1))``
+  jit locality    ``fs.jit`` with Inductor's ``reorder_for_locality`` back on (its default)
+  jit aot_eager   ``fs.jit(backend="aot_eager")``: the captured graph in program order
+
+Issue 17's target: the jit's peak not higher than eager fshard's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+import fshard as fs
+from fshard.models import TransformerConfig
+from fshard.testing import transformer_train_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data_parallel import CFG, _batches, _fshard_step, step_peak_memory  # noqa: E402
+
+_JIT = {"jit": {}, "jit donated": dict(donate_argnums=(0, 1)),
+        "jit locality": dict(options={"reorder_for_locality": True}), "jit aot_eager": dict(backend="aot_eager")}
+SIDES = ("eager", "eager pure", *_JIT)
+
+
+def _make(side: str, mode: str):
+    cfg = TransformerConfig(**CFG)
+    mesh = fs.make_mesh({"d": dist.get_world_size()})
+    args = _batches(cfg, 8)["fshard"]
+    if side == "eager":
+        return _fshard_step(mode, cfg, mesh), args
+    step, params, state = transformer_train_step(mode, cfg, mesh, axis="d")
+    f = step if side == "eager pure" else fs.jit(step, **_JIT[side])
+    box = [params, state]
+
+    def call(tok, tgt):
+        loss, box[0], box[1] = f(box[0], box[1], tok, tgt)
+        return loss
+
+    return call, args
+
+
+def _peak(side: str, mode: str) -> tuple[int, int]:
+    return step_peak_memory(lambda: _make(side, mode))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", default="fsdp", choices=["fsdp", "replicate"])
+    ap.add_argument("--sides", default="eager,jit,jit donated", help=f"comma-separated, of: {', '.join(SIDES)}")
+    ap.add_argument("--world-size", type=int, default=2)
+    args = ap.parse_args()
+    sides = args.sides.split(",")
+    bad = [s for s in sides if s not in SIDES]
+    if bad:
+        ap.error(f"--sides: unknown {bad}; use {', '.join(SIDES)}")
+    print(f"{args.mode}: {args.world_size} gloo ranks; live CPU tensor MiB per rank, start of step 3 -> peak during it")
+    for side in sides:
+        per_rank = fs.run_local(_peak, side, args.mode, world_size=args.world_size, timeout_s=3000)
+        cells = "  ".join(f"rank {r}: {s / 2**20:.1f} -> {p / 2**20:.1f}" for r, (s, p) in enumerate(per_rank))
+        print(f"  {side:<16} {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

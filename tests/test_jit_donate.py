@@ -1,0 +1,130 @@
+"""fs.jit(donate_argnums=...): results computed into the donated arguments' tensors (JAX's
+buffer donation), equal to the undonated call, on one process and on FSDP-sharded ranks."""
+
+import warnings
+
+import pytest
+import torch
+
+import fshard as fs
+from fshard import P
+from fshard.testing import run_on_ranks
+
+F64 = torch.float64
+TIMEOUT = pytest.mark.timeout(240)
+
+
+def _sgd_step(p, m, x):
+    """A pure step of the usual form: new params and state of the old ones' layouts."""
+    g = {k: 2 * v * x.mean() for k, v in p.items()}
+    m = {k: 0.9 * m[k] + g[k] for k in m}
+    return (p["w"] * x).sum(), {k: p[k] - 0.1 * m[k] for k in p}, m
+
+
+def _tree(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4, 3, generator=g, dtype=F64), "b": torch.randn(3, generator=g, dtype=F64)}
+
+
+@TIMEOUT
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
+def test_donated_results_equal_undonated_and_are_the_arguments(backend):
+    p0, m0, x = _tree(0), _tree(1), torch.randn(4, 3, dtype=F64)
+    plain = fs.jit(_sgd_step, backend=backend)
+    donated = fs.jit(_sgd_step, backend=backend, donate_argnums=(0, 1))
+    ref_p, ref_m = p0, m0
+    p, m = {k: v.clone() for k, v in p0.items()}, {k: v.clone() for k, v in m0.items()}
+    for step in range(3):  # the second and third calls run the cached graph on the results
+        ref_loss, ref_p, ref_m = plain(ref_p, ref_m, x)
+        ids = {k: id(v) for k, v in {**{"p" + k: v for k, v in p.items()}, **{"m" + k: v for k, v in m.items()}}.items()}
+        loss, p, m = donated(p, m, x)
+        assert torch.equal(loss, ref_loss), step
+        for k in ref_p:
+            torch.testing.assert_close(p[k], ref_p[k], rtol=0, atol=1e-12)
+            torch.testing.assert_close(m[k], ref_m[k], rtol=0, atol=1e-12)
+            # The result is the donated argument's own tensor (no new buffer).
+            assert id(p[k]) == ids["p" + k] and id(m[k]) == ids["m" + k], (step, k)
+    assert donated.cache_size == 1
+    # The undonated argument is untouched; the undonated jit left its arguments as they were.
+    assert torch.equal(x, x.clone()) and all(torch.equal(p0[k], _tree(0)[k]) for k in p0)
+
+
+@TIMEOUT
+def test_donation_with_no_matching_result_warns_with_the_path_and_changes_nothing():
+    def f(a, b):
+        return a * 2
+
+    a, b = torch.ones(3, dtype=F64), {"k": torch.zeros(2, dtype=F64)}
+    with pytest.warns(UserWarning, match=r"args\[1\]\.k"):
+        out = fs.jit(f, backend=None, donate_argnums=1)(a, b)
+    assert torch.equal(b["k"], torch.zeros(2, dtype=F64)) and torch.equal(out, 2 * a)
+
+
+@TIMEOUT
+def test_an_argument_returned_as_it_is_is_not_copied_into_another():
+    # out = (x, new): x is returned unchanged. It must not be "computed into" y's buffer
+    # (y is donated and of x's layout), and the fresh result goes to y, not to x.
+    def f(x, y):
+        return x, y + x
+
+    x, y = torch.full((3,), 2.0, dtype=F64), torch.ones(3, dtype=F64)
+    yid = id(y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a, b = fs.jit(f, backend=None, donate_argnums=(0, 1))(x, y)
+    assert torch.equal(a, torch.full((3,), 2.0, dtype=F64)) and torch.equal(b, torch.full((3,), 3.0, dtype=F64))
+    assert id(b) == yid
+
+
+def test_bad_donate_argnums_are_refused_naming_them():
+    with pytest.raises(ValueError, match="donate_argnums=-1"):
+        fs.jit(_sgd_step, donate_argnums=-1)
+    with pytest.raises(ValueError, match=r"donate_argnums=\(3,\).*3 positional"):
+        fs.jit(_sgd_step, backend=None, donate_argnums=3)(_tree(0), _tree(1), torch.ones(4, 3, dtype=F64))
+
+
+def _fsdp_donated_steps():
+    """An FSDP MLP step with AdamW, donated vs not, 3 steps: losses, params and state equal,
+    each donated result the argument's DTensor itself, and the local shards' storage reused."""
+    n = torch.distributed.get_world_size()
+    mesh = fs.make_mesh({"x": n})
+    g = torch.Generator().manual_seed(0)
+    p0 = {"w1": torch.randn(4, 8, generator=g, dtype=F64) / 2, "w2": torch.randn(8, 2, generator=g, dtype=F64)}
+    specs = {k: P("x") for k in p0}
+    opt = fs.optim.adamw(1e-2, weight_decay=0.1)
+
+    def body(p, x, y):
+        full = {k: fs.lax.all_gather(v, "x", tiled=True) for k, v in p.items()}
+        return fs.lax.pmean(((torch.tanh(x @ full["w1"]) @ full["w2"] - y) ** 2).mean(), "x")
+
+    grad = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("x"), P("x")), out_specs=P()))
+
+    def step(p, s, x, y):
+        loss, gr = grad(p, x, y)
+        upd, s = opt.update(gr, s, p)
+        return loss, fs.optim.apply_updates(p, upd), s
+
+    plain, donated = fs.jit(step, backend="aot_eager"), fs.jit(step, backend="aot_eager", donate_argnums=(0, 1))
+    pa = fs.shard(p0, specs, mesh)
+    pb = fs.shard(p0, specs, mesh)
+    sa, sb = opt.init(pa), opt.init(pb)
+    for i in range(3):
+        gd = torch.Generator().manual_seed(10 + i)
+        x, y = torch.randn(4 * n, 4, generator=gd, dtype=F64), torch.randn(4 * n, 2, generator=gd, dtype=F64)
+        la, pa, sa = plain(pa, sa, x, y)
+        before = {k: (id(v), v.to_local().data_ptr()) for k, v in pb.items()}
+        lb, pb, sb = donated(pb, sb, x, y)
+        assert torch.equal(la.full_tensor(), lb.full_tensor()), i
+        for k in pa:
+            assert (id(pb[k]), pb[k].to_local().data_ptr()) == before[k], (i, k)
+            assert pb[k].placements == pa[k].placements
+            torch.testing.assert_close(pb[k].to_local(), pa[k].to_local(), rtol=0, atol=1e-12)
+        for a, b in zip(fs.tree.leaves(sa), fs.tree.leaves(sb)):
+            a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    return True
+
+
+@TIMEOUT
+def test_fsdp_step_donated_equals_undonated_on_two_ranks():
+    assert all(run_on_ranks(_fsdp_donated_steps, world_size=2))
