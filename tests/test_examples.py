@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from fshard.testing import run_on_ranks
+from fshard.testing import free_port, run_on_ranks
 
+import _zygote
 from _procs import run_together
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,14 +169,13 @@ def _env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
-def _run_script(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    return run_together([cmd], cwd=tmp_path, env=_env())[0]
-
-
-def test_script_one_process_prints_progress_and_a_sample(tmp_path):
+def test_script_one_process_prints_progress_and_a_sample(zygotes, tmp_path):
     log = tmp_path / "log.json"
-    run = _run_script([sys.executable, str(EXAMPLES / "train_lm.py"), "--steps", "6", "--log-every", "2",
-                       "--sample-chars", "40", "--log-json", str(log)], tmp_path)
+    # `python train_lm.py ...` in a process forked from the zygote (tests/_zygote.py: torch and
+    # fshard imported once per session); the script under torchrun below starts fresh ones.
+    (run,) = _zygote.run_together(zygotes, [[str(EXAMPLES / "train_lm.py"), "--steps", "6", "--log-every", "2",
+                                             "--sample-chars", "40", "--log-json", str(log)]],
+                                  cwd=tmp_path, env=_zygote.env())
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mesh {'fsdp': 1} on 1 rank(s)" in run.stdout
     assert "And God said" in run.stdout  # the prompt starts the sample
@@ -184,17 +184,33 @@ def test_script_one_process_prints_progress_and_a_sample(tmp_path):
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun is not installed next to this Python")
-def test_script_under_torchrun(tmp_path):
+def test_script_under_torchrun(zygotes, tmp_path):
     torchrun = str(Path(sys.executable).parent / "torchrun") if (Path(sys.executable).parent / "torchrun").exists() \
         else shutil.which("torchrun")
     log = tmp_path / "log.json"
-    # Both jobs at once: each spends much of its time starting up (torchrun, then two
-    # ranks importing torch) or in the rendezvous, which leaves the second core idle.
-    script = [torchrun, "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "train_lm.py")]
-    run, bad = run_together([script + ["--mesh", "pp=2", "--layers", "2", "--steps", "3", "--sample-chars", "20",
-                                       "--log-json", str(log)],
-                             script + ["--mesh", "fsdp=4"]], cwd=tmp_path, env=_env())
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "pipeline: schedule '1f1b', 2 stages, 4 microbatches" in run.stdout
-    assert [r["step"] for r in json.loads(log.read_text())] == [1, 2, 3]
-    assert bad.returncode != 0 and "the sizes multiply to 4, but 2 rank(s) run this" in bad.stderr
+    # A mesh that does not fit the ranks, on two ranks in torchrun's environment (forked from
+    # the zygote, tests/_zygote.py: fs.init() connects them as under torchrun), while the
+    # real torchrun job below starts up (torchrun, then two ranks importing torch).
+    port = str(free_port())
+    bad = [zygotes.start([str(EXAMPLES / "train_lm.py"), "--mesh", "fsdp=4"], cwd=tmp_path,
+                         env=_zygote.env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+           for r in range(2)]
+    try:
+        script = [torchrun, "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "train_lm.py")]
+        (run,) = run_together([script + ["--mesh", "pp=2", "--layers", "2", "--steps", "3", "--sample-chars", "20",
+                                         "--log-json", str(log)]], cwd=tmp_path, env=_env())
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "pipeline: schedule '1f1b', 2 stages, 4 microbatches" in run.stdout
+        assert [r["step"] for r in json.loads(log.read_text())] == [1, 2, 3]
+        errs = []
+        for rank, child in enumerate(bad):  # a ConfigError: exit code 2, one line from rank 0
+            errs.append(child.communicate(timeout=120)[1])
+            assert child.returncode == 2 and "Traceback" not in errs[-1], (rank, child.returncode, errs[-1][-3000:])
+        assert "train_lm.py: error: --mesh fsdp=4: the sizes multiply to 4, but 2 rank(s) run this" in errs[0], errs
+        assert "error" not in errs[1], errs
+    finally:
+        for child in bad:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
