@@ -109,13 +109,18 @@ def test_one_process_loss_falls():
     assert last < first - 1.0, losses  # characters' frequencies and more: a clearly falling curve
 
 
+# The jit tests' model: 2 blocks (fs.jit captures the whole step, in time about proportional to
+# the blocks: 4 took twice the CPU; 2 still have a block's gather prefetched during another).
+JIT_LAYERS = ["--layers", "2"]
+
+
 def test_jit_flag_gives_the_eager_curve_and_skips_a_nonfinite_step_like_it():
     # --jit none runs fs.jit's captured graph without compiling it (compiling this model's
     # step with aot_eager takes 90 s at load 50 on the 2-core CI machine; it gave the same
     # curve bit for bit, as the captured graph runs eager's kernels in eager's order). Step
     # 3 gets a NaN (--inject-nonfinite): that step runs eagerly and is skipped, and step 4
     # is jitted again from the params and optimizer state step 2 left.
-    argv = ["--steps", "4"] + TINY[2:] + ["--mesh", "fsdp=2", "--inject-nonfinite", "3", "--skip-nonfinite"]
+    argv = ["--steps", "4"] + TINY[2:] + JIT_LAYERS + ["--mesh", "fsdp=2", "--inject-nonfinite", "3", "--skip-nonfinite"]
     eager = run_on_ranks(_train, argv, world_size=2)[0]
     jit = run_on_ranks(_train, argv + ["--jit", "none"], world_size=2, timeout_s=300)[0]
     assert [r["step"] for r in jit] == [1, 2, 3, 4] and "skipped" in jit[2] and "skipped" in eager[2]
@@ -144,7 +149,7 @@ def test_jit_flag_with_gradient_accumulation_gives_the_eager_curve():
     # Two microbatches: the accumulator's slots are keyed by storage object (fs.jit traces
     # on fake tensors, whose data pointer cannot be read: the capture failed before).
     for mesh in ("fsdp=2", "dp=2"):
-        argv = ["--steps", "3"] + TINY[2:] + ["--mesh", mesh, "--microbatches", "2"]
+        argv = ["--steps", "3"] + TINY[2:] + JIT_LAYERS + ["--mesh", mesh, "--microbatches", "2"]
         eager = run_on_ranks(_train, argv, world_size=2)[0]
         jit = run_on_ranks(_train, argv + ["--jit", "none"], world_size=2, timeout_s=300)[0]
         assert [(r["loss"], r["grad_norm"]) for r in jit] == [(r["loss"], r["grad_norm"]) for r in eager], mesh
