@@ -51,8 +51,10 @@ CALL_TIME_PREFIXES = ("PYTEST_", "TEST_", "FSHARD_TEST_")
 
 
 def env(**extra: str) -> dict[str, str]:
-    """The environment of a program the tests start: this one's, fshard importable, one thread."""
-    e = dict(os.environ, OMP_NUM_THREADS="1")
+    """The environment of a program the tests start: this one's, fshard importable, one thread,
+    and a collective that hangs fails within a minute (``FSHARD_TIMEOUT_S``, read at import:
+    one value for all, so that one zygote serves them all)."""
+    e = dict(os.environ, OMP_NUM_THREADS="1", FSHARD_TIMEOUT_S="60")
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     e.update(extra)
     return e

@@ -17,13 +17,13 @@ at that point, so the tests can fail.
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 from pathlib import Path
 
 from fshard.testing import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+import _zygote
+
 TIMEOUT_S = 180
 
 # Runs before the program and reports after fshard's teardown. Gloo's threads name
@@ -83,7 +83,7 @@ def _run(zygotes, tmp_path: Path, body: str, *, world: int = 1, torchrun_env: bo
     """Runs the program on ``world`` processes; returns (exit code, output, report) per rank."""
     script = tmp_path / "prog.py"
     script.write_text(textwrap.dedent(_PRELUDE) + textwrap.dedent(body))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", FSHARD_TIMEOUT_S="60")
+    env = _zygote.env(FSHARD_TIMEOUT_S="60")
     env.pop("FSHARD_TEARDOWN_AT_EXIT", None)
     for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(v, None)
