@@ -10,22 +10,30 @@ What the child is: a whole process (its own pid, session, cwd, environment, argv
 stdin/stdout/stderr), running the program as ``__main__`` at the top of the interpreter.
 It exits through the interpreter's normal path: an uncaught exception goes to
 ``sys.excepthook`` and gives exit code 1, ``SystemExit`` gives its code, atexit handlers
-run, then ``Py_FinalizeEx`` (the path the teardown tests observe; the objects the zygote
-made before the fork are frozen, ``gc.freeze()``, so the child's collections skip them,
-as a pre-fork server should). A fatal signal kills
-it as it would a fresh one (the exit code is ``-signal``). What differs: torch and fshard
-are already imported (import-time effects ran in the zygote, before the program's
-environment was applied: so a zygote serves only requests whose environment equals its
-own, apart from :data:`CALL_TIME` variables, read when used, and ``PYTEST_*``), and the
-interpreter's own start-up options are the zygote's. The zygote starts no thread, so the
-fork is safe (as for ``multiprocessing``'s forkserver, fshard.testing.FORKSERVER_PRELOAD).
+run, then ``Py_FinalizeEx`` (the path the teardown tests observe). A fatal signal kills it
+as it would a fresh one (the exit code is ``-signal``).
+
+What differs from a fresh ``python``:
+- torch and fshard are already imported. Their import-time effects ran in the zygote,
+  under its environment: so a zygote serves only programs whose environment equals its
+  own apart from :data:`CALL_TIME` variables (read when used) and ``PYTEST_*``;
+  :class:`Zygotes` starts one per environment.
+- The atexit handlers those imports registered come before the program's own (fshard's
+  import registers only optree's).
+- The objects made before the fork are frozen (``gc.freeze()``, as a pre-fork server
+  should): the child's collections skip them; otherwise its exit copies every page they
+  live on (0.85 s of CPU, against 0.2 s).
+- The interpreter's start-up options are the zygote's.
+The zygote starts no thread, so the fork is safe (as for ``multiprocessing``'s forkserver,
+fshard.testing.FORKSERVER_PRELOAD).
 
 Not for torchrun's workers (torchrun starts them), nor for programs that must import a
 different fshard (tools/mutations.py's copies).
 
 The zygote's own CPU (imports) and its children's are not in the pytest process's
-``RUSAGE_CHILDREN`` until it is waited for: :func:`shutdown` (the session fixture's
-teardown) waits for every zygote, so a CPU profile counts them.
+``RUSAGE_CHILDREN`` until it is waited for: the session fixture's teardown
+(:meth:`Zygotes.close`) waits for every zygote, so a CPU profile counts them (in the
+session's last test).
 """
 
 from __future__ import annotations
