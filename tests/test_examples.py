@@ -207,12 +207,12 @@ def test_script_under_torchrun(zygotes, tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         assert "pipeline: schedule '1f1b', 2 stages, 4 microbatches" in run.stdout
         assert [r["step"] for r in json.loads(log.read_text())] == [1, 2, 3]
-        errs = []
-        for rank, child in enumerate(bad):  # a ConfigError: exit code 2, one line from rank 0
-            errs.append(child.communicate(timeout=120)[1])
-            assert child.returncode == 2 and "Traceback" not in errs[-1], (rank, child.returncode, errs[-1][-3000:])
-        assert "train_lm.py: error: --mesh fsdp=4: the sizes multiply to 4, but 2 rank(s) run this" in errs[0], errs
-        assert "error" not in errs[1], errs
+        # A ConfigError: exit code 2 and one line from rank 0. Rank 1 fails too, with the same
+        # error or (a race) with its connection to rank 0 lost while fs.init() set the group up.
+        (_, err0), (_, err1) = (child.communicate(timeout=120) for child in bad)
+        assert bad[0].returncode == 2 and "Traceback" not in err0, (bad[0].returncode, err0[-3000:])
+        assert "train_lm.py: error: --mesh fsdp=4: the sizes multiply to 4, but 2 rank(s) run this" in err0, err0
+        assert bad[1].returncode in (1, 2) and "train_lm.py: error" not in err1, (bad[1].returncode, err1[-3000:])
     finally:
         for child in bad:
             if child.poll() is None:
