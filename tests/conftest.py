@@ -118,3 +118,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if seed is not None:  # also under -q, where the header is not shown
         terminalreporter.write_line(f"test order shuffled with {_SHUFFLE_ENV}={seed} "
                                     f"(the same order again: {_SHUFFLE_ENV}={seed} python -m pytest -q)")
+
+
+# Fresh processes forked from an interpreter that has imported torch and fshard (tests/_zygote.py).
+from _zygote import zygotes  # noqa: E402, F401

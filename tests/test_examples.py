@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from fshard.testing import run_on_ranks
+from fshard.testing import free_port, run_on_ranks
 
+import _zygote
 from _procs import run_together
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,13 +108,18 @@ def test_one_process_loss_falls():
     assert last < first - 1.0, losses  # characters' frequencies and more: a clearly falling curve
 
 
+# The jit tests' model: 2 blocks (fs.jit captures the whole step, in time about proportional to
+# the blocks: 4 took twice the CPU; 2 still have a block's gather prefetched during another).
+JIT_LAYERS = ["--layers", "2"]
+
+
 def test_jit_flag_gives_the_eager_curve_and_skips_a_nonfinite_step_like_it():
     # --jit none runs fs.jit's captured graph without compiling it (compiling this model's
     # step with aot_eager takes 90 s at load 50 on the 2-core CI machine; it gave the same
     # curve bit for bit, as the captured graph runs eager's kernels in eager's order). Step
     # 3 gets a NaN (--inject-nonfinite): that step runs eagerly and is skipped, and step 4
     # is jitted again from the params and optimizer state step 2 left.
-    argv = ["--steps", "4"] + TINY[2:] + ["--mesh", "fsdp=2", "--inject-nonfinite", "3", "--skip-nonfinite"]
+    argv = ["--steps", "4"] + TINY[2:] + JIT_LAYERS + ["--mesh", "fsdp=2", "--inject-nonfinite", "3", "--skip-nonfinite"]
     eager = run_on_ranks(_train, argv, world_size=2)[0]
     jit = run_on_ranks(_train, argv + ["--jit", "none"], world_size=2, timeout_s=300)[0]
     assert [r["step"] for r in jit] == [1, 2, 3, 4] and "skipped" in jit[2] and "skipped" in eager[2]
@@ -143,7 +148,7 @@ def test_jit_flag_with_gradient_accumulation_gives_the_eager_curve():
     # Two microbatches: the accumulator's slots are keyed by storage object (fs.jit traces
     # on fake tensors, whose data pointer cannot be read: the capture failed before).
     for mesh in ("fsdp=2", "dp=2"):
-        argv = ["--steps", "3"] + TINY[2:] + ["--mesh", mesh, "--microbatches", "2"]
+        argv = ["--steps", "3"] + TINY[2:] + JIT_LAYERS + ["--mesh", mesh, "--microbatches", "2"]
         eager = run_on_ranks(_train, argv, world_size=2)[0]
         jit = run_on_ranks(_train, argv + ["--jit", "none"], world_size=2, timeout_s=300)[0]
         assert [(r["loss"], r["grad_norm"]) for r in jit] == [(r["loss"], r["grad_norm"]) for r in eager], mesh
@@ -168,14 +173,13 @@ def _env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
-def _run_script(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    return run_together([cmd], cwd=tmp_path, env=_env())[0]
-
-
-def test_script_one_process_prints_progress_and_a_sample(tmp_path):
+def test_script_one_process_prints_progress_and_a_sample(zygotes, tmp_path):
     log = tmp_path / "log.json"
-    run = _run_script([sys.executable, str(EXAMPLES / "train_lm.py"), "--steps", "6", "--log-every", "2",
-                       "--sample-chars", "40", "--log-json", str(log)], tmp_path)
+    # `python train_lm.py ...` in a process forked from the zygote (tests/_zygote.py: torch and
+    # fshard imported once per session); the script under torchrun below starts fresh ones.
+    (run,) = _zygote.run_together(zygotes, [[str(EXAMPLES / "train_lm.py"), "--steps", "6", "--log-every", "2",
+                                             "--sample-chars", "40", "--log-json", str(log)]],
+                                  cwd=tmp_path, env=_zygote.env())
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mesh {'fsdp': 1} on 1 rank(s)" in run.stdout
     assert "And God said" in run.stdout  # the prompt starts the sample
@@ -184,17 +188,33 @@ def test_script_one_process_prints_progress_and_a_sample(tmp_path):
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun is not installed next to this Python")
-def test_script_under_torchrun(tmp_path):
+def test_script_under_torchrun(zygotes, tmp_path):
     torchrun = str(Path(sys.executable).parent / "torchrun") if (Path(sys.executable).parent / "torchrun").exists() \
         else shutil.which("torchrun")
     log = tmp_path / "log.json"
-    # Both jobs at once: each spends much of its time starting up (torchrun, then two
-    # ranks importing torch) or in the rendezvous, which leaves the second core idle.
-    script = [torchrun, "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "train_lm.py")]
-    run, bad = run_together([script + ["--mesh", "pp=2", "--layers", "2", "--steps", "3", "--sample-chars", "20",
-                                       "--log-json", str(log)],
-                             script + ["--mesh", "fsdp=4"]], cwd=tmp_path, env=_env())
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "pipeline: schedule '1f1b', 2 stages, 4 microbatches" in run.stdout
-    assert [r["step"] for r in json.loads(log.read_text())] == [1, 2, 3]
-    assert bad.returncode != 0 and "the sizes multiply to 4, but 2 rank(s) run this" in bad.stderr
+    # A mesh that does not fit the ranks, on two ranks in torchrun's environment (forked from
+    # the zygote, tests/_zygote.py: fs.init() connects them as under torchrun), while the
+    # real torchrun job below starts up (torchrun, then two ranks importing torch).
+    port = str(free_port())
+    bad = [zygotes.start([str(EXAMPLES / "train_lm.py"), "--mesh", "fsdp=4"], cwd=tmp_path,
+                         env=_zygote.env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+           for r in range(2)]
+    try:
+        script = [torchrun, "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "train_lm.py")]
+        (run,) = run_together([script + ["--mesh", "pp=2", "--layers", "2", "--steps", "3", "--sample-chars", "20",
+                                         "--log-json", str(log)]], cwd=tmp_path, env=_env())
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "pipeline: schedule '1f1b', 2 stages, 4 microbatches" in run.stdout
+        assert [r["step"] for r in json.loads(log.read_text())] == [1, 2, 3]
+        # A ConfigError: exit code 2 and one line from rank 0. Rank 1 fails too, with the same
+        # error or (a race) with its connection to rank 0 lost while fs.init() set the group up.
+        (_, err0), (_, err1) = (child.communicate(timeout=120) for child in bad)
+        assert bad[0].returncode == 2 and "Traceback" not in err0, (bad[0].returncode, err0[-3000:])
+        assert "train_lm.py: error: --mesh fsdp=4: the sizes multiply to 4, but 2 rank(s) run this" in err0, err0
+        assert bad[1].returncode in (1, 2) and "train_lm.py: error" not in err1, (bad[1].returncode, err1[-3000:])
+    finally:
+        for child in bad:
+            if child.poll() is None:
+                child.kill()
+                child.wait()

@@ -1,6 +1,6 @@
 """Faults in a multi-rank job (issue 14): a rank killed with SIGKILL, or raising, in the middle of
 a collective-heavy step of examples/train_lm.py (FSDP over 4 ranks, remat, a block's gather in
-flight), under ``fs.run_local`` and under torchrun. Every other rank must stop within 60 s with
+flight), under ``fs.run_local`` and under torchrun (3 ranks there). Every other rank must stop within 60 s with
 an error that names the lost rank, and no process may be left behind.
 
 The fault comes from tests/_faults.py, which wraps ``fs.parallel.scan_layers`` so that the
@@ -33,6 +33,11 @@ ARGV = ["--mesh", "fsdp=4", "--remat", "--steps", "40", "--dtype", "float64", "-
         "--heads", "4", "--seq-len", "16", "--batch-size", "8", "--quiet"]
 VICTIM, AT_CALL = 2, 19
 LIMIT_S = 60.0
+# Under torchrun, 3 ranks (FSDP with uneven shards; a batch of 6, 2 rows per rank): the victim
+# and two others to stop, one of them the store's host; each rank is a fresh interpreter
+# (~2.5 s of CPU to start).
+TORCHRUN_NPROC = 3
+TORCHRUN_ARGV = [{"fsdp=4": "fsdp=3", "8": "6"}.get(a, a) for a in ARGV]
 
 
 def _left_behind(pid_dir: Path) -> list[int]:
@@ -85,8 +90,9 @@ def test_rank_fault_under_torchrun_stops_every_rank_and_names_it(kind, tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1", "FSHARD_TEST_FAULT": f"{kind}:{VICTIM}:{AT_CALL}",
            "FSHARD_TEST_PID_DIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "tests" / "_faults.py"), *ARGV]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(TORCHRUN_NPROC),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "tests" / "_faults.py"),
+           *TORCHRUN_ARGV]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -113,5 +119,5 @@ def test_rank_fault_under_torchrun_stops_every_rank_and_names_it(kind, tmp_path)
         # tested in tests/mesh/test_mesh_failure.py).
         named = [line for line in out.splitlines() if "failed first:" in line]
         assert all(f"rank {VICTIM} failed first: InjectedFault" in line for line in named), named
-    assert len(list(tmp_path.glob("rank*.pid"))) == 4
+    assert len(list(tmp_path.glob("rank*.pid"))) == TORCHRUN_NPROC
     assert _left_behind(tmp_path) == []

@@ -25,7 +25,7 @@ import torch
 import fshard as fs
 from fshard.testing import run_on_ranks
 
-from _procs import run_together
+import _zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -181,20 +181,19 @@ def test_resume_from_another_models_checkpoint_names_the_fields_and_changes_noth
     assert _hashes(ck) == before
 
 
-def _scripts(*argvs: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
-    """Runs ``train_lm.py ARGV`` for each argv, all at once; their results in order."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
-    return run_together([[sys.executable, str(EXAMPLES / "train_lm.py"), *argv] for argv in argvs], cwd=cwd, env=env,
-                        timeout_s=180)
+def _scripts(zygotes, *argvs: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
+    """Runs ``python train_lm.py ARGV`` for each argv, all at once, in processes forked from the
+    zygote (tests/_zygote.py: torch and fshard imported once per session); their results in order."""
+    return _zygote.run_together(zygotes, [[str(EXAMPLES / "train_lm.py"), *argv] for argv in argvs], cwd=cwd,
+                                env=_zygote.env(), timeout_s=180)
 
 
 @pytest.mark.timeout(200)
-def test_script_reports_bad_checkpoint_and_nonfinite_loss_in_one_line(step_2, tmp_path):
+def test_script_reports_bad_checkpoint_and_nonfinite_loss_in_one_line(zygotes, step_2, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(step_2, ck)
     _corrupt(ck, "corrupted")
-    run, nonfinite = _scripts(STEPS + ["--checkpoint-dir", str(ck), "--resume"],
+    run, nonfinite = _scripts(zygotes, STEPS + ["--checkpoint-dir", str(ck), "--resume"],
                               ["--steps", "3", "--inject-nonfinite", "2"] + TINY, cwd=tmp_path)
     assert run.returncode == 1, run.stderr[-3000:]
     assert "train_lm.py: error: reading the checkpoint" in run.stderr and "is corrupt" in run.stderr

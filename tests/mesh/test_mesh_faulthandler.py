@@ -6,8 +6,6 @@ and the other ranks only report a lost connection.
 
 import ctypes
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -17,6 +15,8 @@ import torch.distributed as dist
 
 import fshard as fs
 from fshard.testing import free_port, run_on_ranks
+
+import _zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -85,21 +85,19 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _start_torchrun_like(mode: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER",)}
-    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()),
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))
-    return subprocess.Popen([sys.executable, "-c", _SCRIPT, mode], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _start_torchrun_like(zygotes, mode: str):
+    # Forked from a zygote (tests/_zygote.py), which has not enabled faulthandler either.
+    env = _zygote.env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    env.pop("PYTHONFAULTHANDLER", None)
+    return zygotes.start(["-c", _SCRIPT, mode], env=env, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
-def torchrun_like():
-    """Both one-process runs, started together (each is mostly its interpreter's and torch's
-    start-up on one core: together they take the time of one); ``torchrun_like(mode)``
-    waits for that run's ``(returncode, stderr)``."""
-    procs = {mode: _start_torchrun_like(mode) for mode in ("init", "plain")}
+def torchrun_like(zygotes):
+    """Both one-process runs, started together; ``torchrun_like(mode)`` waits for that
+    run's ``(returncode, stderr)``."""
+    procs = {mode: _start_torchrun_like(zygotes, mode) for mode in ("init", "plain")}
     done: dict[str, tuple[int, str]] = {}
 
     def result(mode: str) -> tuple[int, str]:
@@ -112,7 +110,7 @@ def torchrun_like():
     for p in procs.values():
         if p.poll() is None:
             p.kill()
-        p.communicate()
+            p.wait()
 
 
 def test_init_makes_a_crashing_rank_print_its_python_stacks(torchrun_like):

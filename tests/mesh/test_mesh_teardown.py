@@ -3,8 +3,10 @@ may outlive it, because one that drops a finished collective while the interpret
 finalizes aborts the process (docs/reliability.md, "The abort at exit").
 
 The abort itself is a race (``tools/exit_loop.py`` measures it); these tests pin the
-mechanism that removes it. Each runs a real program in fresh processes and lets it exit
-normally; a hook the program registers *before* fshard's (atexit runs them last-in,
+mechanism that removes it. Each runs a real program in fresh processes (forked from a
+zygote that has imported torch and fshard, tests/_zygote.py: the program runs as
+``__main__`` and its process exits through the interpreter's normal path, atexit and
+finalization) and lets it exit normally; a hook the program registers *before* fshard's (atexit runs them last-in,
 first-out, so it runs after fshard's teardown) reports, as the interpreter is about to
 finalize: the gloo worker threads still alive, whether the process groups the program
 made are still alive, and whether the default group still exists. The control arm
@@ -15,15 +17,13 @@ at that point, so the tests can fail.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 from fshard.testing import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+import _zygote
+
 TIMEOUT_S = 180
 
 # Runs before the program and reports after fshard's teardown. Gloo's threads name
@@ -78,12 +78,12 @@ print("gloo threads before exit", gloo_threads(), flush=True)
 """
 
 
-def _run(tmp_path: Path, body: str, *, world: int = 1, torchrun_env: bool = True,
+def _run(zygotes, tmp_path: Path, body: str, *, world: int = 1, torchrun_env: bool = True,
          teardown: bool = True, shutdown_after_report: bool = False) -> list[tuple[int, str, dict | None]]:
     """Runs the program on ``world`` processes; returns (exit code, output, report) per rank."""
     script = tmp_path / "prog.py"
     script.write_text(textwrap.dedent(_PRELUDE) + textwrap.dedent(body))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", FSHARD_TIMEOUT_S="60")
+    env = _zygote.env(FSHARD_TIMEOUT_S="60")
     env.pop("FSHARD_TEARDOWN_AT_EXIT", None)
     for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(v, None)
@@ -98,8 +98,7 @@ def _run(tmp_path: Path, body: str, *, world: int = 1, torchrun_env: bool = True
         if torchrun_env:
             renv.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=renv,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(zygotes.start([str(script)], cwd=tmp_path, env=renv, stderr_to_stdout=True))
     results = []
     try:
         for p in procs:
@@ -124,44 +123,44 @@ def _check_clean(results) -> None:
         assert "terminate called" not in out and "unwaited collective" not in out, out
 
 
-def test_teardown_at_exit_two_ranks(tmp_path):
+def test_teardown_at_exit_two_ranks(zygotes, tmp_path):
     """Under torchrun's environment, fs.init()'s hook completes the collective left in
     flight, destroys the groups (sub-groups included) and joins every gloo thread."""
-    _check_clean(_run(tmp_path, _TRAIN, world=2))
+    _check_clean(_run(zygotes, tmp_path, _TRAIN, world=2))
 
 
-def test_without_teardown_gloo_threads_survive_to_finalization(tmp_path):
+def test_without_teardown_gloo_threads_survive_to_finalization(zygotes, tmp_path):
     """The control: the same program with the hook off reaches finalization with its gloo
     worker threads and groups alive (what lets a late worker abort the process)."""
-    results = _run(tmp_path, _TRAIN, world=2, teardown=False)
+    results = _run(zygotes, tmp_path, _TRAIN, world=2, teardown=False)
     for rank, (code, out, rep) in enumerate(results):
         assert rep is not None, f"rank {rank} printed no report (exit code {code}):\n{out}"
         assert rep["gloo_threads"] > 0 and all(rep["groups_alive"]) and rep["initialized"], rep
 
 
-def test_teardown_at_exit_one_rank_group(tmp_path):
+def test_teardown_at_exit_one_rank_group(zygotes, tmp_path):
     """A plain one-process script: the one-rank gloo group fshard starts for the mesh has
     worker threads too, and the hook joins them."""
-    _check_clean(_run(tmp_path, _TRAIN, world=1, torchrun_env=False))
+    _check_clean(_run(zygotes, tmp_path, _TRAIN, world=1, torchrun_env=False))
 
 
-def test_teardown_after_destroy_process_group(tmp_path):
+def test_teardown_after_destroy_process_group(zygotes, tmp_path):
     """A script that destroys the default group itself (as train_lm did): the mesh still held
     the groups and their threads; the hook drops fshard's references and joins them."""
     body = _TRAIN + "\nKEPT.wait()\ndist.destroy_process_group()\n"
-    _check_clean(_run(tmp_path, body, world=2))
+    _check_clean(_run(zygotes, tmp_path, body, world=2))
 
 
-def test_no_teardown_after_an_uncaught_exception(tmp_path):
+def test_no_teardown_after_an_uncaught_exception(zygotes, tmp_path):
     """After an uncaught exception the hook does nothing (peers may be gone or stuck in a
     collective, and this rank must exit without waiting for them)."""
     body = _TRAIN + "\nraise RuntimeError('boom')\n"
-    (code, out, rep), = _run(tmp_path, body, world=1, torchrun_env=False, shutdown_after_report=True)
+    (code, out, rep), = _run(zygotes, tmp_path, body, world=1, torchrun_env=False, shutdown_after_report=True)
     assert code == 1 and "RuntimeError: boom" in out, out
     assert rep is not None and rep["initialized"], f"the hook tore down after a failure: {rep}\n{out}"
 
 
-def test_no_teardown_of_a_group_fshard_did_not_start(tmp_path):
+def test_no_teardown_of_a_group_fshard_did_not_start(zygotes, tmp_path):
     """A group the program started itself is the program's to destroy (fs.shutdown())."""
     body = """
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -169,14 +168,14 @@ def test_no_teardown_of_a_group_fshard_did_not_start(tmp_path):
     mesh = fs.make_mesh({"a": 1})
     comm.all_reduce(torch.ones(2), mesh.group("a"), "sum", axes=("a",))
     """
-    (code, out, rep), = _run(tmp_path, body, world=1, torchrun_env=False, shutdown_after_report=True)
+    (code, out, rep), = _run(zygotes, tmp_path, body, world=1, torchrun_env=False, shutdown_after_report=True)
     assert code == 0 and rep is not None and rep["initialized"], f"{rep}\n{out}"
     body += "fs.shutdown()\n"
-    (code, out, rep), = _run(tmp_path, body, world=1, torchrun_env=False)
+    (code, out, rep), = _run(zygotes, tmp_path, body, world=1, torchrun_env=False)
     assert code == 0 and rep == {"gloo_threads": 0, "groups_alive": [], "initialized": False}, f"{rep}\n{out}"
 
 
-def test_shutdown_completes_the_collective_in_flight(tmp_path):
+def test_shutdown_completes_the_collective_in_flight(zygotes, tmp_path):
     """fs.shutdown() waits for the collective fshard has in flight; the handle the program
     kept still gives its result afterwards, and no longer holds its group."""
     body = _TRAIN + """
@@ -186,6 +185,6 @@ assert torch.equal(out, torch.cat([(torch.arange(8.0) + r) * 2 for r in range(wo
 assert KEPT._group is None
 print("RESULT ok", flush=True)
 """
-    results = _run(tmp_path, body, world=2)
+    results = _run(zygotes, tmp_path, body, world=2)
     _check_clean(results)
     assert all("RESULT ok" in out for _, out, _ in results)
