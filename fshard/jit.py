@@ -162,14 +162,18 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
         result *is* that argument's tensor (the same object), so the donated arguments
         must not be used after the call, as in JAX (where they are deleted) and
         ``fs.optim.donate()``. A donated leaf that no result can take is left unchanged,
-        with a warning naming it (JAX: "Some donated buffers were not usable").
+        with a warning naming it (JAX: "Some donated buffers were not usable"). A donated
+        tensor may not also be passed as another argument (JAX's rule too), and a graph
+        with donation that fails to compile raises even with ``on_capture_error="eager"``
+        (its first run may have written into the arguments already).
 
     Returns:
       A :class:`Jitted` with ``f``'s signature and results (DTensors laid out as eager).
 
     Raises:
       ValueError: an unknown ``on_capture_error``; a ``donate_argnums`` entry that is not a
-        non-negative int (at the call: one past the positional arguments).
+        non-negative int (at the call: one past the positional arguments, or a donated
+        tensor whose memory is also another argument's).
     """
     if on_capture_error not in ("raise", "eager"):
         raise ValueError(f"fs.jit: on_capture_error={on_capture_error!r}; use 'raise' or 'eager'.")
@@ -191,6 +195,7 @@ class Jitted:
         functools.update_wrapper(self, f)
         self._f, self._backend, self._on_error, self._options = f, backend, on_capture_error, options
         self._donate = tuple(sorted(set(donate_argnums)))
+        self._donated_at: dict[Any, frozenset[int]] = {}  # call structure -> donated leaf indices
         self._cache: dict[tuple, _Entry] = {}
 
     @property
@@ -216,7 +221,9 @@ class Jitted:
             with _disable_current_modes():
                 out = entry.run(*locals_)
         except JitCaptureError as e:  # the backend failed to compile the captured graph
-            if self._on_error != "eager":
+            # With donation the first call may have written into the arguments before failing:
+            # running them eagerly again could apply a step twice.
+            if self._on_error != "eager" or self._donate:
                 raise
             warnings.warn(f"{e}\nfs.jit runs this signature eagerly (on_capture_error='eager').",
                           RuntimeWarning, stacklevel=2)
@@ -249,8 +256,13 @@ class Jitted:
         leaves, treedef = tree_util.tree_flatten((args, kwargs))
         grad = torch.is_grad_enabled()
         sig = []
+        seen: dict[int, int] = {}
+        aliases = []  # (leaf, earlier leaf) for a tensor passed twice: tracing makes them one input
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
+                j = seen.setdefault(id(x), i)
+                if j != i:
+                    aliases.append((i, j))
                 if grad and x.requires_grad:
                     raise ValueError(
                         f"fs.jit({self.__name__}): argument {_paths(args, kwargs)[i]} requires grad. A captured "
@@ -269,8 +281,28 @@ class Jitted:
                         f"signature (static)."
                     ) from None
                 sig.append(("static", type(x), x))
-        key = (treedef, tuple(sig), grad)
+        if self._donate:
+            self._refuse_aliased_donation(args, kwargs, leaves, treedef)
+        key = (treedef, tuple(sig), grad, tuple(aliases))
         return key, (args, kwargs), leaves, treedef
+
+    def _refuse_aliased_donation(self, args: tuple, kwargs: dict, leaves: list, treedef: Any) -> None:
+        """JAX's rule: a donated buffer may not be passed twice (donated twice, or donated and
+        also passed as another argument): the graph would overwrite what it still reads."""
+        donated = self._donated_indices(args, treedef)
+        ptrs: dict[int, list[int]] = {}
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                loc = x._local_tensor if isinstance(x, DTensor) else x
+                if loc.numel():
+                    ptrs.setdefault(loc.untyped_storage().data_ptr(), []).append(i)
+        bad = [idx for idx in ptrs.values() if len(idx) > 1 and any(i in donated for i in idx)]
+        if bad:
+            paths = _paths(args, kwargs)
+            raise ValueError(
+                f"fs.jit({self.__name__}): donate_argnums={self._donate}: a donated tensor's memory is also "
+                f"passed as another argument: " + "; ".join(" and ".join(paths[i] for i in idx) for idx in bad)
+                + ". Pass a copy (x.clone()) where the same tensor appears twice, or do not donate it.")
 
     def _entry(self, key, call_args, leaves, treedef) -> _Entry:
         entry = self._cache.get(key)
@@ -285,18 +317,28 @@ class Jitted:
         """Leaf index (in the flattened ``(args, kwargs)``) -> path, of the donated tensors."""
         if not self._donate:
             return {}
+        paths = _paths(args, kwargs)
+        return {i: paths[i] for i in self._donated_indices(args)}
+
+    def _donated_indices(self, args: tuple, treedef: Any = None) -> frozenset[int]:
+        """The leaf indices of the donated positional arguments; cached by the call's
+        structure ``treedef`` (of ``(args, kwargs)``) when given."""
+        found = self._donated_at.get(treedef) if treedef is not None else None
+        if found is not None:
+            return found
         if self._donate[-1] >= len(args):
             raise ValueError(f"fs.jit({self.__name__}): donate_argnums={self._donate} but the call has "
                              f"{len(args)} positional argument(s); donation names positional arguments.")
-        paths = _paths(args, kwargs)
-        first = 0
-        out = {}
-        for i, a in enumerate(args):
+        first, idx = 0, []
+        for i, a in enumerate(args[: self._donate[-1] + 1]):
             n = len(tree_util.leaves(a))
             if i in self._donate:
-                out.update((j, paths[j]) for j in range(first, first + n))
+                idx.extend(range(first, first + n))
             first += n
-        return out
+        found = frozenset(idx)
+        if treedef is not None:
+            self._donated_at[treedef] = found
+        return found
 
     # --- capture ---------------------------------------------------------------------------
     def _capture(self, leaves: list, treedef, donated: dict[int, str] | None = None) -> _Entry:
@@ -680,7 +722,7 @@ _FIELDS = {"tensor": ("shape", "stride", "dtype", "device"),
 
 def _why(key: tuple, paths: list[str], old: list[tuple]) -> str:
     """What differs between ``key`` and the closest cached signature, leaf by leaf."""
-    treedef, sig, grad = key
+    treedef, sig, grad, aliases = key
     same_tree = [k for k in old if k[0] == treedef]
     if not same_tree:
         return "the argument structure changed (new pytree: %s)" % (treedef,)
@@ -689,6 +731,8 @@ def _why(key: tuple, paths: list[str], old: list[tuple]) -> str:
         diff = []
         if k[2] != grad:
             diff.append(f"grad mode {k[2]} -> {grad}")
+        if k[3] != aliases:
+            diff.append(f"tensors passed more than once (leaf, same as leaf) {k[3]} -> {aliases}")
         for path, a, b in zip(paths, k[1], sig):
             if a == b:
                 continue

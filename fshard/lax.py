@@ -75,20 +75,15 @@ class _Axes:
     u_of_g: tuple[int, ...] | None
 
 
-_AXES_CACHE: dict[tuple[int, tuple[str, ...]], _Axes] = {}
-
-
 def _axes(what: str, axis_name: str | Sequence[str]) -> tuple[Body, _Axes]:
     body = BODY.get()
     if body is None:
         raise RuntimeError(_MSG_OUTSIDE.format(what=what))
     mesh = body.mesh
     names = mesh.check_axes(axis_name, what=f"fs.lax.{what}: axis_name")
-    key = (id(mesh), names)
-    info = _AXES_CACHE.get(key)
+    info = mesh._lax_axes.get(names)
     if info is None:
-        info = _build_axes(mesh, names)
-        _AXES_CACHE[key] = info
+        info = mesh._lax_axes[names] = _build_axes(mesh, names)
     return body, info
 
 

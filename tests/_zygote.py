@@ -99,6 +99,10 @@ class Child:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
+            if timeout is not None and timeout <= 0:  # settimeout(0) would make recv non-blocking
+                if self.poll() is None:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                return self.returncode
             self._conn.settimeout(timeout)
             try:
                 self._take(self._conn.recv(64))
@@ -108,6 +112,11 @@ class Child:
 
     def _take(self, msg: bytes) -> None:
         if not msg:
+            # The zygote is gone, so nobody will report this child's exit: kill it (it is in
+            # its own session) and report it as killed, for the caller's cleanup to go on.
+            self.kill()
+            self.returncode = -signal.SIGKILL
+            self._conn.close()
             raise RuntimeError(f"the zygote running {self.args[:2]} is gone")
         self.returncode = int(msg)
         self._conn.close()
@@ -185,6 +194,9 @@ class Zygotes:
 
     def start(self, argv: list[str], *, env: dict[str, str], cwd: Path | str, stderr_to_stdout: bool = False) -> Child:
         key = _import_key(env)
+        dead = self._by_key.get(key)
+        if dead is not None and dead.proc.poll() is not None:  # it died: the next test gets a new one
+            self._by_key.pop(key).close()
         if key not in self._by_key:
             self._by_key[key] = Zygote({k: v for k, v in env.items()
                                         if k not in CALL_TIME and not k.startswith(CALL_TIME_PREFIXES)})

@@ -53,6 +53,10 @@ class Mesh:
         self.size: int = math.prod(self.shape.values())
         self.device_type: str = device_mesh.device_type
         self._groups: dict[tuple[str, ...], Any] = {}
+        # fs.lax's per-axes facts (group, size, this rank's index), kept on the mesh itself: a
+        # cache keyed by id(mesh) would hand a new mesh that reuses a freed one's id the freed
+        # mesh's (destroyed) groups.
+        self._lax_axes: dict[tuple[str, ...], Any] = {}
         self._tokens: list[contextvars.Token] = []
         coord = device_mesh.get_coordinate()
         self._coord: dict[str, int] = dict(zip(self.axis_names, coord or ()))
@@ -203,6 +207,7 @@ def forget_meshes() -> None:
     """
     for m in list(_MESH_CACHE.values()):
         m._groups.clear()
+        m._lax_axes.clear()
         _forget_device_mesh_groups(m.device_mesh)
     _MESH_CACHE.clear()
 

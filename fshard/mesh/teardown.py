@@ -104,22 +104,31 @@ def release_groups() -> None:
         return
     from fshard.mesh import mesh as _mesh
 
-    _complete_in_flight()
-    groups: dict[int, Any] = {}
-    for m in _mesh._MESH_CACHE.values():
-        for a in m.axis_names:
-            g = m.device_mesh.get_group(a)
-            groups[id(g)] = g
-        groups.update((id(g), g) for g in m._groups.values())
-    ckpt = sys.modules.get("fshard.checkpoint._common")
-    if ckpt is not None:
-        groups.update((id(g), g) for g in ckpt._GROUPS.values() if g is not None)
-    world = dist.GroupMember.WORLD
-    for g in groups.values():
-        if g is not world and g is not None:
-            dist.destroy_process_group(g)
-    _forget_groups()
-    gc.collect()  # the groups' last references: their destructors join the gloo threads
+    try:
+        _complete_in_flight()
+        save = sys.modules.get("fshard.checkpoint._save")
+        if save is not None:  # a background save runs its collectives on the checkpoint group
+            save.wait()
+        groups: dict[int, Any] = {}
+        for m in _mesh._MESH_CACHE.values():
+            for a in m.axis_names:
+                g = m.device_mesh.get_group(a)
+                groups[id(g)] = g
+            groups.update((id(g), g) for g in m._groups.values())
+        ckpt = sys.modules.get("fshard.checkpoint._common")
+        if ckpt is not None:
+            groups.update((id(g), g) for g in ckpt._GROUPS.values() if g is not None)
+        world = dist.GroupMember.WORLD
+        for g in groups.values():
+            if g is None or g is world:
+                continue
+            try:
+                dist.destroy_process_group(g)
+            except ValueError:  # the program destroyed it already: "Invalid process group specified"
+                pass
+    finally:
+        _forget_groups()
+        gc.collect()  # the groups' last references: their destructors join the gloo threads
 
 
 def _forget_groups() -> None:
@@ -133,6 +142,9 @@ def _forget_groups() -> None:
     comm = sys.modules.get("fshard.comm")
     if comm is not None:
         comm.forget_groups()  # a completed Handle drops its group itself (fshard.comm.Handle)
+    sharding = sys.modules.get("fshard.mesh.sharding")
+    if sharding is not None:  # the host views of device meshes (full_tensor of GPU DTensors)
+        sharding._HOST_MESHES.clear()
 
 
 def install_at_exit(*, owned: bool) -> None:

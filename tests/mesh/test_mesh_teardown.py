@@ -188,3 +188,52 @@ print("RESULT ok", flush=True)
     results = _run(zygotes, tmp_path, body, world=2)
     _check_clean(results)
     assert all("RESULT ok" in out for _, out, _ in results)
+
+
+# --- release_groups: a long-lived rank (a test pool's, a notebook's) drops its meshes' groups ---
+def _gloo_threads() -> int:
+    import os
+
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                n += "gloo" in f.read()
+        except OSError:  # the thread ended meanwhile
+            pass
+    return n
+
+
+def _meshes_then_release():
+    import torch
+
+    import fshard as fs
+    from fshard import P
+    from fshard.mesh.teardown import release_groups
+
+    release_groups()  # what earlier tests of this pool left
+    base = _gloo_threads()
+    sums = []
+    for shape in ({"a": 2, "b": 2}, {"c": 4}, {"d": 2, "e": 2}):
+        mesh = fs.make_mesh(shape)
+        first, both = tuple(shape)[0], tuple(shape)
+        f = fs.shard_map(lambda x: fs.lax.psum(x, first) + fs.lax.psum(x, both), mesh=mesh, in_specs=P(),
+                         out_specs=P())
+        sums.append(float(f(torch.ones(())).full_tensor()))
+    grown = _gloo_threads()
+    release_groups()
+    released = _gloo_threads()
+    # A mesh made after the release (it may reuse a freed mesh's id) has groups of its own.
+    mesh = fs.make_mesh({"a": 4})
+    after = float(fs.shard_map(lambda x: fs.lax.psum(x, "a"), mesh=mesh, in_specs=P(), out_specs=P())(
+        torch.ones(())).full_tensor())
+    return base, grown, released, sums, after
+
+
+def test_release_groups_ends_the_meshes_gloo_threads_and_new_meshes_work():
+    from fshard.testing import run_on_ranks
+
+    for base, grown, released, sums, after in run_on_ranks(_meshes_then_release, world_size=4, timeout_s=TIMEOUT_S):
+        assert grown > base, (base, grown)  # the meshes' groups have threads: the check can fail
+        assert released == base, (base, grown, released)
+        assert sums == [2 + 4, 4 + 4, 2 + 4] and after == 4
