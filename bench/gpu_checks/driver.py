@@ -91,9 +91,11 @@ def _preloaded(python: str) -> Any:
     """A dry run's checks are forked from one process that has imported torch and fshard
     once (a multiprocessing forkserver with :data:`PRELOAD`), instead of each starting an
     interpreter that imports them again (about 3.5 s of CPU per check, half the dry run's
-    CPU; its ranks, forked from the check, inherit the imports too). Each check still runs
-    as ``python check.py ...`` would: as ``__main__``, with its own argv, process, process
-    group and log (:func:`_run_script`). A GPU run keeps fresh interpreters.
+    CPU; its ranks, forked from the check, inherit the imports too). Each check runs as
+    ``__main__``, with its own argv, process, process group and log (:func:`_run_script`),
+    but it ends as a multiprocessing child does (``os._exit``: no atexit handlers, no
+    interpreter finalization), so the dry run does not exercise the exit path; the check
+    records are written before that. A GPU run keeps fresh interpreters.
     """
     import multiprocessing
 
