@@ -45,7 +45,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -219,21 +218,7 @@ def zygotes():
 def run_together(zygotes: Zygotes, argvs: list[list[str]], *, cwd: Path | str, env: dict[str, str],
                  timeout_s: float = 120) -> list[subprocess.CompletedProcess]:
     """Like tests/_procs.run_together for ``python ARGV`` programs, forked from a zygote."""
+    from _procs import finish_together
+
     children = [zygotes.start(argv, env=env, cwd=cwd) for argv in argvs]
-    deadline = time.monotonic() + timeout_s
-    try:
-        done = []
-        for c in children:
-            try:
-                out, err = c.communicate(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.kill()
-                out, err = c.communicate()
-                pytest.fail(f"{c.args} did not finish in {timeout_s:.0f} s:\n{out[-2000:]}\n{err[-3000:]}")
-            done.append(subprocess.CompletedProcess(c.args, c.returncode, out, err))
-        return done
-    finally:
-        for c in children:
-            if c.poll() is None:
-                c.kill()
-                c.wait()
+    return finish_together(children, timeout_s, kill=Child.kill)
