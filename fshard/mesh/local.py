@@ -255,6 +255,8 @@ class WorkerPool:
         grace_s = self.grace_s if grace_s is None else grace_s
         results: dict[int, Any] = {}
         errors: dict[int, tuple[Any, str]] = {}
+        killed_one = False
+        late_deaths: set[int] = set()  # ranks that died after this call killed a failed one
         deadline = time.monotonic() + timeout_s
         pending = set(range(self.world_size))
         while pending:
@@ -278,8 +280,11 @@ class WorkerPool:
                     if not errors:
                         self._first_error_time = time.monotonic()
                     errors[r] = payload
+                    if killed_one and payload[0] is None:
+                        late_deaths.add(r)
                     if stop_failed:
                         self._procs[r].kill()
+                        killed_one = True
                 else:
                     results[r] = payload
             for r in list(pending):  # a child that died without a word
@@ -288,12 +293,14 @@ class WorkerPool:
                     if not errors:
                         self._first_error_time = time.monotonic()
                     errors[r] = (None, _death(r, self._procs[r], what))
+                    if killed_one:
+                        late_deaths.add(r)
         stuck = sorted(pending)
         stacks = self._dump_stacks(stuck) if stuck else ""
         if stuck:
             self.shutdown(kill=True)
         if errors:
-            r = _cause(errors)
+            r = _cause(errors, late_deaths)
             exc, tb = errors[r]
             verb = "died" if exc is None and " died (" in tb else "raised"
             note = f"{verb} on rank {r} of {self.world_size} during {what}"
@@ -371,19 +378,22 @@ class WorkerPool:
         self.shutdown()
 
 
-def _cause(errors: dict[int, tuple[Any, str]]) -> int:
+def _cause(errors: dict[int, tuple[Any, str]], late_deaths: set[int] | frozenset[int] = frozenset()) -> int:
     """The rank to blame among the failed ones.
 
     A rank that died beats one that raised, and a rank that raised on its own beats one
     whose collective failed because a peer went away: when one rank is killed the others
-    often report the broken connection before the parent notices the death. Ties go to
-    the first to arrive (dicts keep arrival order).
+    often report the broken connection before the parent notices the death. A rank that
+    died after the parent killed a failed rank (``late_deaths``, ``stop_failed``) ranks
+    below the ones that raised on their own: a peer blocked in a native collective may
+    abort when the killed rank's connections close, and the parent caused that death.
+    Ties go to the first to arrive (dicts keep arrival order).
     """
     def rank_of_blame(r: int) -> int:
         exc, tb = errors[r]
         if exc is None and " died (" in tb:
-            return 0
-        return 2 if any(s in tb for s in PEER_LOST) else 1
+            return 2 if r in late_deaths else 0
+        return 3 if any(s in tb for s in PEER_LOST) else 1
 
     return min(errors, key=rank_of_blame)
 

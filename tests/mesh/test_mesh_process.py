@@ -117,6 +117,40 @@ def test_run_local_propagates_failure_and_leaves_no_children():
     assert [p for p in mp.active_children() if p.name.startswith("fshard-local-rank")] == []
 
 
+def test_run_local_blames_the_raiser_not_a_peer_that_aborts_when_its_connection_closes():
+    """A peer blocked in a native collective may abort when the failed rank is stopped and
+    its connections close (the parent caused that death): the rank that raised is blamed."""
+    import os
+    import signal
+
+    def body():
+        if dist.get_rank() == 1:
+            raise RuntimeError("the real trouble")
+        try:
+            dist.barrier()
+        except Exception:
+            os.kill(os.getpid(), signal.SIGABRT)  # as a native abort on the lost peer would
+
+    with pytest.raises(RuntimeError, match="the real trouble") as info:
+        fs.run_local(body, world_size=2, timeout_s=60)
+    notes = "\n".join(info.value.__notes__)
+    assert "raised on rank 1 of 2" in notes, notes
+    assert "rank 0 also failed" in notes and "SIGABRT" in notes, notes
+
+
+def test_cause_ranks_deaths_raises_late_deaths_and_lost_peers():
+    from fshard.mesh.local import _cause
+
+    died = (None, "rank 0 died (killed by SIGSEGV, exit code -11) during f")
+    raised = (ValueError("x"), "Traceback ...\nValueError: x")
+    lost = (RuntimeError("y"), "Traceback ...\nRuntimeError: Connection closed by peer")
+    assert _cause({1: raised, 0: died}) == 0  # a death beats a raise
+    assert _cause({1: raised, 0: died}, late_deaths={0}) == 1  # unless the parent caused it
+    assert _cause({2: lost, 0: died}, late_deaths={0}) == 0  # still above a lost peer
+    assert _cause({2: lost, 1: raised}) == 1
+    assert _cause({3: raised, 1: raised}) == 3  # ties: the first to arrive
+
+
 _TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
