@@ -96,7 +96,12 @@ def pytest_collection_modifyitems(session, config, items):
     seed = _shuffle_seed()
     if seed is None:
         _long_first(items)
-        return
+    else:
+        _shuffle(items, seed)
+    _jax_last(items)
+
+
+def _shuffle(items, seed):
     rng = random.Random(seed)
     modules = {}
     for item in items:
@@ -118,6 +123,31 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if seed is not None:  # also under -q, where the header is not shown
         terminalreporter.write_line(f"test order shuffled with {_SHUFFLE_ENV}={seed} "
                                     f"(the same order again: {_SHUFFLE_ENV}={seed} python -m pytest -q)")
+
+
+# --- JAX in the pytest process: last --------------------------------------------------
+# A few modules import JAX into the pytest process (optax's side of the optimizer
+# conformance). JAX starts threads, and many tests fork from the pytest process
+# (fs.run_local, the pools' children): a fork of a multithreaded process may copy a lock
+# that another thread holds. So those modules run after every other test, in both orders,
+# and a test elsewhere that loads JAX here fails (``_no_jax_here``).
+_JAX_IN_PROCESS = ("test_optim_optax.py",)
+
+
+def _jax_last(items):
+    items.sort(key=lambda item: item.path.name in _JAX_IN_PROCESS)  # stable: the rest keep their order
+
+
+@pytest.fixture(autouse=True)
+def _no_jax_here(request):
+    import sys
+
+    had = "jax" in sys.modules
+    yield
+    if not had and "jax" in sys.modules and request.node.path.name not in _JAX_IN_PROCESS:
+        pytest.fail(f"{request.node.nodeid} imported JAX into the pytest process, whose later tests fork: "
+                    f"import it in a subprocess (tests/conformance/conf_jax_worker.py) or list the module in "
+                    f"tests/conftest.py's _JAX_IN_PROCESS, which runs last", pytrace=False)
 
 
 # Fresh processes forked from an interpreter that has imported torch and fshard (tests/_zygote.py).
