@@ -84,8 +84,13 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int,
         return pool.run(fn, *args, timeout_s=timeout_s or DEFAULT_TIMEOUT_S, grace_s=grace_s, **kwargs)
     finally:
         if not pool.alive:
-            pool.shutdown(kill=True)
-            _POOLS.pop(world_size, None)
+            _drop(world_size, pool)
+
+
+def _drop(world_size: int, pool: WorkerPool) -> None:
+    """A pool that is dead or failed: its children stopped, and the next call builds a new one."""
+    pool.shutdown(kill=True)
+    _POOLS.pop(world_size, None)
 
 
 def shutdown_pools() -> None:
@@ -122,12 +127,10 @@ def release_pool_groups() -> None:
         except Exception as e:  # noqa: BLE001 - the next test gets a fresh pool; the others are released
             warnings.warn(f"fshard.testing: releasing the process groups of the {world_size}-rank pool failed "
                           f"({type(e).__name__}: {e}); the pool is replaced.", RuntimeWarning, stacklevel=2)
-            pool.shutdown(kill=True)
-            _POOLS.pop(world_size, None)
+            _drop(world_size, pool)
         else:
             if not pool.alive:
-                pool.shutdown(kill=True)
-                _POOLS.pop(world_size, None)
+                _drop(world_size, pool)
 
 
 def local_block_diff(dist: Any, ref: Any, specs: Any, mesh: Any, *, uneven: bool = False) -> float:

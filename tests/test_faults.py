@@ -37,7 +37,9 @@ LIMIT_S = 60.0
 # and two others to stop, one of them the store's host; each rank is a fresh interpreter
 # (~2.5 s of CPU to start).
 TORCHRUN_NPROC = 3
-TORCHRUN_ARGV = [{"fsdp=4": "fsdp=3", "8": "6"}.get(a, a) for a in ARGV]
+TORCHRUN_ARGV = list(ARGV)
+TORCHRUN_ARGV[ARGV.index("--mesh") + 1] = "fsdp=3"
+TORCHRUN_ARGV[ARGV.index("--batch-size") + 1] = "6"
 
 
 def _left_behind(pid_dir: Path) -> list[int]:
