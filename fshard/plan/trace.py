@@ -151,11 +151,11 @@ class _Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
+        if self.track_memory:  # before the free ops return: empty_like costs no time but holds memory
+            self._track(args, out)
         if packet in _FREE:
             return out
         self.ops += 1
-        if self.track_memory:
-            self._track(args, out)
         if packet.__name__.startswith("_foreach_"):
             self.foreach += 1
         if packet in _FLOPS:
