@@ -87,6 +87,13 @@ runs it in program order: ``aot_eager`` or ``None``. ``"inductor"`` is refused (
 across the transfers, whose pairing across ranks no data dependency shows (seen: a
 deadlock). ``return_stats=True`` is refused (its timings are wall-clock ones of an eager run).
 
+Every ``fs.lax`` collective is tested against eager, values and gradients, in both orders
+of ``shard_map`` and ``value_and_grad``, on 2 ranks and over two axes of a 2x2 mesh
+(``tests/test_jit_collectives.py``). ``shard_map(check=True)`` verifies an ``out_specs``
+promise that the types do not prove (an ``all_gather``'s result under ``P()``) by reading
+the values at run time; traced, it cannot, and refuses with the output, spec and axes, as
+JAX refuses such a promise before running.
+
 Not yet capturable: anything that calls ``torch.distributed`` directly.
 """
 

@@ -311,6 +311,16 @@ def _check_promise(name: str, mesh: Mesh, path: str, x: torch.Tensor, spec: Part
     n = mesh.axis_size(extra)
     if n == 1:
         return x
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode(x) is not None:
+        where = "output" if path == "<root>" else f"outputs.{path}"
+        raise ValueError(
+            f"shard_map({name}) out_specs: {where} has spec {spec}, which promises the value is the same on "
+            f"every rank of axes {extra} of {mesh!r}; its type does not prove it (it varies over {extra}, as "
+            f"an all_gather's result does: JAX types it varying too), so check=True would verify it at run "
+            f"time by reading the values, which cannot be traced (fs.jit). Make it invariant (fs.lax.psum / "
+            f"pmean over {extra}), name the axes in its out_spec, or pass check=False to this shard_map "
+            f"(the promise is then yours)."
+        )
     with torch.no_grad():
         # Plain c10d calls: a verification, not part of the program, so comm_log skips them.
         d = x.detach()
