@@ -40,10 +40,12 @@ def make_params(d: int = 256, n_layers: int = 4, vocab: int = 1024, seed: int = 
 
 
 def run(threads: int, steps: int, compiled: bool = False, backend: str = "inductor",
-        sizes: dict | None = None) -> tuple[dict[str, float], int, int, dict[str, float]]:
+        sizes: dict | None = None, cpu: bool = False) -> tuple[dict[str, float], int, int, dict[str, float]]:
     """Times every side, interleaved; returns ``(median ms per step, params, tensors, first)``,
     ``first``: each compiled side's first call in seconds (trace + compile + one step).
-    ``sizes``: :func:`make_params`'s arguments (default: the bench size)."""
+    ``sizes``: :func:`make_params`'s arguments (default: the bench size). ``cpu``: time
+    with this thread's CPU clock instead of the wall clock (a shared machine's load then
+    moves the figures less; one thread, so they are the step's whole work)."""
     torch.set_num_threads(threads)
 
     params = make_params(**(sizes or {}))
@@ -56,6 +58,11 @@ def run(threads: int, steps: int, compiled: bool = False, backend: str = "induct
     for p, g in zip(torch_params, tree_util.leaves(grads)):
         p.grad = g.clone()
     topt = torch.optim.AdamW(torch_params, foreach=True, **hp)
+    # torch's fused CPU kernel (one pass over each tensor), over its own copies.
+    fused_params = [x.detach().clone().requires_grad_() for x in torch_params]
+    for p, q in zip(fused_params, torch_params):
+        p.grad = q.grad.clone()
+    fopt = torch.optim.AdamW(fused_params, fused=True, **hp)
 
     opt = optim.adamw(**hp)
     state = {"params": params, "opt": opt.init(params)}
@@ -68,7 +75,7 @@ def run(threads: int, steps: int, compiled: bool = False, backend: str = "induct
         with optim.donate():
             fs_step()
 
-    runs = [("torch", topt.step), ("fshard", fs_step), ("fshard donated", fs_step_donated)]
+    runs = [("torch", topt.step), ("torch fused", fopt.step), ("fshard", fs_step), ("fshard donated", fs_step_donated)]
     if compiled:
         import fshard as fs
 
@@ -90,19 +97,29 @@ def run(threads: int, steps: int, compiled: bool = False, backend: str = "induct
         def jit_step() -> None:
             jstate["params"], jstate["opt"] = jitted(jstate["params"], jstate["opt"], grads)
 
-        runs += [("torch compiled", ctorch_step), ("fshard jit", jit_step)]
+        # JAX's donation: the new params and state are computed into the old ones' buffers.
+        djitted = fs.jit(pure_update, backend=backend, donate_argnums=(0, 1))
+        dstate = {"params": tree_util.tree_map(torch.clone, params), "opt": opt.init(params)}
+
+        def jit_donated_step() -> None:
+            dstate["params"], dstate["opt"] = djitted(dstate["params"], dstate["opt"], grads)
+
+        runs += [("torch compiled", ctorch_step), ("fshard jit", jit_step), ("fshard jit donated", jit_donated_step)]
     times: dict[str, list[float]] = {name: [] for name, _ in runs}
     first: dict[str, float] = {}
+    clock = time.thread_time if cpu else time.perf_counter
     for i in range(steps + 5):
         for name, fn in runs:
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            if i == 0 and name.endswith(("compiled", "jit")):
-                first[name] = time.perf_counter() - t0
+            if i == 0 and name.endswith(("compiled", "jit", "donated")) and name != "fshard donated":
+                first[name] = clock() - t0
             if i >= 5:  # warm-up: allocator, first-step state creation, compiling
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
     if compiled:  # the same updates on every side, or the timing compares different work
-        for got, want in ((ctorch_params, torch_params), (tree_util.leaves(jstate["params"]), torch_params)):
+        for got, want in ((ctorch_params, torch_params), (fused_params, torch_params),
+                          (tree_util.leaves(jstate["params"]), torch_params),
+                          (tree_util.leaves(dstate["params"]), torch_params)):
             torch.testing.assert_close([x.detach() for x in got], [x.detach() for x in want])
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return med, n, len(torch_params), first
@@ -114,11 +131,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--compiled", action="store_true", help="also time torch.compile(opt.step) and fs.jit(update)")
     ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
+    ap.add_argument("--cpu-clock", action="store_true", help="this thread's CPU time instead of wall time")
     args = ap.parse_args()
-    med, n, n_tensors, first = run(args.threads, args.steps, args.compiled, args.backend)
+    med, n, n_tensors, first = run(args.threads, args.steps, args.compiled, args.backend, cpu=args.cpu_clock)
     print(f"params: {n / 1e6:.2f}M in {n_tensors} tensors, threads={args.threads}, "
           f"steps={args.steps}")
+    print(f"clock: {'thread CPU time' if args.cpu_clock else 'wall'}")
     print(f"torch.optim.AdamW(foreach=True):        {med['torch']:.2f} ms/step")
+    print(f"torch.optim.AdamW(fused=True):          {med['torch fused']:.2f} ms/step")
     print(f"fs.optim.adamw (pure):                  {med['fshard']:.2f} ms/step")
     print(f"fs.optim.adamw (with fs.optim.donate()): {med['fshard donated']:.2f} ms/step")
     print(f"ratio fshard/torch: pure {med['fshard'] / med['torch']:.2f}, "
@@ -128,8 +148,12 @@ def main() -> None:
               f"first call {first['torch compiled']:.1f} s")
         print(f"fs.jit(adamw update) ({args.backend}):      {med['fshard jit']:.2f} ms/step, "
               f"first call {first['fshard jit']:.1f} s")
+        print(f"fs.jit(adamw update, donate_argnums=(0, 1)): {med['fshard jit donated']:.2f} ms/step, "
+              f"first call {first['fshard jit donated']:.1f} s")
         print(f"ratio fs.jit / torch compiled: {med['fshard jit'] / med['torch compiled']:.2f}; "
-              f"fs.jit / torch eager: {med['fshard jit'] / med['torch']:.2f}")
+              f"fs.jit / torch eager: {med['fshard jit'] / med['torch']:.2f}; "
+              f"fs.jit / torch fused: {med['fshard jit'] / med['torch fused']:.2f}; "
+              f"donated / torch fused: {med['fshard jit donated'] / med['torch fused']:.2f}")
 
 
 if __name__ == "__main__":

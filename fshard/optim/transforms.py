@@ -114,6 +114,8 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         count = state.count
         if torch.compiler.is_compiling() or torch._guards.detect_fake_mode(count) is not None:
             factor = step_size_fn(count)  # traced (fs.jit): no value to read
+            if isinstance(factor, torch.Tensor):
+                (factor,) = _computed_once(factor)  # a cosine per leaf and element otherwise
         else:
             factor = step_size_fn(int(count))
 
@@ -273,8 +275,7 @@ def _adam_traced(out, g, m, v, count: torch.Tensor, b1: float, b2: float, eps: f
     the bias correction afterwards instead differs by an ulp, which compounds into
     float32 losses 1e-7 apart after a few steps."""
     t = count.to(torch.float64) + 1
-    step_size = 1 / (1 - torch.pow(b1, t))
-    bc2_sqrt = (1 - torch.pow(b2, t)).sqrt()
+    step_size, bc2_sqrt = _computed_once(1 / (1 - torch.pow(b1, t)), (1 - torch.pow(b2, t)).sqrt())
     torch._foreach_lerp_(m, g, 1 - b1)
     torch._foreach_mul_(v, b2)
     torch._foreach_addcmul_(v, g, g, 1 - b2)
@@ -284,9 +285,33 @@ def _adam_traced(out, g, m, v, count: torch.Tensor, b1: float, b2: float, eps: f
     torch._foreach_addcdiv_(out, torch._foreach_mul(m, step_size), denom)
 
 
+def _computed_once(*scalars: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The 0-dim tensors ``scalars``, unchanged, each computed once per call of a compiled
+    graph (fs.jit).
+
+    Inductor inlines a pointwise scalar computation into every kernel that reads it, and
+    into the loop body there: Adam's two bias corrections (a ``pow`` each) were computed
+    again for every 16 elements of every leaf, 70 ``std::pow`` per vector step on the
+    bench's 35 leaves, and AdamW took 11.9 ms instead of 4.5 (``bench/optim_step.py``). A
+    reduction is computed once, into a buffer the kernels load: so each scalar goes
+    through one, as the sum of itself and 0 (exact). Eagerly the scalars come back as given.
+    """
+    if not scalars or torch._guards.detect_fake_mode(scalars[0]) is None:
+        return scalars
+    s = torch.stack(scalars)  # (k,)
+    s = torch.stack([s, torch.zeros_like(s)], 1).sum(1)  # (k, 2) -> (k,): a reduction, realized
+    return tuple(s.unbind())
+
+
 def _zeros_like_each(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """New zero tensors like ``xs``: allocations, then one multi-tensor kernel (a GPU
-    launch per leaf otherwise, which a small model's step is bound by)."""
+    launch per leaf otherwise, which a small model's step is bound by).
+
+    Traced (fs.jit), one ``zeros_like`` per leaf instead: Inductor folds those zeros into
+    the kernel that reads them, while ``_foreach_zero_`` is an aten call that writes every
+    buffer once more before the update reads it back."""
+    if xs and torch._guards.detect_fake_mode(xs[0]) is not None:
+        return [torch.zeros_like(x) for x in xs]
     out = [torch.empty_like(x) for x in xs]
     if out:
         torch._foreach_zero_(out)
