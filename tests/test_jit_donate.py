@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import fshard as fs
 from fshard import P
@@ -101,9 +102,90 @@ def test_bad_donate_argnums_are_refused_naming_them():
         fs.jit(_sgd_step, backend=None, donate_argnums=3)(_tree(0), _tree(1), torch.ones(4, 3, dtype=F64))
 
 
-def _fsdp_donated_steps(backend):
+def _donated(f, *args, **kwargs):
+    """Which top-level arguments ``f`` (a jitted step) computed its results into: their names."""
+    ptrs = {k: v.data_ptr() for k, v in {**dict(zip("abc", args)), **kwargs}.items()}
+    out = f(*args, **kwargs)
+    return sorted(k for k, v in ptrs.items() if any(o.data_ptr() == v for o in out))
+
+
+def test_donate_argnames_donate_by_keyword_and_by_position_as_jax_does():
+    # jax.jit's rule (tests/conformance/test_donation_jax.py checks it against JAX): given
+    # only names (or only positions), the other is inferred from the signature, so an
+    # argument is donated however it is passed; given both, each applies as given.
+    def f(a, b, c):
+        return a + 1, b + 1, c + 1
+
+    def t():
+        return torch.zeros(2, dtype=F64)
+
+    by_name = fs.jit(f, backend=None, donate_argnames=("a", "c"))
+    assert _donated(by_name, t(), t(), t()) == ["a", "c"]
+    assert _donated(by_name, t(), b=t(), c=t()) == ["a", "c"]
+    assert _donated(fs.jit(f, backend=None, donate_argnums=2), t(), t(), c=t()) == ["c"]
+    both = fs.jit(f, backend=None, donate_argnums=0, donate_argnames="c")
+    assert _donated(both, t(), t(), t()) == ["a"]  # c passed by position: not named by position
+    assert _donated(both, a=t(), b=t(), c=t()) == ["c"]  # a passed by keyword: not named by keyword
+    out = fs.jit(f, backend=None, donate_argnames="b")(t(), b=torch.ones(2, dtype=F64), c=t())
+    assert torch.equal(out[1], torch.full((2,), 2.0, dtype=F64))
+
+
+def test_bad_donate_argnames_are_refused_naming_them():
+    def f(a, /, b, *, c):
+        return b
+
+    with pytest.raises(ValueError, match=r"no argument named d"):
+        fs.jit(f, donate_argnames=("b", "d"))
+    with pytest.raises(ValueError, match=r"\['a'\] cannot be passed by keyword"):
+        fs.jit(f, donate_argnames="a")
+    with pytest.raises(ValueError, match="donate_argnames=3"):
+        fs.jit(f, donate_argnames=3)
+    fs.jit(lambda a, **kw: a, donate_argnames="anything")  # **kwargs takes any name
+
+
+@TIMEOUT
+def test_results_that_alias_arguments_without_a_view_are_returned_as_they_are():
+    # detach() and set_() alias an argument's memory without making a view (no ``_base``):
+    # swapping two donated arguments through them must not copy one into the other.
+    def swap(x, y):
+        return y.detach(), torch.empty(0, dtype=F64).set_(x)
+
+    x, y = torch.full((3,), 2.0, dtype=F64), torch.ones(3, dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a, b = fs.jit(swap, backend=None, donate_argnums=(0, 1))(x, y)
+    assert torch.equal(a, torch.ones(3, dtype=F64)) and torch.equal(b, torch.full((3,), 2.0, dtype=F64))
+
+
+def test_a_donated_tensor_sharing_memory_with_another_argument_is_refused():
+    # No view relation between the two tensors (set_, as_strided on the storage, two tensors
+    # over one numpy array): the memory overlaps all the same.
+    f = fs.jit(lambda a, b: (a * 2, b + 1), backend=None, donate_argnums=0)
+    a = torch.zeros(6, dtype=F64)
+    flat = torch.zeros(12, dtype=F64)
+    arr = flat.numpy()
+    for other in (torch.empty(0, dtype=F64).set_(a.untyped_storage(), 0, (6,)),
+                  torch.empty(0, dtype=F64).set_(a.untyped_storage()).as_strided((3,), (2,), 1)):
+        with pytest.raises(ValueError, match=r"memory is also passed as another argument: args\[0\] and args\[1\]"):
+            f(a, other)
+    with pytest.raises(ValueError, match=r"args\[0\] and args\[1\]"):
+        f(torch.from_numpy(arr[:6]), torch.from_numpy(arr[4:10]))
+
+
+def test_disjoint_parts_of_one_buffer_may_both_be_donated():
+    # Parameters living in one flat buffer: each result is computed into its own part.
+    flat = torch.arange(12, dtype=F64)
+    a, b = flat[:6], flat[6:]
+    out = fs.jit(lambda a, b: (a * 2, b + 1), backend=None, donate_argnums=(0, 1))(a, b)
+    assert out[0] is a and out[1] is b
+    assert torch.equal(flat, torch.cat([torch.arange(6, dtype=F64) * 2, torch.arange(6, 12, dtype=F64) + 1]))
+
+
+def _fsdp_donated_steps(backend, order="outside"):
     """An FSDP MLP step with AdamW, donated vs not, 3 steps: losses, params and state equal,
-    each donated result the argument's DTensor itself, and the local shards' storage reused."""
+    each donated result the argument's DTensor itself, and the local shards' storage reused.
+    ``order``: ``value_and_grad(shard_map(body))`` ("outside") or
+    ``shard_map(value_and_grad(body))`` ("inside", the gradients leave the body sharded)."""
     n = torch.distributed.get_world_size()
     mesh = fs.make_mesh({"x": n})
     g = torch.Generator().manual_seed(0)
@@ -115,7 +197,11 @@ def _fsdp_donated_steps(backend):
         full = {k: fs.lax.all_gather(v, "x", tiled=True) for k, v in p.items()}
         return fs.lax.pmean(((torch.tanh(x @ full["w1"]) @ full["w2"] - y) ** 2).mean(), "x")
 
-    grad = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("x"), P("x")), out_specs=P()))
+    if order == "outside":
+        grad = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("x"), P("x")), out_specs=P()))
+    else:
+        grad = fs.shard_map(fs.value_and_grad(body), mesh=mesh, in_specs=(specs, P("x"), P("x")),
+                            out_specs=(P(), specs))
 
     def step(p, s, x, y):
         loss, gr = grad(p, x, y)
@@ -131,8 +217,11 @@ def _fsdp_donated_steps(backend):
         x, y = torch.randn(4 * n, 4, generator=gd, dtype=F64), torch.randn(4 * n, 2, generator=gd, dtype=F64)
         la, pa, sa = plain(pa, sa, x, y)
         before = {k: (id(v), v.to_local().data_ptr()) for k, v in pb.items()}
+        state_ptrs = [t.to_local().data_ptr() for t in fs.tree.leaves(sb) if isinstance(t, DTensor)]
         lb, pb, sb = donated(pb, sb, x, y)
         assert torch.equal(la.full_tensor(), lb.full_tensor()), i
+        # The moments too are computed into the donated state's shards.
+        assert [t.to_local().data_ptr() for t in fs.tree.leaves(sb) if isinstance(t, DTensor)] == state_ptrs
         for k in pa:
             assert (id(pb[k]), pb[k].to_local().data_ptr()) == before[k], (i, k)
             assert pb[k].placements == pa[k].placements
@@ -149,3 +238,8 @@ def test_fsdp_step_donated_equals_undonated_on_two_ranks(backend):
     # Inductor: the AdamW kernels write into the donated shards while the step's collectives
     # (all-gathers of those shards, the gradients' reduce-scatters) are in the same graph.
     assert all(run_on_ranks(_fsdp_donated_steps, backend, world_size=2))
+
+
+@TIMEOUT
+def test_fsdp_step_donated_equals_undonated_with_value_and_grad_inside_shard_map():
+    assert all(run_on_ranks(_fsdp_donated_steps, "aot_eager", "inside", world_size=2))
