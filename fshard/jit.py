@@ -421,11 +421,13 @@ class Jitted:
             out_flat, found["tree"] = tree_util.tree_flatten(out)
             kinds, tensors_out = [], []
             by_leaf = dict(zip([i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)], locals_))
-            memory = _Memory(by_leaf)
-            # A donated argument that is also returned (as it is, as a view or as any other
-            # alias of its memory) keeps its value: the result shares its buffer already.
-            returned = {j for o in out_flat if isinstance(o, torch.Tensor) for j in memory.aliased(o)}
-            free = [(j, sig) for j, sig in donors if j not in returned]
+            free = []
+            if donors:  # (without donation nothing here is needed: no memory is looked at)
+                memory = _Memory(by_leaf)
+                # A donated argument that is also returned (as it is, as a view or as any other
+                # alias of its memory) keeps its value: the result shares its buffer already.
+                returned = {j for o in out_flat if isinstance(o, torch.Tensor) for j in memory.aliased(o)}
+                free = [(j, sig) for j, sig in donors if j not in returned]
             for o in out_flat:
                 j = _take_donor(o, free, memory) if free else None
                 if j is not None:
