@@ -37,8 +37,12 @@ entries: ``{"post_grad_custom_post_pass": None}`` turns merging off
 
 Memory: Inductor's reordering for locality is off (``_MEMORY``; ``options`` may turn it
 on): over a whole step it moved kernels across forward, backward and the optimizer and kept
-buffers alive longer (``bench/jit_memory.py``). ``donate_argnums`` computes results into the
-donated arguments' buffers, JAX's buffer donation (see :func:`jit`).
+buffers alive longer (``bench/jit_memory.py``). ``donate_argnums`` / ``donate_argnames``
+compute results into the donated arguments' buffers, JAX's buffer donation, by JAX's rules
+(see :func:`jit`; ``tests/conformance/test_donation_jax.py`` runs the same steps through
+``jax.jit`` on CPU, which implements donation, and pins where fshard differs). One
+difference matters to users: JAX deletes a donated input that a result took (reading it
+raises), while here that input *is* the result, so reading it reads the new value.
 
 Consequences (JAX's rules):
 
@@ -161,7 +165,7 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
 
         - Each result leaf takes the first unused donated leaf of the same layout (shape,
           stride, dtype, device; for a DTensor also mesh, placements and local shape), in
-          flattening order, and is computed into it (a ``copy_`` at the end of the graph,
+          the flattening order of ``(args, kwargs)``, and is computed into it (a ``copy_`` at the end of the graph,
           which Inductor fuses into the kernel that computes the result: the step allocates
           no new params or optimizer state). The result *is* that argument's tensor (the
           same object).
@@ -175,7 +179,10 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
           donated argument the function never reads (fshard warns).
         - A result that is an argument, or any alias of one (a view, ``detach()``, an
           ``as_strided`` or ``set_`` on its memory), is returned as it is, and that
-          argument, donated or not, keeps its value and takes no other result.
+          argument, donated or not, keeps its value and takes no other result (JAX may
+          give such a result a donated buffer and copy the argument there: same values,
+          other buffers; copying argument into argument at the end of the graph would
+          make the order of the copies matter).
         - A donated tensor whose memory overlaps another argument's (the same tensor passed
           twice, a view of it, another tensor on the same memory) is refused at the call
           (JAX refuses a donated buffer passed twice). Disjoint views of one buffer (e.g.
