@@ -339,14 +339,22 @@ class Jitted:
         donated = self._donated_indices(args, kwargs, treedef)
         if not donated:
             return
-        spans = []
+        spans = []  # runs on every call: the fewest tensor method calls per leaf
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 loc = x._local_tensor if isinstance(x, DTensor) else x
-                if loc.numel():
+                n = loc.nbytes
+                if n:
                     start = loc.data_ptr()
-                    spans.append((start, start + _nbytes_spanned(loc), i))
+                    spans.append((start, start + (n if loc.is_contiguous() else _nbytes_spanned(loc)), i))
         spans.sort()
+        end = -1
+        for start, stop, _ in spans:  # disjoint (the usual case) when each starts after the last ends
+            if start < end:
+                break
+            end = stop
+        else:
+            return
         bad, group, end = [], [], -1
         for start, stop, i in spans + [(float("inf"), 0, -1)]:
             if start >= end:  # a new group of overlapping spans begins: judge the last one
