@@ -160,15 +160,15 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
         (``fshard._jit_comm.collective_passes()``: merging back-to-back collectives), whose
         entries it may replace.
       donate_argnums: the arguments (by position) whose tensors the call may overwrite with
-        its results, JAX's buffer donation; the rules are JAX's (``tests/conformance/
-        test_donation_jax.py`` checks them against ``jax.jit`` itself):
+        its results, JAX's buffer donation; the rules are JAX's
+        (``tests/conformance/test_donation_jax.py`` checks them against ``jax.jit``):
 
         - Each result leaf takes the first unused donated leaf of the same layout (shape,
           stride, dtype, device; for a DTensor also mesh, placements and local shape), in
-          the flattening order of ``(args, kwargs)``, and is computed into it (a ``copy_`` at the end of the graph,
-          which Inductor fuses into the kernel that computes the result: the step allocates
-          no new params or optimizer state). The result *is* that argument's tensor (the
-          same object).
+          the flattening order of ``(args, kwargs)``, and is computed into it (a ``copy_``
+          at the end of the graph, which Inductor fuses into the kernel that computes the
+          result: the step allocates no new params or optimizer state). The result *is*
+          that argument's tensor (the same object).
         - A donated argument must not be used after the call: JAX deletes it (using it
           raises); here it is the result, so reading it reads the *new* value, silently.
           ``fs.optim.donate()`` has the same contract in eager.
