@@ -230,8 +230,8 @@ def test_difference_a_donated_argument_the_function_never_reads(jx):
 
 
 @pytest.mark.parametrize("returns, donate, jax_reuses, fshard_reuses", [
-    (lambda a, b: (a + b, a), (0, 1), ("0.0", "0.1"), ("0.1", "0.0")),
-    (lambda a, b: (a, b + a), 1, ("0.1", None), ("0.0", "0.1")),
+    pytest.param(lambda a, b: (a + b, a), (0, 1), ("0.0", "0.1"), ("0.1", "0.0"), id="(a+b,a)-both-donated"),
+    pytest.param(lambda a, b: (a, b + a), 1, ("0.1", None), ("0.0", "0.1"), id="(a,b+a)-b-donated"),
 ])
 def test_difference_where_an_argument_returned_as_is_ends_up(jx, returns, donate, jax_reuses, fshard_reuses):
     # JAX gives a donated buffer to the first output of its shape even where that output is
