@@ -126,8 +126,14 @@ def test_donate_argnames_donate_by_keyword_and_by_position_as_jax_does():
     both = fs.jit(f, backend=None, donate_argnums=0, donate_argnames="c")
     assert _donated(both, t(), t(), t()) == ["a"]  # c passed by position: not named by position
     assert _donated(both, a=t(), b=t(), c=t()) == ["c"]  # a passed by keyword: not named by keyword
-    out = fs.jit(f, backend=None, donate_argnames="b")(t(), b=torch.ones(2, dtype=F64), c=t())
+
+    @fs.jit(backend=None, donate_argnames="b")  # the decorator form
+    def g(a, b, c):
+        return f(a, b, c)
+
+    out = g(t(), b=torch.ones(2, dtype=F64), c=t())
     assert torch.equal(out[1], torch.full((2,), 2.0, dtype=F64))
+    assert _donated(g, t(), t(), c=t()) == ["b"]
 
 
 def test_bad_donate_argnames_are_refused_naming_them():
