@@ -33,7 +33,7 @@ from fshard import parallel as parallel
 from fshard import plan as plan
 from fshard import sched as sched
 from fshard.comm import comm_log as comm_log
-from fshard.jit import JitCaptureError as JitCaptureError, jit as jit
+from fshard.jit import DonatedTensorError as DonatedTensorError, JitCaptureError as JitCaptureError, jit as jit
 from fshard.parallel.specs import match_specs as match_specs
 from fshard.transforms.policy import Policy as Policy
 from fshard.transforms import grad as grad, remat as remat, shard_map as shard_map, value_and_grad as value_and_grad

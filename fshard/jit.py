@@ -37,8 +37,12 @@ entries: ``{"post_grad_custom_post_pass": None}`` turns merging off
 
 Memory: Inductor's reordering for locality is off (``_MEMORY``; ``options`` may turn it
 on): over a whole step it moved kernels across forward, backward and the optimizer and kept
-buffers alive longer (``bench/jit_memory.py``). ``donate_argnums`` computes results into the
-donated arguments' buffers, JAX's buffer donation (see :func:`jit`).
+buffers alive longer (``bench/jit_memory.py``). ``donate_argnums`` / ``donate_argnames``
+compute results into the donated arguments' buffers, JAX's buffer donation, by JAX's rules
+(see :func:`jit`; ``tests/conformance/test_donation_jax.py`` runs the same steps through
+``jax.jit`` on CPU, which implements donation, and pins where fshard differs). As in
+JAX, a donated input that a result took is unusable afterwards (using it raises
+:class:`DonatedTensorError`).
 
 Consequences (JAX's rules):
 
@@ -101,13 +105,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import sysconfig
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 import torch
@@ -117,7 +122,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from fshard import comm
 from fshard import tree as tree_util
 
-__all__ = ["jit", "Jitted", "JitCaptureError"]
+__all__ = ["jit", "Jitted", "JitCaptureError", "DonatedTensorError"]
 
 log = logging.getLogger("fshard.jit")
 
@@ -140,7 +145,8 @@ class _Entry:
 
 def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None = "inductor",
         on_capture_error: str = "raise", options: dict | None = None,
-        donate_argnums: int | tuple[int, ...] = ()) -> Any:
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None) -> Any:
     """Compiles ``f`` (a function of pytrees of tensors / DTensors) into one graph per signature.
 
     Args:
@@ -160,48 +166,89 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
         ``"inductor"`` it is applied over fshard's collective passes
         (``fshard._jit_comm.collective_passes()``: merging back-to-back collectives), whose
         entries it may replace.
-      donate_argnums: positional arguments whose tensors the call may overwrite with its
-        results, JAX's buffer donation: each result leaf takes the first unused donated
-        leaf of the same layout (shape, stride, dtype, device; for a DTensor also mesh,
-        placements and local shape), in flattening order, and is computed into it (a
-        ``copy_`` at the end of the graph, which Inductor fuses into the kernel that
-        computes the result: the step allocates no new params or optimizer state). The
-        result *is* that argument's tensor (the same object), so the donated arguments
-        must not be used after the call, as in JAX (where they are deleted) and
-        ``fs.optim.donate()``. A donated leaf that no result can take is left unchanged,
-        with a warning naming it (JAX: "Some donated buffers were not usable"). A donated
-        tensor may not also be passed as another argument (JAX's rule too), and a graph
-        with donation that fails to compile raises even with ``on_capture_error="eager"``
-        (its first run may have written into the arguments already).
+      donate_argnums: the arguments (by position) whose tensors the call may overwrite with
+        its results, JAX's buffer donation; the rules are JAX's
+        (``tests/conformance/test_donation_jax.py`` checks them against ``jax.jit``):
+
+        - Each result leaf takes the first unused donated leaf of the same layout (shape,
+          stride, dtype, device; for a DTensor also mesh, placements and local shape), in
+          the flattening order of ``(args, kwargs)``, and is computed into it (a ``copy_``
+          at the end of the graph, which Inductor fuses into the kernel that computes the
+          result: the step allocates no new params or optimizer state). The result is a
+          new tensor object on that argument's memory.
+        - A donated argument that a result took cannot be used after the call, as in JAX
+          (which deletes it): any torch operation on it (DTensor methods too) raises
+          :class:`DonatedTensorError` naming its path, instead of reading the result's
+          values. Its replacement costs about 3 us per tensor and 5 us per DTensor per
+          call. (``fs.optim.donate()``, in eager, updates in place instead: there the
+          argument is the result.)
+        - A donated leaf that no result can take is left unchanged, with a warning naming
+          it (JAX: "Some donated buffers were not usable"). Two differences, both towards
+          caution: JAX also gives a donated buffer to a result of another shape with the
+          same number of elements (fshard: same layout only), and JAX says nothing about a
+          donated argument the function never reads (fshard warns).
+        - A result that is an argument, or any alias of one (a view, ``detach()``, an
+          ``as_strided`` or ``set_`` on its memory), is returned as it is, and that
+          argument, donated or not, keeps its value and takes no other result (JAX may
+          give such a result a donated buffer and copy the argument there: same values,
+          other buffers; copying argument into argument at the end of the graph would
+          make the order of the copies matter).
+        - A donated tensor whose memory overlaps another argument's (the same tensor passed
+          twice, a view of it, another tensor on the same memory) is refused at the call
+          (JAX refuses a donated buffer passed twice). Disjoint views of one buffer (e.g.
+          parameters in one flat buffer) may be donated; strided views are compared by the
+          span of memory between their first and last element.
+        - A graph with donation that fails to compile raises even with
+          ``on_capture_error="eager"`` (its first run may have written into the arguments
+          already).
+
+        As in ``jax.jit``, when only one of ``donate_argnums`` / ``donate_argnames`` is
+        given the other is inferred from ``f``'s signature, so an argument is donated
+        whether it is passed by position or by keyword; when both are given, each applies
+        as given (positions to positional arguments, names to keyword arguments).
+      donate_argnames: the arguments (by name) to donate; see ``donate_argnums``.
 
     Returns:
       A :class:`Jitted` with ``f``'s signature and results (DTensors laid out as eager).
 
     Raises:
       ValueError: an unknown ``on_capture_error``; a ``donate_argnums`` entry that is not a
-        non-negative int (at the call: one past the positional arguments, or a donated
-        tensor whose memory is also another argument's).
+        non-negative int or is past ``f``'s positional parameters; a ``donate_argnames``
+        entry that is not a str, names a positional-only parameter or one ``f`` does not
+        take (unless ``f`` takes ``**kwargs``), or ``donate_argnames`` for an ``f`` without
+        an inspectable signature. At the call: a donated tensor whose memory is also
+        another argument's.
     """
     if on_capture_error not in ("raise", "eager"):
         raise ValueError(f"fs.jit: on_capture_error={on_capture_error!r}; use 'raise' or 'eager'.")
-    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in donate):
+    nums = None if donate_argnums is None else (
+        (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums))
+    if nums is not None and any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in nums):
         raise ValueError(f"fs.jit: donate_argnums={donate_argnums!r}; use non-negative ints, the positions of "
                          f"the arguments whose tensors the call may overwrite.")
+    names = None if donate_argnames is None else (
+        (donate_argnames,) if isinstance(donate_argnames, str) else
+        tuple(donate_argnames) if isinstance(donate_argnames, Iterable) else (donate_argnames,))
+    if names is not None and any(not isinstance(k, str) for k in names):
+        raise ValueError(f"fs.jit: donate_argnames={donate_argnames!r}; use str, the names of the arguments "
+                         f"whose tensors the call may overwrite.")
     if f is None:
         return functools.partial(jit, backend=backend, on_capture_error=on_capture_error, options=options,
-                                 donate_argnums=donate)
-    return Jitted(f, backend, on_capture_error, options, donate)
+                                 donate_argnums=nums, donate_argnames=names)
+    return Jitted(f, backend, on_capture_error, options, nums, names)
 
 
 class Jitted:
     """A jitted function: ``__call__`` as ``f``; ``cache_size``, ``graph(*args)`` to inspect."""
 
     def __init__(self, f: Callable[..., Any], backend, on_capture_error: str, options: dict | None,
-                 donate_argnums: tuple[int, ...] = ()) -> None:
+                 donate_argnums: tuple[int, ...] | None = None, donate_argnames: tuple[str, ...] | None = None
+                 ) -> None:
         functools.update_wrapper(self, f)
         self._f, self._backend, self._on_error, self._options = f, backend, on_capture_error, options
-        self._donate = tuple(sorted(set(donate_argnums)))
+        self._donate_nums, self._donate_names = _resolve_donation(f, donate_argnums, donate_argnames)
+        self._donate = bool(self._donate_nums or self._donate_names)
+        self._donate_given = (donate_argnums, donate_argnames)  # as the user wrote them, for messages
         self._donated_at: dict[Any, frozenset[int]] = {}  # call structure -> donated leaf indices
         self._cache: dict[tuple, _Entry] = {}
 
@@ -243,8 +290,8 @@ class Jitted:
             if kind == "const":
                 flat.append(meta)
                 continue
-            if kind == "donated":  # computed into this argument's tensor: the result is that tensor
-                flat.append(leaves[meta])
+            if kind == "donated":  # computed into this argument's tensor: the result takes its memory
+                flat.append(_consume(leaves[meta[0]], self.__name__, meta[1]))
                 continue
             t = out[k]
             k += 1
@@ -295,21 +342,49 @@ class Jitted:
 
     def _refuse_aliased_donation(self, args: tuple, kwargs: dict, leaves: list, treedef: Any) -> None:
         """JAX's rule: a donated buffer may not be passed twice (donated twice, or donated and
-        also passed as another argument): the graph would overwrite what it still reads."""
-        donated = self._donated_indices(args, treedef)
-        ptrs: dict[int, list[int]] = {}
+        also passed as another argument): the graph would overwrite what it still reads.
+        Compares memory, not objects or storages: views, ``set_`` and ``as_strided`` aliases
+        and tensors over one foreign buffer (``torch.from_numpy``) overlap; disjoint parts of
+        one buffer do not."""
+        donated = self._donated_indices(args, kwargs, treedef)
+        if not donated:
+            return
+        spans = []  # runs on every call: the fewest tensor method calls per leaf
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 loc = x._local_tensor if isinstance(x, DTensor) else x
-                if loc.numel():
-                    ptrs.setdefault(loc.untyped_storage().data_ptr(), []).append(i)
-        bad = [idx for idx in ptrs.values() if len(idx) > 1 and any(i in donated for i in idx)]
+                n = loc.nbytes
+                if n:
+                    start = loc.data_ptr()
+                    spans.append((start, start + (n if loc.is_contiguous() else _nbytes_spanned(loc)), i))
+        spans.sort()
+        end = -1
+        for start, stop, _ in spans:  # disjoint (the usual case) when each starts after the last ends
+            if start < end:
+                break
+            end = stop
+        else:
+            return
+        bad, group, end = [], [], -1
+        for start, stop, i in spans + [(float("inf"), 0, -1)]:
+            if start >= end:  # a new group of overlapping spans begins: judge the last one
+                if len(group) > 1 and any(j in donated for j in group):
+                    bad.append(sorted(group))
+                group, end = [], stop
+            group.append(i)
+            end = max(end, stop)
         if bad:
             paths = _paths(args, kwargs)
             raise ValueError(
-                f"fs.jit({self.__name__}): donate_argnums={self._donate}: a donated tensor's memory is also "
-                f"passed as another argument: " + "; ".join(" and ".join(paths[i] for i in idx) for idx in bad)
-                + ". Pass a copy (x.clone()) where the same tensor appears twice, or do not donate it.")
+                f"fs.jit({self.__name__}): {self._donation_str()}: a donated tensor's memory is also passed as "
+                f"another argument: " + "; ".join(" and ".join(paths[i] for i in idx) for idx in bad)
+                + ". Pass a copy (x.clone()) where the same tensor (or memory) appears twice, or do not "
+                  "donate it.")
+
+    def _donation_str(self) -> str:
+        nums, names = self._donate_given
+        parts = [f"donate_argnums={nums}"] if nums else []
+        return ", ".join(parts + ([f"donate_argnames={names}"] if names else []))
 
     def _entry(self, key, call_args, leaves, treedef) -> _Entry:
         entry = self._cache.get(key)
@@ -325,24 +400,18 @@ class Jitted:
         if not self._donate:
             return {}
         paths = _paths(args, kwargs)
-        return {i: paths[i] for i in self._donated_indices(args)}
+        return {i: paths[i] for i in self._donated_indices(args, kwargs)}
 
-    def _donated_indices(self, args: tuple, treedef: Any = None) -> frozenset[int]:
-        """The leaf indices of the donated positional arguments; cached by the call's
+    def _donated_indices(self, args: tuple, kwargs: dict, treedef: Any = None) -> frozenset[int]:
+        """The leaf indices of the donated arguments: positional ones in ``donate_argnums``,
+        keyword ones in ``donate_argnames`` (JAX's ``donation_vector``); cached by the call's
         structure ``treedef`` (of ``(args, kwargs)``) when given."""
         found = self._donated_at.get(treedef) if treedef is not None else None
         if found is not None:
             return found
-        if self._donate[-1] >= len(args):
-            raise ValueError(f"fs.jit({self.__name__}): donate_argnums={self._donate} but the call has "
-                             f"{len(args)} positional argument(s); donation names positional arguments.")
-        first, idx = 0, []
-        for i, a in enumerate(args[: self._donate[-1] + 1]):
-            n = len(tree_util.leaves(a))
-            if i in self._donate:
-                idx.extend(range(first, first + n))
-            first += n
-        found = frozenset(idx)
+        raw, _, _ = tree_util.tree_flatten_with_path((args, kwargs))
+        found = frozenset(i for i, p in enumerate(raw)
+                          if (p[0] == 0 and p[1] in self._donate_nums) or (p[0] == 1 and p[1] in self._donate_names))
         if treedef is not None:
             self._donated_at[treedef] = found
         return found
@@ -377,19 +446,20 @@ class Jitted:
             out_flat, found["tree"] = tree_util.tree_flatten(out)
             kinds, tensors_out = [], []
             by_leaf = dict(zip([i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)], locals_))
-            inputs = {id(t) for t in locals_}
-            # A donated argument that is also returned (as it is or as a view) keeps its value:
-            # the result shares its buffer already.
-            returned = {id(b) for o in out_flat if isinstance(o, torch.Tensor)
-                        for b in [_base_input(o, inputs)] if b is not None}
-            free = [(j, sig) for j, sig in donors if id(by_leaf[j]) not in returned]
+            free = []
+            if donors:  # (without donation nothing here is needed: no memory is looked at)
+                memory = _Memory(by_leaf)
+                # A donated argument that is also returned (as it is, as a view or as any other
+                # alias of its memory) keeps its value: the result shares its buffer already.
+                returned = {j for o in out_flat if isinstance(o, torch.Tensor) for j in memory.aliased(o)}
+                free = [(j, sig) for j, sig in donors if j not in returned]
             for o in out_flat:
-                j = _take_donor(o, free, inputs) if free else None
+                j = _take_donor(o, free, memory) if free else None
                 if j is not None:
                     # The result is computed into the donated argument's tensor; Inductor fuses
                     # the copy into the kernel that computes it.
                     by_leaf[j].copy_(o.to_local() if isinstance(o, DTensor) else o)
-                    kinds.append(("donated", j))
+                    kinds.append(("donated", (j, donated[j])))
                     continue
                 if isinstance(o, DTensor):
                     kinds.append(("dtensor", o._spec))
@@ -665,13 +735,107 @@ def _has_p2p(gm) -> bool:
     return any(n.op == "call_function" and str(n.target) in _P2P_OPS for n in gm.graph.nodes)
 
 
-def _take_donor(o: Any, free: list, inputs: set[int]) -> int | None:
+_POS_OR_KW = inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+
+def _resolve_donation(f: Callable, nums: tuple[int, ...] | None,
+                      names: tuple[str, ...] | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``jax.jit``'s ``resolve_argnums`` for donation: completes and checks the donated
+    positions and names against ``f``'s signature.
+
+    Given one of the two, the other is inferred from the positional-or-keyword parameters
+    (so an argument is donated however it is passed); given both, each is used as given.
+    Returns ``(positions, names)``: positions apply to positional arguments, names to
+    keyword ones."""
+    if not nums and not names:
+        return (), ()
+    label = getattr(f, "__name__", type(f).__name__)
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is None:
+        if names:
+            raise ValueError(f"fs.jit({label}): donate_argnames={names} but the function's signature cannot be "
+                             f"inspected to check them; pass donate_argnums instead.")
+        return tuple(sorted(set(nums or ()))), ()
+    params = list(sig.parameters.values())
+    if nums is None or names is None:
+        if names is None:
+            names = tuple(p.name for i, p in enumerate(params) if p.kind is _POS_OR_KW and i in nums)
+        else:
+            nums = tuple(i for i, p in enumerate(params) if p.kind is _POS_OR_KW and p.name in names)
+    if not any(p.kind is p.VAR_POSITIONAL for p in params):
+        n_pos = sum(p.kind in (p.POSITIONAL_ONLY, _POS_OR_KW) for p in params)
+        if nums and max(nums) >= n_pos:
+            raise ValueError(f"fs.jit({label}): donate_argnums={tuple(nums)} but the function takes {n_pos} "
+                             f"positional argument(s) {sig}.")
+    positional_only = {p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)}
+    if bad := sorted(positional_only & set(names)):
+        raise ValueError(f"fs.jit({label}): donate_argnames={tuple(names)}: {bad} cannot be passed by keyword "
+                         f"{sig}; use donate_argnums for them.")
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        keyword = {p.name for p in params if p.kind in (_POS_OR_KW, p.KEYWORD_ONLY)}
+        if bad := sorted(set(names) - keyword):
+            raise ValueError(f"fs.jit({label}): donate_argnames={tuple(names)}: the function takes no argument "
+                             f"named {', '.join(bad)} {sig}.")
+    return tuple(sorted(set(nums))), tuple(dict.fromkeys(names))
+
+
+class DonatedTensorError(RuntimeError):
+    """A tensor donated to an ``fs.jit`` call was used after it (JAX: a deleted array)."""
+
+
+def _deleted_message(self) -> str:
+    return (f"fs.jit({self._fshard_donated_to}): this tensor was donated ({self._fshard_donated_leaf}) and its "
+            f"memory now holds the call's result: use the result instead (JAX deletes a donated array too).")
+
+
+class _DonatedTensor(torch.Tensor):
+    """The class of a plain tensor after it was donated: every torch operation raises."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for a in (*args, *(kwargs or {}).values()):
+            if isinstance(a, (_DonatedTensor, _DonatedDTensor)):
+                raise DonatedTensorError(_deleted_message(a))
+        raise DonatedTensorError("fs.jit: a donated tensor was used after the call.")
+
+
+class _DonatedDTensor(DTensor):
+    """The class of a DTensor after it was donated: every torch operation, and DTensor's
+    own methods, raise."""
+
+    __torch_function__ = _DonatedTensor.__torch_function__
+
+    def __getattribute__(self, name):
+        if name in ("to_local", "full_tensor", "redistribute", "_local_tensor", "__repr__", "__str__"):
+            raise DonatedTensorError(_deleted_message(self))
+        return object.__getattribute__(self, name)
+
+
+def _consume(arg: torch.Tensor, fn_name: str, leaf: str) -> torch.Tensor:
+    """The result that was computed into donated ``arg``: a new tensor object on ``arg``'s
+    memory; ``arg`` itself becomes unusable (a torch operation on it raises), as JAX deletes
+    a donated array."""
+    if isinstance(arg, DTensor):
+        # The local tensor moves to the result: the donated DTensor no longer gives it out.
+        out = DTensor(arg._local_tensor, arg._spec, requires_grad=False)
+        arg.__class__ = _DonatedDTensor
+    else:
+        out = arg.detach()  # a new tensor on the same memory, no view of arg
+        arg.__class__ = _DonatedTensor
+    arg._fshard_donated_to, arg._fshard_donated_leaf = fn_name, leaf
+    return out
+
+
+def _take_donor(o: Any, free: list, memory: "_Memory") -> int | None:
     """The leaf index of the first donated tensor in ``free`` with ``o``'s layout, removed
     from ``free``; ``None`` if there is none or ``o`` is not a fresh result. An argument
-    returned as it is (or a view of one) is not computed into another (``free`` holds no
+    returned as it is (or any alias of one) is not computed into another (``free`` holds no
     returned argument either): copying argument into argument at the end of the graph
     would make the order of the copies matter."""
-    if not isinstance(o, torch.Tensor) or _base_input(o, inputs) is not None:
+    if not isinstance(o, torch.Tensor) or memory.aliased(o):
         return None
     sig = _tensor_sig(o)
     for k, (j, s) in enumerate(free):
@@ -681,13 +845,43 @@ def _take_donor(o: Any, free: list, inputs: set[int]) -> int | None:
     return None
 
 
-def _base_input(o: torch.Tensor, inputs: set[int]) -> torch.Tensor | None:
-    """The graph input that ``o`` (a traced result) is, or is a view of; else ``None``."""
-    loc = o._local_tensor if isinstance(o, DTensor) else o
-    for t in (loc, loc._base):
-        if t is not None and id(t) in inputs:
-            return t
-    return None
+class _Memory:
+    """Which traced inputs a traced tensor's memory overlaps. Fake tensors keep their real
+    inputs' storage sharing and offsets, so this sees views, ``detach()``, ``set_`` and
+    ``as_strided`` aliases alike (a ``_base`` check sees views only)."""
+
+    def __init__(self, by_leaf: dict[int, torch.Tensor]) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self._spans: dict[Any, list[tuple[int, int, int]]] = {}
+        for j, t in by_leaf.items():
+            if t.numel():
+                self._spans.setdefault(StorageWeakRef(t.untyped_storage()), []).append((*_storage_span(t), j))
+
+    def aliased(self, o: torch.Tensor) -> list[int]:
+        """The leaf indices of the inputs whose memory ``o`` (a tensor or DTensor) overlaps."""
+        loc = o._local_tensor if isinstance(o, DTensor) else o
+        if not loc.numel():
+            return []
+        spans = self._spans.get(self._ref(loc.untyped_storage()))
+        if not spans:
+            return []
+        start, stop = _storage_span(loc)
+        return [j for a, b, j in spans if a < stop and start < b]
+
+
+def _nbytes_spanned(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its last (``numel() > 0``)."""
+    if t.is_contiguous():
+        return t.numel() * t.element_size()
+    return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int]:
+    """``t``'s byte range within its storage."""
+    start = t.storage_offset() * t.element_size()
+    return start, start + _nbytes_spanned(t)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
