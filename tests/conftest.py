@@ -131,7 +131,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 # (fs.run_local, the pools' children): a fork of a multithreaded process may copy a lock
 # that another thread holds. So those modules run after every other test, in both orders,
 # and a test elsewhere that loads JAX here fails (``_no_jax_here``).
-_JAX_IN_PROCESS = ("test_optim_optax.py",)
+_JAX_IN_PROCESS = ("test_optim_optax.py", "test_donation_jax.py")
 
 
 def _jax_last(items):
