@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
     ap.add_argument("--cpu-clock", action="store_true", help="this thread's CPU time instead of wall time")
     args = ap.parse_args()
+    if args.cpu_clock and args.threads > 1:
+        ap.error("--cpu-clock reads this thread's CPU time, which misses the other intra-op threads: use --threads 1")
     med, n, n_tensors, first = run(args.threads, args.steps, args.compiled, args.backend, cpu=args.cpu_clock)
     print(f"params: {n / 1e6:.2f}M in {n_tensors} tensors, threads={args.threads}, "
           f"steps={args.steps}")

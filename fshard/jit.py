@@ -426,7 +426,16 @@ class Jitted:
         found: dict[str, Any] = {}
         # Donated tensor leaves, in order: (leaf index, layout) for matching results to them.
         donors = [(i, _tensor_sig(x)) for i, x in enumerate(leaves)
-                  if i in (donated or {}) and isinstance(x, torch.Tensor)]
+                  if i in (donated or {}) and type(x) in _CONSUMABLE]
+        # A tensor subclass cannot be made unusable after the call (its class cannot be
+        # switched): left as it is, before the graph writes into anything.
+        odd = [i for i, x in enumerate(leaves)
+               if i in (donated or {}) and isinstance(x, torch.Tensor) and type(x) not in _CONSUMABLE]
+        if odd:
+            warnings.warn(f"fs.jit({self.__name__}): donated tensors of a tensor subclass are not donated (only "
+                          f"torch.Tensor, nn.Parameter and DTensor can be): "
+                          f"{', '.join(f'{donated[i]} ({type(leaves[i]).__name__})' for i in odd)}. "
+                          f"They are left unchanged.", UserWarning, stacklevel=4)
 
         def traced(*locals_):
             it = iter(zip(locals_, rebuild))
@@ -786,9 +795,14 @@ class DonatedTensorError(RuntimeError):
     """A tensor donated to an ``fs.jit`` call was used after it (JAX: a deleted array)."""
 
 
+# The argument types whose objects fs.jit can make unusable after a donating call.
+_CONSUMABLE = (torch.Tensor, torch.nn.Parameter, DTensor)
+
+
 def _deleted_message(self) -> str:
-    return (f"fs.jit({self._fshard_donated_to}): this tensor was donated ({self._fshard_donated_leaf}) and its "
-            f"memory now holds the call's result: use the result instead (JAX deletes a donated array too).")
+    d = object.__getattribute__(self, "_fshard_donated")
+    return (f"fs.jit({d[0]}): this tensor was donated ({d[1]}, shape {d[2]}, {d[3]}) and its memory now "
+            f"holds the call's result: use the result instead (JAX deletes a donated array too).")
 
 
 class _DonatedTensor(torch.Tensor):
@@ -796,7 +810,9 @@ class _DonatedTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        for a in (*args, *(kwargs or {}).values()):
+        from torch.utils._pytree import tree_leaves
+
+        for a in tree_leaves((args, kwargs or {})):  # lists too: torch.cat, the _foreach_ ops
             if isinstance(a, (_DonatedTensor, _DonatedDTensor)):
                 raise DonatedTensorError(_deleted_message(a))
         raise DonatedTensorError("fs.jit: a donated tensor was used after the call.")
@@ -818,14 +834,23 @@ def _consume(arg: torch.Tensor, fn_name: str, leaf: str) -> torch.Tensor:
     """The result that was computed into donated ``arg``: a new tensor object on ``arg``'s
     memory; ``arg`` itself becomes unusable (a torch operation on it raises), as JAX deletes
     a donated array."""
+    arg._fshard_donated = (fn_name, leaf, tuple(arg.shape), arg.dtype)
     if isinstance(arg, DTensor):
-        # The local tensor moves to the result: the donated DTensor no longer gives it out.
-        out = DTensor(arg._local_tensor, arg._spec, requires_grad=False)
+        # The local tensor moves to the result: the donated DTensor keeps none.
+        local = arg._local_tensor
+        out = DTensor(local, arg._spec, requires_grad=False)
+        arg._local_tensor = local.new_empty(0)
         arg.__class__ = _DonatedDTensor
     else:
         out = arg.detach()  # a new tensor on the same memory, no view of arg
+        # No memory left either: torch's own C++ code (autograd accumulating into a donated
+        # .grad) does not go through __torch_function__, and must not write into the result.
+        try:
+            with torch.no_grad():
+                arg.set_()
+        except RuntimeError:  # a tensor made by .detach() or .data may not change its storage
+            pass
         arg.__class__ = _DonatedTensor
-    arg._fshard_donated_to, arg._fshard_donated_leaf = fn_name, leaf
     return out
 
 

@@ -98,7 +98,11 @@ def pytest_collection_modifyitems(session, config, items):
         _long_first(items)
     else:
         _shuffle(items, seed)
-    _jax_last(items)
+
+
+def pytest_collection_finish(session):
+    # After every plugin's reordering (the cache plugin's --lf / --ff come after ours).
+    _jax_last(session.items)
 
 
 def _shuffle(items, seed):

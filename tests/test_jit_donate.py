@@ -207,7 +207,7 @@ def test_disjoint_parts_of_one_buffer_may_both_be_donated(backend):
 
 def _fsdp_donated_steps(backend, order="outside"):
     """An FSDP MLP step with AdamW, donated vs not, 3 steps: losses, params and state equal,
-    each donated result the argument's DTensor itself, and the local shards' storage reused.
+    each donated result a DTensor on the argument's local shard (its storage reused).
     ``order``: ``value_and_grad(shard_map(body))`` ("outside") or
     ``shard_map(value_and_grad(body))`` ("inside", the gradients leave the body sharded)."""
     n = torch.distributed.get_world_size()
@@ -273,3 +273,40 @@ def test_fsdp_step_donated_equals_undonated_on_two_ranks(backend):
 @TIMEOUT
 def test_fsdp_step_donated_equals_undonated_with_value_and_grad_inside_shard_map():
     assert all(run_on_ranks(_fsdp_donated_steps, "aot_eager", "inside", world_size=2))
+
+
+def test_a_donated_tensor_holds_no_memory_after_the_call_so_torch_internals_cannot_write_into_the_result():
+    # autograd accumulates into a .grad in C++, past __torch_function__: a donated .grad that
+    # kept the result's memory would have the next backward's gradient added to the result.
+    w = torch.ones(3, dtype=F64, requires_grad=True)
+    (w * 2).sum().backward()
+    r = fs.jit(lambda g: g * 10, backend=None, donate_argnums=0)(w.grad)
+    assert torch.equal(r, torch.full((3,), 20.0, dtype=F64))
+    with pytest.raises(RuntimeError):  # the donated .grad has no memory left: C++ refuses it
+        (w * 2).sum().backward()
+    assert torch.equal(r, torch.full((3,), 20.0, dtype=F64))
+
+
+def test_a_donated_tensor_used_in_a_list_op_names_its_path_shape_and_dtype():
+    p = {"w": torch.zeros(2, 3, dtype=F64), "b": torch.zeros(3, dtype=F64)}
+    new = fs.jit(lambda p: {k: v + 1 for k, v in p.items()}, backend=None, donate_argnums=0)(p)
+    for use in (lambda: torch.cat([new["b"], p["b"]]), lambda: torch._foreach_add(list(p.values()), 1.0)):
+        with pytest.raises(fs.DonatedTensorError, match=r"donated \(args\[0\]\.[wb], shape \((2, 3|3,)\), torch.float64\)"):
+            use()
+
+
+class _Tagged(torch.Tensor):
+    __slots__ = ("tag",)
+
+
+def test_a_donated_tensor_subclass_is_not_donated_and_says_so_before_anything_is_written():
+    # Its class cannot be switched to an unusable one after the call: it is left out of the
+    # donation at trace time, with a warning naming it, and left unchanged.
+    a = torch.zeros(3, dtype=F64).as_subclass(_Tagged)
+    b = torch.zeros(3, dtype=F64)
+    with pytest.warns(UserWarning, match=r"tensor subclass are not donated.*args\[0\] \(_Tagged\)"):
+        ra, rb = fs.jit(lambda a, b: (a + 1, b + 2), backend=None, donate_argnums=(0, 1))(a, b)
+    assert torch.equal(a.as_subclass(torch.Tensor), torch.zeros(3, dtype=F64)) and float(ra.sum()) == 3.0
+    with pytest.raises(fs.DonatedTensorError):
+        b + 0
+    assert torch.equal(rb, torch.full((3,), 2.0, dtype=F64))

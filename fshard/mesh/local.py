@@ -255,8 +255,8 @@ class WorkerPool:
         grace_s = self.grace_s if grace_s is None else grace_s
         results: dict[int, Any] = {}
         errors: dict[int, tuple[Any, str]] = {}
-        killed_one = False
-        late_deaths: set[int] = set()  # ranks that died after this call killed a failed one
+        alive_at_kill: set[int] | None = None  # the ranks alive when this call first killed a failed one
+        late_deaths: set[int] = set()  # of those, the ones that died after it
         deadline = time.monotonic() + timeout_s
         pending = set(range(self.world_size))
         while pending:
@@ -280,11 +280,12 @@ class WorkerPool:
                     if not errors:
                         self._first_error_time = time.monotonic()
                     errors[r] = payload
-                    if killed_one and payload[0] is None:
+                    if alive_at_kill is not None and r in alive_at_kill and payload[0] is None:
                         late_deaths.add(r)
                     if stop_failed:
+                        if alive_at_kill is None:
+                            alive_at_kill = {q for q in pending if self._procs[q].is_alive()}
                         self._procs[r].kill()
-                        killed_one = True
                 else:
                     results[r] = payload
             for r in list(pending):  # a child that died without a word
@@ -293,7 +294,7 @@ class WorkerPool:
                     if not errors:
                         self._first_error_time = time.monotonic()
                     errors[r] = (None, _death(r, self._procs[r], what))
-                    if killed_one:
+                    if alive_at_kill is not None and r in alive_at_kill:
                         late_deaths.add(r)
         stuck = sorted(pending)
         stacks = self._dump_stacks(stuck) if stuck else ""

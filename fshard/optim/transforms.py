@@ -242,7 +242,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
             if nesterov and not all_private(gl):
                 gl = [x.clone() for x in gl]  # the kernel adds decay * b into the grads in place
             bl = state_for_kernel(to_locals(b))
-            out = _zeros_like_each(gl)  # receives 0 - lr * step with lr = -1
+            out = _zeros_like_each(gl, bool(gl) and torch._guards.detect_fake_mode(gl[0]) is not None)  # receives 0 - lr * step with lr = -1
             mark_private(out)
             if gl:
                 _torch_sgd(out, gl, bl, foreach=True, weight_decay=0.0, momentum=decay,
@@ -292,9 +292,12 @@ def _computed_once(*scalars: torch.Tensor) -> tuple[torch.Tensor, ...]:
     Inductor inlines a pointwise scalar computation into every kernel that reads it, and
     into the loop body there: Adam's two bias corrections (a ``pow`` each) were computed
     again for every 16 elements of every leaf, 70 ``std::pow`` per vector step on the
-    bench's 35 leaves, and AdamW took 11.9 ms instead of 4.5 (``bench/optim_step.py``). A
-    reduction is computed once, into a buffer the kernels load: so each scalar goes
-    through one, as the sum of itself and 0 (exact). Eagerly the scalars come back as given.
+    bench's 35 leaves, and AdamW took 11.9 ms instead of 4.5 (``bench/optim_step.py``).
+    Stacked with zeros into a ``(k, 2)`` buffer, the scalars are computed once (Inductor
+    realizes that buffer; seen in the generated code, where the kernels load it), and read
+    back through a sum with 0 (exact), which Inductor unrolls into the loads. This relies
+    on how Inductor lowers the stack; it changes no value whatever it does. Eagerly the
+    scalars come back as given.
     """
     if not scalars or torch._guards.detect_fake_mode(scalars[0]) is None:
         return scalars
@@ -303,14 +306,14 @@ def _computed_once(*scalars: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(s.unbind())
 
 
-def _zeros_like_each(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _zeros_like_each(xs: list[torch.Tensor], traced: bool = False) -> list[torch.Tensor]:
     """New zero tensors like ``xs``: allocations, then one multi-tensor kernel (a GPU
     launch per leaf otherwise, which a small model's step is bound by).
 
     Traced (fs.jit), one ``zeros_like`` per leaf instead: Inductor folds those zeros into
     the kernel that reads them, while ``_foreach_zero_`` is an aten call that writes every
     buffer once more before the update reads it back."""
-    if xs and torch._guards.detect_fake_mode(xs[0]) is not None:
+    if traced:
         return [torch.zeros_like(x) for x in xs]
     out = [torch.empty_like(x) for x in xs]
     if out:
@@ -355,9 +358,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             gl = to_locals(g)
             ml = state_for_kernel(to_locals(mu))
             vl = state_for_kernel(to_locals(nu))
-            out = _zeros_like_each(gl)  # receives 0 - lr * step with lr = -1
+            traced = bool(gl) and torch._guards.detect_fake_mode(state.count) is not None
+            out = _zeros_like_each(gl, traced)  # receives 0 - lr * step with lr = -1
             mark_private(out)
-            if gl and torch._guards.detect_fake_mode(state.count) is not None:
+            if traced:
                 _adam_traced(out, gl, ml, vl, state.count, b1, b2, eps)  # fs.jit: no value to read
             elif gl:
                 # One step counter per leaf, as the kernel increments each of them: views of

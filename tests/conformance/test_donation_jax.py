@@ -110,9 +110,6 @@ SAME = {
                                lambda m: lambda a, b: (a * 2, b.sum()), (0, 1)),
     "dtype_differs": Case(lambda arr: ((arr((3,), 0), arr((3,), 1)), {}),
                           lambda m: lambda a, b: (m.cast32(a + b), a * b), 0),
-    # A donated argument returned as it is keeps its value (JAX: the output holds its buffer).
-    "returned_as_is": Case(lambda arr: ((arr((3,), 0), arr((3,), 1)), {}),
-                           lambda m: lambda x, y: (x, y + x), (0, 1)),
     # The same array passed twice with one (or both) donated is refused.
     "same_array_twice": Case(lambda arr: ((a := arr((3,), 0), a), {}), lambda m: lambda a, b: a * 2 + b, 0),
     "same_array_twice_both_donated": Case(lambda arr: ((a := arr((3,), 0), a), {}),
@@ -126,6 +123,11 @@ SAME = {
     "both_given_positional": Case(lambda arr: ((arr((3,), 0), arr((3,), 1)), {}), lambda m: _kw, 0, "b"),
     "both_given_keyword": Case(lambda arr: ((), {"a": arr((3,), 0), "b": arr((3,), 1)}), lambda m: _kw, 0, "b"),
 }
+
+
+# A donated argument returned as it is keeps its value in both, but JAX consumes it (the
+# output holds its buffer) and fshard returns the argument itself: a difference, pinned below.
+RETURNED_AS_IS = Case(lambda arr: ((arr((3,), 0), arr((3,), 1)), {}), lambda m: lambda x, y: (x, y + x), (0, 1))
 
 
 def _np_arr(shape, seed):
@@ -174,9 +176,17 @@ def run_fshard(case: Case) -> Outcome:
         donated.update(f._donated_indices(a, k))  # the donated leaves, as fs.jit resolves them
         return f(*a, **k)
 
-    # A donated leaf is consumed where a result holds its memory (the result is that tensor).
-    return _run(case, lambda x: x.data_ptr(), lambda i, x, reused: i in donated and reused, call,
+    # A donated leaf is consumed where using it afterwards raises, as a deleted JAX array does.
+    return _run(case, lambda x: x.data_ptr(), lambda i, x, reused: _unusable(x), call,
                 lambda a: torch.from_numpy(a.copy()))
+
+
+def _unusable(x) -> bool:
+    try:
+        x + 0
+    except fs.DonatedTensorError:
+        return True
+    return False
 
 
 def _assert_same(got: Outcome, want: Outcome) -> None:
@@ -198,8 +208,9 @@ def test_donation_matches_jax(jx, name):
 
 def test_the_cases_cover_every_rule(jx):
     # Guards the comparison itself: each rule the cases claim to show is really shown by JAX.
-    out = {n: run_jax(jx, SAME[n]) for n in ("pytree_step", "unusable", "returned_as_is", "same_array_twice",
+    out = {n: run_jax(jx, SAME[n]) for n in ("pytree_step", "unusable", "same_array_twice",
                                              "argnames_by_position", "both_given_keyword")}
+    out["returned_as_is"] = run_jax(jx, RETURNED_AS_IS)
     assert out["pytree_step"].reuses == (None, "0.0.b", "0.0.w", "0.1.b", "0.1.w")
     assert out["unusable"].warned and out["unusable"].consumed == ()
     assert out["returned_as_is"].consumed == ("0.0", "0.1")
@@ -230,22 +241,37 @@ def test_difference_a_donated_argument_the_function_never_reads(jx):
     assert (got.consumed, got.warned) == ((), True)
 
 
-@pytest.mark.parametrize("returns, donate, jax_reuses, fshard_reuses", [
-    pytest.param(lambda a, b: (a + b, a), (0, 1), ("0.0", "0.1"), ("0.1", "0.0"), id="(a+b,a)-both-donated"),
-    pytest.param(lambda a, b: (a, b + a), 1, ("0.1", None), ("0.0", "0.1"), id="(a,b+a)-b-donated"),
+def test_difference_a_donated_argument_returned_as_is_stays_usable(jx):
+    # JAX gives the output x the buffer of x (or of another donated input) and deletes x;
+    # fshard returns x itself, so x stays usable, with its unchanged value. y is consumed
+    # in both.
+    want, got = run_jax(jx, RETURNED_AS_IS), run_fshard(RETURNED_AS_IS)
+    assert want.consumed == ("0.0", "0.1") and got.consumed == ("0.1",)
+    assert want.reuses == ("0.0", "0.1") and got.reuses == ("0.0", "0.1")
+    for g, w in zip(got.values, want.values):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("returns, donate, jax_reuses, fshard_reuses, jax_consumed, fshard_consumed", [
+    pytest.param(lambda a, b: (a + b, a), (0, 1), ("0.0", "0.1"), ("0.1", "0.0"), ("0.0", "0.1"), ("0.1",),
+                 id="(a+b,a)-both-donated"),
+    pytest.param(lambda a, b: (a, b + a), 1, ("0.1", None), ("0.0", "0.1"), ("0.1",), ("0.1",),
+                 id="(a,b+a)-b-donated"),
 ])
-def test_difference_where_an_argument_returned_as_is_ends_up(jx, returns, donate, jax_reuses, fshard_reuses):
+def test_difference_where_an_argument_returned_as_is_ends_up(jx, returns, donate, jax_reuses, fshard_reuses,
+                                                             jax_consumed, fshard_consumed):
     # JAX gives a donated buffer to the first output of its shape even where that output is
     # another argument, returned as is, whose value XLA then copies there: (a + b, a) puts
     # a + b in a's buffer and a in b's; (a, b + a) with b donated puts a in b's buffer and
     # b + a in a new one. fshard leaves an argument returned as is where it is (the output
     # is that tensor) and computes only fresh results into donated arguments: copying
     # argument into argument at the end of the graph would make the order of the copies
-    # matter. Same values, the same donated arguments consumed.
+    # matter. Same values; a donated argument returned as is stays usable in fshard (above).
     case = Case(lambda arr: ((arr((3,), 0), arr((3,), 1)), {}), lambda m: returns, donate)
     want, got = run_jax(jx, case), run_fshard(case)
     assert want.reuses == jax_reuses and got.reuses == fshard_reuses
-    assert want.consumed == got.consumed and not want.warned and not got.warned
+    assert want.consumed == jax_consumed and got.consumed == fshard_consumed
+    assert not want.warned and not got.warned
     for g, w in zip(got.values, want.values):
         np.testing.assert_array_equal(g, w)
 
@@ -267,7 +293,7 @@ def test_reading_a_donated_argument_afterwards_raises_as_in_jax(jx):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = fs.jit(lambda a, b: a + 1 + b.sum(), backend=None, donate_argnums=(0, 1))(a, b)
-    with pytest.raises(RuntimeError, match=r"donated \(args\[0\]\)"):
+    with pytest.raises(fs.DonatedTensorError, match=r"donated \(args\[0\], shape \(3,\), torch.float64\)"):
         a + 1
     assert out.data_ptr() == ptr and torch.equal(out, torch.ones(3, dtype=torch.float64))
     assert torch.equal(b, torch.zeros(2, dtype=torch.float64))
