@@ -8,6 +8,8 @@ uncompiled, the collectives for real); one compiles under Inductor, where the pa
 as one of fs.jit's post-grad passes, and reads the order Inductor kept.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -103,30 +105,34 @@ def _structure(graph):
     return rows
 
 
-def _scheduled(order, n_layers=4):
-    """The captured step graph before and after the pass: its structure (``_structure``)
-    and the node names in order, and the pass's result."""
+def _scheduled(n_layers=4):
+    """The captured step graph before and after the pass: its structure (``_structure``),
+    the node names in order, the pass's result, and whether a second capture of the step
+    (fresh graph, fresh nodes) got the same order from the pass."""
     from fshard._jit_overlap import schedule
 
-    step, args = _fsdp_step(order, n_layers)
-    gm = fs.jit(step, backend=None).graph(*args)
-    before = _structure(gm.graph)
-    changed = schedule(gm.graph)
-    gm.recompile()
-    return before, _structure(gm.graph), [n.name for n in gm.graph.nodes], changed
+    step, args = _fsdp_step("outside", n_layers)
+    names = []
+    for _ in range(2):
+        gm = fs.jit(step, backend=None).graph(*args)
+        before = _structure(gm.graph)
+        changed = schedule(gm.graph)
+        gm.recompile()
+        names.append([n.name for n in gm.graph.nodes])
+    return before, _structure(gm.graph), names[0], changed, names[0] == names[1]
 
 
-@pytest.mark.parametrize("order", ["outside", "inside"])
-def test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward(order):
+def test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward():
     # Captured FSDP step, 4 layers: before the pass, the reduce-scatters (all-to-alls on gloo)
     # of the last layers are waited before any compute (one collective in flight per gloo
     # group: the next layer's regather prefetch needs the group); after it, each layer's
     # reduce-scatter overlaps the first part of the next layer's backward and the regather
     # the rest, still one collective in flight per group, in the same order, the forward's
-    # prefetch unchanged. Every rank decides the same order.
-    results = run_on_ranks(_scheduled, order, world_size=2, timeout_s=300)
-    before, after, names, changed = results[0]
-    assert changed
+    # prefetch unchanged. The order is a function of the graph: the same on every rank and
+    # for a second capture.
+    results = run_on_ranks(_scheduled, world_size=2, timeout_s=300)
+    before, after, names, changed, same_again = results[0]
+    assert changed and same_again
     assert [r[0] for r in after] == [r[0] for r in before]  # the same collectives, in the same order
     assert all(r[2] == 0 for r in before + after), after  # one in flight per group
     rs_before = [r[1] for r in before if r[0] == "all_to_all_single"]
@@ -145,7 +151,7 @@ def test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward(orde
     # yet); those of layers 1 and 0 now share their layer's backward with a reduce-scatter.
     assert len(ag_after) == 9 and ag_after[6] == ag_before[6] > 0, (ag_before, ag_after)
     assert all(0 < a < b for a, b in zip(ag_after[7:], ag_before[7:])), (ag_before, ag_after)
-    assert results[1][2] == names  # the same order on every rank
+    assert results[1][2] == names and results[1][4]  # the same order on every rank
 
 
 def _parity(order, steps=2):
@@ -183,27 +189,6 @@ def test_overlap_keeps_values_and_comm_log_float64(order):
     for err, logs in run_on_ranks(_parity, order, world_size=2, timeout_s=300):
         assert err["on"] <= 1e-12 and err["off"] <= 1e-12, err
         assert logs["on"] == logs["off"] == logs["eager"], logs
-
-
-def _decisions_are_a_function_of_the_graph():
-    """The pass on two captures of the same step (fresh graphs, fresh node objects):
-    the same order of node names."""
-    from fshard._jit_overlap import schedule
-
-    step, args = _fsdp_step("outside", n_layers=3)
-    names = []
-    for _ in range(2):
-        gm = fs.jit(step, backend=None).graph(*args)
-        schedule(gm.graph)
-        names.append([n.name for n in gm.graph.nodes])
-    again = list(names[1])
-    return names[0] == names[1], again
-
-
-def test_overlap_decides_the_same_on_every_capture_and_rank():
-    results = run_on_ranks(_decisions_are_a_function_of_the_graph, world_size=2, timeout_s=300)
-    assert all(same for same, _ in results)
-    assert results[0][1] == results[1][1]
 
 
 def _graph_with(second: str) -> torch.fx.Graph:
@@ -286,6 +271,10 @@ def _code_structure(code):
     return [tuple(r) for r in rows]
 
 
+@pytest.mark.skipif(not os.environ.get("FSHARD_TEST_INDUCTOR_STEP"), reason=(
+    "Inductor's C++ compilation of a whole forward+backward+AdamW step, cold, takes 100 s on the shared "
+    "2-core machine at load 7 (as tests/test_jit.py's whole-step Inductor tests); set "
+    "FSHARD_TEST_INDUCTOR_STEP=1 to run it. The other tests here check the pass on the captured graph."))
 def test_overlap_order_survives_inductor_float64():
     # Under Inductor (the pass is one of fs.jit's post-grad passes), the compiled code keeps
     # the order it chose: the reduce-scatters of layers 2 and 1 run behind the next layer's
