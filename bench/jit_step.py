@@ -91,13 +91,15 @@ def per_rank(mode, steps, backend, cfg=None, variants=("on",)):
         "eager": fshard("eager", step),
         **{k: fshard(k, jstep) for k, jstep in jsteps.items()},
     }
-    cpu = {k: [] for k in sides}  # this rank's CPU seconds (process: compute and gloo's threads) per call
+    # This rank's CPU seconds per call: the process (compute, and gloo's worker threads that
+    # move the bytes) and the calling thread alone (compute).
+    cpu = {k: [] for k in sides}
 
     def with_cpu(k, f):
         def call():
-            t0 = time.process_time()
+            t0, m0 = time.process_time(), time.thread_time()
             out = f()
-            cpu[k].append(time.process_time() - t0)
+            cpu[k].append((time.process_time() - t0, time.thread_time() - m0))
             return out
         return call
 
@@ -105,7 +107,7 @@ def per_rank(mode, steps, backend, cfg=None, variants=("on",)):
     # CPU per step summed over the ranks, median over the timed steps.
     both = torch.tensor([cpu[k][2:] for k in sides], dtype=torch.float64)
     dist.all_reduce(both)
-    cpu_med = {k: statistics.median(both[i].tolist()) for i, k in enumerate(sides)}
+    cpu_med = {k: tuple(statistics.median(both[i, :, j].tolist()) for j in (0, 1)) for i, k in enumerate(sides)}
     losses = {k: [v.full_tensor().item() for v in raw[k]] for k in ("eager", *jsteps)}
     ratio = {k: {ref: statistics.median(a / b for a, b in zip(times[k], times[ref])) for ref in ("native", "native compiled", *jsteps)}
              for k in times}
@@ -136,7 +138,8 @@ def main():
     names = {"native": native, "native compiled": f"{native} compiled", "eager": "fshard eager",
              **{k: f"fshard {k}" for k in jits}}
     for k, name in names.items():
-        print(f"{name:>32}: {med[k] * 1e3:8.1f} ms/step (CPU {cpu[k] * 1e3:6.1f} ms, both ranks)"
+        print(f"{name:>32}: {med[k] * 1e3:8.1f} ms/step (CPU of both ranks {cpu[k][0] * 1e3:6.1f} ms, "
+              f"their main threads {cpu[k][1] * 1e3:6.1f} ms)"
               f"  ratio to {native} {ratio[k]['native']:.2f}"
               f"  to {native} compiled {ratio[k]['native compiled']:.2f}"
               + "".join(f"  to {j} {ratio[k][j]:.3f}" for j in jits if j != k and k in jits))

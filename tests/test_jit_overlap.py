@@ -156,13 +156,21 @@ def test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward():
 
 def _parity(order, steps=2):
     """Eager against the captured step with and without the pass, ``steps`` steps: the
-    largest difference of losses, gradients, updated params and optimizer state, and
-    comm_log's counts and bytes of each."""
+    largest difference of losses, gradients (FSDP), updated params and optimizer state,
+    and comm_log's counts and bytes of each."""
     from torch.distributed.tensor import DTensor
 
     from fshard._jit_overlap import schedule
 
-    step, (p, s, tok, tgt) = _fsdp_step(order)
+    if order == "replicate":  # DDP: bucketed all-reduces (fshard.testing's step: loss, params, state)
+        from fshard.testing import transformer_train_step
+
+        n = torch.distributed.get_world_size()
+        step, p, s = transformer_train_step("replicate", _tiny(), fs.make_mesh({"d": n}), dtype=F64)
+        tok = torch.randint(0, 32, (2 * n, 8), generator=torch.Generator().manual_seed(0))
+        tgt = torch.roll(tok, -1, 1)
+    else:
+        step, (p, s, tok, tgt) = _fsdp_step(order)
     off = fs.jit(step, backend=None)
     on = fs.jit(step, backend=None)
     assert schedule(on.graph(p, s, tok, tgt).graph)
@@ -175,17 +183,20 @@ def _parity(order, steps=2):
         outs = {}
         for k, f in (("eager", step), ("off", off), ("on", on)):
             with fs.comm_log() as log:
-                loss, grads, p2, s2 = f(*states[k], tok, tgt)
-            states[k] = (p2, s2)
-            outs[k] = fs.tree.leaves((loss, grads, p2, s2))
+                out = f(*states[k], tok, tgt)
+            states[k] = out[-2:]
+            outs[k] = fs.tree.leaves(out)
             logs.setdefault(k, []).append((dict(log.counts), dict(log.bytes), dict(log.wire)))
         for k in ("off", "on"):
             err[k] = max([err[k]] + [(full(a) - full(b)).abs().max().item() for a, b in zip(outs[k], outs["eager"])])
     return err, logs
 
 
-@pytest.mark.parametrize("order", ["outside", "inside"])
+@pytest.mark.parametrize("order", ["outside", "inside", "replicate"])
 def test_overlap_keeps_values_and_comm_log_float64(order):
+    # FSDP with value_and_grad outside and inside shard_map (losses, gradients, updated params
+    # and AdamW state), and DDP's bucketed all-reduces: the captured step with the pass
+    # equals eager and the step without it, and comm_log counts the same collectives and bytes.
     for err, logs in run_on_ranks(_parity, order, world_size=2, timeout_s=300):
         assert err["on"] <= 1e-12 and err["off"] <= 1e-12, err
         assert logs["on"] == logs["off"] == logs["eager"], logs
