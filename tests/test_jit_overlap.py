@@ -263,7 +263,7 @@ def _inductor_body():
 
 def _code_structure(code):
     """Per collective in the compiled code, in order: (kind, matrix products between its
-    start and its wait)."""
+    start and its wait, collectives in flight when it starts)."""
     import re
 
     body = code[code.index("def call(self, args)"):]
@@ -273,7 +273,7 @@ def _code_structure(code):
         wait = re.search(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)", line)
         if start and start.group(2) != "wait_tensor":
             open_[start.group(1)] = len(rows)
-            rows.append([start.group(2), 0])
+            rows.append([start.group(2), 0, len(open_) - 1])
         elif wait and wait.group(1) in open_:
             del open_[wait.group(1)]
         elif "extern_kernels.mm(" in line or "extern_kernels.bmm(" in line or "extern_kernels.addmm(" in line:
@@ -289,10 +289,13 @@ def _code_structure(code):
 def test_overlap_order_survives_inductor_float64():
     # Under Inductor (the pass is one of fs.jit's post-grad passes), the compiled code keeps
     # the order it chose: the reduce-scatters of layers 2 and 1 run behind the next layer's
-    # backward matrix products. Values equal eager.
+    # backward matrix products, and no collective starts while another is in flight (the
+    # step's collectives share one gloo group). Values equal eager.
     results = run_on_ranks(_inductor_body, world_size=2, timeout_s=600)
     for err, code in results:
         assert err <= 1e-10, err
-        rs = [m for kind, m in _code_structure(code) if kind == "all_to_all_single"]
-        assert len(rs) == 4 and rs[0] > 0 and rs[1] > 0, _code_structure(code)
+        rows = _code_structure(code)
+        rs = [m for kind, m, _ in rows if kind == "all_to_all_single"]
+        assert len(rs) == 4 and rs[0] > 0 and rs[1] > 0, rows
+        assert all(flying == 0 for _, _, flying in rows), rows
     assert _code_structure(results[0][1]) == _code_structure(results[1][1])
