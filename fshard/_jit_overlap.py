@@ -38,6 +38,14 @@ compile shares it) and so makes the same decisions. All or nothing: a graph with
 collective this pass does not know how to move (several waits, a use before the wait, a
 non-CPU tensor: NCCL's overlap is the job of torch's overlap scheduling) is left as it is.
 Nodes that mutate or have side effects stay barriers that nothing crosses.
+
+Measured (``bench/README.md``, "Overlap scheduling of gloo collectives"; shared 2-core
+machine at load 4-14, so noisy): on ``bench/jit_step.py``'s FSDP step the compiled step
+with the pass took 0.99 (0.977-1.014, 4 runs) of the one without, and peak memory per rank
+did not grow (``bench/jit_memory.py``). On 2 cores the two ranks' compute alone takes ~302
+ms of CPU per rank and step (gloo's threads ~20 ms more), against 352 ms per step on the
+quiet machine: little communication was left to hide there. Not yet measured on a quiet
+machine.
 """
 
 from __future__ import annotations
