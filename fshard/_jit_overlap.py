@@ -42,10 +42,10 @@ Nodes that mutate or have side effects stay barriers that nothing crosses.
 Measured (``bench/README.md``, "Overlap scheduling of gloo collectives"; shared 2-core
 machine at load 4-14, so noisy): on ``bench/jit_step.py``'s FSDP step the compiled step
 with the pass took 0.99 (0.977-1.014, 4 runs) of the one without, and peak memory per rank
-did not grow (``bench/jit_memory.py``). On 2 cores the two ranks' compute alone takes ~302
-ms of CPU per rank and step (gloo's threads ~20 ms more), against 352 ms per step on the
-quiet machine: little communication was left to hide there. Not yet measured on a quiet
-machine.
+did not grow (``bench/jit_memory.py``). Little was there to gain: a 3 MB gloo all-to-all
+between two ranks of one host takes 2.4-3.4 ms, so hiding the two exposed reduce-scatters
+and part of a regather saves ~5-10 ms of a 352 ms quiet step; the ranks' compute alone
+takes ~302 ms of CPU per rank and step on 2 cores. Not yet measured on a quiet machine.
 """
 
 from __future__ import annotations
