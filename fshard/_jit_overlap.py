@@ -41,7 +41,7 @@ Nodes that mutate or have side effects stay barriers that nothing crosses.
 
 Measured (``bench/README.md``, "Overlap scheduling of gloo collectives"; shared 2-core
 machine at load 4-14, so noisy): on ``bench/jit_step.py``'s FSDP step the compiled step
-with the pass took 0.99 (0.977-1.014, 4 runs) of the one without, and peak memory per rank
+with the pass took 0.99 (median; 0.977-1.014 in 5 runs) of the one without, and peak memory per rank
 did not grow (``bench/jit_memory.py``). Little was there to gain: a 3 MB gloo all-to-all
 between two ranks of one host takes 2.4-3.4 ms, so hiding the two exposed reduce-scatters
 and part of a regather saves ~5-10 ms of a 352 ms quiet step; the ranks' compute alone
@@ -65,8 +65,7 @@ _C10D = torch.ops._c10d_functional
 _WAIT = _C10D.wait_tensor.default
 _ATEN = torch.ops.aten
 # Matrix products, costed by FLOPs; everything else by the bytes it reads and writes.
-_MATMULS = {_ATEN.mm.default: "mm", _ATEN.addmm.default: "addmm", _ATEN.bmm.default: "bmm",
-            _ATEN.baddbmm.default: "bmm"}
+_MATMULS = frozenset({_ATEN.mm.default, _ATEN.addmm.default, _ATEN.bmm.default, _ATEN.baddbmm.default})
 # The ops that may move with a collective's start: they lay out its input (casts, padding,
 # flattening, concatenation of shards), no compute.
 _LAYOUT_OPS = frozenset({"cat", "_to_copy", "clone", "constant_pad_nd", "detach", "convert_element_type", "copy",
@@ -130,10 +129,9 @@ def _cost(node: torch.fx.Node) -> float:
     """Estimated run time of a compute node (relative units), from its shapes only."""
     if node.op != "call_function" or _is_view(node):
         return 0.0
-    kind = _MATMULS.get(node.target)
     vals = [a.meta.get("val") for a in node.all_input_nodes]
     out = node.meta.get("val")
-    if kind is not None and isinstance(out, torch.Tensor):
+    if node.target in _MATMULS and isinstance(out, torch.Tensor):
         a = node.args[-2]  # mm(a, b), addmm(c, a, b), bmm(a, b), baddbmm(c, a, b)
         a = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
         if isinstance(a, torch.Tensor):
