@@ -12,6 +12,7 @@ during it. Sides:
   eager pure      the pure step that fs.jit compiles, run eagerly (no donation)
   jit             ``fs.jit`` (Inductor, fshard's settings)
   jit donated     ``fs.jit(donate_argnums=(0, 1))``
+  jit no overlap  ``fs.jit`` without fshard's overlap scheduling (``fshard/_jit_overlap.py``)
   jit locality    ``fs.jit`` with Inductor's ``reorder_for_locality`` back on (its default)
   jit aot_eager   ``fs.jit(backend="aot_eager")``: the captured graph in program order
 
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 import fshard as fs
+from fshard._jit_comm import without_collective_passes
 from fshard.models import TransformerConfig
 from fshard.testing import transformer_train_step
 
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_parallel import CFG, _batches, _fshard_step, step_peak_memory  # noqa: E402
 
 _JIT = {"jit": {}, "jit donated": dict(donate_argnums=(0, 1)),
+        "jit no overlap": dict(options=without_collective_passes(bucketing=True)),
         "jit locality": dict(options={"reorder_for_locality": True}), "jit aot_eager": dict(backend="aot_eager")}
 SIDES = ("eager", "eager pure", *_JIT)
 

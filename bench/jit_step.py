@@ -16,15 +16,18 @@ is reported: set ``TORCHINDUCTOR_CACHE_DIR`` to an empty directory for a cold co
 ``bench/fsdp.py --compiled`` / ``bench/ddp.py --compiled`` time the same compiled sides next
 to fshard's eager step with ``fs.optim.donate()`` (this script's eager side is the pure
 step that fs.jit compiles) and add peak memory.
-``--comm-passes on,off`` (also ``bucket``, ``reorder``) runs one fs.jit side per setting of
-fs.jit's collective passes (``fshard/_jit_comm.py``: bucketing, overlap scheduling),
-interleaved, and gives each one's ratio to the others.
+``--comm-passes on,off`` (also ``bucket``, ``overlap``, ``reorder``) runs one fs.jit side per
+setting of fs.jit's collective passes (``fshard/_jit_comm.py``: bucketing, fshard's overlap
+scheduling ``fshard/_jit_overlap.py``, torch's overlap scheduling), interleaved, and gives
+each one's ratio to the others; ``on,bucket`` compares with and without fshard's overlap
+scheduling (the FSDP step has nothing to bucket).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
 import time
 
@@ -39,9 +42,11 @@ from fshard.testing import collective_calls, inductor_output_code, transformer_t
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
 
 # --comm-passes: fs.jit sides by which of its collective passes (fshard/_jit_comm.py) run.
-_JIT_SIDE = {"on": "jit", "off": "jit, comm passes off", "bucket": "jit, bucketing only", "reorder": "jit, reordering only"}
+_JIT_SIDE = {"on": "jit", "off": "jit, comm passes off", "bucket": "jit, bucketing only",
+             "overlap": "jit, overlap only", "reorder": "jit, torch reordering only"}
 _JIT_OPTIONS = {"on": lambda: None, "off": without_collective_passes,
                 "bucket": lambda: without_collective_passes(bucketing=True),
+                "overlap": lambda: without_collective_passes(overlap=True),
                 "reorder": lambda: without_collective_passes(reorder=True)}
 
 
@@ -86,11 +91,27 @@ def per_rank(mode, steps, backend, cfg=None, variants=("on",)):
         "eager": fshard("eager", step),
         **{k: fshard(k, jstep) for k, jstep in jsteps.items()},
     }
-    times, _, raw = timed_rounds(sides, steps, warmup=2)
+    # This rank's CPU seconds per call: the process (compute, and gloo's worker threads that
+    # move the bytes) and the calling thread alone (compute).
+    cpu = {k: [] for k in sides}
+
+    def with_cpu(k, f):
+        def call():
+            t0, m0 = time.process_time(), time.thread_time()
+            out = f()
+            cpu[k].append((time.process_time() - t0, time.thread_time() - m0))
+            return out
+        return call
+
+    times, _, raw = timed_rounds({k: with_cpu(k, f) for k, f in sides.items()}, steps, warmup=2)
+    # CPU per step summed over the ranks, median over the timed steps.
+    both = torch.tensor([cpu[k][2:] for k in sides], dtype=torch.float64)
+    dist.all_reduce(both)
+    cpu_med = {k: tuple(statistics.median(both[i, :, j].tolist()) for j in (0, 1)) for i, k in enumerate(sides)}
     losses = {k: [v.full_tensor().item() for v in raw[k]] for k in ("eager", *jsteps)}
     ratio = {k: {ref: statistics.median(a / b for a, b in zip(times[k], times[ref])) for ref in ("native", "native compiled", *jsteps)}
              for k in times}
-    return first, {k: statistics.median(v) for k, v in times.items()}, ratio, losses, calls
+    return first, {k: statistics.median(v) for k, v in times.items()}, ratio, losses, calls, cpu_med
 
 
 def main():
@@ -100,13 +121,15 @@ def main():
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--comm-passes", default="on",
                     help="comma-separated fs.jit sides by collective passes (fshard/_jit_comm.py): on (the default "
-                         "passes), off, bucket (bucketing only), reorder (overlap scheduling only); e.g. on,off")
+                         "passes: bucketing, then fshard's overlap scheduling), off, bucket (bucketing only), overlap "
+                         "(fshard's overlap scheduling only), reorder (torch's overlap scheduling only); e.g. on,bucket")
     args = ap.parse_args()
+    print(f"load average at start: {os.getloadavg()}")
     variants = tuple(args.comm_passes.split(","))
     if not variants or any(v not in _JIT_SIDE for v in variants):
         ap.error(f"--comm-passes {args.comm_passes!r}: use a comma-separated list of {', '.join(_JIT_SIDE)}")
     # Compiling takes minutes on a loaded 2-core machine: the default 300 s limit of the call is too short.
-    first, med, ratio, losses, calls = fs.run_local(per_rank, args.mode, args.steps, args.backend, None, variants,
+    first, med, ratio, losses, calls, cpu = fs.run_local(per_rank, args.mode, args.steps, args.backend, None, variants,
                                              world_size=2, timeout_s=3000)[0]
     native = "fully_shard" if args.mode == "fsdp" else "DDP"
     jits = [_JIT_SIDE[v] for v in variants]
@@ -115,9 +138,12 @@ def main():
     names = {"native": native, "native compiled": f"{native} compiled", "eager": "fshard eager",
              **{k: f"fshard {k}" for k in jits}}
     for k, name in names.items():
-        print(f"{name:>32}: {med[k] * 1e3:8.1f} ms/step  ratio to {native} {ratio[k]['native']:.2f}"
+        print(f"{name:>32}: {med[k] * 1e3:8.1f} ms/step (CPU of both ranks {cpu[k][0] * 1e3:6.1f} ms, "
+              f"their main threads {cpu[k][1] * 1e3:6.1f} ms)"
+              f"  ratio to {native} {ratio[k]['native']:.2f}"
               f"  to {native} compiled {ratio[k]['native compiled']:.2f}"
               + "".join(f"  to {j} {ratio[k][j]:.3f}" for j in jits if j != k and k in jits))
+    print(f"load average at end: {os.getloadavg()}")
     for k in jits:
         print(f"max |loss eager - loss {k}|:", max(abs(a - b) for a, b in zip(losses["eager"], losses[k])),
               " collective calls in its compiled code (backend inductor):", calls[k])

@@ -42,7 +42,14 @@ What runs (Inductor's post-grad passes; sources in ``torch/_inductor/fx_passes``
   the module rank 1 compiled gathers from offset 18, rank 1's slot, and rank 0 ran it from
   the cache; gloo's values were still right, but the graph is rank 1's). The merge here
   gathers a concatenation and takes each input's columns (rank-free).
-- Overlap scheduling (off; ``collective_passes(reorder=True)`` turns it on):
+- :class:`fshard._jit_overlap.OverlapCollectives` (on), after bucketing, in the same
+  ``post_grad_custom_post_pass`` list: fshard's own overlap scheduling of CPU (gloo)
+  collectives. It keeps the compute's order and the collectives' order, one collective in
+  flight per group, and moves each start as early and each wait as late as that allows,
+  sharing the compute between consecutive collectives of a group by their bytes (see its
+  module docstring): on the FSDP step, each layer's reduce-scatter now runs behind the
+  next layer's backward instead of before it.
+- Torch's overlap scheduling (off; ``collective_passes(reorder=True)`` turns it on):
   ``aten_distributed_optimizations.enable_overlap_scheduling`` moves collectives' starts
   earlier and their waits later, behind independent compute, and pins that order for
   Inductor's scheduler (``insert_overlap_deps``). It ranks candidates by runtime
@@ -77,7 +84,8 @@ BUCKET_MB = 25.0
 _C10D = torch.ops._c10d_functional
 
 
-def collective_passes(bucket_mb: float | None = BUCKET_MB, reorder: bool = False) -> dict[str, Any]:
+def collective_passes(bucket_mb: float | None = BUCKET_MB, reorder: bool = False,
+                      overlap: bool = True) -> dict[str, Any]:
     """Inductor config patches that bucket and reorder ``fs.jit``'s collectives.
 
     Args:
@@ -85,15 +93,19 @@ def collective_passes(bucket_mb: float | None = BUCKET_MB, reorder: bool = False
       reorder: whether to run Inductor's overlap scheduling (analytical estimates only).
         Off by default: it needs Triton (a CUDA build of torch) even on CPU graphs, and it
         is not tested on one yet (see the module docstring).
+      overlap: whether to run fshard's own overlap scheduling of CPU (gloo) collectives
+        after bucketing (:class:`fshard._jit_overlap.OverlapCollectives`).
 
     Returns:
       A dict for ``torch._inductor.config.patch`` (``fs.jit(options=...)``'s entries replace
-      its entries: ``{"post_grad_custom_post_pass": None}`` turns bucketing off,
-      ``{"aten_distributed_optimizations.enable_overlap_scheduling": False}`` reordering).
+      its entries: ``{"post_grad_custom_post_pass": None}`` turns bucketing and fshard's
+      overlap scheduling off (:func:`without_collective_passes` keeps either),
+      ``{"aten_distributed_optimizations.enable_overlap_scheduling": False}`` torch's).
     """
     patches: dict[str, Any] = {}
-    if bucket_mb is not None:
-        patches["post_grad_custom_post_pass"] = BucketCollectives(bucket_mb)
+    post = _post_passes(bucket_mb, overlap)
+    if post is not None:
+        patches["post_grad_custom_post_pass"] = post
     if reorder:
         opt = "aten_distributed_optimizations."
         patches.update({
@@ -104,6 +116,16 @@ def collective_passes(bucket_mb: float | None = BUCKET_MB, reorder: bool = False
             opt + "pre_bucketing_fsdp_collectives": False,
         })
     return patches
+
+
+def _post_passes(bucket_mb: float | None, overlap: bool) -> Any:
+    """The ``post_grad_custom_post_pass`` entry: bucketing, then overlap scheduling (of the
+    merged collectives); ``None`` for neither."""
+    from fshard._jit_overlap import OverlapCollectives
+
+    passes = ([BucketCollectives(bucket_mb)] if bucket_mb is not None else []) + (
+        [OverlapCollectives()] if overlap else [])
+    return None if not passes else passes[0] if len(passes) == 1 else passes
 
 
 class BucketCollectives(CustomGraphPass):
@@ -327,12 +349,12 @@ def _all_to_all_merge(ins: list[torch.Tensor], group_name, n: int) -> list[torch
     return [part.reshape(x.shape) for part, x in zip(out.split(sizes, dim=1), ins)]
 
 
-def without_collective_passes(bucketing: bool = False, reorder: bool = False) -> dict[str, Any]:
+def without_collective_passes(bucketing: bool = False, reorder: bool = False,
+                              overlap: bool = False) -> dict[str, Any]:
     """``fs.jit(options=...)`` that turns fshard's collective passes off (all of them by
-    default; ``bucketing=True`` or ``reorder=True`` keeps that one): for comparisons."""
-    patches: dict[str, Any] = {}
-    if not bucketing:
-        patches["post_grad_custom_post_pass"] = None
+    default; ``bucketing=True``, ``reorder=True`` or ``overlap=True`` keeps that one): for
+    comparisons."""
+    patches: dict[str, Any] = {"post_grad_custom_post_pass": _post_passes(BUCKET_MB if bucketing else None, overlap)}
     if not reorder:
         patches["aten_distributed_optimizations.enable_overlap_scheduling"] = False
     return patches

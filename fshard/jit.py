@@ -25,15 +25,18 @@ graph issues back to back and waits for back to back are merged into one over a 
 buffer (up to 25 MB; all-gathers, all-reduces, reduce-scatters, and the even all-to-alls
 that carry fshard's gloo reduce-scatter): per-leaf gathers and reductions become one call,
 and nothing else moves, so overlap and memory stay as they were (``fs.parallel``'s steps
-already use one flat buffer per layer: nothing to merge there). Torch's compute/
-communication reordering (its overlap scheduling) is off: it needs Triton even for CPU
-graphs. Every decision depends on the graph only (order, kinds, groups, sizes; no
+already use one flat buffer per layer: nothing to merge there). Then fshard's own overlap
+scheduling (``fshard/_jit_overlap.py``) moves the starts and waits of CPU (gloo)
+collectives against the compute, whose order it keeps, one collective in flight per group:
+in an FSDP step each layer's reduce-scatter runs behind the next layer's backward. Torch's
+compute/communication reordering (its overlap scheduling) is off: it needs Triton even
+for CPU graphs. Every decision depends on the graph only (order, kinds, groups, sizes; no
 timing, no collective while compiling) and no rank is baked into the compiled graph, so
 every rank issues the same collectives in the same order and one compile serves the
 ranks of a host. The bytes on the wire are eager's, and ``fs.comm_log`` still reports
 eager's collectives (the logical ones, before merging). ``options`` replaces these
-entries: ``{"post_grad_custom_post_pass": None}`` turns merging off
-(``fshard._jit_comm.without_collective_passes()``).
+entries: ``{"post_grad_custom_post_pass": None}`` turns merging and fshard's overlap
+scheduling off (``fshard._jit_comm.without_collective_passes()``, which can keep either).
 
 Memory: Inductor's reordering for locality is off (``_MEMORY``; ``options`` may turn it
 on): over a whole step it moved kernels across forward, backward and the optimizer and kept

@@ -71,8 +71,10 @@ def _jit_step():
 
 
 def test_jit_step_times_native_compiled_too():
-    first, med, ratio, losses, _ = run_on_ranks(_jit_step, world_size=2)[0]
-    assert set(med) == set(ratio) == {"native", "native compiled", "eager", "jit"}
+    first, med, ratio, losses, _, cpu = run_on_ranks(_jit_step, world_size=2)[0]
+    assert set(med) == set(ratio) == set(cpu) == {"native", "native compiled", "eager", "jit"}
+    # CPU per step of both ranks: the process's (compute and gloo's threads) >= the main threads'.
+    assert all(proc >= main > 0 for proc, main in cpu.values()), cpu
     assert set(first) == {"jit", "native compiled"}
     _close(losses["jit"], losses["eager"], "fs.jit vs fshard eager")
 

@@ -175,6 +175,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "by_leaf[j].copy_(o.to_local() if isinstance(o, DTensor) else o)", "pass",
         ("tests/test_jit_donate.py::test_donated_results_equal_undonated_and_are_the_arguments",),
         "fs.jit(donate_argnums=...) returns the donated arguments without computing the results into them"),
+    Mutation(
+        "jit_overlap_two_in_flight", "fshard/_jit_overlap.py",
+        "s = max(ready_fixed[k], last_start, last_wait.get(g, 0))", "s = max(ready_fixed[k], last_start)",
+        ("tests/test_jit_overlap.py::test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward",),
+        "fs.jit's overlap scheduling starts a collective before the previous one on its gloo group was waited"),
+    Mutation(
+        "jit_overlap_waits_at_first_use", "fshard/_jit_overlap.py",
+        "        if upto == k:  # every later one is due after this one\n",
+        "        if True:\n",
+        ("tests/test_jit_overlap.py::test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward",),
+        "fs.jit's overlap scheduling waits for each collective at its first use, leaving none for the next"),
     # --- pipelines (fshard/sched) -----------------------------------------------------------
     Mutation(
         "pipeline_dp_all_reduce_dropped", "fshard/sched/step.py",
