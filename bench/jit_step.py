@@ -50,7 +50,7 @@ _JIT_OPTIONS = {"on": lambda: None, "off": without_collective_passes,
                 "reorder": lambda: without_collective_passes(reorder=True)}
 
 
-def per_rank(mode, steps, backend, cfg=None, variants=("on",)):
+def per_rank(mode, steps, backend, cfg=None, variants=("on",), bucket_mb=None):
     from data_parallel import _native_step, timed_rounds  # bench/ is the working directory's sibling: run from the repo root
 
     torch.set_num_threads(1)
@@ -64,6 +64,9 @@ def per_rank(mode, steps, backend, cfg=None, variants=("on",)):
     native_compiled = _native_step(mode, cfg, compiled=True, backend=backend)
     step, p0, s0 = transformer_train_step(mode, cfg, mesh)
     jsteps = {_JIT_SIDE[v]: fs.jit(step, backend=backend, options=_JIT_OPTIONS[v]()) for v in variants}
+    if bucket_mb is not None:  # replicate: the same step with smaller gradient buckets, jitted
+        bstep, _, _ = transformer_train_step(mode, cfg, mesh, bucket_bytes=int(bucket_mb * 2**20))
+        jsteps[f"jit, {bucket_mb:g} MB buckets"] = fs.jit(bstep, backend=backend)
     state = {"eager": (p0, s0), **{k: (p0, s0) for k in jsteps}}
     rows = slice(r * 8, (r + 1) * 8)
     first, calls = {}, {}
@@ -123,6 +126,9 @@ def main():
                     help="comma-separated fs.jit sides by collective passes (fshard/_jit_comm.py): on (the default "
                          "passes: bucketing, then fshard's overlap scheduling), off, bucket (bucketing only), overlap "
                          "(fshard's overlap scheduling only), reorder (torch's overlap scheduling only); e.g. on,bucket")
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="replicate: also a jit side whose gradient all-reduce buckets hold this many MiB "
+                         "(default: only scan_layers' 25)")
     args = ap.parse_args()
     print(f"load average at start: {os.getloadavg()}")
     variants = tuple(args.comm_passes.split(","))
@@ -130,9 +136,9 @@ def main():
         ap.error(f"--comm-passes {args.comm_passes!r}: use a comma-separated list of {', '.join(_JIT_SIDE)}")
     # Compiling takes minutes on a loaded 2-core machine: the default 300 s limit of the call is too short.
     first, med, ratio, losses, calls, cpu = fs.run_local(per_rank, args.mode, args.steps, args.backend, None, variants,
-                                             world_size=2, timeout_s=3000)[0]
+                                                         args.bucket_mb, world_size=2, timeout_s=3000)[0]
     native = "fully_shard" if args.mode == "fsdp" else "DDP"
-    jits = [_JIT_SIDE[v] for v in variants]
+    jits = [k for k in first if k != "native compiled"]
     print(f"{args.mode}, 2 gloo ranks, backend {args.backend}: first call (trace + compile): "
           + ", ".join(f"fs.{k} {first[k]:.1f} s" for k in jits) + f", {native} compiled {first['native compiled']:.1f} s")
     names = {"native": native, "native compiled": f"{native} compiled", "eager": "fshard eager",

@@ -176,7 +176,8 @@ def assert_close(actual: Any, expected: Any, *, rtol: float = 1.3e-6, atol: floa
 
 
 def transformer_train_step(mode: str, cfg: Any, mesh: Any, *, axis: str = "d", dtype: torch.dtype = torch.float32,
-                           lr: float = 1e-3, weight_decay: float = 0.01) -> tuple[Callable[..., Any], Any, Any]:
+                           lr: float = 1e-3, weight_decay: float = 0.01,
+                           bucket_bytes: int | None = None) -> tuple[Callable[..., Any], Any, Any]:
     """The data-parallel Transformer train step that fs.jit's tests and ``bench/jit_step.py``
     both run: ``fs.parallel``'s layer loop (``gather_params`` for the root parameters,
     ``scan_layers`` for the blocks) in ``value_and_grad(shard_map(...))``, then AdamW.
@@ -189,6 +190,8 @@ def transformer_train_step(mode: str, cfg: Any, mesh: Any, *, axis: str = "d", d
       axis: the data-parallel mesh axis (optional, default ``"d"``).
       dtype: of the parameters (optional, default float32).
       lr, weight_decay: AdamW's (optional).
+      bucket_bytes: replicate only: the gradient all-reduce's bucket size (optional,
+        default ``scan_layers``'s).
 
     Returns:
       ``(step, params, opt_state)``: ``step(params, opt_state, tokens, targets) -> (loss,
@@ -214,9 +217,11 @@ def transformer_train_step(mode: str, cfg: Any, mesh: Any, *, axis: str = "d", d
         raise ValueError(f"transformer_train_step: mode={mode!r}; use 'fsdp' or 'replicate'.")
     opt = fs.optim.adamw(lr, weight_decay=weight_decay)
 
+    loop = dict(axes, bucket_bytes=bucket_bytes) if bucket_bytes is not None and mode == "replicate" else axes
+
     def loss_fn(p, tok, tgt):
         root = fs.parallel.gather_params({k: v for k, v in p.items() if k != "layers"}, **axes)
-        x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], embed(root, tok, cfg), **axes)
+        x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], embed(root, tok, cfg), **loop)
         return fs.lax.pmean(F.cross_entropy(head(root, x, cfg).flatten(0, 1), tgt.flatten()), axis)
 
     grad_fn = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=(specs, P(axis), P(axis)),

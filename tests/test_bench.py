@@ -67,16 +67,19 @@ def test_data_parallel_compiled_sides_match_eager(mode):
 
 
 def _jit_step():
-    return _bench("jit_step").per_rank("replicate", 1, "eager", TINY)
+    # TINY's gradients are a few KiB: a 0.001 MiB bucket splits them over several all-reduces.
+    return _bench("jit_step").per_rank("replicate", 1, "eager", TINY, bucket_mb=0.001)
 
 
 def test_jit_step_times_native_compiled_too():
     first, med, ratio, losses, _, cpu = run_on_ranks(_jit_step, world_size=2)[0]
-    assert set(med) == set(ratio) == set(cpu) == {"native", "native compiled", "eager", "jit"}
+    small = "jit, 0.001 MB buckets"
+    assert set(med) == set(ratio) == set(cpu) == {"native", "native compiled", "eager", "jit", small}
     # CPU per step of both ranks: the process's (compute and gloo's threads) >= the main threads'.
     assert all(proc >= main > 0 for proc, main in cpu.values()), cpu
-    assert set(first) == {"jit", "native compiled"}
+    assert set(first) == {"jit", "native compiled", small}
     _close(losses["jit"], losses["eager"], "fs.jit vs fshard eager")
+    _close(losses[small], losses["eager"], "fs.jit with small buckets vs fshard eager")
 
 
 def _tp():
