@@ -13,6 +13,8 @@ during it. Sides:
   jit             ``fs.jit`` (Inductor, fshard's settings)
   jit donated     ``fs.jit(donate_argnums=(0, 1))``
   jit locality    ``fs.jit`` with Inductor's ``reorder_for_locality`` back on (its default)
+  jit cat in place  ``fs.jit`` without ``fshard._jit_memory.LateConcat``: Inductor writes
+                  the producers of a collective's flat buffer into it in place (its default)
   jit aot_eager   ``fs.jit(backend="aot_eager")``: the captured graph in program order
 
 Issue 17's target: the jit's peak not higher than eager fshard's.
@@ -34,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_parallel import CFG, _batches, _fshard_step, step_peak_memory  # noqa: E402
 
 _JIT = {"jit": {}, "jit donated": dict(donate_argnums=(0, 1)),
-        "jit locality": dict(options={"reorder_for_locality": True}), "jit aot_eager": dict(backend="aot_eager")}
+        "jit locality": dict(options={"reorder_for_locality": True}),
+        "jit cat in place": dict(options={"post_grad_custom_pre_pass": None}), "jit aot_eager": dict(backend="aot_eager")}
 SIDES = ("eager", "eager pure", *_JIT)
 
 

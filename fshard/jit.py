@@ -475,19 +475,13 @@ def _inductor_compile(gm, args: tuple, options: dict | None):
     from torch._inductor import standalone_compile
 
     from fshard._jit_comm import collective_passes
+    from fshard._jit_memory import memory_passes
 
     # Inductor config, for this compilation only; the caller's options win.
-    patches = {**_MEMORY, **collective_passes(), **(options or {})}
+    patches = {**memory_passes(), **collective_passes(), **(options or {})}
     with _once_per_host(_graph_key(gm, args, patches)):
         return standalone_compile(gm, list(args), dynamic_shapes="from_example_inputs",
                                   options={"config_patches": patches})
-
-
-# A whole training step is one graph: Inductor's reordering for locality moves kernels next
-# to their consumers across forward, backward and the optimizer, and that kept buffers alive
-# longer (bench/jit_memory.py, 2 ranks: peak live memory of the FSDP step 124-137 -> 110 MiB,
-# replicate 129 -> 119, eager fshard 104-106 and 112) for about 1 % more CPU time per step.
-_MEMORY = {"reorder_for_locality": False}
 
 
 def _graph_key(gm, args: tuple, patches: dict) -> str:
