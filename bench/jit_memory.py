@@ -18,6 +18,14 @@ during it. Sides:
   jit aot_eager   ``fs.jit(backend="aot_eager")``: the captured graph in program order
 
 Issue 17's target: the jit's peak not higher than eager fshard's.
+
+``--count graph`` counts instead what the captured graph's own code holds
+(``fshard.testing.graph_peak_bytes``: the distinct tensor storages of its variables, its
+inputs throughout), in one process per rank, for the captured graph run in program order
+(``fs.jit(backend=None)``: eager's order, eager's peak) and for each ``fs.jit`` side with
+Inductor: deterministic, and without gloo's internal buffers (its all-gather allocates a
+temporary of the gathered size while it runs, on its own thread; the profiler counts it
+where it overlaps the peak, which depends on timing).
 """
 
 from __future__ import annotations
@@ -62,16 +70,43 @@ def _peak(side: str, mode: str) -> tuple[int, int]:
     return step_peak_memory(lambda: _make(side, mode))
 
 
+def _graph_peaks(sides: list[str], mode: str) -> dict[str, int]:
+    """Per side, the peak bytes of the third step's graph code (``--count graph``)."""
+    from fshard.testing import graph_peak_bytes
+
+    out = {}
+    for side in ["program order", *sides]:
+        _JIT["program order"] = dict(backend=None)
+        step, args = _make(side, mode)
+        step(*args), step(*args)
+        with graph_peak_bytes() as peaks:
+            step(*args)
+        counted = peaks["fx"] if side == "program order" else peaks["inductor"]
+        if len(counted) != 1:
+            raise RuntimeError(f"{side}: expected one run of the graph's code, found {peaks}")
+        out[side] = counted[0]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="fsdp", choices=["fsdp", "replicate"])
     ap.add_argument("--sides", default="eager,jit,jit donated", help=f"comma-separated, of: {', '.join(SIDES)}")
     ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--count", default="profiler", choices=["profiler", "graph"])
     args = ap.parse_args()
     sides = args.sides.split(",")
     bad = [s for s in sides if s not in SIDES]
     if bad:
         ap.error(f"--sides: unknown {bad}; use {', '.join(SIDES)}")
+    if args.count == "graph":
+        sides = [s for s in sides if s in _JIT and "backend" not in _JIT[s]]
+        print(f"{args.mode}: {args.world_size} gloo ranks; peak MiB of the graph code's tensors per rank")
+        per_rank = fs.run_local(_graph_peaks, sides, args.mode, world_size=args.world_size, timeout_s=3000)
+        for side in per_rank[0]:
+            cells = "  ".join(f"rank {r}: {p[side] / 2**20:.2f}" for r, p in enumerate(per_rank))
+            print(f"  {side:<16} {cells}", flush=True)
+        return
     print(f"{args.mode}: {args.world_size} gloo ranks; live CPU tensor MiB per rank, start of step 3 -> peak during it")
     for side in sides:
         per_rank = fs.run_local(_peak, side, args.mode, world_size=args.world_size, timeout_s=3000)

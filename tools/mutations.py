@@ -175,6 +175,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "by_leaf[j].copy_(o.to_local() if isinstance(o, DTensor) else o)", "pass",
         ("tests/test_jit_donate.py::test_donated_results_equal_undonated_and_are_the_arguments",),
         "fs.jit(donate_argnums=...) returns the donated arguments without computing the results into them"),
+    Mutation(
+        "jit_concat_in_place", "fshard/_jit_memory.py",
+        '"post_grad_custom_pre_pass": LateConcat()', '"post_grad_custom_pre_pass": None',
+        ("tests/test_jit_memory.py::test_jit_inductor_allocates_a_collectives_flat_buffer_where_the_graph_concatenates_float64",),
+        "fs.jit lets Inductor allocate a collective's flat buffer (the DDP bucket) before the backward"),
     # --- pipelines (fshard/sched) -----------------------------------------------------------
     Mutation(
         "pipeline_dp_all_reduce_dropped", "fshard/sched/step.py",
