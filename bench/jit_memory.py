@@ -19,6 +19,8 @@ during it. Sides:
 
 Issue 17's target: the jit's peak not higher than eager fshard's.
 
+``--count thread`` counts, in the same profile, only the tensors that the step's own thread
+allocates (wherever they are freed): gloo's temporaries (allocated on its threads) left out.
 ``--count graph`` counts instead what the captured graph's own code holds
 (``fshard.testing.graph_peak_bytes``: the distinct tensor storages of its variables, its
 inputs throughout), in one process per rank, for the captured graph run in program order
@@ -70,6 +72,41 @@ def _peak(side: str, mode: str) -> tuple[int, int]:
     return step_peak_memory(lambda: _make(side, mode))
 
 
+def _thread_peak(side: str, mode: str) -> tuple[int, int]:
+    """``--count thread``: as :func:`step_peak_memory`, counting only the tensors that the
+    step's own thread allocates (wherever they are freed): not gloo's temporaries."""
+
+    import torch
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from data_parallel import _tree_events
+
+    torch.set_num_threads(1)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step, args = _make(side, mode)
+        for i in range(3):
+            dist.barrier()
+            with record_function(f"bench_step_{i}"):
+                step(*args)
+    events = list(_tree_events(prof.profiler.kineto_results.experimental_event_tree()))
+    mark = next(e for e in events if e.name == "bench_step_2")
+    allocs = sorted((e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    ours, live, start, peak = {}, 0, None, 0
+    for e in allocs:
+        f = e.extra_fields
+        if start is None and e.start_time_ns >= mark.start_time_ns:
+            start = peak = live
+        if f.alloc_size > 0 and e.start_tid == mark.start_tid:
+            ours[f.ptr] = f.alloc_size
+            live += f.alloc_size
+        elif f.alloc_size < 0 and f.ptr in ours:
+            live -= ours.pop(f.ptr)
+        if start is not None and e.start_time_ns <= mark.end_time_ns:
+            peak = max(peak, live)
+    return start, peak
+
+
 def _graph_peaks(sides: list[str], mode: str) -> dict[str, int]:
     """Per side, the peak bytes of the third step's graph code (``--count graph``)."""
     from fshard.testing import graph_peak_bytes
@@ -93,7 +130,7 @@ def main() -> None:
     ap.add_argument("--mode", default="fsdp", choices=["fsdp", "replicate"])
     ap.add_argument("--sides", default="eager,jit,jit donated", help=f"comma-separated, of: {', '.join(SIDES)}")
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--count", default="profiler", choices=["profiler", "graph"])
+    ap.add_argument("--count", default="profiler", choices=["profiler", "thread", "graph"])
     args = ap.parse_args()
     sides = args.sides.split(",")
     bad = [s for s in sides if s not in SIDES]
@@ -107,9 +144,12 @@ def main() -> None:
             cells = "  ".join(f"rank {r}: {p[side] / 2**20:.2f}" for r, p in enumerate(per_rank))
             print(f"  {side:<16} {cells}", flush=True)
         return
-    print(f"{args.mode}: {args.world_size} gloo ranks; live CPU tensor MiB per rank, start of step 3 -> peak during it")
+    which = "" if args.count == "profiler" else " (the step's thread's allocations)"
+    print(f"{args.mode}: {args.world_size} gloo ranks; live CPU tensor MiB per rank{which}, start of step 3 -> "
+          f"peak during it")
     for side in sides:
-        per_rank = fs.run_local(_peak, side, args.mode, world_size=args.world_size, timeout_s=3000)
+        per_rank = fs.run_local(_peak if args.count == "profiler" else _thread_peak, side, args.mode,
+                                world_size=args.world_size, timeout_s=3000)
         cells = "  ".join(f"rank {r}: {s / 2**20:.1f} -> {p / 2**20:.1f}" for r, (s, p) in enumerate(per_rank))
         print(f"  {side:<16} {cells}", flush=True)
 
