@@ -14,9 +14,21 @@ during it. Sides:
   jit donated     ``fs.jit(donate_argnums=(0, 1))``
   jit no overlap  ``fs.jit`` without fshard's overlap scheduling (``fshard/_jit_overlap.py``)
   jit locality    ``fs.jit`` with Inductor's ``reorder_for_locality`` back on (its default)
+  jit cat in place  ``fs.jit`` without ``fshard._jit_memory.LateConcat``: Inductor writes
+                  the producers of a collective's flat buffer into it in place (its default)
   jit aot_eager   ``fs.jit(backend="aot_eager")``: the captured graph in program order
 
 Issue 17's target: the jit's peak not higher than eager fshard's.
+
+``--count thread`` counts, in the same profile, only the tensors that the step's own thread
+allocates (wherever they are freed): gloo's temporaries (allocated on its threads) left out.
+``--count graph`` counts instead what the captured graph's own code holds
+(``fshard.testing.graph_peak_bytes``: the distinct tensor storages of its variables, its
+inputs throughout), in one process per rank, for the captured graph run in program order
+(``fs.jit(backend=None)``: eager's order, eager's peak) and for each ``fs.jit`` side with
+Inductor: deterministic, and without gloo's internal buffers (its all-gather allocates a
+temporary of the gathered size while it runs, on its own thread; the profiler counts it
+where it overlaps the peak, which depends on timing).
 """
 
 from __future__ import annotations
@@ -37,7 +49,8 @@ from data_parallel import CFG, _batches, _fshard_step, step_peak_memory  # noqa:
 
 _JIT = {"jit": {}, "jit donated": dict(donate_argnums=(0, 1)),
         "jit no overlap": dict(options=without_collective_passes(bucketing=True)),
-        "jit locality": dict(options={"reorder_for_locality": True}), "jit aot_eager": dict(backend="aot_eager")}
+        "jit locality": dict(options={"reorder_for_locality": True}),
+        "jit cat in place": dict(options={"post_grad_custom_pre_pass": None}), "jit aot_eager": dict(backend="aot_eager")}
 SIDES = ("eager", "eager pure", *_JIT)
 
 
@@ -62,19 +75,84 @@ def _peak(side: str, mode: str) -> tuple[int, int]:
     return step_peak_memory(lambda: _make(side, mode))
 
 
+def _thread_peak(side: str, mode: str) -> tuple[int, int]:
+    """``--count thread``: as :func:`step_peak_memory`, counting only the tensors that the
+    step's own thread allocates (wherever they are freed): not gloo's temporaries."""
+
+    import torch
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from data_parallel import _tree_events
+
+    torch.set_num_threads(1)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step, args = _make(side, mode)
+        for i in range(3):
+            dist.barrier()
+            with record_function(f"bench_step_{i}"):
+                step(*args)
+    events = list(_tree_events(prof.profiler.kineto_results.experimental_event_tree()))
+    mark = next(e for e in events if e.name == "bench_step_2")
+    allocs = sorted((e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    ours, live, start, peak = {}, 0, None, 0
+    for e in allocs:
+        f = e.extra_fields
+        if start is None and e.start_time_ns >= mark.start_time_ns:
+            start = peak = live
+        if f.alloc_size > 0 and e.start_tid == mark.start_tid:
+            ours[f.ptr] = f.alloc_size
+            live += f.alloc_size
+        elif f.alloc_size < 0 and f.ptr in ours:
+            live -= ours.pop(f.ptr)
+        if start is not None and e.start_time_ns <= mark.end_time_ns:
+            peak = max(peak, live)
+    return start, peak
+
+
+def _graph_peaks(sides: list[str], mode: str) -> dict[str, int]:
+    """Per side, the peak bytes of the third step's graph code (``--count graph``)."""
+    from fshard.testing import graph_peak_bytes
+
+    out = {}
+    for side in ["program order", *sides]:
+        _JIT["program order"] = dict(backend=None)
+        step, args = _make(side, mode)
+        step(*args), step(*args)
+        with graph_peak_bytes() as peaks:
+            step(*args)
+        counted = peaks["fx"] if side == "program order" else peaks["inductor"]
+        if len(counted) != 1:
+            raise RuntimeError(f"{side}: expected one run of the graph's code, found {peaks}")
+        out[side] = counted[0]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="fsdp", choices=["fsdp", "replicate"])
     ap.add_argument("--sides", default="eager,jit,jit donated", help=f"comma-separated, of: {', '.join(SIDES)}")
     ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--count", default="profiler", choices=["profiler", "thread", "graph"])
     args = ap.parse_args()
     sides = args.sides.split(",")
     bad = [s for s in sides if s not in SIDES]
     if bad:
         ap.error(f"--sides: unknown {bad}; use {', '.join(SIDES)}")
-    print(f"{args.mode}: {args.world_size} gloo ranks; live CPU tensor MiB per rank, start of step 3 -> peak during it")
+    if args.count == "graph":
+        sides = [s for s in sides if s in _JIT and "backend" not in _JIT[s]]
+        print(f"{args.mode}: {args.world_size} gloo ranks; peak MiB of the graph code's tensors per rank")
+        per_rank = fs.run_local(_graph_peaks, sides, args.mode, world_size=args.world_size, timeout_s=3000)
+        for side in per_rank[0]:
+            cells = "  ".join(f"rank {r}: {p[side] / 2**20:.2f}" for r, p in enumerate(per_rank))
+            print(f"  {side:<16} {cells}", flush=True)
+        return
+    which = "" if args.count == "profiler" else " (the step's thread's allocations)"
+    print(f"{args.mode}: {args.world_size} gloo ranks; live CPU tensor MiB per rank{which}, start of step 3 -> "
+          f"peak during it")
     for side in sides:
-        per_rank = fs.run_local(_peak, side, args.mode, world_size=args.world_size, timeout_s=3000)
+        per_rank = fs.run_local(_peak if args.count == "profiler" else _thread_peak, side, args.mode,
+                                world_size=args.world_size, timeout_s=3000)
         cells = "  ".join(f"rank {r}: {s / 2**20:.1f} -> {p / 2**20:.1f}" for r, (s, p) in enumerate(per_rank))
         print(f"  {side:<16} {cells}", flush=True)
 

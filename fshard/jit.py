@@ -38,9 +38,22 @@ eager's collectives (the logical ones, before merging). ``options`` replaces the
 entries: ``{"post_grad_custom_post_pass": None}`` turns merging and fshard's overlap
 scheduling off (``fshard._jit_comm.without_collective_passes()``, which can keep either).
 
-Memory: Inductor's reordering for locality is off (``_MEMORY``; ``options`` may turn it
-on): over a whole step it moved kernels across forward, backward and the optimizer and kept
-buffers alive longer (``bench/jit_memory.py``). ``donate_argnums`` / ``donate_argnames``
+Memory (``fshard/_jit_memory.py``, :func:`fshard._jit_memory.memory_passes`; ``options``
+replaces its entries): the compiled step holds no more than eager. Two Inductor choices,
+made for a kernel's locality, had moved allocations across a whole step: its reordering for
+locality (off: it moved kernels across forward, backward and optimizer and kept buffers
+alive meanwhile; ``{"reorder_for_locality": True}`` restores it), and its in-place
+concatenation, which allocated a collective's flat buffer (the DDP gradient bucket) where
+its first input was computed, before the backward, instead of where the graph concatenates
+(:class:`fshard._jit_memory.LateConcat` makes that concatenation one opaque call;
+``{"post_grad_custom_pre_pass": None}`` undoes it). Measured (``bench/jit_memory.py``, the
+bench Transformer, 2 gloo ranks, MiB per rank): replicate eager 111.7, fs.jit 109.1 (was
+119.3); FSDP, counted from the graph code's own variables (``--count graph``: the profiler's
+FSDP numbers move by a few MiB from run to run with gloo's threads), the graph in program
+order 96.92, fs.jit 97.04 (Inductor keeps the gathered embedding table, 1.13 MiB, to
+recompute the embedding in the backward instead of its 1 MiB output). CPU time per step
+unchanged within this machine's noise (about 1 %). ``tests/test_jit_memory.py`` checks it.
+``donate_argnums`` / ``donate_argnames``
 compute results into the donated arguments' buffers, JAX's buffer donation, by JAX's rules
 (see :func:`jit`; ``tests/conformance/test_donation_jax.py`` runs the same steps through
 ``jax.jit`` on CPU, which implements donation, and pins where fshard differs). As in
@@ -564,19 +577,13 @@ def _inductor_compile(gm, args: tuple, options: dict | None):
     from torch._inductor import standalone_compile
 
     from fshard._jit_comm import collective_passes
+    from fshard._jit_memory import memory_passes
 
     # Inductor config, for this compilation only; the caller's options win.
-    patches = {**_MEMORY, **collective_passes(), **(options or {})}
+    patches = {**memory_passes(), **collective_passes(), **(options or {})}
     with _once_per_host(_graph_key(gm, args, patches)):
         return standalone_compile(gm, list(args), dynamic_shapes="from_example_inputs",
                                   options={"config_patches": patches})
-
-
-# A whole training step is one graph: Inductor's reordering for locality moves kernels next
-# to their consumers across forward, backward and the optimizer, and that kept buffers alive
-# longer (bench/jit_memory.py, 2 ranks: peak live memory of the FSDP step 124-137 -> 110 MiB,
-# replicate 129 -> 119, eager fshard 104-106 and 112) for about 1 % more CPU time per step.
-_MEMORY = {"reorder_for_locality": False}
 
 
 def _graph_key(gm, args: tuple, patches: dict) -> str:

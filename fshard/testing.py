@@ -265,3 +265,100 @@ def inductor_output_code() -> Iterator[list[str]]:
         yield codes
     finally:
         GraphLowering.save_output_code = old
+
+
+@contextlib.contextmanager
+def graph_peak_bytes() -> Iterator[dict[str, list[int]]]:
+    """Peak tensor memory of each run of a captured graph's code on this thread while the
+    block runs, counted from the code's own variables (deterministic: no allocator, no
+    timing, no other thread's buffers such as gloo's).
+
+    Two kinds of code are traced (``sys.settrace``, line by line):
+
+    - ``"fx"``: a ``torch.fx.GraphModule``'s generated ``forward``, i.e. a captured graph
+      run in program order (``fs.jit(..., backend=None)``; FX frees each value after its
+      last use, as eager autograd and the optimizer free theirs);
+    - ``"inductor"``: Inductor's output code, its wrapper's ``call`` (``fs.jit``'s default
+      compile; its ``del bufN`` lines free buffers, ``reinterpret_tensor`` views share them).
+
+    At each line the bytes of the distinct tensor storages held by the frame's local
+    variables (and by lists and tuples among them) before or after it are summed (a line
+    that computes a value and drops its inputs held both), plus those of the tensors the
+    frame was called with, for the whole call (the caller holds them even where the code
+    drops its own reference), plus, in FX code, the inputs of each functional collective
+    until its wait (the collective's work holds them; Inductor's code keeps them in
+    variables). Temporaries inside one operator are not seen.
+
+    Yields:
+      ``{"fx": [...], "inductor": [...]}``: the peak bytes of each traced run, in call order.
+    """
+    import sys
+
+    peaks: dict[str, list[int]] = {"fx": [], "inductor": []}
+
+    def held(frame) -> dict[str, dict[int, int]]:
+        """Variable name -> {storage data pointer: bytes} of the tensors it holds."""
+        found: dict[str, dict[int, int]] = {}
+        for name, v in list(frame.f_locals.items()):
+            for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    st = t.untyped_storage()
+                    if st.nbytes():
+                        found.setdefault(name, {})[st.data_ptr()] = st.nbytes()
+        return found
+
+    def kind(frame) -> str | None:
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_filename.startswith("<eval_with_key>"):
+            return "fx"
+        g = frame.f_globals  # names every Inductor output module defines
+        if code.co_name == "call" and "reinterpret_tensor" in g and "empty_strided_cpu" in g:
+            return "inductor"
+        return None
+
+    def collectives(frame) -> tuple[dict[str, list[str]], dict[str, str]]:
+        """FX code: collective -> its input variables, and wait -> its collective."""
+        gm, inputs, waits = frame.f_locals.get("self"), {}, {}
+        if not isinstance(gm, torch.fx.GraphModule):
+            return inputs, waits
+        wait = torch.ops._c10d_functional.wait_tensor.default
+        for n in gm.graph.nodes:
+            if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "_c10d_functional":
+                if n.target is wait:
+                    waits[n.name] = n.args[0].name
+                else:
+                    inputs[n.name] = [a.name for a in n.all_input_nodes]
+        return inputs, waits
+
+    def start(frame, event, arg):
+        which = kind(frame) if event == "call" else None
+        if which is None:
+            return None
+        args = {p: b for d in held(frame).values() for p, b in d.items()}
+        inputs, waits = collectives(frame) if which == "fx" else ({}, {})
+        peaks[which].append(sum(args.values()))
+        slot, state = len(peaks[which]) - 1, {"before": {}, "pinned": {}}
+
+        def line(frame, event, arg):
+            if event in ("line", "return"):
+                before, pinned, now = state["before"], state["pinned"], held(frame)
+                for name in now.keys() - before.keys():
+                    if name in inputs:  # a collective just issued: its inputs stay until its wait
+                        pinned[name] = {p: b for a in inputs[name] for p, b in before.get(a, {}).items()}
+                    elif name in waits:
+                        pinned.pop(waits[name], None)
+                live = dict(args)
+                for d in (*before.values(), *now.values(), *pinned.values()):
+                    live.update(d)
+                peaks[which][slot] = max(peaks[which][slot], sum(live.values()))
+                state["before"] = now
+            return line
+
+        return line
+
+    previous = sys.gettrace()
+    sys.settrace(start)
+    try:
+        yield peaks
+    finally:
+        sys.settrace(previous)

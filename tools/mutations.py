@@ -186,6 +186,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if True:\n",
         ("tests/test_jit_overlap.py::test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward",),
         "fs.jit's overlap scheduling waits for each collective at its first use, leaving none for the next"),
+    Mutation(
+        "jit_concat_in_place", "fshard/_jit_memory.py",
+        '"post_grad_custom_pre_pass": LateConcat()', '"post_grad_custom_pre_pass": None',
+        ("tests/test_jit_memory.py::test_jit_inductor_allocates_a_collectives_flat_buffer_where_the_graph_concatenates_float64",),
+        "fs.jit lets Inductor allocate a collective's flat buffer (the DDP bucket) before the backward"),
     # --- pipelines (fshard/sched) -----------------------------------------------------------
     Mutation(
         "pipeline_dp_all_reduce_dropped", "fshard/sched/step.py",
