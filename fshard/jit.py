@@ -107,7 +107,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fshard import comm
+from fshard import _jit_p2p, comm
 from fshard import tree as tree_util
 
 __all__ = ["jit", "Jitted", "JitCaptureError"]
@@ -448,7 +448,18 @@ class _Compiled:
         owner = self._owner
         t0 = time.perf_counter()
         try:
-            if owner._backend == "inductor":
+            if owner._backend == "inductor" and _has_p2p(self._gm):
+                prologue, main = _hoist_input_views(self._gm)
+                inputs = prologue(*args) if prologue is not None else args
+                compiled = _jit_p2p.Segmented(main, lambda g, a: _inductor_compile(g, a, owner._options),
+                                              key=lambda g, a: _graph_key(g, a, {}))
+                fn = compiled if prologue is None else (lambda *a: compiled(*prologue(*a)))
+                out = compiled(*inputs)  # compiles each distinct region at its first run
+                log.info("fs.jit(%s): point-to-point transfers: %d eager transfer nodes between %d compiled "
+                         "regions (%d distinct, compiled in %.1f s); first call %.1f s", owner.__name__,
+                         compiled.n_eager, compiled.n_regions, compiled.n_compiled, compiled.compile_s,
+                         time.perf_counter() - t0)
+            elif owner._backend == "inductor":
                 prologue, main = _hoist_input_views(self._gm)
                 inputs = prologue(*args) if prologue is not None else args
                 compiled = _inductor_compile(main, inputs, owner._options)
@@ -638,20 +649,21 @@ def _functional_collectives(gm) -> None:
 _C10D = torch.ops._c10d_functional
 
 # Point-to-point transfers (fs.sched's pipeline) pair up across ranks in program order, which no
-# data dependency of one rank's graph shows: only backends that run the graph in its order keep them.
-_ORDER_KEEPING_BACKENDS = (None, "aot_eager", "eager")
+# data dependency of one rank's graph shows: backends that run the graph in its order keep them,
+# and "inductor" compiles the compute between them (fshard/_jit_p2p.py); any other is refused.
+_ORDER_KEEPING_BACKENDS = (None, "aot_eager", "eager", "inductor")
 # Backends that run the captured graph as it is (see jit()'s ``backend``).
 _UNCOMPILED_BACKENDS = (None, "eager")
 _P2P_REORDERED = (
     "the graph holds point-to-point transfers (fs.sched's pipeline: fshard.p2p_batch), which must run in "
     "program order: a rank's wait for a receive depends on a peer's send that no data dependency of its "
-    "own graph shows. Inductor fuses and reorders kernels across them (seen: a 1F1B rank waited for a "
-    "gradient before sending the activation its peer needed, and the ranks deadlocked). Use "
-    "backend='aot_eager' or backend=None.")
+    "own graph shows, and a backend that compiles the whole graph may fuse and reorder kernels across "
+    "them (seen with Inductor on the whole graph: a 1F1B rank waited for a gradient before sending the "
+    "activation its peer needed, and the ranks deadlocked). fs.jit runs such graphs with "
+    "backend='inductor' (the compute between the transfers compiled, the transfers run eagerly in "
+    "program order), 'aot_eager' or None.")
 
-
-_P2P_OPS = frozenset({"fshard.p2p_batch.default", "_c10d_functional.batch_p2p_ops.default",
-                      "_c10d_functional.isend.default", "_c10d_functional.irecv.default"})
+_P2P_OPS = _jit_p2p.P2P_OPS
 
 
 def _has_p2p(gm) -> bool:
