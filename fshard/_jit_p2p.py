@@ -72,12 +72,28 @@ def _transfer_nodes(graph: fx.Graph) -> set[fx.Node]:
     return eager
 
 
-def _assign(graph: fx.Graph, eager: set[fx.Node]) -> dict[fx.Node, int]:
+def _loose(graph: fx.Graph, eager: set[fx.Node]) -> tuple[list[fx.Node], set[fx.Node]]:
+    """Nodes run eagerly on their own rather than in a region, so that equal computations
+    make equal regions: the detaches of the graph's inputs (the first forward's region would
+    hold them, the later ones not), moved to the start (they read inputs only), and the
+    receive buffers' templates (allocations read by transfers only). Returns the walking
+    order and the loose nodes."""
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    early = [n for n in graph.nodes if n.target is _ATEN.detach.default and n.args[0].op == "placeholder"]
+    templates = {n for n in graph.nodes
+                 if n.op == "call_function" and n.target in _CHEAP and not n.all_input_nodes and n.users
+                 and all(u in eager for u in n.users)}
+    moved = set(early)
+    order = places + early + [n for n in graph.nodes if n.op != "placeholder" and n not in moved]
+    return order, moved | templates
+
+
+def _assign(order: list[fx.Node], eager: set[fx.Node]) -> dict[fx.Node, int]:
     """Segment index per call_function / get_attr node: eager nodes each their own, runs of
     others one region; a ``getitem`` of a region's node joins that region (a region returns
     tensors, not lists)."""
     seg, k, open_region = {}, -1, False
-    for n in graph.nodes:
+    for n in order:
         if n.op not in ("call_function", "get_attr"):
             continue
         if n in eager:
@@ -98,15 +114,19 @@ def split_at_transfers(gm: fx.GraphModule) -> list[tuple[str, Any, list[fx.Node]
     """Cuts ``gm`` into segments in program order.
 
     Returns:
-      A list of ``(kind, what, inputs, outputs)``: ``kind`` ``"eager"`` (``what``: the one node
-      to run) or ``"region"`` (``what``: a GraphModule of the region's nodes, whose
+      A list of ``(kind, what, inputs, outputs)``: ``kind`` ``"transfer"`` (a transfer, a
+      getitem of its results or a wait of one) or ``"eager"`` (a node run on its own: see
+      :func:`_loose`; a collective waited beyond its region, or its wait), ``what`` the one
+      node to run; or ``"region"`` (``what``: a GraphModule of the region's nodes, whose
       placeholders are ``inputs`` and whose output list is ``outputs``, nodes of ``gm``).
       Node names in a region are fresh (by op, in order): equal computations give equal code.
     """
     graph = gm.graph
-    eager = _transfer_nodes(graph)
+    transfers = _transfer_nodes(graph)
+    order, loose = _loose(graph, transfers)
+    eager = transfers | loose
     while True:  # a collective waited beyond its region runs eagerly, with its waits
-        seg = _assign(graph, eager)
+        seg = _assign(order, eager)
         more = set()
         for n in graph.nodes:
             if _is_collective(n) and n not in eager:
@@ -116,7 +136,7 @@ def split_at_transfers(gm: fx.GraphModule) -> list[tuple[str, Any, list[fx.Node]
         if not more:
             break
         eager |= more
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = {n: i for i, n in enumerate(order)}
     members: dict[int, list[fx.Node]] = {}
     for n, k in seg.items():
         members.setdefault(k, []).append(n)
@@ -126,7 +146,7 @@ def split_at_transfers(gm: fx.GraphModule) -> list[tuple[str, Any, list[fx.Node]
         inside = set(nodes)
         if nodes[0] in eager:
             ins = [a for a in nodes[0].all_input_nodes if a.op != "get_attr"]
-            segments.append(("eager", nodes[0], ins, [nodes[0]]))
+            segments.append(("transfer" if nodes[0] in transfers else "eager", nodes[0], ins, [nodes[0]]))
             continue
         # get_attr nodes (constants) are copied into each region that reads them.
         ins = []
@@ -214,7 +234,7 @@ class Segmented:
         for k, (kind, what, ins, outs) in enumerate(segments):
             free = tuple(s for s, j in last.items() if j == k and s not in finals)
             in_slots, out_slots = tuple(slot[a] for a in ins), tuple(slot[o] for o in outs)
-            if kind == "eager":
+            if kind in ("transfer", "eager"):
                 node = what
                 args = fx.node.map_arg(node.args, lambda a: _Slot(slot[a]) if a.op != "get_attr"
                                        else _attr(gm, a.target))
@@ -227,7 +247,8 @@ class Segmented:
                 steps.append(_Region(self, what, in_slots, out_slots, free))
         self._steps = steps
         self.n_regions = sum(isinstance(s, _Region) for s in steps)
-        self.n_eager = sum(isinstance(s, _EagerNode) for s in steps)
+        self.n_transfer_nodes = sum(kind == "transfer" for kind, *_ in segments)
+        self.n_eager = sum(isinstance(s, _EagerNode) for s in steps) - self.n_transfer_nodes
         self._compiled: dict[str, Callable] = {}
         self.compile_s = 0.0
 

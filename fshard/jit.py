@@ -455,10 +455,10 @@ class _Compiled:
                                               key=lambda g, a: _graph_key(g, a, {}))
                 fn = compiled if prologue is None else (lambda *a: compiled(*prologue(*a)))
                 out = compiled(*inputs)  # compiles each distinct region at its first run
-                log.info("fs.jit(%s): point-to-point transfers: %d eager transfer nodes between %d compiled "
-                         "regions (%d distinct, compiled in %.1f s); first call %.1f s", owner.__name__,
-                         compiled.n_eager, compiled.n_regions, compiled.n_compiled, compiled.compile_s,
-                         time.perf_counter() - t0)
+                log.info("fs.jit(%s): point-to-point transfers: %d transfer nodes and %d others run eagerly "
+                         "between %d compiled regions (%d distinct, compiled in %.1f s); first call %.1f s",
+                         owner.__name__, compiled.n_transfer_nodes, compiled.n_eager, compiled.n_regions,
+                         compiled.n_compiled, compiled.compile_s, time.perf_counter() - t0)
             elif owner._backend == "inductor":
                 prologue, main = _hoist_input_views(self._gm)
                 inputs = prologue(*args) if prologue is not None else args

@@ -588,10 +588,11 @@ def _jit_info_log():
 
 
 def _regions_logged(records: list[str]):
-    """(eager transfer nodes, compiled regions, distinct compiles) from fs.jit's log of an
+    """(transfer nodes run eagerly, compiled regions, distinct compiles) from fs.jit's log of an
     Inductor compile of a graph with point-to-point transfers; None if there was none."""
     for msg in records:
-        m = re.search(r"(\d+) eager transfer nodes between (\d+) compiled regions \((\d+) distinct", msg)
+        m = re.search(r"(\d+) transfer nodes and \d+ others run eagerly between (\d+) compiled regions "
+                      r"\((\d+) distinct", msg)
         if m:
             return tuple(int(g) for g in m.groups())
     return None
