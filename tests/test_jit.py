@@ -936,3 +936,39 @@ def test_jit_inductor_buckets_of_several_kinds_and_dtypes_float64():
     # merged wait at a node another merge erased (values equal eager; the compile succeeds).
     for err in run_on_ranks(_inductor_mixed_buckets_body, world_size=2, timeout_s=300):
         assert err <= 1e-6, err  # the float32 leaf's gather, summed in float64
+
+
+def test_jit_p2p_split_keeps_transfers_in_order_and_collectives_whole():
+    # fs.jit's Inductor path for graphs with transfers (fshard/_jit_p2p.py), on a hand-built
+    # graph (nothing runs): each transfer node is a segment of its own, in program order; the
+    # compute between is one region; an all-reduce whose wait lies beyond a transfer runs
+    # eagerly with its wait (a region returns no collective in flight); a receive's buffer
+    # template and the detach of an input run on their own (so equal compute makes equal regions).
+    import operator
+
+    from fshard import _jit_p2p
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(aten.sin.default, (x,))
+    ar = g.call_function(c10d.all_reduce.default, (a, "sum", "0"))
+    tmpl = g.call_function(aten.empty.memory_format, ([3],), {"dtype": torch.float64})
+    p = g.call_function(torch.ops.fshard.p2p_batch.default, ([True, False], [1, 1], [a, tmpl], "0"))
+    sent, got = g.call_function(operator.getitem, (p, 0)), g.call_function(operator.getitem, (p, 1))
+    d = g.call_function(aten.detach.default, (x,))
+    b = g.call_function(aten.cos.default, (d,))
+    w = g.call_function(c10d.wait_tensor.default, (ar,))
+    wg = g.call_function(c10d.wait_tensor.default, (got,))
+    c = g.call_function(aten.add.Tensor, (w, b))
+    c2 = g.call_function(aten.mul.Tensor, (c, wg))
+    ws = g.call_function(c10d.wait_tensor.default, (sent,))
+    g.output([c2, ws])
+    segs = _jit_p2p.split_at_transfers(torch.fx.GraphModule(torch.nn.Module(), g))
+    shape = [(kind, what.target.__name__ if kind != "region" else
+              tuple(n.target.__name__ for n in what.graph.nodes if n.op == "call_function")) for kind, what, _, _ in segs]
+    assert shape == [("eager", "detach.default"), ("region", ("sin.default",)), ("eager", "all_reduce.default"),
+                     ("eager", "empty.memory_format"), ("transfer", "p2p_batch.default"), ("transfer", "getitem"),
+                     ("transfer", "getitem"), ("region", ("cos.default",)), ("eager", "wait_tensor.default"),
+                     ("transfer", "wait_tensor.default"), ("region", ("add.Tensor", "mul.Tensor")),
+                     ("transfer", "wait_tensor.default")], shape
