@@ -1,6 +1,7 @@
 """fshard's pipeline_step vs torch.distributed.pipelining, same model, same schedule, same run.
 
     PYTHONPATH=. python bench/pp.py [--steps 20] [--batch 16] [--microbatches 4 8] [--plot PATH]
+        [--compiled [--backend inductor]] [--schedules gpipe 1f1b zb-h1]
 
 The model is native_baseline.md's Transformer (vocab 512, dim 256, 4 layers, 4 heads,
 seq 128, MLP 4x, untied head, fp32) cut in 2 stages: stage 0 = embeddings + blocks 0-1,
@@ -78,7 +79,7 @@ def _loss(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
 
 
 def per_rank(steps: int, batch: int, microbatches: list[int], compiled: bool = False, backend: str = "inductor",
-             cfg: dict | None = None):
+             cfg: dict | None = None, schedules: tuple[str, ...] = NAMES):
     """Times every side, interleaved. Returns per side (``(kind, schedule, m)``, kind one of
     ``torch``, ``fshard``, and with ``compiled`` ``torch_compiled``, ``fshard_jit``): median
     s/step, median bubble, fshard's last StepStats, first loss, the schedules, gradient errors
@@ -122,6 +123,8 @@ def per_rank(steps: int, batch: int, microbatches: list[int], compiled: bool = F
         for name, ours, theirs in (("gpipe", fs.sched.gpipe, ScheduleGPipe),
                                    ("1f1b", fs.sched.one_f_one_b, Schedule1F1B),
                                    ("zb-h1", fs.sched.zero_bubble, zb_h1)):
+            if name not in schedules:
+                continue
             sch = ours(2, m)
             sched_of[(name, m)] = sch
             for kind, mod in modules.items():
@@ -191,7 +194,7 @@ def per_rank(steps: int, batch: int, microbatches: list[int], compiled: bool = F
     for m in microbatches:
         sides[("torch", "1f1b", m)]()
         ref = {_global_name(n, mine.start): p.grad for n, p in module.named_parameters()}
-        for name in NAMES:
+        for name in schedules:
             for kind in ("fshard", "fshard_jit") if compiled else ("fshard",):
                 grads = sides[(kind, name, m)]()[1]
                 got = dict(fs.tree.leaves_with_path(grads[rank]))
@@ -240,9 +243,10 @@ def _plot(path: str, results: list, microbatches: list[int], m: int) -> None:
 def _draw(path: str, results: list, m: int, Figure, Patch) -> None:
 
     colors = {"F": "#4C72B0", "B": "#8172B2", "I": "#55A868", "W": "#DD8452"}
-    fig = Figure(figsize=(10, 1.8 * len(NAMES)))
-    for row, name in enumerate(NAMES):
-        ax = fig.add_subplot(len(NAMES), 1, row + 1)
+    names = [n for n in NAMES if (n, m) in results[0][2]]
+    fig = Figure(figsize=(10, 1.8 * len(names)))
+    for row, name in enumerate(names):
+        ax = fig.add_subplot(len(names), 1, row + 1)
         for rank, res in enumerate(results):
             st = res[2][(name, m)]
             for a, s, e in st.spans:
@@ -271,9 +275,10 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true",
                     help="add fshard under fs.jit and torch with per-block torch.compile")
     ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
+    ap.add_argument("--schedules", nargs="+", choices=NAMES, default=list(NAMES))
     args = ap.parse_args()
     results = fs.run_local(per_rank, args.steps, args.batch, args.microbatches, args.compiled, args.backend,
-                           world_size=2, timeout_s=3000)
+                           None, tuple(args.schedules), world_size=2, timeout_s=3000)
     times, _, _, _, schedules, _, raw, first = results[0]
     print(f"pipeline: 2 gloo ranks, global batch {args.batch}, median of {args.steps} steps "
           f"(forward + backward, no optimizer)")
@@ -281,7 +286,7 @@ def main() -> None:
           "| simulated bubble (F=I=W=1 / measured F,I,W) |")
     print("|---|---|---|---|---|---|---|")
     for m in args.microbatches:
-        for name in NAMES:
+        for name in args.schedules:
             tt, tf = times[("torch", name, m)], times[("fshard", name, m)]
             bub_t = statistics.mean(r[1][("torch", name, m)] for r in results)
             bub_f = statistics.mean(r[1][("fshard", name, m)] for r in results)
@@ -302,7 +307,7 @@ def main() -> None:
               "eager | first step: fs.jit / torch compiled |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for m in args.microbatches:
-            for name in NAMES:
+            for name in args.schedules:
                 def r(a, b, name=name, m=m):  # median of per-step ratios, a's step / b's in the same round
                     if (a, name, m) not in raw or (b, name, m) not in raw:
                         return "n/a"  # torch's ZB schedules refuse compiled stage modules
