@@ -90,11 +90,13 @@ place, and each run of compute between them is one region compiled by Inductor a
 rest of fs.jit compiles (``_inductor_compile``: fshard's collective passes, the cache, the
 once-per-host compile), regions of equal code and input layouts compiled once (a 1F1B
 step: the microbatches' forwards, the later backwards). Tested against eager under
-Inductor (float64, 1e-12): 1F1B m=4 and ZB-H1 on pp=2, 1F1B on dp=2 x pp=2. Compile time:
-a 1F1B m=4 pp=2 step of the tests' MLP is 7-9 regions per rank, 5 distinct, compiled in
-about 21-28 s cold, 3 s warm (load ~2); see ``bench/README.md`` for the bench model's. ``aot_eager``
-and ``None`` run the whole graph in order; any other backend (which would compile the
-graph whole) is refused (a :class:`JitCaptureError`, or eager with
+Inductor (float64, 1e-12): 1F1B m=4 and ZB-H1 on pp=2, 1F1B on dp=2 x pp=2. Compile time
+of a 1F1B m=4 pp=2 step with AdamW (the tests' MLP): 9 and 7 regions (ranks 0, 1), 5 distinct
+on each; first call 35-52 s cold (load 2-5: each rank compiles for 21-37 s and also waits at
+its receives for its peer's compiles, as regions compile when the call reaches them), 4.5-6 s
+warm. The bench Transformer's (``bench/pp.py --compiled``): 97 s cold, 2.7-3.2 s warm.
+``aot_eager`` and ``None`` run the whole graph in order; any other backend (which would
+compile the graph whole) is refused (a :class:`JitCaptureError`, or eager with
 ``on_capture_error="eager"``). ``return_stats=True`` is refused (its timings are
 wall-clock ones of an eager run).
 
