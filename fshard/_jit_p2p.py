@@ -26,9 +26,12 @@ Inductor passes give every compile (``fshard/_jit_comm.py``), and ranks holding 
 stage compile the same regions.
 
 Compile time: regions whose code and input layouts are equal (the forward of each
-microbatch, the backward of each but the first) are compiled once and the compiled
-callable is reused (:class:`Segmented`); a region of views and allocations only (a
-receive buffer's template) is not compiled but run node by node.
+microbatch, the backward of each but the first two) are compiled once and the compiled
+callable is reused (:class:`Segmented`); a region of views and allocations only is not
+compiled but run node by node. Regions that mutate nothing are compiled before the first
+call runs anything (:meth:`Segmented.compile_ahead`, on inputs of the traced layouts), so
+the ranks compile at the same time rather than one waiting at a receive for its peer's
+compile, and such a compile failure comes before any transfer is posted.
 """
 
 from __future__ import annotations
@@ -196,6 +199,11 @@ def _trivial(region: fx.GraphModule) -> bool:
     return True
 
 
+def _mutates(region: fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and n.target._schema.is_mutable for n in region.graph.nodes)
+
+
 class Segmented:
     """Runs ``gm`` as its segments: eager nodes as they are, each region through
     ``compile_region(region_gm, example_inputs) -> callable`` at its first run (equal regions
@@ -251,6 +259,21 @@ class Segmented:
         self.n_eager = sum(isinstance(s, _EagerNode) for s in steps) - self.n_transfer_nodes
         self._compiled: dict[str, Callable] = {}
         self.compile_s = 0.0
+
+    def compile_ahead(self) -> None:
+        """Compiles, before the call runs anything, every region that mutates nothing, on
+        inputs of the traced layouts: a failure then comes before any transfer is posted,
+        and the ranks compile at once instead of waiting at their receives for a peer's
+        compile. A region with an in-place op (gradient accumulation, a donated result)
+        compiles at its first run instead, on the real inputs: whether those alias each
+        other decides what Inductor's code for it may assume."""
+        for step in self._steps:
+            if not isinstance(step, _Region) or step.fn is not None or _mutates(step.gm):
+                continue
+            vals = [n.meta.get("val") for n in step.gm.graph.nodes if n.op == "placeholder"]
+            if all(isinstance(v, torch.Tensor) for v in vals):
+                step.fn = self.compiled_once(step.gm, tuple(
+                    torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals))
 
     def compiled_once(self, region: fx.GraphModule, args: tuple) -> Callable:
         key = self._key(region, args)

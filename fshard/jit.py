@@ -92,9 +92,10 @@ once-per-host compile), regions of equal code and input layouts compiled once (a
 step: the microbatches' forwards, the later backwards). Tested against eager under
 Inductor (float64, 1e-12): 1F1B m=4 and ZB-H1 on pp=2, 1F1B on dp=2 x pp=2. Compile time
 of a 1F1B m=4 pp=2 step with AdamW (the tests' MLP): 9 and 7 regions (ranks 0, 1), 5 distinct
-on each; first call 35-52 s cold (load 2-5: each rank compiles for 21-37 s and also waits at
-its receives for its peer's compiles, as regions compile when the call reaches them), 4.5-6 s
-warm. The bench Transformer's (``bench/pp.py --compiled``): 97 s cold, 2.7-3.2 s warm.
+on each, those without in-place ops compiled before the first transfer (the others when the
+call reaches them); first call 48 s cold (load 5; 52 s when every region compiled as the
+call reached it, a rank waiting at its receives for its peer's compiles), 2.6 s warm. The
+bench Transformer's: see ``bench/README.md``, "Pipeline".
 ``aot_eager`` and ``None`` run the whole graph in order; any other backend (which would
 compile the graph whole) is refused (a :class:`JitCaptureError`, or eager with
 ``on_capture_error="eager"``). ``return_stats=True`` is refused (its timings are
@@ -472,7 +473,8 @@ class _Compiled:
                 compiled = _jit_p2p.Segmented(main, lambda g, a: _inductor_compile(g, a, owner._options),
                                               key=lambda g, a: _graph_key(g, a, {}))
                 fn = compiled if prologue is None else (lambda *a: compiled(*prologue(*a)))
-                out = compiled(*inputs)  # compiles each distinct region at its first run
+                compiled.compile_ahead()
+                out = compiled(*inputs)  # compiles the other regions at their first run
                 log.info("fs.jit(%s): point-to-point transfers: %d transfer nodes and %d others run eagerly "
                          "between %d compiled regions (%d distinct, compiled in %.1f s); first call %.1f s",
                          owner.__name__, compiled.n_transfer_nodes, compiled.n_eager, compiled.n_regions,
