@@ -70,7 +70,8 @@ def _transfer_nodes(graph: fx.Graph) -> set[fx.Node]:
     """The nodes to run eagerly: transfers, their results' getitems and waits."""
     eager = set()
     for n in graph.nodes:
-        if _is_p2p(n) or (n.target in (_GETITEM, _WAIT) and n.args and n.args[0] in eager):
+        if _is_p2p(n) or (n.target in (_GETITEM, _WAIT) and n.args and isinstance(n.args[0], fx.Node)
+                          and n.args[0] in eager):
             eager.add(n)
     return eager
 
@@ -133,9 +134,11 @@ def split_at_transfers(gm: fx.GraphModule) -> list[tuple[str, Any, list[fx.Node]
         more = set()
         for n in graph.nodes:
             if _is_collective(n) and n not in eager:
-                waits = [u for u in n.users if u.target is _WAIT]
-                if any(seg[w] != seg[n] for w in waits):
-                    more.update([n, *waits])
+                # The collective, the getitems of a coalesced one's results, and their waits.
+                family = [n] + [u for u in n.users if u.target is _GETITEM]
+                family += [w for f in family for w in f.users if w.target is _WAIT]
+                if any(seg[f] != seg[n] for f in family):
+                    more.update(family)
         if not more:
             break
         eager |= more
