@@ -90,7 +90,8 @@ place, and each run of compute between them is one region compiled by Inductor a
 rest of fs.jit compiles (``_inductor_compile``: fshard's collective passes, the cache, the
 once-per-host compile), regions of equal code and input layouts compiled once (a 1F1B
 step: the microbatches' forwards, the later backwards). Tested against eager under
-Inductor (float64, 1e-12): 1F1B m=4 and ZB-H1 on pp=2, 1F1B on dp=2 x pp=2. Compile time
+Inductor (float64, 1e-12): 1F1B m=4 and ZB-H1 on pp=2, 1F1B on dp=2 x pp=2 (opt-in:
+``FSHARD_TEST_INDUCTOR_STEP=1``). Compile time
 of a 1F1B m=4 pp=2 step with AdamW (the tests' MLP): 9 and 7 regions (ranks 0, 1), 5 distinct
 on each, those without in-place ops compiled before the first transfer (the others when the
 call reaches them); first call 48 s cold (load 5; 52 s when every region compiled as the

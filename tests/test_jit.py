@@ -1,8 +1,9 @@
 """fs.jit: a captured, compiled step equals the eager one (issue 17, first slice).
 
 Compiling on CPU is slow: every test compiles tiny shapes, most with the ``aot_eager``
-backend (Dynamo + AOTAutograd, no code generation); one runs Inductor. All of them
-together take well under 90 s on an idle 2-core machine.
+backend (Dynamo + AOTAutograd, no code generation); a few run Inductor (collectives, and
+the pipeline steps: 1F1B 48 s and ZB-H1 5 s with a cold cache at load 6, the ZB-H1 one
+reusing most of 1F1B's compiled regions; about 3 s and under 1 s warm).
 """
 
 import contextlib
@@ -601,7 +602,7 @@ def _regions_logged(records: list[str]):
 @pytest.mark.parametrize("schedule, m, backend, optimizer", [
     ("one_f_one_b", 4, "aot_eager", "adamw"), ("gpipe", 2, "aot_eager", "sgd"), ("one_f_one_b", 2, None, "sgd"),
     ("gpipe", 4, None, "adamw"), ("interleaved_1f1b", 4, None, "sgd"), ("zero_bubble", 2, None, "sgd"),
-    ("one_f_one_b", 4, "inductor", "adamw"), ("zero_bubble", 2, "inductor", "sgd")])
+    ("one_f_one_b", 4, "inductor", "sgd"), ("zero_bubble", 2, "inductor", "sgd")])
 def test_jit_pipeline_train_step_equals_eager_float64(schedule, m, backend, optimizer):
     # Each run of SEND/RECV actions is one functional fshard.p2p_batch in the graph, each wait a
     # wait_tensor; the activation headers were exchanged while tracing, so the graph has one
@@ -660,7 +661,12 @@ def _jit_pipeline_dp_body(stage_fsdp, backend="aot_eager"):
             "wire": (dict(elog.wire_by_axis), dict(jlog.wire_by_axis))}
 
 
-@pytest.mark.parametrize("stage_fsdp, backend", [(False, "aot_eager"), (True, "aot_eager"), (False, "inductor")])
+@pytest.mark.parametrize("stage_fsdp, backend", [(False, "aot_eager"), (True, "aot_eager"), pytest.param(
+    False, "inductor", marks=pytest.mark.skipif(not os.environ.get("FSHARD_TEST_INDUCTOR_STEP"), reason=(
+        "Inductor compiles of the dp=2 x pp=2 step's regions (4 ranks; none shared with the pp=2 tests): "
+        "18 s cold at load 6 on the shared 2-core CI machine, on top of the pp=2 Inductor tests (54 s cold); "
+        "set FSHARD_TEST_INDUCTOR_STEP=1 to run it. The pp=2 tests check the split under Inductor, the "
+        "aot_eager cases the same captured dp x pp graph.")))])
 def test_jit_pipeline_with_data_parallel_axis_equals_eager_float64(stage_fsdp, backend):
     # Under Inductor the data-parallel all-reduces are compiled in the regions between the
     # pipeline's transfers; the two ranks of a stage compile its regions once (fs.jit's
