@@ -175,6 +175,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "by_leaf[j].copy_(o.to_local() if isinstance(o, DTensor) else o)", "pass",
         ("tests/test_jit_donate.py::test_donated_results_equal_undonated_and_are_the_arguments",),
         "fs.jit(donate_argnums=...) returns the donated arguments without computing the results into them"),
+    Mutation(
+        "jit_p2p_collective_split_from_wait", "fshard/_jit_p2p.py",
+        "if any(seg[f] != seg[n] for f in family):", "if False:",
+        ("tests/test_jit.py::test_jit_p2p_split_keeps_transfers_in_order_and_collectives_whole",),
+        "fs.jit's Inductor path for pipelines compiles a collective in one region and its wait in a later one"),
     # --- pipelines (fshard/sched) -----------------------------------------------------------
     Mutation(
         "pipeline_dp_all_reduce_dropped", "fshard/sched/step.py",
