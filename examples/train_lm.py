@@ -663,11 +663,12 @@ def make_jit_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.Grad
     graph: one trace holds every microbatch's forward and backward and the one reduction.
 
     Raises:
-      ConfigError: a pipeline (``pp``): it cannot be captured yet.
+      ConfigError: a pipeline (``pp``): not wired to ``fs.jit`` in this script yet.
     """
     if plan.pp_axis:
-        raise ConfigError("--jit cannot compile a pipeline step yet (the executor's point-to-point transfers "
-                          "are not functional collectives): drop --jit, or pp from --mesh")
+        raise ConfigError("--jit cannot compile a pipeline step yet in this script (fs.jit captures "
+                          "fs.sched.pipeline_step, but this script's pipeline train step, with its clipping "
+                          "and non-finite check, is not wired to it): drop --jit, or pp from --mesh")
     eager = make_train_step(model, plan, specs, opt, microbatches, max_norm, inject, order)
 
     grad_fn = make_grad_fn(model, plan, specs)
