@@ -239,7 +239,7 @@ class Segmented:
 
         def out_slot(a):
             finals.add(slot[a])
-            return slot[a]
+            return _Slot(slot[a])
         self._result = fx.node.map_arg(out_node.args[0], out_slot)
         steps = []
         for k, (kind, what, ins, outs) in enumerate(segments):
@@ -297,11 +297,11 @@ class Segmented:
         env[: self._n_inputs] = args
         for step in self._steps:
             step.run(env)
-        return fx.node.map_aggregate(self._result, lambda s: env[s])
+        return _read(env, self._result)
 
 
 class _Slot(int):
-    """An argument of an eager node that is a value of the run (its slot)."""
+    """A value of the run (its slot) in an eager node's arguments or in the results."""
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:
