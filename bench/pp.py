@@ -1,6 +1,7 @@
 """fshard's pipeline_step vs torch.distributed.pipelining, same model, same schedule, same run.
 
     PYTHONPATH=. python bench/pp.py [--steps 20] [--batch 16] [--microbatches 4 8] [--plot PATH]
+        [--compiled [--backend inductor]] [--schedules gpipe 1f1b zb-h1]
 
 The model is native_baseline.md's Transformer (vocab 512, dim 256, 4 layers, 4 heads,
 seq 128, MLP 4x, untied head, fp32) cut in 2 stages: stage 0 = embeddings + blocks 0-1,
@@ -22,16 +23,22 @@ loss (receives are waited outside them in both). "simulated" is ``fs.sched.simul
 at unit costs (F = I = W = 1, full B = 2) and at the mean F, I and W times fshard
 measured (a full B split 1:1).
 
-No compiled rows (the other bench scripts' ``--compiled``): ``fs.jit`` cannot capture a
-pipeline step yet. The executor's sends and receives are point-to-point transfers, not
-functional collectives, and ``fs.jit`` refuses ``ppermute`` rather than run it once at trace
-time (``examples/train_lm.py --jit`` refuses ``pp`` likewise). Per-stage compilation of the
-stage bodies on both sides would be the next comparison.
+``--compiled`` (``--backend``, default ``inductor``) adds two sides per schedule, interleaved
+with the others: fshard's ``pipeline_step`` under ``fs.jit`` (each rank's whole step one
+captured graph; under Inductor the compute between the point-to-point transfers is compiled
+region by region and the transfers run eagerly in program order, see ``fshard/_jit_p2p.py``),
+and torch's schedule over a copy of the stage whose blocks are each ``torch.compile``d
+(torchtitan's per-block recipe; not for ZB-H1: torch's zero-bubble schedules refuse a
+compiled stage module). Their ratios are medians of per-step ratios against torch's
+eager step of the same schedule (each compiled step paired with the eager torch step just
+before it), and their first step (trace + compile + run) is reported. fs.jit's gradients are
+checked against torch 1F1B's with the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -71,14 +78,20 @@ def _loss(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
 
 
-def per_rank(steps: int, batch: int, microbatches: list[int]):
+def per_rank(steps: int, batch: int, microbatches: list[int], compiled: bool = False, backend: str = "inductor",
+             cfg: dict | None = None, schedules: tuple[str, ...] = NAMES):
+    """Times every side, interleaved. Returns per side (``(kind, schedule, m)``, kind one of
+    ``torch``, ``fshard``, and with ``compiled`` ``torch_compiled``, ``fshard_jit``): median
+    s/step, median bubble, fshard's last StepStats, first loss, the schedules, gradient errors
+    against torch 1F1B, every timed step's seconds (for per-step ratios: the sides take turns
+    within each round), and the first step's seconds (compiled sides)."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleavedZeroBubble)
 
     torch.set_num_threads(1)
     mesh = fs.make_mesh({"pp": 2})
     rank = mesh.axis_index("pp")
-    cfg = TransformerConfig(**CFG)
+    cfg = TransformerConfig(**(cfg or CFG))
     half = cfg.n_layers // 2
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g)
@@ -98,6 +111,11 @@ def per_rank(steps: int, batch: int, microbatches: list[int]):
         return head(p, x, cfg) if s == 1 else x                    # (b, T, V) or (b, T, D)
 
     module = _Stage(TransformerModule(cfg, seed=0), mine.start, mine.stop, rank == 0)
+    modules = {"torch": module}
+    if compiled:  # torchtitan's recipe: each block compiled, on a copy with the same weights
+        modules["torch_compiled"] = _Stage(TransformerModule(cfg, seed=0), mine.start, mine.stop, rank == 0)
+        for i, layer in enumerate(modules["torch_compiled"].layers):
+            modules["torch_compiled"].layers[i] = torch.compile(layer, fullgraph=True, backend=backend)
     torch_busy = [0.0]
     sides, sched_of = {}, {}
     for m in microbatches:
@@ -105,38 +123,51 @@ def per_rank(steps: int, batch: int, microbatches: list[int]):
         for name, ours, theirs in (("gpipe", fs.sched.gpipe, ScheduleGPipe),
                                    ("1f1b", fs.sched.one_f_one_b, Schedule1F1B),
                                    ("zb-h1", fs.sched.zero_bubble, zb_h1)):
+            if name not in schedules:
+                continue
             sch = ours(2, m)
             sched_of[(name, m)] = sch
-            stage = PipelineStage(module, rank, 2, torch.device("cpu"), group=mesh.group("pp"))
-            native = theirs(stage, m, loss_fn=_loss)
-            # torch's compute: its stage's forward/backward chunks and the loss (the
-            # schedule waits for receives outside them), timed like fshard's actions.
-            for obj, attr in ((stage, "forward_one_chunk"), (stage, "backward_one_chunk"),
-                              (stage, "backward_weight_one_chunk"),
-                              (native, "_maybe_compute_loss")):
-                setattr(obj, attr, _timed(getattr(obj, attr), torch_busy))
+            for kind, mod in modules.items():
+                if kind == "torch_compiled" and name == "zb-h1":
+                    continue  # torch: "not supported with stage modules that have used torch.compile"
+                stage = PipelineStage(mod, rank, 2, torch.device("cpu"), group=mesh.group("pp"))
+                native = theirs(stage, m, loss_fn=_loss)
+                # torch's compute: its stage's forward/backward chunks and the loss (the
+                # schedule waits for receives outside them), timed like fshard's actions.
+                for obj, attr in ((stage, "forward_one_chunk"), (stage, "backward_one_chunk"),
+                                  (stage, "backward_weight_one_chunk"),
+                                  (native, "_maybe_compute_loss")):
+                    setattr(obj, attr, _timed(getattr(obj, attr), torch_busy))
 
-            def torch_step(native=native):
-                torch_busy[0] = 0.0
-                module.zero_grad(set_to_none=True)
-                if rank == 0:
-                    native.step(tok)
-                    return None
-                losses: list[torch.Tensor] = []
-                native.step(target=tgt, losses=losses)
-                return torch.stack(losses).mean()
+                def torch_step(native=native, mod=mod):
+                    torch_busy[0] = 0.0
+                    mod.zero_grad(set_to_none=True)
+                    if rank == 0:
+                        native.step(tok)
+                        return None
+                    losses: list[torch.Tensor] = []
+                    native.step(target=tgt, losses=losses)
+                    return torch.stack(losses).mean()
+
+                sides[(kind, name, m)] = torch_step
 
             def fshard_step(sch=sch):
                 return fs.sched.pipeline_step(stage_fn, _loss, stage_params, (tok, tgt),
                                               schedule=sch, mesh=mesh, return_stats=True)
 
-            sides[("torch", name, m)] = torch_step
             sides[("fshard", name, m)] = fshard_step
+            if compiled:
+                def pp_step(sp, tok, tgt, sch=sch):
+                    return fs.sched.pipeline_step(stage_fn, _loss, sp, (tok, tgt), schedule=sch, mesh=mesh)
+
+                sides[("fshard_jit", name, m)] = functools.partial(fs.jit(pp_step, backend=backend),
+                                                                   stage_params, tok, tgt)
 
     times = {k: [] for k in sides}
-    bubble = {k: [] for k in sides}
+    bubble = {k: [] for k in sides if k[0] != "fshard_jit"}  # a captured step has no timers
     stats = {}
     first_loss = {}
+    first = {}
     for i in range(steps + 3):
         for k, step in sides.items():
             dist.barrier()
@@ -144,29 +175,35 @@ def per_rank(steps: int, batch: int, microbatches: list[int]):
             out = step()
             dt = torch.tensor([time.perf_counter() - t0])
             busy = out[2].busy_s if k[0] == "fshard" else torch_busy[0]
-            if i >= 3:
+            if i >= 3 and k in bubble:
                 bubble[k].append(1 - busy / dt.item())  # this rank's idle share of its step
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+            if i == 0 and k[0] in ("fshard_jit", "torch_compiled"):
+                first[k] = dt.item()
             if i >= 3:
                 times[k].append(dt.item())
-            if k[0] == "fshard":
-                stats[k[1:]] = out[2]
+            if k[0] in ("fshard", "fshard_jit"):
+                if k[0] == "fshard":
+                    stats[k[1:]] = out[2]
                 first_loss.setdefault(k, float(out[0]))
             elif out is not None:
                 first_loss.setdefault(k, float(out.detach()))
+
     # Same gradients everywhere: torch 1F1B's .grad (scaled by 1/m) vs every fshard schedule.
     grad_err = {}
     for m in microbatches:
         sides[("torch", "1f1b", m)]()
         ref = {_global_name(n, mine.start): p.grad for n, p in module.named_parameters()}
-        for name in NAMES:
-            _, grads, _ = sides[("fshard", name, m)]()
-            got = dict(fs.tree.leaves_with_path(grads[rank]))
-            grad_err[(name, m)] = max((got[k] - g).abs().max().item() for k, g in ref.items())
+        for name in schedules:
+            for kind in ("fshard", "fshard_jit") if compiled else ("fshard",):
+                grads = sides[(kind, name, m)]()[1]
+                got = dict(fs.tree.leaves_with_path(grads[rank]))
+                label = name if kind == "fshard" else f"{name} jit"
+                grad_err[(label, m)] = max((got[k] - g).abs().max().item() for k, g in ref.items())
     module.zero_grad(set_to_none=True)
     return ({k: statistics.median(v) for k, v in times.items()},
             {k: statistics.median(v) for k, v in bubble.items()}, stats, first_loss, sched_of,
-            grad_err)
+            grad_err, times, first)
 
 
 def _global_name(name: str, start: int) -> str:
@@ -206,9 +243,10 @@ def _plot(path: str, results: list, microbatches: list[int], m: int) -> None:
 def _draw(path: str, results: list, m: int, Figure, Patch) -> None:
 
     colors = {"F": "#4C72B0", "B": "#8172B2", "I": "#55A868", "W": "#DD8452"}
-    fig = Figure(figsize=(10, 1.8 * len(NAMES)))
-    for row, name in enumerate(NAMES):
-        ax = fig.add_subplot(len(NAMES), 1, row + 1)
+    names = [n for n in NAMES if (n, m) in results[0][2]]
+    fig = Figure(figsize=(10, 1.8 * len(names)))
+    for row, name in enumerate(names):
+        ax = fig.add_subplot(len(names), 1, row + 1)
         for rank, res in enumerate(results):
             st = res[2][(name, m)]
             for a, s, e in st.spans:
@@ -234,17 +272,21 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--plot", default="", help="write the measured timelines (.svg or .png)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="add fshard under fs.jit and torch with per-block torch.compile")
+    ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
+    ap.add_argument("--schedules", nargs="+", choices=NAMES, default=list(NAMES))
     args = ap.parse_args()
-    results = fs.run_local(per_rank, args.steps, args.batch, args.microbatches, world_size=2,
-                           timeout_s=3000)
-    times, _, _, _, schedules, _ = results[0]
+    results = fs.run_local(per_rank, args.steps, args.batch, args.microbatches, args.compiled, args.backend,
+                           None, tuple(args.schedules), world_size=2, timeout_s=3000)
+    times, _, _, _, schedules, _, raw, first = results[0]
     print(f"pipeline: 2 gloo ranks, global batch {args.batch}, median of {args.steps} steps "
           f"(forward + backward, no optimizer)")
     print("| schedule | m | torch s/step | fshard s/step | ratio | measured bubble torch / fshard "
           "| simulated bubble (F=I=W=1 / measured F,I,W) |")
     print("|---|---|---|---|---|---|---|")
     for m in args.microbatches:
-        for name in NAMES:
+        for name in args.schedules:
             tt, tf = times[("torch", name, m)], times[("fshard", name, m)]
             bub_t = statistics.mean(r[1][("torch", name, m)] for r in results)
             bub_f = statistics.mean(r[1][("fshard", name, m)] for r in results)
@@ -257,6 +299,29 @@ def main() -> None:
                              .bubble_fraction)
             print(f"| {name} | {m} | {tt:.3f} | {tf:.3f} | {tf / tt:.2f} | {bub_t:.0%} / "
                   f"{bub_f:.0%} | {sim_unit:.0%} / {sim_meas:.0%} |")
+    if args.compiled:
+        print(f"\ncompiled ({args.backend}): median of per-step ratios against torch eager's step of the "
+              f"same schedule; first step = trace + compile + one step")
+        print("| schedule | m | torch eager s/step | torch compiled s/step | fshard eager s/step | fs.jit s/step "
+              "| fs.jit / torch eager | fs.jit / torch compiled | fs.jit / fshard eager | torch compiled / torch "
+              "eager | first step: fs.jit / torch compiled |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for m in args.microbatches:
+            for name in args.schedules:
+                def r(a, b, name=name, m=m):  # median of per-step ratios, a's step / b's in the same round
+                    if (a, name, m) not in raw or (b, name, m) not in raw:
+                        return "n/a"  # torch's ZB schedules refuse compiled stage modules
+                    return f"{statistics.median(x / y for x, y in zip(raw[(a, name, m)], raw[(b, name, m)])):.3f}"
+
+                def t(kind, name=name, m=m):
+                    return f"{times[(kind, name, m)]:.3f}" if (kind, name, m) in times else "n/a"
+
+                def f(kind, name=name, m=m):
+                    return f"{first[(kind, name, m)]:.1f}" if (kind, name, m) in first else "n/a"
+                print(f"| {name} | {m} | {t('torch')} | {t('torch_compiled')} | {t('fshard')} | {t('fshard_jit')} | "
+                      f"**{r('fshard_jit', 'torch')}** | {r('fshard_jit', 'torch_compiled')} | "
+                      f"{r('fshard_jit', 'fshard')} | {r('torch_compiled', 'torch')} | "
+                      f"{f('fshard_jit')} / {f('torch_compiled')} s |")
     losses = results[1][3]
     print("max |grad - torch 1F1B grad| over both ranks:",
           {f"{k[0]} m={k[1]}": f"{max(r[5][k] for r in results):.1e}" for k in results[0][5]})

@@ -5,8 +5,7 @@
 Each benchmark runs in its own process (they start their own ranks), one after the
 other, so they never share the 2 cores. The summary keeps each script's ratio lines;
 the full outputs follow it. Paste the result into bench/README.md. ``--compiled`` passes
-``--compiled`` to the scripts that have compiled sides (fs.jit and torch.compile; not pp:
-fs.jit cannot capture a pipeline yet).
+``--compiled`` to the scripts that have compiled sides (fs.jit and torch.compile).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ BENCHES = {
 }
 
 
-COMPILED = {"fsdp", "ddp", "tp", "overhead"}  # the scripts with a --compiled flag
+COMPILED = {"fsdp", "ddp", "tp", "pp", "overhead"}  # the scripts with a --compiled flag
 
 
 def run(name: str, steps: int, compiled: bool = False) -> tuple[str, float, int]:

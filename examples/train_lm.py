@@ -18,6 +18,8 @@ AdamW and the collectives as one graph; the first step traces and compiles it)::
 
     torchrun --nproc-per-node 2 examples/train_lm.py --mesh fsdp=2 --jit            # Inductor
     torchrun --nproc-per-node 2 examples/train_lm.py --mesh fsdp=2 --jit aot_eager  # no codegen
+    torchrun --nproc-per-node 2 examples/train_lm.py --mesh pp=2 --jit              # a pipeline: the
+        # compute between its point-to-point transfers compiled, the transfers run in order
 
 The model is fshard's pure-function Transformer (``fshard.models``); the parameters are
 a pytree of DTensors laid out by specs ``P(...)`` on a named mesh; the step is one
@@ -644,8 +646,10 @@ def make_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.Gradient
 
 def make_jit_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.GradientTransformation,
                         microbatches: int, max_norm: float, inject: Injection, order: dict[str, int],
-                        backend: str) -> TrainStep:
-    """``--jit``: :func:`make_train_step`'s step as one graph compiled by ``fs.jit``.
+                        backend: str, pipe: Pipeline | None = None) -> TrainStep:
+    """``--jit``: :func:`make_train_step`'s step (with ``pipe``, :func:`make_pipeline_step`'s)
+    as one graph compiled by ``fs.jit``. A pipeline's point-to-point transfers run eagerly
+    in program order between compiled regions (``fshard/_jit_p2p.py``).
 
     ``fs.jit`` traces without values, so what the eager step decides on the host moves:
 
@@ -661,20 +665,21 @@ def make_jit_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.Grad
 
     Gradient accumulation (``microbatches > 1``) is the eager step's loop, unrolled in the
     graph: one trace holds every microbatch's forward and backward and the one reduction.
-
-    Raises:
-      ConfigError: a pipeline (``pp``): it cannot be captured yet.
     """
-    if plan.pp_axis:
-        raise ConfigError("--jit cannot compile a pipeline step yet (the executor's point-to-point transfers "
-                          "are not functional collectives): drop --jit, or pp from --mesh")
-    eager = make_train_step(model, plan, specs, opt, microbatches, max_norm, inject, order)
+    if pipe is not None:
+        eager = make_pipeline_step(model, plan, pipe, opt, max_norm, inject, order)
+        grads_of = make_pipeline_grads(model, plan, pipe, Injection())  # a fault step runs eagerly
+    else:
+        eager = make_train_step(model, plan, specs, opt, microbatches, max_norm, inject, order)
+        grad_fn = make_grad_fn(model, plan, specs)
 
-    grad_fn = make_grad_fn(model, plan, specs)
+        def grads_of(params, tokens, targets):
+            return microbatch_grads(grad_fn, params, tokens, targets, microbatches)
 
     def compiled(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = microbatch_grads(grad_fn, params, tokens, targets, microbatches)
-        norm = fs.optim.global_norm(grads)
+        loss, grads = grads_of(params, tokens, targets)
+        # With a pipeline each pp rank holds other layers: their squared norms add over pp.
+        norm = fs.optim.global_norm(grads, sum_over=plan.pp_axis or ())
         if max_norm > 0:
             # Float64 tensors, and max_norm divided (not multiplied by a reciprocal, as
             # `float / tensor` would): the eager step's Python arithmetic, bit for bit.
@@ -781,6 +786,21 @@ def make_pipeline_step(model: Model, plan: Plan, pipe: Pipeline, opt: fs.optim.G
     all-gather per step, kept over the microbatches, and their gradients reduce-scattered
     once per step (then all-reduced over dp for HSDP).
     """
+    pipeline_grads = make_pipeline_grads(model, plan, pipe, inject)
+
+    def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
+        loss, grads = pipeline_grads(params, tokens, targets)
+        params, opt_state, norm, bad = apply_gradients(params, opt_state, inject.grads(grads), loss,
+                                                       opt, plan, max_norm, order)
+        return params, opt_state, loss, norm, bad
+
+    return step
+
+
+def make_pipeline_grads(model: Model, plan: Plan, pipe: Pipeline,
+                        inject: Injection) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """``pipeline_grads(params, tokens, targets) -> (loss, grads)``: this rank's held tree in,
+    its gradients (the same tree) out, through ``fs.sched.pipeline_step``."""
     last = pipe.schedule.n_stages - 1
     fsdp = None if plan.shard_axis is None else fs.sched.StageFSDP(plan.shard_axis, policy=plan.policy)
     dtype = None if plan.policy is None else plan.policy.param_dtype
@@ -800,15 +820,13 @@ def make_pipeline_step(model: Model, plan: Plan, pipe: Pipeline, opt: fs.optim.G
     def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return inject.loss(model.cross_entropy(output, targets))
 
-    def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
+    def pipeline_grads(params: Any, tokens: torch.Tensor, targets: torch.Tensor):
         loss, grads = fs.sched.pipeline_step(stage_fn, loss_fn, pipe.split(params),
                                              (tokens, targets), schedule=pipe.schedule, mesh=plan.mesh,
                                              axis="pp", data_axes=plan.data_axes, fsdp=fsdp)
-        params, opt_state, norm, bad = apply_gradients(params, opt_state, inject.grads(pipe.merge(grads)), loss,
-                                                       opt, plan, max_norm, order)
-        return params, opt_state, loss, norm, bad
+        return loss, pipe.merge(grads)
 
-    return step
+    return pipeline_grads
 
 
 # ---------------------------------------------------------------------------
@@ -1124,9 +1142,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                           f"{', '.join(paths[:3])}")
     say(f"mesh {dict(mesh.shape)} on {world} rank(s), {args.dtype}; {n_params:,} parameters; "
         f"{len(corpus.ids):,} characters, vocabulary {corpus.vocab_size}")
-    if args.jit:  # refuses a pipeline
+    if args.jit:
         step_fn = make_jit_train_step(model, plan, specs, opt, microbatches, args.grad_clip, inject, order,
-                                      args.jit)
+                                      args.jit, pipe)
         say(f"fs.jit (backend {args.jit}): the first step traces and compiles the train step")
     elif pipe is not None:
         say(f"pipeline: schedule {pipe.schedule.name!r}, {pipe.schedule.n_stages} stages, "

@@ -101,11 +101,26 @@ while the ranks trace, so the shapes are Python ints of each rank's graph (every
 traces together; a rank whose stage output shape changes while its peer keeps its graph is
 not supported). Tested against eager with the optimizer update in the graph: losses,
 gradients and updated parameters (1e-12, float64), comm_log counts and bytes, on pp=2 and
-on dp=2 x pp=2 (data-parallel sum, stage-level FSDP). Such a graph needs a backend that
-runs it in program order: ``aot_eager`` or ``None``. ``"inductor"`` is refused (a
-:class:`JitCaptureError`, or eager with ``on_capture_error="eager"``): it fuses kernels
-across the transfers, whose pairing across ranks no data dependency shows (seen: a
-deadlock). ``return_stats=True`` is refused (its timings are wall-clock ones of an eager run).
+on dp=2 x pp=2 (data-parallel sum, stage-level FSDP). The transfers must run in program
+order: their pairing across ranks shows in no data dependency of one rank's graph, and
+Inductor, compiling such a graph whole, fused and reordered kernels across them (seen: a
+1F1B deadlock). So with ``"inductor"`` (``fshard/_jit_p2p.py``) the graph is cut at the
+transfers: each ``p2p_batch``, its results' getitems and their waits run eagerly at their
+place, and each run of compute between them is one region compiled by Inductor as the
+rest of fs.jit compiles (``_inductor_compile``: fshard's collective passes, the cache, the
+once-per-host compile), regions of equal code and input layouts compiled once (a 1F1B
+step: the microbatches' forwards, the later backwards). Tested against eager under
+Inductor (float64, 1e-12): 1F1B m=4 and ZB-H1 on pp=2, 1F1B on dp=2 x pp=2 (opt-in:
+``FSHARD_TEST_INDUCTOR_STEP=1``). Compile time
+of a 1F1B m=4 pp=2 step with AdamW (the tests' MLP): 9 and 7 regions (ranks 0, 1), 5 distinct
+on each, those without in-place ops compiled before the first transfer (the others when the
+call reaches them); first call 48 s cold (load 5; 52 s when every region compiled as the
+call reached it, a rank waiting at its receives for its peer's compiles), 2.6 s warm. The
+bench Transformer's: see ``bench/README.md``, "Pipeline".
+``aot_eager`` and ``None`` run the whole graph in order; any other backend (which would
+compile the graph whole) is refused (a :class:`JitCaptureError`, or eager with
+``on_capture_error="eager"``). ``return_stats=True`` is refused (its timings are
+wall-clock ones of an eager run).
 
 Every ``fs.lax`` collective is tested against eager, values and gradients, in both orders
 of ``shard_map`` and ``value_and_grad``, on 2 ranks and over two axes of a 2x2 mesh
@@ -135,7 +150,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fshard import comm
+from fshard import _jit_p2p, comm
 from fshard import tree as tree_util
 
 __all__ = ["jit", "Jitted", "JitCaptureError", "DonatedTensorError"]
@@ -177,7 +192,9 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
         nothing).
       on_capture_error: ``"raise"`` (default): a function that cannot be captured raises
         :class:`JitCaptureError`; ``"eager"``: warn (naming the cause) and run that
-        signature eagerly from then on.
+        signature eagerly from then on. A graph with point-to-point transfers (a pipeline
+        step) that fails to compile under Inductor raises even so: its regions compile as
+        the first call reaches them, after earlier transfers were posted.
       options: Inductor config for this compilation (``torch.compile(options=...)``); with
         ``"inductor"`` it is applied over fshard's collective passes
         (``fshard._jit_comm.collective_passes()``: merging back-to-back collectives), whose
@@ -292,8 +309,11 @@ class Jitted:
                 out = entry.run(*locals_)
         except JitCaptureError as e:  # the backend failed to compile the captured graph
             # With donation the first call may have written into the arguments before failing:
-            # running them eagerly again could apply a step twice.
-            if self._on_error != "eager" or self._donate:
+            # running them eagerly again could apply a step twice. With point-to-point
+            # transfers, the regions compile one by one as the call reaches them: the transfers
+            # before a failing region were posted already, and an eager rerun would post them
+            # again, out of step with the peers.
+            if self._on_error != "eager" or self._donate or _has_p2p(entry.graph):
                 raise
             warnings.warn(f"{e}\nfs.jit runs this signature eagerly (on_capture_error='eager').",
                           RuntimeWarning, stacklevel=2)
@@ -550,7 +570,19 @@ class _Compiled:
         owner = self._owner
         t0 = time.perf_counter()
         try:
-            if owner._backend == "inductor":
+            if owner._backend == "inductor" and _has_p2p(self._gm):
+                prologue, main = _hoist_input_views(self._gm)
+                inputs = prologue(*args) if prologue is not None else args
+                compiled = _jit_p2p.Segmented(main, lambda g, a: _inductor_compile(g, a, owner._options),
+                                              key=lambda g, a: _graph_key(g, a, {}))
+                fn = compiled if prologue is None else (lambda *a: compiled(*prologue(*a)))
+                compiled.compile_ahead()
+                out = compiled(*inputs)  # compiles the other regions at their first run
+                log.info("fs.jit(%s): point-to-point transfers: %d transfer nodes and %d others run eagerly "
+                         "between %d compiled regions (%d distinct, compiled in %.1f s); first call %.1f s",
+                         owner.__name__, compiled.n_transfer_nodes, compiled.n_eager, compiled.n_regions,
+                         compiled.n_compiled, compiled.compile_s, time.perf_counter() - t0)
+            elif owner._backend == "inductor":
                 prologue, main = _hoist_input_views(self._gm)
                 inputs = prologue(*args) if prologue is not None else args
                 compiled = _inductor_compile(main, inputs, owner._options)
@@ -734,20 +766,21 @@ def _functional_collectives(gm) -> None:
 _C10D = torch.ops._c10d_functional
 
 # Point-to-point transfers (fs.sched's pipeline) pair up across ranks in program order, which no
-# data dependency of one rank's graph shows: only backends that run the graph in its order keep them.
-_ORDER_KEEPING_BACKENDS = (None, "aot_eager", "eager")
+# data dependency of one rank's graph shows: backends that run the graph in its order keep them,
+# and "inductor" compiles the compute between them (fshard/_jit_p2p.py); any other is refused.
+_ORDER_KEEPING_BACKENDS = (None, "aot_eager", "eager", "inductor")
 # Backends that run the captured graph as it is (see jit()'s ``backend``).
 _UNCOMPILED_BACKENDS = (None, "eager")
 _P2P_REORDERED = (
     "the graph holds point-to-point transfers (fs.sched's pipeline: fshard.p2p_batch), which must run in "
     "program order: a rank's wait for a receive depends on a peer's send that no data dependency of its "
-    "own graph shows. Inductor fuses and reorders kernels across them (seen: a 1F1B rank waited for a "
-    "gradient before sending the activation its peer needed, and the ranks deadlocked). Use "
-    "backend='aot_eager' or backend=None.")
+    "own graph shows, and a backend that compiles the whole graph may fuse and reorder kernels across "
+    "them (seen with Inductor on the whole graph: a 1F1B rank waited for a gradient before sending the "
+    "activation its peer needed, and the ranks deadlocked). fs.jit runs such graphs with "
+    "backend='inductor' (the compute between the transfers compiled, the transfers run eagerly in "
+    "program order), 'aot_eager' or None.")
 
-
-_P2P_OPS = frozenset({"fshard.p2p_batch.default", "_c10d_functional.batch_p2p_ops.default",
-                      "_c10d_functional.isend.default", "_c10d_functional.irecv.default"})
+_P2P_OPS = _jit_p2p.P2P_OPS
 
 
 def _has_p2p(gm) -> bool:

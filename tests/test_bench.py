@@ -115,3 +115,25 @@ def test_overhead_compiled_sides_match_torch():
     assert set(wall) == set(cpu) == {"torch", "torch fused", "fshard", "fshard donated", "torch compiled", "fshard jit",
                                      "fshard jit donated"}
     assert set(first) == {"torch compiled", "fshard jit", "fshard jit donated"}
+
+
+def _pp():
+    return _bench("pp").per_rank(1, 4, [2], True, "eager", dict(TINY, n_layers=2))
+
+
+def test_pp_compiled_sides_match_eager():
+    # bench/pp.py --compiled: torch's schedules over per-block compiled stages; fshard's
+    # pipeline_step under fs.jit, whose gradients are checked against torch 1F1B's.
+    out = run_on_ranks(_pp, world_size=2)
+    times, first_loss, grad_err, first = out[1][0], out[1][3], out[1][5], out[1][7]
+    kinds = {"torch", "fshard", "torch_compiled", "fshard_jit"}
+    assert {k[0] for k in times} == kinds and {k[0] for k in first} == {"torch_compiled", "fshard_jit"}
+    assert ("torch_compiled", "zb-h1", 2) not in times  # torch's ZB refuses compiled stage modules
+    for name in ("gpipe", "1f1b", "zb-h1"):  # rank 1 holds the losses
+        if name != "zb-h1":
+            _close([first_loss[("torch_compiled", name, 2)]], [first_loss[("torch", name, 2)]],
+                   f"torch compiled {name}")
+        _close([first_loss[("fshard_jit", name, 2)]], [first_loss[("fshard", name, 2)]], f"fs.jit {name}")
+    for r in out:
+        assert set(r[5]) == {(n, 2) for n in ("gpipe", "1f1b", "zb-h1", "gpipe jit", "1f1b jit", "zb-h1 jit")}
+        assert max(r[5].values()) <= 1e-5, r[5]  # fp32 gradients against torch 1F1B's

@@ -1,10 +1,12 @@
 """fs.jit: a captured, compiled step equals the eager one (issue 17, first slice).
 
 Compiling on CPU is slow: every test compiles tiny shapes, most with the ``aot_eager``
-backend (Dynamo + AOTAutograd, no code generation); one runs Inductor. All of them
-together take well under 90 s on an idle 2-core machine.
+backend (Dynamo + AOTAutograd, no code generation); a few run Inductor (collectives, and
+the pipeline steps: 1F1B 48 s and ZB-H1 5 s with a cold cache at load 6, the ZB-H1 one
+reusing most of 1F1B's compiled regions; about 3 s and under 1 s warm).
 """
 
+import contextlib
 import logging
 import math
 import os
@@ -544,8 +546,10 @@ def _jit_pipeline_body(schedule, m, backend, optimizer, steps):
         x, y = _pp_data(2 * m, s)
         with fs.comm_log() as elog:
             el, eg, ep2, es = train(ep, es, x, y)
-        with fs.comm_log() as jlog:
+        with fs.comm_log() as jlog, _jit_info_log() as records:
             jl, jg, jp, js = jtrain(jp, js, x, y)
+        if s == 0:
+            out["regions"] = _regions_logged(records)
         out["err"] = max(out["err"], (jl - el).abs().item(), _pp_diff(jg, eg), _pp_diff(jp, ep2))
         out["logs_equal"] &= (dict(elog.counts), dict(elog.bytes_by_axis), dict(elog.wire_by_axis)) == \
             (dict(jlog.counts), dict(jlog.bytes_by_axis), dict(jlog.wire_by_axis))
@@ -559,21 +563,63 @@ def _jit_pipeline_body(schedule, m, backend, optimizer, steps):
         out["losses"].append(jl.item())
         ep = ep2
     # torch.ops.fshard.p2p_batch.default([True, False], [peer, peer], [tensors], group): True sends.
-    kinds = ",".join(re.findall(r"fshard\.p2p_batch\.default\(\[([^\]]*)\]", jtrain.graph(p0, s0, x0, y0).code))
+    batches = re.findall(r"fshard\.p2p_batch\.default\(\[([^\]]*)\]", jtrain.graph(p0, s0, x0, y0).code)
+    kinds = ",".join(batches)
+    out["graph_batches"] = len(batches)
     out["graph_sends"], out["graph_recvs"] = kinds.count("True"), kinds.count("False")
     out["cache_size"] = jtrain.cache_size
     return out
 
 
+@contextlib.contextmanager
+def _jit_info_log():
+    """fshard.jit's INFO messages while the block runs (a list, filled in)."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    jlog = logging.getLogger("fshard.jit")
+    level = jlog.level
+    jlog.addHandler(handler)
+    jlog.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        jlog.removeHandler(handler)
+        jlog.setLevel(level)
+
+
+def _regions_logged(records: list[str]):
+    """(transfer nodes run eagerly, compiled regions, distinct compiles) from fs.jit's log of an
+    Inductor compile of a graph with point-to-point transfers; None if there was none."""
+    for msg in records:
+        m = re.search(r"(\d+) transfer nodes and \d+ others run eagerly between (\d+) compiled regions "
+                      r"\((\d+) distinct", msg)
+        if m:
+            return tuple(int(g) for g in m.groups())
+    return None
+
+
 @pytest.mark.parametrize("schedule, m, backend, optimizer", [
     ("one_f_one_b", 4, "aot_eager", "adamw"), ("gpipe", 2, "aot_eager", "sgd"), ("one_f_one_b", 2, None, "sgd"),
-    ("gpipe", 4, None, "adamw"), ("interleaved_1f1b", 4, None, "sgd"), ("zero_bubble", 2, None, "sgd")])
+    ("gpipe", 4, None, "adamw"), ("interleaved_1f1b", 4, None, "sgd"), ("zero_bubble", 2, None, "sgd"),
+    ("one_f_one_b", 4, "inductor", "sgd"), ("zero_bubble", 2, "inductor", "sgd")])
 def test_jit_pipeline_train_step_equals_eager_float64(schedule, m, backend, optimizer):
     # Each run of SEND/RECV actions is one functional fshard.p2p_batch in the graph, each wait a
     # wait_tensor; the activation headers were exchanged while tracing, so the graph has one
-    # isend/irecv per payload transfer of the schedule, as eager logs them.
+    # isend/irecv per payload transfer of the schedule, as eager logs them. Under Inductor the
+    # compute between the transfers is compiled region by region and the transfers run eagerly
+    # in program order (compiled whole, 1F1B m=4 deadlocked: the timeout catches a regression).
     steps = 3
     for r in run_on_ranks(_jit_pipeline_body, schedule, m, backend, optimizer, steps, world_size=2, timeout_s=300):
+        if backend == "inductor":
+            # Every p2p_batch, its getitem and its wait run eagerly; the compute is compiled,
+            # equal regions (the microbatches' forwards, later backwards) compiled once.
+            transfers = r["graph_sends"] + r["graph_recvs"]
+            n_eager, n_regions, n_distinct = r["regions"]
+            assert n_eager == r["graph_batches"] + 2 * transfers and 2 <= n_distinct <= n_regions, r
+            assert m < 4 or n_distinct < n_regions, r  # steady state: repeated forwards and backwards
+        else:
+            assert r["regions"] is None, r
         assert r["err"] <= 1e-12 and r["ref_err"] <= 1e-12, r
         assert r["logs_equal"] and r["cache_size"] == 1, r
         assert len(set(r["losses"])) == steps, r  # the parameters really change from step to step
@@ -581,7 +627,7 @@ def test_jit_pipeline_train_step_equals_eager_float64(schedule, m, backend, opti
         assert r["log"]["broadcast"] == 1, r  # the loss, from the last stage's rank
 
 
-def _jit_pipeline_dp_body(stage_fsdp):
+def _jit_pipeline_dp_body(stage_fsdp, backend="aot_eager"):
     """pp=2 x dp=2 (the pipeline groups' ranks are not their global ranks): the data-parallel
     gradient sum (or, with stage-level FSDP, the gathers and reduce-scatters) and the loss
     broadcast and mean are functional collectives of the graph."""
@@ -600,7 +646,7 @@ def _jit_pipeline_dp_body(stage_fsdp):
 
     with fs.comm_log() as elog:
         el, eg = step(stage_params, x, y)
-    jstep = fs.jit(step, backend="aot_eager")
+    jstep = fs.jit(step, backend=backend)
     with fs.comm_log() as jlog:
         jl, jg = jstep(stage_params, x, y)
     local = [t.to_local() if hasattr(t, "to_local") else t for t in fs.tree.leaves(jg)]
@@ -615,9 +661,17 @@ def _jit_pipeline_dp_body(stage_fsdp):
             "wire": (dict(elog.wire_by_axis), dict(jlog.wire_by_axis))}
 
 
-@pytest.mark.parametrize("stage_fsdp", [False, True])
-def test_jit_pipeline_with_data_parallel_axis_equals_eager_float64(stage_fsdp):
-    for r in run_on_ranks(_jit_pipeline_dp_body, stage_fsdp, world_size=4, timeout_s=300):
+@pytest.mark.parametrize("stage_fsdp, backend", [(False, "aot_eager"), (True, "aot_eager"), pytest.param(
+    False, "inductor", marks=pytest.mark.skipif(not os.environ.get("FSHARD_TEST_INDUCTOR_STEP"), reason=(
+        "Inductor compiles of the dp=2 x pp=2 step's regions (4 ranks; none shared with the pp=2 tests): "
+        "18 s cold at load 6 on the shared 2-core CI machine, on top of the pp=2 Inductor tests (54 s cold); "
+        "set FSHARD_TEST_INDUCTOR_STEP=1 to run it. The pp=2 tests check the split under Inductor, the "
+        "aot_eager cases the same captured dp x pp graph.")))])
+def test_jit_pipeline_with_data_parallel_axis_equals_eager_float64(stage_fsdp, backend):
+    # Under Inductor the data-parallel all-reduces are compiled in the regions between the
+    # pipeline's transfers; the two ranks of a stage compile its regions once (fs.jit's
+    # once-per-host compile: their graphs are equal once the batch slices are hoisted).
+    for r in run_on_ranks(_jit_pipeline_dp_body, stage_fsdp, backend, world_size=4, timeout_s=300):
         assert r["err"] <= 1e-12 and r["ref_err"] <= 1e-12, r
         assert r["logs"][0] == r["logs"][1] and r["wire"][0] == r["wire"][1], r
         assert r["logs"][0]["psum_scatter" if stage_fsdp else "psum"] >= 1, r
@@ -638,26 +692,31 @@ def _jit_pipeline_refusals_body():
     with pytest.raises(fs.JitCaptureError) as e:
         fs.jit(step, backend=None)(sp, x, y, True)
     out["stats"] = str(e.value)
+    def whole_graph(gm, example_inputs):  # a backend that would compile the graph as one
+        return gm
+
     with pytest.raises(Exception) as e:
-        fs.jit(step, backend="inductor")(sp, x, y)
-    out["inductor"] = (type(e.value).__name__, str(e.value))
+        fs.jit(step, backend=whole_graph)(sp, x, y)
+    out["reordering"] = (type(e.value).__name__, str(e.value))
     el, eg = step(sp, x, y)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        jl, jg = fs.jit(step, backend="inductor", on_capture_error="eager")(sp, x, y)
+        jl, jg = fs.jit(step, backend=whole_graph, on_capture_error="eager")(sp, x, y)
     out["fallback"] = ([str(w.message) for w in caught], max((jl - el).abs().item(), _pp_diff(jg, eg)))
     return out
 
 
-def test_jit_pipeline_refuses_stats_and_reordering_backends_clearly():
+def test_jit_pipeline_refuses_stats_and_whole_graph_backends_clearly():
     # StepStats (wall-clock timings, the trace's fake losses) cannot be a captured result; the
-    # error comes before any transfer, so no peer waits for it. Inductor reorders and fuses
-    # kernels across the transfers (a deadlock, seen): refused before compiling, or run eagerly
-    # with a warning.
+    # error comes before any transfer, so no peer waits for it. A backend that would compile the
+    # whole graph may reorder and fuse kernels across the transfers (Inductor did: a deadlock):
+    # refused before compiling, or run eagerly with a warning; the message names the backends
+    # that run such graphs.
     for r in run_on_ranks(_jit_pipeline_refusals_body, world_size=2, timeout_s=300):
         assert "pipeline_step(return_stats=True) cannot be captured" in r["stats"] and "test_jit.py" in r["stats"], r
-        name, msg = r["inductor"]
-        assert name == "JitCaptureError" and "point-to-point" in msg and "aot_eager" in msg, r
+        name, msg = r["reordering"]
+        assert name == "JitCaptureError" and "point-to-point" in msg and "whole_graph" in msg, r
+        assert "backend='inductor'" in msg and "aot_eager" in msg, r
         warned, err = r["fallback"]
         assert err == 0.0 and any("point-to-point" in w and "eagerly" in w for w in warned), r
 
@@ -883,3 +942,39 @@ def test_jit_inductor_buckets_of_several_kinds_and_dtypes_float64():
     # merged wait at a node another merge erased (values equal eager; the compile succeeds).
     for err in run_on_ranks(_inductor_mixed_buckets_body, world_size=2, timeout_s=300):
         assert err <= 1e-6, err  # the float32 leaf's gather, summed in float64
+
+
+def test_jit_p2p_split_keeps_transfers_in_order_and_collectives_whole():
+    # fs.jit's Inductor path for graphs with transfers (fshard/_jit_p2p.py), on a hand-built
+    # graph (nothing runs): each transfer node is a segment of its own, in program order; the
+    # compute between is one region; an all-reduce whose wait lies beyond a transfer runs
+    # eagerly with its wait (a region returns no collective in flight); a receive's buffer
+    # template and the detach of an input run on their own (so equal compute makes equal regions).
+    import operator
+
+    from fshard import _jit_p2p
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(aten.sin.default, (x,))
+    ar = g.call_function(c10d.all_reduce.default, (a, "sum", "0"))
+    tmpl = g.call_function(aten.empty.memory_format, ([3],), {"dtype": torch.float64})
+    p = g.call_function(torch.ops.fshard.p2p_batch.default, ([True, False], [1, 1], [a, tmpl], "0"))
+    sent, got = g.call_function(operator.getitem, (p, 0)), g.call_function(operator.getitem, (p, 1))
+    d = g.call_function(aten.detach.default, (x,))
+    b = g.call_function(aten.cos.default, (d,))
+    w = g.call_function(c10d.wait_tensor.default, (ar,))
+    wg = g.call_function(c10d.wait_tensor.default, (got,))
+    c = g.call_function(aten.add.Tensor, (w, b))
+    c2 = g.call_function(aten.mul.Tensor, (c, wg))
+    ws = g.call_function(c10d.wait_tensor.default, (sent,))
+    g.output([c2, ws])
+    segs = _jit_p2p.split_at_transfers(torch.fx.GraphModule(torch.nn.Module(), g))
+    shape = [(kind, what.target.__name__ if kind != "region" else
+              tuple(n.target.__name__ for n in what.graph.nodes if n.op == "call_function")) for kind, what, _, _ in segs]
+    assert shape == [("eager", "detach.default"), ("region", ("sin.default",)), ("eager", "all_reduce.default"),
+                     ("eager", "empty.memory_format"), ("transfer", "p2p_batch.default"), ("transfer", "getitem"),
+                     ("transfer", "getitem"), ("region", ("cos.default",)), ("eager", "wait_tensor.default"),
+                     ("transfer", "wait_tensor.default"), ("region", ("add.Tensor", "mul.Tensor")),
+                     ("transfer", "wait_tensor.default")], shape

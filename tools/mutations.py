@@ -191,6 +191,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         '"post_grad_custom_pre_pass": LateConcat()', '"post_grad_custom_pre_pass": None',
         ("tests/test_jit_memory.py::test_jit_inductor_allocates_a_collectives_flat_buffer_where_the_graph_concatenates_float64",),
         "fs.jit lets Inductor allocate a collective's flat buffer (the DDP bucket) before the backward"),
+    Mutation(
+        "jit_p2p_collective_split_from_wait", "fshard/_jit_p2p.py",
+        "if any(seg[f] != seg[n] for f in family):", "if False:",
+        ("tests/test_jit.py::test_jit_p2p_split_keeps_transfers_in_order_and_collectives_whole",),
+        "fs.jit's Inductor path for pipelines compiles a collective in one region and its wait in a later one"),
     # --- pipelines (fshard/sched) -----------------------------------------------------------
     Mutation(
         "pipeline_dp_all_reduce_dropped", "fshard/sched/step.py",
