@@ -60,6 +60,21 @@ def _timeit(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None], war
     return statistics.mean(times)
 
 
+def _mean_over_ranks(t: float, device: torch.device) -> float:
+    """The mean of ``t`` over the ranks (``t`` itself without a process group).
+
+    Ranks that share cores (4 ranks on 2 cores here) time their kernels at once after a
+    barrier, and one rank's figure depends on whether the scheduler happened to leave it a
+    core to itself: on a quiet 2-core machine, rank 0's fp32 matrix-product rate alone came
+    out anywhere from 25 to 110 GFLOP/s across twelve quick calibrations. The mean over the
+    ranks is what a step, in which they all compute, sees."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    x = torch.tensor([t], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
+    dist.all_reduce(x)
+    return float(x) / dist.get_world_size()
+
+
 def _fit(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
     """Least squares ``t = a + x / B``: returns ``(a >= 0, B > 0)``."""
     n = len(xs)
@@ -79,7 +94,7 @@ def _matmul_rate(dtype: torch.dtype, device: torch.device, sizes: Sequence[int],
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         barrier()
-        t = _timeit(lambda: torch.mm(a, b), repeat=repeat, sync=sync)
+        t = _mean_over_ranks(_timeit(lambda: torch.mm(a, b), repeat=repeat, sync=sync), device)
         flops.append(2.0 * n ** 3)
         times.append(t)
     _, rate = _fit(flops, times)
@@ -226,7 +241,7 @@ def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: flo
     for b in sizes:
         x = torch.randn(b, T, cfg.dim, generator=g).to(device)
         barrier()
-        times.append(_timeit(lambda: grad(params, x), repeat=max(3, repeat), sync=sync))
+        times.append(_mean_over_ranks(_timeit(lambda: grad(params, x), repeat=max(3, repeat), sync=sync), device))
     efficiency, layer_overhead = fit_block(sizes, times, work, peak, mem_bw, op_overhead)
     note = (f"block fit (dim {cfg.dim}, {T} tokens, b={sizes}, through value_and_grad(shard_map)): "
             f"{', '.join(f'{t * 1e3:.1f}' for t in times)} ms -> {efficiency:.2f} of the matmul rate, "
