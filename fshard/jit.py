@@ -112,7 +112,7 @@ once-per-host compile), regions of equal code and input layouts compiled once (a
 step: the microbatches' forwards, the later backwards). Tested against eager under
 Inductor (float64, 1e-12): 1F1B m=4 and ZB-H1 on pp=2, 1F1B on dp=2 x pp=2 (opt-in:
 ``FSHARD_TEST_INDUCTOR_STEP=1``). Compile time
-of a 1F1B m=4 pp=2 step with AdamW (the tests' MLP): 9 and 7 regions (ranks 0, 1), 5 distinct
+of a 1F1B m=4 pp=2 step with AdamW (the tests' MLP; the Inductor pipeline tests now use SGD): 9 and 7 regions (ranks 0, 1), 5 distinct
 on each, those without in-place ops compiled before the first transfer (the others when the
 call reaches them); first call 48 s cold (load 5; 52 s when every region compiled as the
 call reached it, a rank waiting at its receives for its peer's compiles), 2.6 s warm. The
@@ -573,7 +573,11 @@ class _Compiled:
             if owner._backend == "inductor" and _has_p2p(self._gm):
                 prologue, main = _hoist_input_views(self._gm)
                 inputs = prologue(*args) if prologue is not None else args
-                compiled = _jit_p2p.Segmented(main, lambda g, a: _inductor_compile(g, a, owner._options),
+                # No merging of collectives in the regions: ranks on different stages compile
+                # different regions but share the pp group (the loss broadcast, a pp-wide norm),
+                # and merging is only the same on every rank for the same graph.
+                compiled = _jit_p2p.Segmented(main, lambda g, a: _inductor_compile(g, a, owner._options,
+                                                                                   bucketing=False),
                                               key=lambda g, a: _graph_key(g, a, {}))
                 fn = compiled if prologue is None else (lambda *a: compiled(*prologue(*a)))
                 compiled.compile_ahead()
@@ -602,17 +606,18 @@ class _Compiled:
         return out
 
 
-def _inductor_compile(gm, args: tuple, options: dict | None):
+def _inductor_compile(gm, args: tuple, options: dict | None, bucketing: bool = True):
     """Inductor's compiled callable for ``gm`` on inputs like ``args`` (static shapes),
-    with fshard's collective bucketing and reordering (:func:`fshard._jit_comm.collective_passes`)
-    unless ``options`` replaces them."""
+    with fshard's collective bucketing (unless ``bucketing`` is False) and reordering
+    (:func:`fshard._jit_comm.collective_passes`) unless ``options`` replaces them."""
     from torch._inductor import standalone_compile
 
     from fshard._jit_comm import collective_passes
     from fshard._jit_memory import memory_passes
 
     # Inductor config, for this compilation only; the caller's options win.
-    patches = {**memory_passes(), **collective_passes(), **(options or {})}
+    passes = collective_passes() if bucketing else collective_passes(bucket_mb=None)
+    patches = {**memory_passes(), **passes, **(options or {})}
     with _once_per_host(_graph_key(gm, args, patches)):
         return standalone_compile(gm, list(args), dynamic_shapes="from_example_inputs",
                                   options={"config_patches": patches})
