@@ -107,6 +107,12 @@ def _is_view(node: torch.fx.Node) -> bool:
                                                and node.target.is_view)
 
 
+def _is_random(node: torch.fx.Node) -> bool:
+    """A node that draws random numbers: moved past another, it would draw another part of
+    the generator's stream than eager (a dropout on a gathered activation)."""
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
 def _is_barrier(node: torch.fx.Node) -> bool:
     """A node nothing moves across: it mutates an argument or has another side effect
     (drawing random numbers aside)."""
@@ -115,7 +121,9 @@ def _is_barrier(node: torch.fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.is_mutable:
         return True
-    # Random ops are not barriers: moving a collective reorders no two of them.
+    # Random ops are not barriers: no random op moves (``_is_random`` keeps them out of the
+    # epilogues, and producers only lay out graph inputs), so moving a collective reorders
+    # no two of them.
     return node.is_impure(impure_random=False)
 
 
@@ -165,6 +173,9 @@ def _producers(coll: torch.fx.Node) -> list[torch.fx.Node]:
     for n in coll.graph.nodes:  # graph order: a node's inputs are decided before it
         if n is coll:
             break
+        if _is_barrier(n):  # it may mutate a graph input: what read the input before it stays before it
+            chain.clear()
+            continue
         if (n.op == "call_function" and not _is_c10d(n) and not _is_barrier(n) and n.all_input_nodes
                 and (_is_view(n) or getattr(n.target, "_opname", None) in _LAYOUT_OPS)
                 and all(a.op in ("placeholder", "get_attr") or a in chain for a in n.all_input_nodes)):
@@ -185,7 +196,7 @@ def _epilogue(wait: torch.fx.Node) -> list[torch.fx.Node]:
         n = n.next
         if n.op != "call_function" or not n.all_input_nodes:
             continue
-        if (all(a is wait or a in ep for a in n.all_input_nodes) and not _is_barrier(n)
+        if (all(a is wait or a in ep for a in n.all_input_nodes) and not _is_barrier(n) and not _is_random(n)
                 and n.target not in _MATMULS and (not _is_c10d(n) or n.target is _WAIT)):
             ep[n] = None
     return list(ep)

@@ -248,6 +248,58 @@ def test_overlap_leaves_a_graph_with_a_collective_it_cannot_move(second):
     assert [n.name for n in g.nodes] == order
 
 
+def _tiny_graph():
+    g = torch.fx.Graph()
+
+    def node(target, args, v=None):
+        n = g.call_function(target, args)
+        n.meta["val"] = torch.empty(4, 4) if v is None else v
+        return n
+
+    x, y = g.placeholder("x"), g.placeholder("y")
+    x.meta["val"], y.meta["val"] = torch.empty(4, 4), torch.empty(4, 4)
+    return g, node, x, y
+
+
+def test_overlap_moves_no_input_read_past_a_mutation():
+    # x is cast for all-reduce B, then a copy_ writes into x, then B starts. Moving B (and the
+    # cast that lays out its input) earlier is fine; moving the cast after the copy_ would
+    # send the new x.
+    from fshard._jit_overlap import schedule
+
+    g, node, x, y = _tiny_graph()
+    a = node(_C10D.all_reduce.default, (y, "sum", "0"))
+    wa = node(_C10D.wait_tensor.default, (a,))
+    cast = node(torch.ops.aten._to_copy.default, (x,))
+    mut = node(torch.ops.aten.copy_.default, (x, y))
+    m1 = node(torch.ops.aten.mm.default, (y, y))
+    m2 = node(torch.ops.aten.mm.default, (m1, y))
+    b = node(_C10D.all_reduce.default, (cast, "sum", "0"))
+    wb = node(_C10D.wait_tensor.default, (b,))
+    g.output((node(torch.ops.aten.add.Tensor, (m2, wb)), wa, mut))
+    schedule(g)
+    order = [n.name for n in g.nodes]
+    assert order.index(cast.name) < order.index(mut.name), order
+
+
+def test_overlap_moves_no_random_op():
+    # A dropout on an all-reduce's result: moved with the wait behind the matrix products, it
+    # would draw another part of the random stream than eager. The wait stays before it.
+    from fshard._jit_overlap import schedule
+
+    g, node, x, y = _tiny_graph()
+    a = node(_C10D.all_reduce.default, (y, "sum", "0"))
+    wa = node(_C10D.wait_tensor.default, (a,))
+    mask = torch.empty(4, 4, dtype=torch.bool)
+    drop = node(torch.ops.aten.native_dropout.default, (wa, 0.5, True), (torch.empty(4, 4), mask))
+    m1 = node(torch.ops.aten.mm.default, (y, y))
+    m2 = node(torch.ops.aten.mm.default, (m1, y))
+    g.output((m2, drop))
+    schedule(g)
+    order = [n.name for n in g.nodes]
+    assert order.index(drop.name) < order.index(m1.name), order
+
+
 def _inductor_body():
     """The FSDP step (3 layers) under Inductor with fs.jit's default passes: the compiled
     code's collectives and matrix products in order, and the largest difference to eager."""
@@ -262,6 +314,17 @@ def _inductor_body():
     return err, codes[-1]
 
 
+class _Swapped:
+    """A match of the in-place form, read like the assignment form: group(1) the buffer,
+    group(2) the kind."""
+
+    def __init__(self, m):
+        self.m = m
+
+    def group(self, i):
+        return self.m.group(3 - i)
+
+
 def _code_structure(code):
     """Per collective in the compiled code, in order: (kind, matrix products between its
     start and its wait, collectives in flight when it starts)."""
@@ -270,7 +333,11 @@ def _code_structure(code):
     body = code[code.index("def call(self, args)"):]
     rows, open_ = [], {}
     for line in body.splitlines():
-        start = re.search(r"(buf\d+) = torch\.ops\._c10d_functional\.(\w+)\.default\(", line)
+        start = (re.search(r"(buf\d+) = torch\.ops\._c10d_functional\.(\w+)\.default\(", line)
+                 # An all-reduce is a clone, then an in-place call on it: no assignment.
+                 or re.search(r"torch\.ops\._c10d_functional\.(\w+_)\.default\((buf\d+)", line))
+        if start and start.re.pattern.startswith("torch"):  # the in-place form: (kind, buffer)
+            start = _Swapped(start)
         wait = re.search(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)", line)
         if start and start.group(2) != "wait_tensor":
             open_[start.group(1)] = len(rows)
