@@ -240,13 +240,9 @@ def peak_memory(side: str, mode: str, batch: int, bucket_mb: float = 25.0, backe
     return step_peak_memory(make)
 
 
-def step_peak_memory(make: Callable[[], tuple[Callable[..., Any], tuple]]) -> tuple[int, int]:
-    """``(live bytes at the start of the third step, peak live bytes during it)`` of the step
-    that ``make()`` returns with its arguments (collective: every rank calls it).
-
-    Live bytes: the profiler's running total of CPU tensor storage allocated since it
-    started (before ``make`` built the model) and not yet freed.
-    """
+def profiled_steps(make: Callable[[], tuple[Callable[..., Any], tuple]]) -> tuple[Any, list]:
+    """Three steps of ``make()``'s step under the profiler (CPU memory on; collective: every
+    rank calls it): the third step's profiler event and every CPU allocation event, by time."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -259,7 +255,17 @@ def step_peak_memory(make: Callable[[], tuple[Callable[..., Any], tuple]]) -> tu
                 step(*args)
     events = list(_tree_events(prof.profiler.kineto_results.experimental_event_tree()))
     mark = next(e for e in events if e.name == "bench_step_2")
-    allocs = sorted((e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    return mark, sorted((e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+
+
+def step_peak_memory(make: Callable[[], tuple[Callable[..., Any], tuple]]) -> tuple[int, int]:
+    """``(live bytes at the start of the third step, peak live bytes during it)`` of the step
+    that ``make()`` returns with its arguments (collective: every rank calls it).
+
+    Live bytes: the profiler's running total of CPU tensor storage allocated since it
+    started (before ``make`` built the model) and not yet freed.
+    """
+    mark, allocs = profiled_steps(make)
     before = [e.extra_fields.total_allocated for e in allocs if e.start_time_ns < mark.start_time_ns]
     during = [e.extra_fields.total_allocated for e in allocs
               if mark.start_time_ns <= e.start_time_ns <= mark.end_time_ns]

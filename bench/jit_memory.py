@@ -45,7 +45,7 @@ from fshard.models import TransformerConfig
 from fshard.testing import transformer_train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_parallel import CFG, _batches, _fshard_step, step_peak_memory  # noqa: E402
+from data_parallel import CFG, _batches, _fshard_step, profiled_steps, step_peak_memory  # noqa: E402
 
 _JIT = {"jit": {}, "jit donated": dict(donate_argnums=(0, 1)),
         "jit no overlap": dict(options=without_collective_passes(bucketing=True)),
@@ -79,22 +79,7 @@ def _thread_peak(side: str, mode: str) -> tuple[int, int]:
     """``--count thread``: as :func:`step_peak_memory`, counting only the tensors that the
     step's own thread allocates (wherever they are freed): not gloo's temporaries."""
 
-    import torch
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from data_parallel import _tree_events
-
-    torch.set_num_threads(1)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step, args = _make(side, mode)
-        for i in range(3):
-            dist.barrier()
-            with record_function(f"bench_step_{i}"):
-                step(*args)
-    events = list(_tree_events(prof.profiler.kineto_results.experimental_event_tree()))
-    mark = next(e for e in events if e.name == "bench_step_2")
-    allocs = sorted((e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    mark, allocs = profiled_steps(lambda: _make(side, mode))
     ours, live, start, peak = {}, 0, None, 0
     for e in allocs:
         f = e.extra_fields
