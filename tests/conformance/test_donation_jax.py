@@ -28,8 +28,6 @@ switched on in a scoped ``jax.enable_x64``.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import warnings
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -41,21 +39,15 @@ import torch
 import fshard as fs
 from fshard import tree as tree_util
 
+from conf_jax_here import jax_in_this_process
+
 TOL = 1e-12
 
 
 @pytest.fixture(scope="module")
 def jx() -> SimpleNamespace:
     """``jax`` and ``jnp``, imported on first use, CPU only, one thread."""
-    if "jax" not in sys.modules:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_cpu_multi_thread_eigen" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
-    import jax
-    import jax.numpy as jnp
-
-    return SimpleNamespace(jax=jax, jnp=jnp)
+    return jax_in_this_process()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import os
 import sys
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -35,6 +34,8 @@ from fshard import P
 from fshard import tree as tree_util
 from fshard.testing import run_on_ranks
 
+from conf_jax_here import jax_in_this_process
+
 STEPS = 12
 TOL = 1e-12  # |fshard - optax| <= TOL * (1 + |optax|), float64
 MAX_NORM = 1.0  # the clipping threshold: grads of steps 0, 3, 6, 9 are under it, the others over
@@ -46,18 +47,7 @@ MAX_NORM = 1.0  # the clipping threshold: grads of steps 0, 3, 6, 9 are under it
 @pytest.fixture(scope="module")
 def ox() -> SimpleNamespace:
     """``jax``, ``jnp`` and ``optax``, imported on first use (never in the rank workers)."""
-    if "jax" not in sys.modules:
-        # CPU only, and no Eigen thread pool: this machine's cores run the gloo ranks.
-        # Flags already set (e.g. the other conformance tests' forced host devices) are kept.
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_cpu_multi_thread_eigen" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    return SimpleNamespace(jax=jax, jnp=jnp, optax=optax)
+    return jax_in_this_process("optax")
 
 
 def _int64_count(schedule: Callable) -> Callable:
