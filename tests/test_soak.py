@@ -69,3 +69,16 @@ def test_soak_reports_a_crashed_run_with_its_signal(tmp_path, monkeypatch):
     assert Path(run.log).read_text().count("step ") >= 2  # the output is kept for a crashed run
     assert "SIGSEGV (rank 1) Fatal Python error" in soak.table([run])
     assert soak.summary([run], 1.0, args)["crashes_by_signal"] == {"SIGSEGV (rank 1)": 1}
+
+
+def test_first_error_line_drops_another_ranks_output_on_the_same_line():
+    # The ranks share torchrun's stdout: print() writes its text and its newline separately, so
+    # one rank's progress line can follow another's error before the newline (seen in CI).
+    soak = _load_soak()
+    first = soak.first_error_line
+    assert first("Fatal Python error: Segmentation faultstep     1/5  loss 4.0000  1,000 tokens/s\n") \
+        == "Fatal Python error: Segmentation fault"
+    assert first(" 40%|####      | 2/5 [00:01<00:02]malloc(): corrupted top size 60%|######    | 3/5 [") \
+        == "malloc(): corrupted top size"
+    assert first("step 1/5 loss 4.0\nRuntimeError: boom\n") == "RuntimeError: boom"
+    assert first("step 1/5 loss 4.0\n") is None

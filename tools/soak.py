@@ -60,6 +60,7 @@ _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _RANK = re.compile(r"\brank\s*:\s*(\d+)")
 _STEP = re.compile(r"step\s+(\d+)/(\d+)")  # the example's progress line without tqdm
 _TQDM = re.compile(r"\|\s*(\d+)/(\d+) \[")  # tqdm's bar: " 83%|########  | 331/400 [06:37<02:01, ..."
+_TQDM_START = re.compile(r"\s*\d+%\|")  # where a tqdm bar starts
 
 
 @attrs.define
@@ -84,7 +85,11 @@ def first_error_line(text: str) -> str | None:
     for line in text.replace("\r", "\n").splitlines():
         m = _ERROR.search(line)
         if m:  # from the match on: a progress bar may share the line
-            return line[m.start():].strip()[:300]
+            error = line[m.start():]
+            # The ranks share one file descriptor and print writes the text and its newline
+            # separately, so another rank's progress line can land right after the error.
+            cut = [p.start() for p in (_STEP.search(error), _TQDM_START.search(error)) if p]
+            return error[:min(cut, default=len(error))].strip()[:300]
     return None
 
 
