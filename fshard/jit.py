@@ -390,7 +390,9 @@ class Jitted:
             if isinstance(x, torch.Tensor):
                 loc = x._local_tensor if isinstance(x, DTensor) else x
                 n = loc.nbytes
-                if n:
+                # Meta tensors have no memory (every data_ptr is 0). Real tensors of different
+                # devices never collide: CUDA maps its memory into the process's address space.
+                if n and not loc.is_meta:
                     start = loc.data_ptr()
                     spans.append((start, start + (n if loc.is_contiguous() else _nbytes_spanned(loc)), i))
         spans.sort()

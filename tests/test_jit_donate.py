@@ -184,6 +184,11 @@ def test_a_donated_tensor_sharing_memory_with_another_argument_is_refused():
     with pytest.raises(ValueError, match=r"args\[0\] and args\[1\]"):
         f(torch.from_numpy(arr[:6]), torch.from_numpy(arr[4:10]))
 
+    # Meta tensors hold no memory (every data_ptr is 0): two of them do not overlap.
+    meta = fs.jit(lambda a, b: (a * 2, b + 1), backend="aot_eager", donate_argnums=0)
+    out = meta(torch.ones(6, dtype=F64, device="meta"), torch.ones(6, dtype=F64, device="meta"))
+    assert [o.device.type for o in out] == ["meta", "meta"]
+
 
 @TIMEOUT
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
