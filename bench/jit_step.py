@@ -1,6 +1,7 @@
 """fs.jit vs eager fshard vs torch's fully_shard / DDP: the data-parallel bench step, compiled.
 
     python bench/jit_step.py [--mode fsdp|replicate] [--steps 10] [--backend inductor] [--comm-passes on,off]
+                             [--profile N]
 
 The model and step of ``bench/data_parallel.py`` (Transformer vocab 512, dim 256, 4 layers,
 seq 128, fp32, AdamW, 2 gloo ranks x batch 8): fshard's step (gather_params + scan_layers +
@@ -50,7 +51,7 @@ _JIT_OPTIONS = {"on": lambda: None, "off": without_collective_passes,
                 "reorder": lambda: without_collective_passes(reorder=True)}
 
 
-def per_rank(mode, steps, backend, cfg=None, variants=("on",), bucket_mb=None):
+def per_rank(mode, steps, backend, cfg=None, variants=("on",), bucket_mb=None, profile_steps=0):
     from data_parallel import _native_step, timed_rounds  # bench/ is the working directory's sibling: run from the repo root
 
     torch.set_num_threads(1)
@@ -112,9 +113,19 @@ def per_rank(mode, steps, backend, cfg=None, variants=("on",), bucket_mb=None):
     dist.all_reduce(both)
     cpu_med = {k: tuple(statistics.median(both[i, :, j].tolist()) for j in (0, 1)) for i, k in enumerate(sides)}
     losses = {k: [v.full_tensor().item() for v in raw[k]] for k in ("eager", *jsteps)}
+    kinds = {}
+    if profile_steps:  # after the timing, so that it does not slow it: where each side's step goes
+        from breakdown import KINDS, breakdown
+
+        for k, f in sides.items():
+            dist.barrier()
+            got = breakdown(f, profile_steps)
+            vals = torch.tensor([got[x] for x in (*KINDS, "step", "thread CPU")], dtype=torch.float64)
+            dist.all_reduce(vals)  # the mean over the ranks
+            kinds[k] = dict(zip((*KINDS, "step", "thread CPU"), (vals / dist.get_world_size()).tolist()))
     ratio = {k: {ref: statistics.median(a / b for a, b in zip(times[k], times[ref])) for ref in ("native", "native compiled", *jsteps)}
              for k in times}
-    return first, {k: statistics.median(v) for k, v in times.items()}, ratio, losses, calls, cpu_med
+    return first, {k: statistics.median(v) for k, v in times.items()}, ratio, losses, calls, cpu_med, kinds
 
 
 def main():
@@ -129,14 +140,18 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="replicate: also a jit side whose gradient all-reduce buckets hold this many MiB "
                          "(default: only scan_layers' 25)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timing, profile N more steps of each side and print where they go, by kind "
+                         "(bench/breakdown.py), as the mean over the ranks")
     args = ap.parse_args()
     print(f"load average at start: {os.getloadavg()}")
     variants = tuple(args.comm_passes.split(","))
     if not variants or any(v not in _JIT_SIDE for v in variants):
         ap.error(f"--comm-passes {args.comm_passes!r}: use a comma-separated list of {', '.join(_JIT_SIDE)}")
     # Compiling takes minutes on a loaded 2-core machine: the default 300 s limit of the call is too short.
-    first, med, ratio, losses, calls, cpu = fs.run_local(per_rank, args.mode, args.steps, args.backend, None, variants,
-                                                         args.bucket_mb, world_size=2, timeout_s=3000)[0]
+    first, med, ratio, losses, calls, cpu, kinds = fs.run_local(
+        per_rank, args.mode, args.steps, args.backend, None, variants, args.bucket_mb, args.profile,
+        world_size=2, timeout_s=3000)[0]
     native = "fully_shard" if args.mode == "fsdp" else "DDP"
     jits = [k for k in first if k != "native compiled"]
     print(f"{args.mode}, 2 gloo ranks, backend {args.backend}: first call (trace + compile): "
@@ -150,6 +165,11 @@ def main():
               f"  to {native} compiled {ratio[k]['native compiled']:.2f}"
               + "".join(f"  to {j} {ratio[k][j]:.3f}" for j in jits if j != k and k in jits))
     print(f"load average at end: {os.getloadavg()}")
+    if kinds:
+        from breakdown import table
+
+        print(f"where the step goes ({args.profile} profiled steps per side, mean over the ranks):")
+        print(table({names[k]: v for k, v in kinds.items()}))
     for k in jits:
         print(f"max |loss eager - loss {k}|:", max(abs(a - b) for a, b in zip(losses["eager"], losses[k])),
               " collective calls in its compiled code (backend inductor):", calls[k])

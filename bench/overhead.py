@@ -27,6 +27,7 @@ fshard is faster. ``--profile`` prints where an fshard step spends its time
 
     PYTHONPATH=. python bench/overhead.py [--steps 20] [--warmup 3] [--threads 1] [--profile]
     PYTHONPATH=. python bench/overhead.py --compiled [--backend inductor]
+    PYTHONPATH=. python bench/overhead.py --breakdown [--steps 5]
 """
 
 from __future__ import annotations
@@ -160,18 +161,43 @@ def profile(steps: int, warmup: int) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
+def breakdown_sides(steps: int, warmup: int, backend: str = "inductor", cfg: TransformerConfig = CFG,
+                    batch: int = BATCH) -> dict[str, dict[str, float]]:
+    """Where each side's step goes (``bench/breakdown.py``): torch eager with fused AdamW (the
+    issue's reference), torch compiled, fshard under fs.jit, donated and not."""
+    from breakdown import breakdown  # bench/ is on sys.path when this script runs
+
+    sides = {"torch fused": torch_step_fn(cfg, fused=True), "torch compiled": torch_step_fn(cfg, True, backend),
+             "fshard jit": fshard_step_fn(False, cfg, backend), "fshard jit donated": fshard_step_fn(True, cfg, backend)}
+    out = {}
+    for name, step in sides.items():
+        batches = [_batch(i, cfg, batch) for i in range(warmup + steps)]
+        for i in range(warmup):
+            step(*batches[i])
+        it = iter(batches[warmup:])
+        out[name] = breakdown(lambda: step(*next(it)), steps)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="where the compiled sides' and torch fused's steps go, by kind (bench/breakdown.py)")
     ap.add_argument("--compiled", action="store_true", help="also time torch compiled and fshard under fs.jit")
     ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.profile:
         profile(args.steps, args.warmup)
+        return
+    if args.breakdown:
+        from breakdown import table
+
+        print(table(breakdown_sides(args.steps, args.warmup, args.backend)))
         return
     wall, cpu, first = run(args.steps, args.warmup, args.compiled, args.backend)
     n = sum(p.numel() for p in fs.tree.leaves(transformer_init(CFG, seed=0)))

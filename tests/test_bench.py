@@ -68,11 +68,11 @@ def test_data_parallel_compiled_sides_match_eager(mode):
 
 def _jit_step():
     # TINY's gradients are a few KiB: a 0.001 MiB bucket splits them over several all-reduces.
-    return _bench("jit_step").per_rank("replicate", 1, "eager", TINY, bucket_mb=0.001)
+    return _bench("jit_step").per_rank("replicate", 1, "eager", TINY, bucket_mb=0.001, profile_steps=1)
 
 
 def test_jit_step_times_native_compiled_too():
-    first, med, ratio, losses, _, cpu = run_on_ranks(_jit_step, world_size=2)[0]
+    first, med, ratio, losses, _, cpu, kinds = run_on_ranks(_jit_step, world_size=2)[0]
     small = "jit, 0.001 MB buckets"
     assert set(med) == set(ratio) == set(cpu) == {"native", "native compiled", "eager", "jit", small}
     # CPU per step of both ranks: the process's (compute and gloo's threads) >= the main threads'.
@@ -80,6 +80,22 @@ def test_jit_step_times_native_compiled_too():
     assert set(first) == {"jit", "native compiled", small}
     _close(losses["jit"], losses["eager"], "fs.jit vs fshard eager")
     _close(losses[small], losses["eager"], "fs.jit with small buckets vs fshard eager")
+    # --profile: every side's step split by kind; the kinds add up to the step (host is the rest).
+    kinds_of = _bench("breakdown").KINDS
+    assert set(kinds) == set(med)
+    for side, got in kinds.items():
+        assert all(got[k] >= 0 for k in kinds_of), (side, got)
+        assert abs(sum(got[k] for k in kinds_of) - got["step"]) < 1e-6, (side, got)
+        assert got["matrix products"] > 0 and got["collective launch"] + got["collective wait"] > 0, (side, got)
+
+
+def test_breakdown_kinds_by_op_name():
+    kind = _bench("breakdown").kind
+    assert [kind(n) for n in ("aten::mm", "aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                              "_c10d_functional::wait_tensor", "_c10d_functional::all_reduce", "c10d::allreduce_",
+                              "## Call CompiledFxGraph fabc ##", "aten::gelu", "FSDP::pre_forward")] == [
+        "matrix products", "matrix products", "attention", "collective wait", "collective launch",
+        "collective launch", "compiled kernels", "other aten ops", "host"]
 
 
 def _tp():
