@@ -8,7 +8,16 @@ mode's metadata, autograd through ``fs.value_and_grad``, ``fs.optim`` kernels) r
 trace time and leaves only its tensor operations in an aten FX graph, the collectives as
 ``torch.ops._c10d_functional`` ops. That graph is then compiled by Dynamo + a backend
 (``"inductor"`` by default, ``"aot_eager"`` to debug, or ``None`` to run the captured
-graph as it is). Nothing of Dynamo ever sees a ContextVar.
+graph as it is). Nothing of Dynamo ever sees a ContextVar, and Dynamo never traces autograd
+(``trace_autograd_ops`` is not needed): the backward is traced by make_fx as aten ops.
+
+Reshard after forward needs no recompute tagging (SimpleFSDP's ``MUST_RECOMPUTE``): that
+tagging steers AOTAutograd's partitioner, which decides what a compiled forward saves for a
+compiled backward. Here no partitioner runs: the traced graph already holds the backward,
+with ``fs.parallel``'s regathers in it where the eager step does them (its saved-tensor hooks
+run at trace time), so the gathered weights are freed after forward as in eager, and
+Inductor keeps that order (tests/test_jit_overlap.py counts the regathers in the graph;
+tests/test_jit_memory.py holds the compiled step's peak to the graph's program order).
 
 Compile time (``bench/jit_compile.py``; ``bench/README.md``, "fs.jit"): Inductor compiles
 the aten graph directly (``torch._inductor.standalone_compile``), without Dynamo tracing
