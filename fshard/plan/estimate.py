@@ -42,7 +42,7 @@ from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
 from fshard.plan.shards import layer_shards, stage_layers, stage_shards
 from fshard.plan.trace import OptimizerWork, trace_optimizer
 
-__all__ = ["Estimate", "estimate", "held_peak", "held_states", "model_flops", "simulate_pipeline"]
+__all__ = ["Estimate", "estimate", "held_peak", "held_states", "model_flops", "pipeline_speedup", "simulate_pipeline"]
 
 TIME_KINDS = ("compute", "exposed_comm", "bubble", "optimizer")
 MEMORY_KINDS = ("params", "grads", "optimizer", "gathered", "activations", "grad_buffers", "w_pending")
@@ -439,7 +439,7 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
         return F, I, W
 
     # TP collectives inside the stage bodies belong to the actions' time.
-    costs, colls_by_rank = [], []
+    compute_costs, tp_costs, colls_by_rank = [], [], []
     for r in range(pp):
         colls = step_collectives(model, layout, pp_rank=r)
         colls_by_rank.append(colls)
@@ -449,9 +449,9 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
             F, I, W = F + f, I + i, W + w
         tp_f = sum(collective_time(machine, layout, c) * c.count for c in colls if c.pipeline == "F") / m
         tp_i = sum(collective_time(machine, layout, c) * c.count for c in colls if c.pipeline == "I") / m
-        costs.append((F + tp_f, I + tp_i, W))
+        compute_costs.append((F, I, W))
+        tp_costs.append((tp_f, tp_i, 0.0))
     p2p = collective_time(machine, layout, Collective("send", ("pp",), pipeline_payload(model, layout)))
-    makespan, _ = simulate_pipeline(layout, costs, p2p)
     # Outside the schedule: stage gathers before the first F, reductions after the last W.
     blk_f = _phase_time(machine, layout, model, model.layers[rep], "fwd", b)
     blk_b = _phase_time(machine, layout, model, model.layers[rep], "bwd_input", b) + \
@@ -459,6 +459,7 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     window = {"fwd": blk_f, "bwd": blk_b}
     outside = max(sum(_exposed(machine, layout, c, window) for c in colls if not c.pipeline)
                   for colls in colls_by_rank)
+    costs, makespan = _shared_core_pipeline(machine, layout, compute_costs, tp_costs, p2p, outside)
     busy = [m * sum(c) for c in costs]
     opt_s = [_optimizer_time(machine, layout, numel, leaves) for _, numel, leaves in persistent]
     wall = makespan + outside
@@ -474,6 +475,44 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
                                "optimizer": optimizer_s},
                     memory={k: memory[k] for k in MEMORY_KINDS}, memory_limit=limit, tokens_per_s=tokens, mfu=mfu,
                     bubble_fraction=bubble_fraction, comm=tuple(colls_by_rank[0]), stage_costs=tuple(costs))
+
+
+def pipeline_speedup(machine: Machine, ranks_per_node: int, busy_share: float) -> float:
+    """How much faster a rank computes when only ``busy_share`` of a node's ranks compute at
+    once than when all do (the speed every compute figure is for): 1 unless the node's ranks
+    share CPU cores (``machine.cores_per_node`` fewer than them).
+
+    A rank that waits in a pipeline's bubble (blocked on a receive) leaves its core to the
+    ranks that compute; with 4 ranks on 2 cores and a quarter of the pipeline idle, 3 ranks
+    share 2 cores: each computes 1.33 times as fast as when all 4 do.
+    """
+    busy = max(ranks_per_node * busy_share, 1e-9)
+    return machine.share(busy) / machine.share(ranks_per_node)
+
+
+def _shared_core_pipeline(machine: Machine, layout: Layout, compute: list[tuple[float, float, float]],
+                          tp: list[tuple[float, float, float]], p2p: float, outside: float
+                          ) -> tuple[list[tuple[float, float, float]], float]:
+    """Per pp rank ``(F, I, W)`` and the schedule's makespan, with the compute sped up by
+    :func:`pipeline_speedup` for the share of ranks the simulated schedule keeps busy.
+
+    The speed depends on the bubble and the bubble on the speed: a fixed point, found by
+    iterating (the speed-up only grows from 1 and is bounded by one core per rank, so the
+    iteration rises monotonically to it). On GPUs, or with a core per rank, the speed-up is 1
+    and this is one simulation.
+    """
+    m, rpn = layout.microbatches, _ranks_per_node(machine, layout)
+    speed = 1.0
+    for _ in range(30):
+        costs = [tuple(c / speed + t for c, t in zip(cs, ts)) for cs, ts in zip(compute, tp)]
+        makespan, _ = simulate_pipeline(layout, costs, p2p)
+        wall = makespan + outside
+        share = sum(m * sum(c) for c in costs) / (len(costs) * wall)
+        new = pipeline_speedup(machine, rpn, min(1.0, share))
+        if abs(new - speed) < 1e-4 * speed:
+            break
+        speed = new
+    return costs, makespan
 
 
 def _pipeline_memory(model: ModelDesc, layout: Layout, machine: Machine, sch: Any, stages: list, r: int,
