@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from fshard.plan.comm import Collective, collective_time, pipeline_payload, step_collectives
+from fshard.plan.comm import Collective, _p2p_counts, collective_time, pipeline_payload, step_collectives
 from fshard.plan.layout import Layout
 from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
@@ -459,8 +459,14 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     window = {"fwd": blk_f, "bwd": blk_b}
     outside = max(sum(_exposed(machine, layout, c, window) for c in colls if not c.pipeline)
                   for colls in colls_by_rank)
-    costs, makespan = _shared_core_pipeline(machine, layout, compute_costs, tp_costs, p2p, outside)
-    busy = [m * sum(c) for c in costs]
+    # Each send and receive the rank posts costs it host time outside its compute actions
+    # (the runtime's _post / _prefetch; not in StepStats' busy time): the point-to-point
+    # latency per op, on the rank's own timeline, half with F and half with I.
+    post = collective_time(machine, layout, Collective("send", ("pp",), 0))
+    ops = _p2p_counts(sch)
+    host = [(ops[r][0] + ops[r][1]) * post / m for r in range(pp)]
+    costs, makespan = _shared_core_pipeline(machine, layout, compute_costs, tp_costs, host, p2p, outside)
+    busy = [m * (sum(c) - h) for c, h in zip(costs, host)]
     opt_s = [_optimizer_time(machine, layout, numel, leaves) for _, numel, leaves in persistent]
     wall = makespan + outside
     bubble_fraction = sum(1 - bz / wall for bz in busy) / pp
@@ -491,10 +497,12 @@ def pipeline_speedup(machine: Machine, ranks_per_node: int, busy_share: float) -
 
 
 def _shared_core_pipeline(machine: Machine, layout: Layout, compute: list[tuple[float, float, float]],
-                          tp: list[tuple[float, float, float]], p2p: float, outside: float
+                          tp: list[tuple[float, float, float]], host: list[float], p2p: float, outside: float
                           ) -> tuple[list[tuple[float, float, float]], float]:
     """Per pp rank ``(F, I, W)`` and the schedule's makespan, with the compute sped up by
-    :func:`pipeline_speedup` for the share of ranks the simulated schedule keeps busy.
+    :func:`pipeline_speedup` for the share of ranks the simulated schedule keeps busy
+    (``tp``: collectives in the actions, ``host``: per microbatch, the rank's host time
+    outside its actions; neither sped up, and ``host`` not busy).
 
     The speed depends on the bubble and the bubble on the speed: a fixed point, found by
     iterating (the speed-up only grows from 1 and is bounded by one core per rank, so the
@@ -504,10 +512,11 @@ def _shared_core_pipeline(machine: Machine, layout: Layout, compute: list[tuple[
     m, rpn = layout.microbatches, _ranks_per_node(machine, layout)
     speed = 1.0
     for _ in range(30):
-        costs = [tuple(c / speed + t for c, t in zip(cs, ts)) for cs, ts in zip(compute, tp)]
+        costs = [(cs[0] / speed + ts[0] + h / 2, cs[1] / speed + ts[1] + h / 2, cs[2] / speed + ts[2])
+                 for cs, ts, h in zip(compute, tp, host)]
         makespan, _ = simulate_pipeline(layout, costs, p2p)
         wall = makespan + outside
-        share = sum(m * sum(c) for c in costs) / (len(costs) * wall)
+        share = sum(m * (sum(c) - h) for c, h in zip(costs, host)) / (len(costs) * wall)
         new = pipeline_speedup(machine, rpn, min(1.0, share))
         if abs(new - speed) < 1e-4 * speed:
             break
