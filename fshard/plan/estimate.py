@@ -7,7 +7,9 @@ Time, per rank::
            collectives beyond what ``machine.overlap`` hides behind a block's compute;
            the first gathers and last reductions)
          + pipeline bubble (fs.sched.simulate of the schedule with this layout's F, I, W
-           and point-to-point times; the slowest rank's costs)
+           and point-to-point times; the slowest rank's costs; each posted send or
+           receive costs its rank the point-to-point latency; CPU ranks that outnumber
+           their cores compute faster by the share the bubble leaves idle)
          + optimizer (AdamW + global norm over this rank's shards, traced)
 
 A layer phase costs ``samples * (flops / F + bytes / BW) + kernels * overhead`` (plus the
@@ -68,7 +70,9 @@ class Estimate:
       bubble_fraction: pipelines: idle share of the pipeline phase, mean over pp ranks
         (``1 - busy / wall`` as ``fs.sched.StepStats`` measures it); 0 without pp.
       comm: the step's collectives (rank 0).
-      stage_costs: pipelines: per pp rank ``(F, I, W)`` seconds per microbatch.
+      stage_costs: pipelines: per pp rank ``(F, I, W)`` seconds per microbatch as simulated
+        (on CPU cores shared by more ranks: sped up for the simulated busy share; F and I
+        each carry half the host time of the transfers the rank posts per microbatch).
     """
 
     layout: Layout
@@ -504,10 +508,12 @@ def _shared_core_pipeline(machine: Machine, layout: Layout, compute: list[tuple[
     (``tp``: collectives in the actions, ``host``: per microbatch, the rank's host time
     outside its actions; neither sped up, and ``host`` not busy).
 
-    The speed depends on the bubble and the bubble on the speed: a fixed point, found by
-    iterating (the speed-up only grows from 1 and is bounded by one core per rank, so the
-    iteration rises monotonically to it). On GPUs, or with a core per rank, the speed-up is 1
-    and this is one simulation.
+    The speed depends on the bubble and the bubble on the speed: a fixed point, iterated
+    from the all-busy costs (4-5 simulations here). Where the cores stay saturated (busy
+    ranks at least the cores) every busy share is consistent, the step comes out at the
+    ranks' work over the cores, and the iteration keeps the bubble shape of the fixed-cost
+    schedule, which is what the measured spans showed (docs/plan.md, "Model changes of
+    2026-11-27"). On GPUs, or with a core per rank, the speed-up is 1: one simulation.
     """
     m, rpn = layout.microbatches, _ranks_per_node(machine, layout)
     speed = 1.0
