@@ -224,8 +224,8 @@ def main() -> None:
                 post = plan.collective_time(machine, layout, plan.Collective("send", ("pp",), 0))
                 ops = _p2p_counts(layout.build_schedule())
                 host = [(ops[r][0] + ops[r][1]) * post / layout.microbatches for r in range(layout.pp)]
-                makespan, _ = simulate_pipeline(layout, [(f + h / 2, i + h / 2, w) for (f, i, w), h in zip(costs, host)],
-                                                p2p)
+                with_host = [(f + h / 2, i + h / 2, w) for (f, i, w), h in zip(costs, host)]
+                makespan, _ = simulate_pipeline(layout, with_host, p2p)
                 outside = est.step_s - est.breakdown["optimizer"] - (est.breakdown["compute"] + est.breakdown["bubble"])
                 wall = makespan + outside
                 sim_measured = statistics.mean(1 - layout.microbatches * sum(c) / wall for c in costs)

@@ -51,6 +51,6 @@ from fshard.plan.trace import trace_layer as trace_layer
 __all__ = ["AXES", "Collective", "DescriptionError", "Estimate", "LayerDesc", "Layout", "LayoutError", "Link",
            "MACHINES", "Machine", "ModelDesc", "PRESETS", "SearchResult", "StepProbe", "Work", "calibrate",
            "collective_time", "default_machine_path",
-           "describe_llama", "describe_transformer", "estimate", "get_machine", "pipeline_speedup", "get_model", "load_machine",
-           "log_totals", "machine_from_dict", "model_flops", "save_machine", "search", "step_collectives",
+           "describe_llama", "describe_transformer", "estimate", "get_machine", "get_model", "load_machine",
+           "log_totals", "machine_from_dict", "model_flops", "pipeline_speedup", "save_machine", "search", "step_collectives",
            "trace_layer"]

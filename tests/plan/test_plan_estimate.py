@@ -192,7 +192,8 @@ def test_pipeline_ranks_idle_in_the_bubble_leave_their_cores_to_the_others(model
     assert plan.pipeline_speedup(_machine(), 4, 0.5) == 1.0  # devices: no sharing
     lay = plan.Layout({"pp": 2, "fsdp": 2}, batch=16, microbatches=4, schedule="1f1b")
     shared = plan.estimate(model, m, lay)
-    own = plan.estimate(model, _machine(cores_per_node=4, calibrated_ranks=4, devices_per_node=1 << 20, links=links), lay)
+    own = plan.estimate(model, _machine(cores_per_node=4, calibrated_ranks=4, devices_per_node=1 << 20,
+                                        links=links), lay)
     assert own.stage_costs == plan.estimate(model, _machine(devices_per_node=1 << 20, links=links), lay).stage_costs
     speed = plan.pipeline_speedup(m, 4, 1 - shared.bubble_fraction)
     assert speed > 1.2
