@@ -52,5 +52,5 @@ __all__ = ["AXES", "Collective", "DescriptionError", "Estimate", "LayerDesc", "L
            "MACHINES", "Machine", "ModelDesc", "PRESETS", "SearchResult", "StepProbe", "Work", "calibrate",
            "collective_time", "default_machine_path",
            "describe_llama", "describe_transformer", "estimate", "get_machine", "get_model", "load_machine",
-           "log_totals", "machine_from_dict", "model_flops", "pipeline_speedup", "save_machine", "search", "step_collectives",
-           "trace_layer"]
+           "log_totals", "machine_from_dict", "model_flops", "pipeline_speedup", "save_machine", "search",
+           "step_collectives", "trace_layer"]
