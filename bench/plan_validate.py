@@ -14,7 +14,10 @@ Pipeline runs also record every step's ``fs.sched.StepStats`` (``pipeline_step``
 wrapped to ask for them): the measured bubble is ``1 - busy / wall`` per rank, mean over
 ranks, median over the steps after the warm-up. Next to it: the planner's predicted
 bubble, and the simulator fed with the F / I / W times the run measured (the stage
-spans) and the calibrated point-to-point cost.
+spans) and the calibrated point-to-point cost (on the edges, and per posted transfer on
+the rank, as the planner charges it). ``measured_host_share``: the share of the step a
+pipeline rank spent neither computing nor waiting on a transfer (mean over ranks). Each
+result keeps the machine its prediction used (``machine``).
 
 ``--memory-only`` measures and predicts only the peak memory, which does not depend on the
 machine's speed or load: no calibration (the prediction uses the shipped ``h100`` file
@@ -45,7 +48,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import fshard as fs  # noqa: E402
 import fshard.plan as plan  # noqa: E402
-from fshard.plan.comm import pipeline_payload  # noqa: E402
+from fshard.plan.comm import _p2p_counts, pipeline_payload  # noqa: E402
 from fshard.plan.estimate import simulate_pipeline  # noqa: E402
 
 MODEL = ["--dim", "256", "--layers", "4", "--heads", "4", "--seq-len", "128", "--batch-size", "16"]
@@ -91,7 +94,7 @@ def _run(argv: list[str]) -> dict:
 
     def recording(*args, **kwargs):
         loss, grads, st = original(*args, **{**kwargs, "return_stats": True})
-        stats.append((st.busy_s, st.wall_s, [(a.kind.value, a.stage, e - s) for a, s, e in st.spans]))
+        stats.append((st.busy_s, st.wall_s, [(a.kind.value, a.stage, e - s) for a, s, e in st.spans], st.wait_s))
         return loss, grads
 
     fs.sched.pipeline_step = recording
@@ -129,10 +132,14 @@ def _measured_costs(stats_by_rank: list[list], warmup: int, layout: plan.Layout,
     v = sch.n_virtual
     per_pp: dict[int, list[tuple[float, float, float]]] = {}
     bubbles = []
+    others = []
     for rank_stats, pr in zip(stats_by_rank, mesh_pp_rank):
         steps = rank_stats[warmup:] or rank_stats
-        bubbles.append(statistics.median(1 - busy / wall for busy, wall, _ in steps))
-        spans = [sp for _, _, spans in steps for sp in spans]
+        bubbles.append(statistics.median(1 - busy / wall for busy, wall, *_ in steps))
+        # Neither computing nor waiting on a transfer: the runtime's own host time (posting
+        # sends and receives, hooks), which the planner charges per posted transfer.
+        others.append(statistics.median((wall - busy - wait) / wall for busy, wall, _, wait in steps))
+        spans = [sp for _, _, spans, _ in steps for sp in spans]
         mean = {k: statistics.mean([d for kind, _, d in spans if kind == k]) if any(kind == k for kind, _, _ in spans)
                 else 0.0 for k in "FBIW"}
         f = v * mean["F"]
@@ -140,7 +147,7 @@ def _measured_costs(stats_by_rank: list[list], warmup: int, layout: plan.Layout,
         w = v * mean["W"]
         per_pp.setdefault(pr, []).append((f, i, w))
     costs = [tuple(statistics.mean(c[j] for c in per_pp[r]) for j in range(3)) for r in sorted(per_pp)]
-    return costs, statistics.mean(bubbles)
+    return costs, statistics.mean(bubbles), statistics.mean(others)
 
 
 def main() -> None:
@@ -197,6 +204,7 @@ def main() -> None:
             q1, q3 = (statistics.quantiles(times, n=4)[::2] if len(times) >= 2 else (times[0], times[0]))
             row = {"layout": name, "repeat": rep, "load": os.getloadavg()[0], "wall_s": time.time() - t0,
                    "measured_q1_s": q1, "measured_q3_s": q3, "calibrated_fp32_flops": machine.flops.get("float32"),
+                   "machine": machine.to_dict(),  # what the prediction used: the runs can be predicted again
                    **{k: last[k] for k in ("predicted_step_s", "measured_step_s", "predicted_peak_mib",
                                             "measured_peak_mib", "predicted_breakdown_s")}}
             if "--mesh" in flags and flags[flags.index("--mesh") + 1].startswith("pp="):
@@ -209,18 +217,24 @@ def main() -> None:
                 model = plan.describe_transformer(train_lm.model_config(targs, corpus), seq_len=targs.seq_len)
                 est = plan.estimate(model, machine, layout)
                 pp_of_rank = [r // (4 // layout.pp) for r in range(4)]  # pp is the outermost axis
-                costs, measured_bubble = _measured_costs([o["stats"] for o in out], warm, layout, pp_of_rank)
+                costs, measured_bubble, other = _measured_costs([o["stats"] for o in out], warm, layout, pp_of_rank)
                 p2p = plan.collective_time(machine, layout, plan.Collective(
                     "send", ("pp",), pipeline_payload(model, layout)))
-                makespan, _ = simulate_pipeline(layout, costs, p2p)
+                # As the planner: each posted send and receive costs its rank the latency, not busy.
+                post = plan.collective_time(machine, layout, plan.Collective("send", ("pp",), 0))
+                ops = _p2p_counts(layout.build_schedule())
+                host = [(ops[r][0] + ops[r][1]) * post / layout.microbatches for r in range(layout.pp)]
+                with_host = [(f + h / 2, i + h / 2, w) for (f, i, w), h in zip(costs, host)]
+                makespan, _ = simulate_pipeline(layout, with_host, p2p)
                 outside = est.step_s - est.breakdown["optimizer"] - (est.breakdown["compute"] + est.breakdown["bubble"])
                 wall = makespan + outside
                 sim_measured = statistics.mean(1 - layout.microbatches * sum(c) / wall for c in costs)
                 row.update(predicted_bubble=est.bubble_fraction, measured_bubble=measured_bubble,
-                           simulated_bubble_measured_costs=sim_measured, measured_costs=costs)
+                           simulated_bubble_measured_costs=sim_measured, measured_costs=costs,
+                           measured_host_share=other)
             results.append(row)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                              if k not in ("predicted_breakdown_s", "measured_costs")}), flush=True)
+                              if k not in ("predicted_breakdown_s", "measured_costs", "machine")}), flush=True)
         print(f"repeat {rep}: load average {load0[0]:.1f} before, {os.getloadavg()[0]:.1f} after", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

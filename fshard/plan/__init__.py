@@ -22,6 +22,7 @@ from fshard.plan.comm import step_collectives as step_collectives
 from fshard.plan.estimate import Estimate as Estimate
 from fshard.plan.estimate import estimate as estimate
 from fshard.plan.estimate import model_flops as model_flops
+from fshard.plan.estimate import pipeline_speedup as pipeline_speedup
 from fshard.plan.layout import AXES as AXES
 from fshard.plan.layout import Layout as Layout
 from fshard.plan.layout import LayoutError as LayoutError
@@ -51,5 +52,5 @@ __all__ = ["AXES", "Collective", "DescriptionError", "Estimate", "LayerDesc", "L
            "MACHINES", "Machine", "ModelDesc", "PRESETS", "SearchResult", "StepProbe", "Work", "calibrate",
            "collective_time", "default_machine_path",
            "describe_llama", "describe_transformer", "estimate", "get_machine", "get_model", "load_machine",
-           "log_totals", "machine_from_dict", "model_flops", "save_machine", "search", "step_collectives",
-           "trace_layer"]
+           "log_totals", "machine_from_dict", "model_flops", "pipeline_speedup", "save_machine", "search",
+           "step_collectives", "trace_layer"]

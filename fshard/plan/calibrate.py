@@ -20,12 +20,17 @@ cost each other when they share CPU cores or a node's links):
   spans hosts ``inter`` (the levels the estimate picks per axis);
 - overlap: a matrix-product loop with an all-gather in flight, against each alone.
 
+Every compute figure is timed as :func:`_sustained` times it: all ranks at once, long enough
+to span several of the scheduler's time slices, the slowest rank's time (what a step whose
+ranks all compute sees, also with more ranks than cores).
+
 The result is a :class:`~fshard.plan.machine.Machine` (the same on every rank), saved
 by rank 0 to ``path`` (default :func:`~fshard.plan.machine.default_machine_path`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -60,19 +65,50 @@ def _timeit(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None], war
     return statistics.mean(times)
 
 
-def _mean_over_ranks(t: float, device: torch.device) -> float:
-    """The mean of ``t`` over the ranks (``t`` itself without a process group).
+# A timed burst lasts at least this long on every rank: the scheduler's time slices are a few
+# milliseconds, and a shorter burst on oversubscribed cores (4 ranks on 2 here) can run whole
+# on a core another rank is waiting for, so it times the speed of a core to itself.
+MIN_BURST_S = 0.15
 
-    Ranks that share cores (4 ranks on 2 cores here) time their kernels at once after a
-    barrier, and one rank's figure depends on whether the scheduler happened to leave it a
-    core to itself: on a quiet 2-core machine, rank 0's fp32 matrix-product rate alone came
-    out anywhere from 25 to 110 GFLOP/s across twelve quick calibrations. The mean over the
-    ranks is what a step, in which they all compute, sees."""
+
+def _sustained(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None],
+               barrier: Callable[[], None], device: torch.device, min_s: float = MIN_BURST_S) -> float:
+    """Seconds per call of ``fn`` while every rank runs it at once: all ranks start after a
+    barrier, each runs ``fn`` back to back for at least ``min_s`` (the same count on every
+    rank), and the time is the slowest rank's elapsed time over the count.
+
+    That is the rate a step sees when every rank computes: a step's collectives wait for
+    the slowest rank. With more ranks than cores, a rank's own per-call times (their mean,
+    or their mean over the ranks) are too fast: a rank that finishes its burst early leaves
+    its core to the others, so their later calls run faster than they would if all kept
+    computing. On a quiet 2-core host with 4 ranks, bursts of 5 matrix products of 384^2
+    timed 23-65 GFLOP/s per rank (mean of the ranks' means) where 60 back to back gave
+    15-25 (2026-11-27; ``tests/plan/test_plan_measure.py`` has the rule on sleeps).
+    Without a process group, ``fn``'s time on this process.
+    """
+    for _ in range(2):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    one = _max_over_ranks(time.perf_counter() - t0, device)
+    count = max(repeat, math.ceil(min_s / max(one, 1e-9)))
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        fn()
+    sync()
+    return _max_over_ranks(time.perf_counter() - t0, device) / count
+
+
+def _max_over_ranks(t: float, device: torch.device) -> float:
+    """The largest ``t`` over the ranks (``t`` itself without a process group)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
     x = torch.tensor([t], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
-    dist.all_reduce(x)
-    return float(x) / dist.get_world_size()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return float(x)
 
 
 def _fit(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
@@ -93,8 +129,7 @@ def _matmul_rate(dtype: torch.dtype, device: torch.device, sizes: Sequence[int],
     for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        barrier()
-        t = _mean_over_ranks(_timeit(lambda: torch.mm(a, b), repeat=repeat, sync=sync), device)
+        t = _sustained(lambda: torch.mm(a, b), repeat=repeat, sync=sync, barrier=barrier, device=device)
         flops.append(2.0 * n ** 3)
         times.append(t)
     _, rate = _fit(flops, times)
@@ -142,14 +177,13 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
         flops.setdefault("bfloat16", flops["float32"])
 
     one = torch.ones(1, device=device)
-    barrier()
     n_ops = 200 if quick else 1000
-    op_overhead = _timeit(lambda: [torch.add(one, one) for _ in range(n_ops)], repeat=repeat, sync=sync) / n_ops
+    op_overhead = _sustained(lambda: [torch.add(one, one) for _ in range(n_ops)], repeat=repeat, sync=sync,
+                             barrier=barrier, device=device) / n_ops
 
     big = torch.empty((16 if quick else 64) * 2**20 // 4, device=device)
     dst = torch.empty_like(big)
-    barrier()
-    t = _timeit(lambda: dst.copy_(big), repeat=repeat, sync=sync)
+    t = _sustained(lambda: dst.copy_(big), repeat=repeat, sync=sync, barrier=barrier, device=device)
     mem_bw = 2 * big.numel() * big.element_size() / t
     del big, dst
 
@@ -240,8 +274,8 @@ def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: flo
     times = []
     for b in sizes:
         x = torch.randn(b, T, cfg.dim, generator=g).to(device)
-        barrier()
-        times.append(_mean_over_ranks(_timeit(lambda: grad(params, x), repeat=max(3, repeat), sync=sync), device))
+        times.append(_sustained(lambda: grad(params, x), repeat=max(3, repeat), sync=sync, barrier=barrier,
+                                device=device))
     efficiency, layer_overhead = fit_block(sizes, times, work, peak, mem_bw, op_overhead)
     note = (f"block fit (dim {cfg.dim}, {T} tokens, b={sizes}, through value_and_grad(shard_map)): "
             f"{', '.join(f'{t * 1e3:.1f}' for t in times)} ms -> {efficiency:.2f} of the matmul rate, "

@@ -7,7 +7,9 @@ Time, per rank::
            collectives beyond what ``machine.overlap`` hides behind a block's compute;
            the first gathers and last reductions)
          + pipeline bubble (fs.sched.simulate of the schedule with this layout's F, I, W
-           and point-to-point times; the slowest rank's costs)
+           and point-to-point times; the slowest rank's costs; each posted send or
+           receive costs its rank the point-to-point latency; CPU ranks that outnumber
+           their cores compute faster by the share the bubble leaves idle)
          + optimizer (AdamW + global norm over this rank's shards, traced)
 
 A layer phase costs ``samples * (flops / F + bytes / BW) + kernels * overhead`` (plus the
@@ -35,14 +37,14 @@ from typing import Any, Sequence
 
 import attrs
 
-from fshard.plan.comm import Collective, collective_time, pipeline_payload, step_collectives
+from fshard.plan.comm import Collective, _p2p_counts, collective_time, pipeline_payload, step_collectives
 from fshard.plan.layout import Layout
 from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
 from fshard.plan.shards import layer_shards, stage_layers, stage_shards
 from fshard.plan.trace import OptimizerWork, trace_optimizer
 
-__all__ = ["Estimate", "estimate", "held_peak", "held_states", "model_flops", "simulate_pipeline"]
+__all__ = ["Estimate", "estimate", "held_peak", "held_states", "model_flops", "pipeline_speedup", "simulate_pipeline"]
 
 TIME_KINDS = ("compute", "exposed_comm", "bubble", "optimizer")
 MEMORY_KINDS = ("params", "grads", "optimizer", "gathered", "activations", "grad_buffers", "w_pending")
@@ -68,7 +70,9 @@ class Estimate:
       bubble_fraction: pipelines: idle share of the pipeline phase, mean over pp ranks
         (``1 - busy / wall`` as ``fs.sched.StepStats`` measures it); 0 without pp.
       comm: the step's collectives (rank 0).
-      stage_costs: pipelines: per pp rank ``(F, I, W)`` seconds per microbatch.
+      stage_costs: pipelines: per pp rank ``(F, I, W)`` seconds per microbatch as simulated
+        (on CPU cores shared by more ranks: sped up for the simulated busy share; F and I
+        each carry half the host time of the transfers the rank posts per microbatch).
     """
 
     layout: Layout
@@ -439,7 +443,7 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
         return F, I, W
 
     # TP collectives inside the stage bodies belong to the actions' time.
-    costs, colls_by_rank = [], []
+    compute_costs, tp_costs, colls_by_rank = [], [], []
     for r in range(pp):
         colls = step_collectives(model, layout, pp_rank=r)
         colls_by_rank.append(colls)
@@ -449,9 +453,9 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
             F, I, W = F + f, I + i, W + w
         tp_f = sum(collective_time(machine, layout, c) * c.count for c in colls if c.pipeline == "F") / m
         tp_i = sum(collective_time(machine, layout, c) * c.count for c in colls if c.pipeline == "I") / m
-        costs.append((F + tp_f, I + tp_i, W))
+        compute_costs.append((F, I, W))
+        tp_costs.append((tp_f, tp_i, 0.0))
     p2p = collective_time(machine, layout, Collective("send", ("pp",), pipeline_payload(model, layout)))
-    makespan, _ = simulate_pipeline(layout, costs, p2p)
     # Outside the schedule: stage gathers before the first F, reductions after the last W.
     blk_f = _phase_time(machine, layout, model, model.layers[rep], "fwd", b)
     blk_b = _phase_time(machine, layout, model, model.layers[rep], "bwd_input", b) + \
@@ -459,7 +463,14 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     window = {"fwd": blk_f, "bwd": blk_b}
     outside = max(sum(_exposed(machine, layout, c, window) for c in colls if not c.pipeline)
                   for colls in colls_by_rank)
-    busy = [m * sum(c) for c in costs]
+    # Each send and receive the rank posts costs it host time outside its compute actions
+    # (the runtime's _post / _prefetch; not in StepStats' busy time): the point-to-point
+    # latency per op, on the rank's own timeline, half with F and half with I.
+    post = collective_time(machine, layout, Collective("send", ("pp",), 0))
+    ops = _p2p_counts(sch)
+    host = [(ops[r][0] + ops[r][1]) * post / m for r in range(pp)]
+    costs, makespan = _shared_core_pipeline(machine, layout, compute_costs, tp_costs, host, p2p, outside)
+    busy = [m * (sum(c) - h) for c, h in zip(costs, host)]
     opt_s = [_optimizer_time(machine, layout, numel, leaves) for _, numel, leaves in persistent]
     wall = makespan + outside
     bubble_fraction = sum(1 - bz / wall for bz in busy) / pp
@@ -474,6 +485,49 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
                                "optimizer": optimizer_s},
                     memory={k: memory[k] for k in MEMORY_KINDS}, memory_limit=limit, tokens_per_s=tokens, mfu=mfu,
                     bubble_fraction=bubble_fraction, comm=tuple(colls_by_rank[0]), stage_costs=tuple(costs))
+
+
+def pipeline_speedup(machine: Machine, ranks_per_node: int, busy_share: float) -> float:
+    """How much faster a rank computes when only ``busy_share`` of a node's ranks compute at
+    once than when all do (the speed every compute figure is for): 1 unless the node's ranks
+    share CPU cores (``machine.cores_per_node`` fewer than them).
+
+    A rank that waits in a pipeline's bubble (blocked on a receive) leaves its core to the
+    ranks that compute; with 4 ranks on 2 cores and a quarter of the pipeline idle, 3 ranks
+    share 2 cores: each computes 1.33 times as fast as when all 4 do.
+    """
+    busy = max(ranks_per_node * busy_share, 1e-9)
+    return machine.share(busy) / machine.share(ranks_per_node)
+
+
+def _shared_core_pipeline(machine: Machine, layout: Layout, compute: list[tuple[float, float, float]],
+                          tp: list[tuple[float, float, float]], host: list[float], p2p: float, outside: float
+                          ) -> tuple[list[tuple[float, float, float]], float]:
+    """Per pp rank ``(F, I, W)`` and the schedule's makespan, with the compute sped up by
+    :func:`pipeline_speedup` for the share of ranks the simulated schedule keeps busy
+    (``tp``: collectives in the actions, ``host``: per microbatch, the rank's host time
+    outside its actions; neither sped up, and ``host`` not busy).
+
+    The speed depends on the bubble and the bubble on the speed: a fixed point, iterated
+    from the all-busy costs (4-5 simulations here). Where the cores stay saturated (busy
+    ranks at least the cores) every busy share is consistent, the step comes out at the
+    ranks' work over the cores, and the iteration keeps the bubble shape of the fixed-cost
+    schedule, which is what the measured spans showed (docs/plan.md, "Model changes of
+    2026-11-27"). On GPUs, or with a core per rank, the speed-up is 1: one simulation.
+    """
+    m, rpn = layout.microbatches, _ranks_per_node(machine, layout)
+    speed = 1.0
+    for _ in range(30):
+        costs = [(cs[0] / speed + ts[0] + h / 2, cs[1] / speed + ts[1] + h / 2, cs[2] / speed + ts[2])
+                 for cs, ts, h in zip(compute, tp, host)]
+        makespan, _ = simulate_pipeline(layout, costs, p2p)
+        wall = makespan + outside
+        share = sum(m * (sum(c) - h) for c, h in zip(costs, host)) / (len(costs) * wall)
+        new = pipeline_speedup(machine, rpn, min(1.0, share))
+        if abs(new - speed) < 1e-4 * speed:
+            break
+        speed = new
+    return costs, makespan
 
 
 def _pipeline_memory(model: ModelDesc, layout: Layout, machine: Machine, sch: Any, stages: list, r: int,

@@ -179,13 +179,15 @@ class Machine:
         """Seconds of fixed host cost per layer forward or backward call on one rank."""
         return self.layer_overhead_s / self.share(ranks_per_node)
 
-    def share(self, ranks_per_node: int | None) -> float:
-        """CPU machines: this rank's share of the speed measured at calibration (1 on GPUs)."""
+    def share(self, ranks_per_node: float | None) -> float:
+        """CPU machines: this rank's share of the speed measured at calibration (1 on GPUs),
+        when ``ranks_per_node`` ranks compute at once (a mean, so not always a whole number:
+        a pipeline's ranks idle in its bubble)."""
         if not self.cores_per_node or not ranks_per_node:
             return 1.0
         cal = self.calibrated_ranks or self.cores_per_node
 
-        def one(n: int) -> float:
+        def one(n: float) -> float:
             return min(1.0, self.cores_per_node / n)
         return one(ranks_per_node) / one(cal)
 

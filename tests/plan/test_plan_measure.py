@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -168,3 +170,46 @@ def test_calibrated_links_fall_back_to_the_measured_level():
     assert _links({"all_gather": {"intra": intra}}) == {"intra": intra, "inter": intra}  # one host
     assert _links({"all_gather": {"intra": intra, "inter": inter}}) == {"intra": intra, "inter": inter}
     assert _links({"all_gather": {"inter": inter}}) == {"intra": inter, "inter": inter}
+
+
+def _sustained_on_ranks() -> tuple[float, int]:
+    import importlib
+
+    import torch.distributed as dist
+
+    cal = importlib.import_module("fshard.plan.calibrate")
+    rank = dist.get_rank()
+    calls = [0]
+
+    def fn() -> None:  # rank 1 is three times as slow as rank 0
+        calls[0] += 1
+        time.sleep(0.002 * (1 + 2 * rank))
+
+    t = cal._sustained(fn, repeat=2, sync=lambda: None, barrier=dist.barrier, device=torch.device("cpu"),
+                       min_s=0.05)
+    return t, calls[0]
+
+
+def test_sustained_timing_is_the_slowest_ranks_over_a_long_burst():
+    # Calibration's rates must be what a step sees when every rank computes: the slowest
+    # rank's time (the mean over ranks, 4 ms here, is what the calibration took before and
+    # made flat layouts' predictions low), over a burst of at least min_s (5 calls of a short
+    # kernel fit inside one time slice on oversubscribed cores), the same count on each rank.
+    (t0, n0), (t1, n1) = run_on_ranks(_sustained_on_ranks, world_size=2, timeout_s=60)
+    assert t0 == t1
+    assert 0.0058 <= t0 < 0.03, t0
+    assert n0 == n1 and n0 - 3 >= 5, (n0, n1)
+
+
+def test_sustained_timing_without_a_process_group_runs_min_s_long():
+    import importlib
+
+    cal = importlib.import_module("fshard.plan.calibrate")
+    calls = [0]
+
+    def fn() -> None:
+        calls[0] += 1
+        time.sleep(0.001)
+
+    t = cal._sustained(fn, repeat=3, sync=lambda: None, barrier=lambda: None, device=torch.device("cpu"), min_s=0.04)
+    assert 0.001 <= t < 0.02 and calls[0] - 3 >= 0.04 / 0.02, (t, calls[0])
