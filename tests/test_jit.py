@@ -67,12 +67,15 @@ def _make_step(mesh, kind, order, check, dtype=F64, optimizer="adamw"):
     - ``hsdp``: mesh (r, x): params P("x") (replicated over r), batch P(("r", "x"));
     - ``tp``: Megatron MLP on x: w1 P(None, "x"), b1 P("x"), w2 P("x", None), one psum
       of the output; the batch replicated.
+    - ``tpsp``: the same MLP with sequence parallelism (the batch's rows are the sequence):
+      the batch P("x"), all-gathered over the rows on entry (fs.parallel.tp_enter), the
+      output reduce-scattered over them on exit (tp_exit).
     """
     n = torch.distributed.get_world_size()
     p0 = _params(dtype)
     data_axes = ("r", "x") if kind == "hsdp" else "x"
-    if kind == "tp":
-        specs, data = {"w1": P(None, "x"), "b1": P("x"), "w2": P("x", None)}, P()
+    if kind in ("tp", "tpsp"):
+        specs, data = {"w1": P(None, "x"), "b1": P("x"), "w2": P("x", None)}, P("x") if kind == "tpsp" else P()
     else:
         specs, data = {k: (P("x") if kind in ("fsdp", "hsdp") else P()) for k in p0}, P(data_axes)
     # Axes over which the params are replicated but the batch is not: their grads are summed
@@ -85,6 +88,11 @@ def _make_step(mesh, kind, order, check, dtype=F64, optimizer="adamw"):
         if kind == "tp":
             h = torch.tanh(x @ p["w1"] + p["b1"])
             return ((fs.lax.psum(h @ p["w2"], "x") - y) ** 2).mean()
+        if kind == "tpsp":
+            sp = dict(sequence_parallel=True, seq_dim=0)
+            h = torch.tanh(fs.parallel.tp_enter(x, "x", **sp) @ p["w1"] + p["b1"])  # (4n, 8 / n)
+            out = fs.parallel.tp_exit(h @ p["w2"], "x", **sp)  # (4, 2): this rank's rows
+            return fs.lax.pmean(((out - y) ** 2).mean(), "x")
         return fs.lax.pmean(_loss(p, x, y), data_axes)
 
     if order == "inside":
@@ -211,6 +219,8 @@ def test_jit_lr_schedule_is_traced_once_and_equals_eager():
 # inserts its r-axis gradient sum; on 4 ranks, where every rank traces and compiles, a case
 # costs twice one on 2): unchecked mode's explicit gradient sum over a replicated axis is the
 # dp and tp cases', the same psum over a sub-group of a 2-D mesh is the ppermute mesh2d cases'.
+# Each layout runs on 4 ranks too (dp, tp, fsdp, hsdp: 2-3 s of CPU each once the pool is
+# up), and TP with sequence parallelism (all_gather over the rows in, psum_scatter out).
 _LAYOUTS = [
     ("hsdp", 4, "adamw", "inside", True),
     ("tp", 2, "adamw", "inside", True),
@@ -218,6 +228,10 @@ _LAYOUTS = [
     ("fsdp", 4, "adamw", "inside", True),
     ("fsdp", 2, "clip", "inside", True),
     ("tp", 2, "clip", "inside", False),
+    ("dp", 4, "adamw", "outside", False),
+    ("tp", 4, "adamw", "inside", True),
+    ("tpsp", 2, "adamw", "inside", True),
+    ("tpsp", 2, "adamw", "outside", False),
 ]
 
 
