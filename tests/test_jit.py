@@ -286,6 +286,45 @@ def test_jit_new_shape_recompiles_once_and_logs_why():
     assert (a, b) == (2 * 2 * 6, 2 * 2 * 9)
 
 
+def _signature_change_body():
+    """One jitted function called with a DTensor, then with the same values in another dtype,
+    placement and mesh, each twice: the cache sizes and the records logged per change."""
+    os.environ["FSHARD_LOG_RECOMPILES"] = "1"  # read at call time, on this rank
+    mx, my = fs.make_mesh({"x": 2}), fs.make_mesh({"y": 2})
+    f = fs.jit(lambda x: x * 2, backend=None)
+    t = torch.arange(12, dtype=F64).reshape(4, 3)
+    calls = {"first": fs.shard(t, P("x"), mx), "dtype": fs.shard(t.float(), P("x"), mx),
+             "placement": fs.shard(t, P(), mx), "mesh": fs.shard(t, P("y"), my)}
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    logging.getLogger("fshard.jit").addHandler(handler)
+    out = {}
+    try:
+        for what, a in calls.items():
+            n = len(records)
+            y = f(a)
+            f(a)  # the same signature again: no recompile, nothing logged
+            out[what] = (f.cache_size, records[n:], y.full_tensor().sum().item(), y.placements == a.placements)
+    finally:
+        logging.getLogger("fshard.jit").removeHandler(handler)
+        del os.environ["FSHARD_LOG_RECOMPILES"]
+    return out
+
+
+def test_jit_dtype_placement_and_mesh_changes_recompile_once_each_and_log_what_changed():
+    for out in run_on_ranks(_signature_change_body, world_size=2):
+        assert [v[0] for v in out.values()] == [1, 2, 3, 4], out
+        assert all(v[2] == 132.0 and v[3] for v in out.values()), out
+        assert out["first"][1] == [], out
+        want = {"dtype": r"args\[0\]: dtype torch\.float64 -> torch\.float32$",
+                "placement": r"args\[0\]: placements \(Shard\(dim=0\),\) -> \(Replicate\(\),\)",
+                "mesh": r"args\[0\]: mesh DeviceMesh\(\(x=2\).* -> DeviceMesh\(\(y=2\)"}
+        for what, pattern in want.items():
+            records = out[what][1]
+            assert len(records) == 1 and "recompiles" in records[0] and re.search(pattern, records[0]), (what, records)
+
+
 def _item_step(x):
     if x.sum().item() > 0:  # data-dependent Python control flow: cannot be captured
         return x * 2
@@ -295,6 +334,17 @@ def _item_step(x):
 def test_jit_data_dependent_control_flow_is_a_clear_error_naming_the_line():
     with pytest.raises(fs.JitCaptureError, match=r"(?s)test_jit\.py:\d+: if x\.sum\(\)\.item\(\) > 0.*reads a tensor"):
         fs.jit(_item_step, backend=None)(torch.ones(3))
+
+
+def _tensor_bool_step(x):
+    if x.sum() > 0:  # Python control flow on a tensor (its bool()): cannot be captured
+        return x * 2
+    return x
+
+
+def test_jit_python_if_on_a_tensor_is_a_clear_error_naming_the_line():
+    with pytest.raises(fs.JitCaptureError, match=r"(?s)test_jit\.py:\d+: if x\.sum\(\) > 0:.*reads a tensor"):
+        fs.jit(_tensor_bool_step, backend=None)(torch.ones(3))
 
 
 def test_jit_capture_failure_can_fall_back_to_eager_with_a_warning():
