@@ -219,3 +219,51 @@ def test_script_under_torchrun(zygotes, tmp_path):
             if child.poll() is None:
                 child.kill()
                 child.wait()
+
+
+
+def _train_wire(argv: list[str]) -> dict:
+    """Runs the example's main under fs.comm_log: each collective this rank issued (kind,
+    input bytes, bytes it put on the wire), the step count, and the model's parameter count."""
+    import torch
+
+    import fshard as fs
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import train_lm
+
+    with fs.comm_log() as log:
+        records = train_lm.main(argv)
+    args = train_lm.parse_args(argv)
+    cfg = train_lm.model_config(args, train_lm.CharCorpus.load(args.data))
+    with torch.device("meta"):
+        n_params = sum(x.numel() for x in fs.tree.leaves(train_lm.transformer_init(cfg, 0)))
+    return {"events": [(e.kind, e.nbytes, e.wire) for e in log.timeline if e.what == "issue"],
+            "steps": len(records), "n_params": n_params}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fsdp_step_moves_the_minimum_bytes_on_the_wire(n):
+    # Issue 17: "the example's FSDP step must move the minimum". Per rank and step, with 2
+    # blocks resharded after forward: an all-gather per block in forward and again in
+    # backward, one for the root group (embeddings, head), each sending its shard to the
+    # n-1 others; one reduce-scatter per group, sending (n-1)/n of the full gradient (gloo's
+    # own reduce_scatter_tensor, an all-reduce plus a slice, sends twice that); the loss's
+    # pmean, a ring all-reduce of 8 bytes.
+    argv = ["--steps", "1"] + TINY[2:] + JIT_LAYERS + ["--mesh", f"fsdp={n}"]
+    for rank, r in enumerate(run_on_ranks(_train_wire, argv, world_size=n)):
+        events = r["events"]
+        assert r["steps"] == 1
+        kinds = [k for k, _, _ in events]
+        assert (kinds.count("all_gather"), kinds.count("psum_scatter"), kinds.count("psum")) == (5, 3, 1), events
+        assert len(kinds) == 9, events
+        for kind, nbytes, wire in events:
+            want = {"all_gather": (n - 1) * nbytes, "psum_scatter": nbytes * (n - 1) // n,
+                    "psum": 2 * nbytes * (n - 1) // n}[kind]
+            assert wire == want, (rank, kind, nbytes, wire, want)
+        # Every gradient is reduce-scattered once, whole (float64, no padding at these sizes);
+        # each all-gather gathers the shard of one of those groups.
+        scattered = [nb for k, nb, _ in events if k == "psum_scatter"]
+        assert sum(scattered) == 8 * r["n_params"], (scattered, r["n_params"])
+        assert {n * nb for k, nb, _ in events if k == "all_gather"} == set(scattered), events

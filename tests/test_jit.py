@@ -67,12 +67,15 @@ def _make_step(mesh, kind, order, check, dtype=F64, optimizer="adamw"):
     - ``hsdp``: mesh (r, x): params P("x") (replicated over r), batch P(("r", "x"));
     - ``tp``: Megatron MLP on x: w1 P(None, "x"), b1 P("x"), w2 P("x", None), one psum
       of the output; the batch replicated.
+    - ``tpsp``: the same MLP with sequence parallelism (the batch's rows are the sequence):
+      the batch P("x"), all-gathered over the rows on entry (fs.parallel.tp_enter), the
+      output reduce-scattered over them on exit (tp_exit).
     """
     n = torch.distributed.get_world_size()
     p0 = _params(dtype)
     data_axes = ("r", "x") if kind == "hsdp" else "x"
-    if kind == "tp":
-        specs, data = {"w1": P(None, "x"), "b1": P("x"), "w2": P("x", None)}, P()
+    if kind in ("tp", "tpsp"):
+        specs, data = {"w1": P(None, "x"), "b1": P("x"), "w2": P("x", None)}, P("x") if kind == "tpsp" else P()
     else:
         specs, data = {k: (P("x") if kind in ("fsdp", "hsdp") else P()) for k in p0}, P(data_axes)
     # Axes over which the params are replicated but the batch is not: their grads are summed
@@ -85,6 +88,11 @@ def _make_step(mesh, kind, order, check, dtype=F64, optimizer="adamw"):
         if kind == "tp":
             h = torch.tanh(x @ p["w1"] + p["b1"])
             return ((fs.lax.psum(h @ p["w2"], "x") - y) ** 2).mean()
+        if kind == "tpsp":
+            sp = dict(sequence_parallel=True, seq_dim=0)
+            h = torch.tanh(fs.parallel.tp_enter(x, "x", **sp) @ p["w1"] + p["b1"])  # (4n, 8 / n)
+            out = fs.parallel.tp_exit(h @ p["w2"], "x", **sp)  # (4, 2): this rank's rows
+            return fs.lax.pmean(((out - y) ** 2).mean(), "x")
         return fs.lax.pmean(_loss(p, x, y), data_axes)
 
     if order == "inside":
@@ -211,6 +219,8 @@ def test_jit_lr_schedule_is_traced_once_and_equals_eager():
 # inserts its r-axis gradient sum; on 4 ranks, where every rank traces and compiles, a case
 # costs twice one on 2): unchecked mode's explicit gradient sum over a replicated axis is the
 # dp and tp cases', the same psum over a sub-group of a 2-D mesh is the ppermute mesh2d cases'.
+# Each layout runs on 4 ranks too (dp, tp, fsdp, hsdp: 2-3 s of CPU each once the pool is
+# up), and TP with sequence parallelism (all_gather over the rows in, psum_scatter out).
 _LAYOUTS = [
     ("hsdp", 4, "adamw", "inside", True),
     ("tp", 2, "adamw", "inside", True),
@@ -218,6 +228,10 @@ _LAYOUTS = [
     ("fsdp", 4, "adamw", "inside", True),
     ("fsdp", 2, "clip", "inside", True),
     ("tp", 2, "clip", "inside", False),
+    ("dp", 4, "adamw", "outside", False),
+    ("tp", 4, "adamw", "inside", True),
+    ("tpsp", 2, "adamw", "inside", True),
+    ("tpsp", 2, "adamw", "outside", False),
 ]
 
 
@@ -272,6 +286,45 @@ def test_jit_new_shape_recompiles_once_and_logs_why():
     assert (a, b) == (2 * 2 * 6, 2 * 2 * 9)
 
 
+def _signature_change_body():
+    """One jitted function called with a DTensor, then with the same values in another dtype,
+    placement and mesh, each twice: the cache sizes and the records logged per change."""
+    os.environ["FSHARD_LOG_RECOMPILES"] = "1"  # read at call time, on this rank
+    mx, my = fs.make_mesh({"x": 2}), fs.make_mesh({"y": 2})
+    f = fs.jit(lambda x: x * 2, backend=None)
+    t = torch.arange(12, dtype=F64).reshape(4, 3)
+    calls = {"first": fs.shard(t, P("x"), mx), "dtype": fs.shard(t.float(), P("x"), mx),
+             "placement": fs.shard(t, P(), mx), "mesh": fs.shard(t, P("y"), my)}
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    logging.getLogger("fshard.jit").addHandler(handler)
+    out = {}
+    try:
+        for what, a in calls.items():
+            n = len(records)
+            y = f(a)
+            f(a)  # the same signature again: no recompile, nothing logged
+            out[what] = (f.cache_size, records[n:], y.full_tensor().sum().item(), y.placements == a.placements)
+    finally:
+        logging.getLogger("fshard.jit").removeHandler(handler)
+        del os.environ["FSHARD_LOG_RECOMPILES"]
+    return out
+
+
+def test_jit_dtype_placement_and_mesh_changes_recompile_once_each_and_log_what_changed():
+    for out in run_on_ranks(_signature_change_body, world_size=2):
+        assert [v[0] for v in out.values()] == [1, 2, 3, 4], out
+        assert all(v[2] == 132.0 and v[3] for v in out.values()), out
+        assert out["first"][1] == [], out
+        want = {"dtype": r"args\[0\]: dtype torch\.float64 -> torch\.float32$",
+                "placement": r"args\[0\]: placements \(Shard\(dim=0\),\) -> \(Replicate\(\),\)",
+                "mesh": r"args\[0\]: mesh DeviceMesh\(\(x=2\).* -> DeviceMesh\(\(y=2\)"}
+        for what, pattern in want.items():
+            records = out[what][1]
+            assert len(records) == 1 and "recompiles" in records[0] and re.search(pattern, records[0]), (what, records)
+
+
 def _item_step(x):
     if x.sum().item() > 0:  # data-dependent Python control flow: cannot be captured
         return x * 2
@@ -281,6 +334,17 @@ def _item_step(x):
 def test_jit_data_dependent_control_flow_is_a_clear_error_naming_the_line():
     with pytest.raises(fs.JitCaptureError, match=r"(?s)test_jit\.py:\d+: if x\.sum\(\)\.item\(\) > 0.*reads a tensor"):
         fs.jit(_item_step, backend=None)(torch.ones(3))
+
+
+def _tensor_bool_step(x):
+    if x.sum() > 0:  # Python control flow on a tensor (its bool()): cannot be captured
+        return x * 2
+    return x
+
+
+def test_jit_python_if_on_a_tensor_is_a_clear_error_naming_the_line():
+    with pytest.raises(fs.JitCaptureError, match=r"(?s)test_jit\.py:\d+: if x\.sum\(\) > 0:.*reads a tensor"):
+        fs.jit(_tensor_bool_step, backend=None)(torch.ones(3))
 
 
 def test_jit_capture_failure_can_fall_back_to_eager_with_a_warning():

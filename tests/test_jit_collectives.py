@@ -68,7 +68,7 @@ def _fn(case, order, mesh, ax, check=None):
 _TWO_AXES = ("psum", "all_gather_tiled", "psum_scatter_tiled", "all_to_all")
 
 
-def _collectives_body(mesh_shape, ax, cases):
+def _collectives_body(mesh_shape, ax, cases, backend=BACKEND):
     mesh = fs.make_mesh(mesh_shape)
     n = mesh.size
     x = torch.randn(4 * n, 4 * n, generator=torch.Generator().manual_seed(7), dtype=F64)
@@ -79,7 +79,7 @@ def _collectives_body(mesh_shape, ax, cases):
             f = _fn(case, order, mesh, ax)
             with fs.comm_log() as elog:
                 el, eg = f(xs)
-            jf = fs.jit(f, backend=BACKEND)
+            jf = fs.jit(f, backend=backend)
             with fs.comm_log() as jlog:
                 jl, jg = jf(xs)
             err = max((jl.full_tensor() - el.full_tensor()).abs().max().item(),
@@ -91,13 +91,18 @@ def _collectives_body(mesh_shape, ax, cases):
 
 
 @pytest.mark.parametrize("mesh_shape, ax, cases", [({"x": 2}, "x", tuple(_CASES)),
-                                                   ({"x": 2, "y": 2}, ("x", "y"), _TWO_AXES)],
-                         ids=["2ranks", "2x2-both-axes"])
+                                                   ({"x": 2, "y": 2}, ("x", "y"), _TWO_AXES),
+                                                   ({"x": 4}, "x", tuple(_CASES))],
+                         ids=["2ranks", "2x2-both-axes", "4ranks"])
 def test_jit_every_collective_values_and_grads_equal_eager_float64(mesh_shape, ax, cases):
+    _check_collectives(mesh_shape, ax, cases, BACKEND)
+
+
+def _check_collectives(mesh_shape, ax, cases, backend):
     world = 1
     for v in mesh_shape.values():
         world *= v
-    results = run_on_ranks(_collectives_body, mesh_shape, ax, cases, world_size=world, timeout_s=600)
+    results = run_on_ranks(_collectives_body, mesh_shape, ax, cases, backend, world_size=world, timeout_s=600)
     for rank, r in enumerate(results):
         bad = {k: v for k, v in r.items() if not (v["err"] <= 1e-12 and v["grad_norm"] > 0 and v["cache_size"] == 1
                                                   and v["jit_log"] == v["eager_log"]
@@ -121,3 +126,12 @@ def test_jit_checked_promise_that_types_do_not_prove_is_a_clear_error():
         assert eager > 0
         assert "out_specs: output has spec P()" in msg and "varies over ('x',)" in msg, msg
         assert "check=False" in msg and "fs.lax.psum" in msg, msg
+
+
+# The cases no other test compiles (the others are in the aot_eager / Inductor steps of
+# tests/test_jit.py): through Dynamo and AOTAutograd, one task per rank for all four.
+_NOT_COMPILED_ELSEWHERE = ("pmax", "pmin", "all_to_all", "axis_index")
+
+
+def test_jit_aot_eager_compiles_pmax_pmin_all_to_all_axis_index_equal_eager_float64():
+    _check_collectives({"x": 2}, "x", _NOT_COMPILED_ELSEWHERE, "aot_eager")

@@ -211,8 +211,8 @@ def test_disjoint_parts_of_one_buffer_may_both_be_donated(backend):
 
 
 def _fsdp_donated_steps(backend, order="outside"):
-    """An FSDP MLP step with AdamW, donated vs not, 3 steps: losses, params and state equal,
-    each donated result a DTensor on the argument's local shard (its storage reused).
+    """An FSDP MLP step with AdamW, donated vs not vs eager, 3 steps: losses, params and state
+    equal, each donated result a DTensor on the argument's local shard (its storage reused).
     ``order``: ``value_and_grad(shard_map(body))`` ("outside") or
     ``shard_map(value_and_grad(body))`` ("inside", the gradients leave the body sharded)."""
     n = torch.distributed.get_world_size()
@@ -240,11 +240,13 @@ def _fsdp_donated_steps(backend, order="outside"):
     plain, donated = fs.jit(step, backend=backend), fs.jit(step, backend=backend, donate_argnums=(0, 1))
     pa = fs.shard(p0, specs, mesh)
     pb = fs.shard(p0, specs, mesh)
-    sa, sb = opt.init(pa), opt.init(pb)
+    pe = fs.shard(p0, specs, mesh)  # the eager step's: the reference of both jitted ones
+    sa, sb, se = opt.init(pa), opt.init(pb), opt.init(pe)
     for i in range(3):
         gd = torch.Generator().manual_seed(10 + i)
         x, y = torch.randn(4 * n, 4, generator=gd, dtype=F64), torch.randn(4 * n, 2, generator=gd, dtype=F64)
         la, pa, sa = plain(pa, sa, x, y)
+        le, pe, se = step(pe, se, x, y)
         before = {k: v.to_local().data_ptr() for k, v in pb.items()}
         state_ptrs = [t.to_local().data_ptr() for t in fs.tree.leaves(sb) if isinstance(t, DTensor)]
         old = pb
@@ -255,15 +257,18 @@ def _fsdp_donated_steps(backend, order="outside"):
             with pytest.raises(fs.DonatedTensorError):
                 v * 2
         assert torch.equal(la.full_tensor(), lb.full_tensor()), i
+        torch.testing.assert_close(la.full_tensor(), le.full_tensor(), rtol=0, atol=1e-12)
         # The moments too are computed into the donated state's shards.
         assert [t.to_local().data_ptr() for t in fs.tree.leaves(sb) if isinstance(t, DTensor)] == state_ptrs
         for k in pa:
             assert pb[k].to_local().data_ptr() == before[k], (i, k)
             assert pb[k].placements == pa[k].placements
             torch.testing.assert_close(pb[k].to_local(), pa[k].to_local(), rtol=0, atol=1e-12)
-        for a, b in zip(fs.tree.leaves(sa), fs.tree.leaves(sb)):
-            a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
+            torch.testing.assert_close(pa[k].to_local(), pe[k].to_local(), rtol=0, atol=1e-12)
+        for a, b, e in zip(fs.tree.leaves(sa), fs.tree.leaves(sb), fs.tree.leaves(se)):
+            a, b, e = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b, e))
             torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+            torch.testing.assert_close(a, e, rtol=0, atol=1e-12)
     return True
 
 
