@@ -399,9 +399,7 @@ class Jitted:
             if isinstance(x, torch.Tensor):
                 loc = x._local_tensor if isinstance(x, DTensor) else x
                 n = loc.nbytes
-                # Meta tensors have no memory (every data_ptr is 0). Real tensors of different
-                # devices never collide: CUDA maps its memory into the process's address space.
-                if n and not loc.is_meta:
+                if n and not loc.is_meta:  # meta tensors have no memory (every data_ptr is 0)
                     start = loc.data_ptr()
                     spans.append((start, start + (n if loc.is_contiguous() else _nbytes_spanned(loc)), i))
         spans.sort()
@@ -412,12 +410,19 @@ class Jitted:
             end = stop
         else:
             return
-        bad, group, end = [], [], -1
-        for start, stop, i in spans + [(float("inf"), 0, -1)]:
-            if start >= end:  # a new group of overlapping spans begins: judge the last one
+        # Addresses compare within one device only (CPU and CUDA share one address space; other
+        # backends may not): the devices are read only here, off the common path.
+        def device(i: int) -> str:
+            x = leaves[i]
+            return str((x._local_tensor if isinstance(x, DTensor) else x).device)
+
+        spans = sorted((device(i), start, stop, i) for start, stop, i in spans)
+        bad, group, end, dev = [], [], -1, None
+        for d, start, stop, i in spans + [(None, float("inf"), 0, -1)]:
+            if d != dev or start >= end:  # a new group of overlapping spans begins: judge the last one
                 if len(group) > 1 and any(j in donated for j in group):
                     bad.append(sorted(group))
-                group, end = [], stop
+                group, end, dev = [], stop, d
             group.append(i)
             end = max(end, stop)
         if bad:

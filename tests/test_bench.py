@@ -84,18 +84,22 @@ def test_jit_step_times_native_compiled_too():
     kinds_of = _bench("breakdown").KINDS
     assert set(kinds) == set(med)
     for side, got in kinds.items():
-        assert all(got[k] >= 0 for k in kinds_of), (side, got)
         assert abs(sum(got[k] for k in kinds_of) - got["step"]) < 1e-6, (side, got)
-        assert got["matrix products"] > 0 and got["collective launch"] + got["collective wait"] > 0, (side, got)
+        assert got["matrix products"] > 0 and got["collective launch"] > 0, (side, got)
+    # fs.jit's collectives are functional ops with a recorded wait; DDP waits in Work.wait().
+    assert kinds["jit"]["collective wait"] > 0 and kinds["native"]["collective wait"] == 0, kinds
 
 
 def test_breakdown_kinds_by_op_name():
     kind = _bench("breakdown").kind
     assert [kind(n) for n in ("aten::mm", "aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
                               "_c10d_functional::wait_tensor", "_c10d_functional::all_reduce", "c10d::allreduce_",
-                              "## Call CompiledFxGraph fabc ##", "aten::gelu", "FSDP::pre_forward")] == [
+                              "## Call CompiledFxGraph fgloo ##", "aten::gelu", "FSDP::pre_forward",
+                              "aten::broadcast_tensors", "autograd::engine::evaluate_function: MmBackward0",
+                              "gloo:all_reduce")] == [
         "matrix products", "matrix products", "attention", "collective wait", "collective launch",
-        "collective launch", "compiled kernels", "other aten ops", "host"]
+        "collective launch", "compiled kernels", "other aten ops", "host", "other aten ops", "host",
+        "collective launch"]
 
 
 def _tp():

@@ -15,6 +15,7 @@ code must show:
 import re
 from collections import Counter
 
+import pytest
 import torch
 
 import fshard as fs
@@ -41,6 +42,7 @@ def _loops(code: str) -> list[tuple[int, str]]:
     return out
 
 
+@pytest.mark.timeout(240)  # a cold Inductor compile on a loaded machine
 def test_jit_inductor_fuses_adamw_one_loop_per_leaf_bias_correction_once_float32():
     g = torch.Generator().manual_seed(0)
     params = {k: torch.randn(s, generator=g, dtype=F32) for k, s in _SHAPES.items()}
