@@ -421,3 +421,142 @@ def test_jit_p2p_split_keeps_transfers_in_order_and_collectives_whole():
                      ("transfer", "getitem"), ("region", ("cos.default",)), ("eager", "wait_tensor.default"),
                      ("transfer", "wait_tensor.default"), ("region", ("add.Tensor", "mul.Tensor")),
                      ("transfer", "wait_tensor.default")], shape
+
+
+# --- the first call of a pipeline under Inductor: compile ahead, agree, then transfer -----
+def _interpreted(gm, args, options=None, bucketing=True):
+    """A stand-in for fs.jit's Inductor compile of a region: the region run as it is (no
+    codegen: these tests are about when and where regions compile, not what Inductor makes)."""
+    return gm
+
+
+def _jit_pipeline_first_call_body(mode):
+    """A 1F1B pp=2 step with AdamW (gradients accumulate in place over the microbatches)
+    under fs.jit(backend="inductor"), with fs.jit's region compile replaced on this rank:
+    ``"fail"``/``"fallback"``: rank 1's compile raises (``on_capture_error`` "raise" /
+    "eager"); ``"ahead"``: no failure; records how many regions had compiled when the ranks
+    agreed (before the first transfer) and how many in all."""
+    import sys
+    import time
+
+    from fshard import _jit_p2p
+
+    fjit = sys.modules["fshard.jit"]  # (fshard.jit, the attribute, is the function)
+
+    mesh = fs.make_mesh({"pp": 2})
+    rank = mesh.axis_index("pp")
+    sch = fs.sched.one_f_one_b(2, 4)
+    opt = _PP_OPTIMIZERS["adamw"]()
+    p = _pp_held(sch, rank, _pp_params())
+    state = opt.init(p)
+    x, y = _pp_data(8, 0)
+
+    def train(p, state, x, y):
+        loss, grads = fs.sched.pipeline_step(_pp_stage_fn, _pp_loss_fn, [p.get(s) for s in range(sch.n_stages)],
+                                             (x, y), schedule=sch, mesh=mesh)
+        updates, state = opt.update({s: grads[s] for s in p}, state, p)
+        return loss, fs.optim.apply_updates(p, updates), state
+
+    compiled, at_agreement = [], []
+
+    def compile_region(gm, args, options=None, bucketing=True):
+        if mode in ("fail", "fallback") and rank == 1:
+            raise RuntimeError("injected region compile failure")
+        compiled.append(_jit_p2p._mutates(gm))
+        return _interpreted(gm, args)
+
+    real_compile, real_agree = fjit._inductor_compile, _jit_p2p.agree
+
+    def agree(error):
+        at_agreement.append(len(compiled))
+        return real_agree(error)
+
+    fjit._inductor_compile, _jit_p2p.agree = compile_region, agree
+    out = {}
+    try:
+        el, ep, _ = train(p, state, x, y)
+        jtrain = fs.jit(train, on_capture_error="eager" if mode == "fallback" else "raise")
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                jl, jp, _ = jtrain(p, state, x, y)
+                out["err"] = max((jl - el).abs().item(), _pp_diff(jp, ep))
+                jtrain(p, state, x, y)  # eager from now on (fallback), without a second warning
+            except fs.JitCaptureError as e:
+                out["error"] = str(e)
+        out["seconds"] = time.perf_counter() - t0
+        out["warned"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    finally:
+        fjit._inductor_compile, _jit_p2p.agree = real_compile, real_agree
+    out["compiled"], out["at_agreement"], out["rank"] = compiled, at_agreement, rank
+    return out
+
+
+def test_jit_pipeline_compile_failure_on_one_rank_stops_every_rank_at_once():
+    # Rank 1's region compile fails: before, rank 0 ran on into its first receive and waited
+    # there for the process group's timeout (then reported its gloo error as a compile
+    # failure). The ranks now agree on the outcome after compiling, before any transfer:
+    # both raise within seconds, naming rank 1 and its error.
+    for r in run_on_ranks(_jit_pipeline_first_call_body, "fail", world_size=2, timeout_s=120, grace_s=2):
+        assert "error" in r and r["seconds"] < 20, r
+        assert "rank 1: RuntimeError: injected region compile failure" in r["error"], r
+        if r["rank"] == 0:
+            assert "on another rank of the pipeline" in r["error"] and "stops too" in r["error"], r
+            assert len(r["compiled"]) == r["at_agreement"][0] > 0, r  # its own regions compiled
+        else:
+            assert "could not compile (backend='inductor')" in r["error"], r
+            assert "Every rank stops before its first transfer" in r["error"], r
+
+
+def test_jit_pipeline_compile_failure_falls_back_to_eager_on_every_rank():
+    # With on_capture_error="eager", every rank sees the failure before any transfer, so every
+    # rank warns and runs the step eagerly (the same transfers on both: no rank waits).
+    for r in run_on_ranks(_jit_pipeline_first_call_body, "fallback", world_size=2, timeout_s=120, grace_s=2):
+        assert "error" not in r and r["err"] == 0.0 and r["seconds"] < 20, r
+        assert len(r["warned"]) == 1, r
+        assert "rank 1: RuntimeError: injected region compile failure" in r["warned"][0], r
+        assert "runs this signature eagerly" in r["warned"][0], r
+
+
+def test_jit_pipeline_compiles_every_region_before_the_first_transfer_float64():
+    # Regions with in-place ops (AdamW's step's gradient accumulation over the microbatches)
+    # compiled when the call reached them, after transfers were posted: a slow compile on a
+    # loaded host could approach a peer's receive timeout. Every region now compiles before
+    # the ranks agree, which is before the first transfer. (Values: interpreted regions.)
+    for r in run_on_ranks(_jit_pipeline_first_call_body, "ahead", world_size=2, timeout_s=120):
+        assert r["err"] <= 1e-12 and r["warned"] == [], r
+        assert r["at_agreement"] == [len(r["compiled"])], r
+        assert any(r["compiled"]), r  # some region mutates an input
+
+
+def _mutate_first_read_second(x, y):
+    x.add_(1)
+    return [y * 2]
+
+
+def test_jit_p2p_region_recompiles_when_its_inputs_overlap_differently_float64():
+    # A region that writes into one input and reads another is compiled by AOTAutograd for
+    # the overlaps of its example inputs: compiled for disjoint inputs and called with the
+    # same tensor twice, it returned 2 * y from before the write (eager: after). Overlaps
+    # are part of a region's key: each call gets code compiled for its own, and equals eager.
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fshard import _jit_p2p
+
+    gm = make_fx(_mutate_first_read_second, tracing_mode="fake")(torch.zeros(4, dtype=F64),
+                                                                 torch.zeros(4, dtype=F64))
+    seg = _jit_p2p.Segmented(gm, lambda g, a: aot_module_simplified(g, list(a), fw_compiler=lambda g2, _: g2),
+                             key=lambda g, a: repr([(t.shape, t.stride(), t.dtype) for t in a]))
+    seg.compile_ahead()
+    assert seg.n_compiled == 1
+    for same in (False, True, False, True):
+        x, y = torch.arange(4, dtype=F64), torch.arange(4, dtype=F64) * 3
+        args = (x, x) if same else (x, y)
+        ex, ey = x.clone(), y.clone()
+        want = _mutate_first_read_second(*((ex, ex) if same else (ex, ey)))[0]
+        got = seg(*args)[0]
+        assert torch.equal(got, want) and torch.equal(x, ex), (same, got, want)
+    assert seg.n_compiled == 2  # one compile per overlap pattern, reused
+    assert _jit_p2p.overlaps((x, x[1:], x[:1], y, x.view(2, 2)[:, 0])) == ((0, 1), (0, 2), (0, 4), (1, 4), (2, 4))
