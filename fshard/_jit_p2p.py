@@ -220,12 +220,15 @@ def _mutates(region: fx.GraphModule) -> bool:
 
 class Segmented:
     """Runs ``gm`` as its segments: eager nodes as they are, each region through
-    ``compile_region(region_gm, example_inputs) -> callable`` at its first run (equal regions
-    share one compiled callable). Values are dropped after their last use.
+    ``compile_region(region_gm, example_inputs) -> callable``, compiled ahead
+    (:meth:`compile_ahead`) or at its first run; equal regions (same key and, for a region
+    that writes into an input, the same overlaps of its inputs) share one compiled
+    callable. Values are dropped after their last use.
 
     Args:
       gm: the captured graph (placeholders: the call's flat local tensors).
-      compile_region: e.g. Inductor's compile with fshard's passes.
+      compile_region: e.g. Inductor's compile with fshard's passes; it gets real tensors or
+        the trace's fake ones.
       key: a digest of a region's code and inputs' layouts: regions of one key share a compile.
     """
 
