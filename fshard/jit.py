@@ -323,7 +323,8 @@ class Jitted:
             # raises together (_first_p2p_call), so every rank falls back together; another
             # backend compiles and runs in one go, and its failure may come after transfers
             # were posted (an eager rerun would post them again, out of step with the peers).
-            if self._on_error != "eager" or self._donate or (_has_p2p(entry.graph) and self._backend != "inductor"):
+            if (self._on_error != "eager" or self._donate
+                    or (_has_p2p(entry.graph) and self._backend != "inductor")):
                 raise
             warnings.warn(f"{e}\nfs.jit runs this signature eagerly (on_capture_error='eager').",
                           RuntimeWarning, stacklevel=2)
