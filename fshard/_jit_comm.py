@@ -48,7 +48,10 @@ What runs (Inductor's post-grad passes; sources in ``torch/_inductor/fx_passes``
   flight per group, and moves each start as early and each wait as late as that allows,
   sharing the compute between consecutive collectives of a group by their bytes (see its
   module docstring): on the FSDP step, each layer's reduce-scatter now runs behind the
-  next layer's backward instead of before it.
+  next layer's backward instead of before it. With it, Inductor's ``reorder_for_peak_memory``
+  is off: it runs after the post-grad passes and moved every collective's start back next
+  to its wait (until 2026-11-27 the compiled code kept none of the pass's overlap; the
+  whole-step peak-memory tests, tests/test_jit_memory.py, pass without it).
 - Torch's overlap scheduling (off; ``collective_passes(reorder=True)`` turns it on):
   ``aten_distributed_optimizations.enable_overlap_scheduling`` moves collectives' starts
   earlier and their waits later, behind independent compute, and pins that order for
@@ -106,6 +109,13 @@ def collective_passes(bucket_mb: float | None = BUCKET_MB, reorder: bool = False
     post = _post_passes(bucket_mb, overlap)
     if post is not None:
         patches["post_grad_custom_post_pass"] = post
+    if overlap:
+        # Inductor's scheduler reorders its nodes for peak memory after the post-grad passes
+        # (torch 2.13: on by default), and moved every collective's start down next to its
+        # wait (an output buffer allocated later): the overlap pass's order was undone in the
+        # compiled code (tests/test_jit_overlap.py's Inductor test: no matrix product left
+        # between any start and its wait).
+        patches["reorder_for_peak_memory"] = False
     if reorder:
         opt = "aten_distributed_optimizations."
         patches.update({

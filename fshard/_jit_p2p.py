@@ -25,13 +25,24 @@ no collective in flight). Within a region the collectives keep the order that fs
 Inductor passes give every compile (``fshard/_jit_comm.py``), and ranks holding the same
 stage compile the same regions.
 
-Compile time: regions whose code and input layouts are equal (the forward of each
-microbatch, the backward of each but the first two) are compiled once and the compiled
-callable is reused (:class:`Segmented`); a region of views and allocations only is not
-compiled but run node by node. Regions that mutate nothing are compiled before the first
-call runs anything (:meth:`Segmented.compile_ahead`, on inputs of the traced layouts), so
-the ranks compile at the same time rather than one waiting at a receive for its peer's
-compile, and such a compile failure comes before any transfer is posted.
+Compile time: regions whose code, input layouts and input overlaps are equal (the forward
+of each microbatch, the backward of each but the first two) are compiled once and the
+compiled callable is reused (:class:`Segmented`); a region of views and allocations only is
+not compiled but run node by node. Every region is compiled before the first call runs
+anything (:meth:`Segmented.compile_ahead`, on the traced fake tensors, which have the real
+inputs' layouts and overlaps), so the ranks compile at the same time rather than one waiting
+at a receive for its peer's compile; the ranks then agree that every one of them compiled
+(:func:`agree`) before any transfer is posted, so a compile that fails on one rank stops
+every rank at once, each naming the rank that failed and its error.
+
+Which inputs of a region overlap in memory is part of what a region is compiled for
+(:func:`overlaps`): AOTAutograd compiles a region that writes into an input as if no other
+input overlapped it (unless the example inputs did), and a region called with overlapping
+inputs would compute other values than eager. Inductor checks each input's shape and
+strides at every call (``assert_size_stride``), but not overlaps: a region that mutates an
+input compares its real inputs' overlaps with those it was compiled for at every call, and
+compiles again when they differ (a compile in the middle of a call; its failure stops this
+rank, and its peers at their next transfer after the process group's timeout).
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-__all__ = ["split_at_transfers", "Segmented", "P2P_OPS"]
+__all__ = ["split_at_transfers", "Segmented", "P2P_OPS", "agree", "overlaps"]
 
 P2P_OPS = frozenset({"fshard.p2p_batch.default", "_c10d_functional.batch_p2p_ops.default",
                      "_c10d_functional.isend.default", "_c10d_functional.irecv.default"})
@@ -209,12 +220,15 @@ def _mutates(region: fx.GraphModule) -> bool:
 
 class Segmented:
     """Runs ``gm`` as its segments: eager nodes as they are, each region through
-    ``compile_region(region_gm, example_inputs) -> callable`` at its first run (equal regions
-    share one compiled callable). Values are dropped after their last use.
+    ``compile_region(region_gm, example_inputs) -> callable``, compiled ahead
+    (:meth:`compile_ahead`) or at its first run; equal regions (same key and, for a region
+    that writes into an input, the same overlaps of its inputs) share one compiled
+    callable. Values are dropped after their last use.
 
     Args:
       gm: the captured graph (placeholders: the call's flat local tensors).
-      compile_region: e.g. Inductor's compile with fshard's passes.
+      compile_region: e.g. Inductor's compile with fshard's passes; it gets real tensors or
+        the trace's fake ones.
       key: a digest of a region's code and inputs' layouts: regions of one key share a compile.
     """
 
@@ -264,22 +278,23 @@ class Segmented:
         self.compile_s = 0.0
 
     def compile_ahead(self) -> None:
-        """Compiles, before the call runs anything, every region that mutates nothing, on
-        inputs of the traced layouts: a failure then comes before any transfer is posted,
-        and the ranks compile at once instead of waiting at their receives for a peer's
-        compile. A region with an in-place op (gradient accumulation, a donated result)
-        compiles at its first run instead, on the real inputs: whether those alias each
-        other decides what Inductor's code for it may assume."""
+        """Compiles every region before the call runs anything, on the traced fake tensors
+        (the real inputs' shapes, strides and overlaps; no memory): a failure then comes
+        before any transfer is posted, and the ranks compile at once instead of waiting at
+        their receives for a peer's compile. A region whose traced inputs are not all tensors
+        compiles at its first run."""
         for step in self._steps:
-            if not isinstance(step, _Region) or step.fn is not None or _mutates(step.gm):
+            if not isinstance(step, _Region) or step.fn is not None:
                 continue
-            vals = [n.meta.get("val") for n in step.gm.graph.nodes if n.op == "placeholder"]
+            vals = tuple(n.meta.get("val") for n in step.gm.graph.nodes if n.op == "placeholder")
             if all(isinstance(v, torch.Tensor) for v in vals):
-                step.fn = self.compiled_once(step.gm, tuple(
-                    torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals))
+                step.alias = overlaps(vals) if step.mutates else ()
+                step.fn = self.compiled_once(step.gm, vals, step.alias)
 
-    def compiled_once(self, region: fx.GraphModule, args: tuple) -> Callable:
-        key = self._key(region, args)
+    def compiled_once(self, region: fx.GraphModule, args: tuple, alias: tuple = ()) -> Callable:
+        """The compiled callable of ``region`` for inputs like ``args`` whose overlapping
+        pairs are ``alias`` (:func:`overlaps`), compiled at the first request."""
+        key = f"{self._key(region, args)}/{alias}"
         fn = self._compiled.get(key)
         if fn is None:
             t0 = time.perf_counter()
@@ -348,16 +363,72 @@ class _Interpreted:
 
 
 class _Region:
-    __slots__ = ("owner", "gm", "ins", "outs", "free", "fn")
+    __slots__ = ("owner", "gm", "ins", "outs", "free", "fn", "mutates", "alias")
 
     def __init__(self, owner: Segmented, gm, ins: tuple, outs: tuple, free: tuple) -> None:
         self.owner, self.gm, self.ins, self.outs, self.free, self.fn = owner, gm, ins, outs, free, None
+        # Only a region that writes into an input depends on its inputs' overlaps (what
+        # AOTAutograd assumes of them); the others' compiled code reads inputs only.
+        self.mutates, self.alias = _mutates(gm), ()
 
     def run(self, env: list) -> None:
         args = [env[s] for s in self.ins]
         if self.fn is None:
-            self.fn = self.owner.compiled_once(self.gm, tuple(args))
+            self.alias = overlaps(args) if self.mutates else ()
+            self.fn = self.owner.compiled_once(self.gm, tuple(args), self.alias)
+        elif self.mutates:
+            alias = overlaps(args)
+            if alias != self.alias:  # compiled for other overlaps: another compile (or a cached one)
+                self.fn, self.alias = self.owner.compiled_once(self.gm, tuple(args), alias), alias
         res = self.fn(*args)
         for s, v in zip(self.outs, res):
             env[s] = v
         _drop(env, self.free)
+
+
+def overlaps(args) -> tuple[tuple[int, int], ...]:
+    """The pairs ``(i, j)``, ``i < j``, of tensor arguments whose memory overlaps: on one
+    storage, with intersecting spans from their first to their last element (strided views
+    that interleave count as overlapping: a recompile too many, never a wrong value). Works
+    on real and fake tensors (the storage object, not its address, identifies it)."""
+    by_storage: dict[int, list[int]] = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.numel():
+            by_storage.setdefault(a.untyped_storage()._cdata, []).append(i)
+    pairs = []
+    for idx in by_storage.values():
+        if len(idx) < 2:
+            continue
+        spans = [_span(args[i]) for i in idx]
+        for p in range(len(idx)):
+            for q in range(p + 1, len(idx)):
+                if spans[p][0] < spans[q][1] and spans[q][0] < spans[p][1]:
+                    pairs.append((idx[p], idx[q]))
+    return tuple(pairs)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` element offsets of ``t`` in its storage (its dtype's elements)."""
+    start = t.storage_offset()
+    last = start + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+    return start, last + 1
+
+
+def agree(error: BaseException | None) -> dict[int, str]:
+    """Every rank's outcome of compiling its regions, on every rank: ``{rank: error}`` of
+    those that failed (empty when all compiled).
+
+    The ranks of a pipeline must stop together: a rank that raised at its compile would
+    leave its peers waiting at their first receive for the process group's timeout, and
+    then report their timeout instead of the cause. One ``all_gather_object`` over the
+    default group (every rank of the mesh runs the step: ``make_mesh`` spans the world),
+    before any transfer, after every region's compile (which runs no collective).
+    """
+    import torch.distributed as dist
+
+    mine = None if error is None else f"{type(error).__name__}: {str(error).strip()[:500]}"
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return {} if mine is None else {0: mine}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {r: m for r, m in enumerate(every) if m is not None}

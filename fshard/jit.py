@@ -122,10 +122,16 @@ step: the microbatches' forwards, the later backwards). Tested against eager und
 Inductor (float64, 1e-12): 1F1B m=4 and ZB-H1 on pp=2, 1F1B on dp=2 x pp=2 (opt-in:
 ``FSHARD_TEST_INDUCTOR_STEP=1``). Compile time
 of a 1F1B m=4 pp=2 step with AdamW (the tests' MLP; the Inductor pipeline tests now use SGD): 9 and 7 regions (ranks 0, 1), 5 distinct
-on each, those without in-place ops compiled before the first transfer (the others when the
-call reaches them); first call 48 s cold (load 5; 52 s when every region compiled as the
-call reached it, a rank waiting at its receives for its peer's compiles), 2.6 s warm. The
-bench Transformer's: see ``bench/README.md``, "Pipeline".
+on each; first call 48 s cold (load 5; 52 s when every region compiled as the call reached
+it, a rank waiting at its receives for its peer's compiles), 2.6 s warm. The bench
+Transformer's: see ``bench/README.md``, "Pipeline". Every region compiles before the first
+transfer (on the traced fake tensors: their layouts and overlaps are the real inputs'), and
+the ranks then agree on the outcome (one ``all_gather_object``): a compile that fails on one
+rank raises ``JitCaptureError`` on every rank at once, naming that rank and its error (or,
+with ``on_capture_error="eager"``, every rank runs eagerly), instead of its peers waiting at
+their first receive for the process group's timeout. A region that writes into an input is
+compiled for the overlaps of its inputs, which are checked at every call (AOTAutograd's code
+assumes them; Inductor checks shapes and strides only): other overlaps compile it again.
 ``aot_eager`` and ``None`` run the whole graph in order; any other backend (which would
 compile the graph whole) is refused (a :class:`JitCaptureError`, or eager with
 ``on_capture_error="eager"``). ``return_stats=True`` is refused (its timings are
@@ -202,8 +208,11 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
       on_capture_error: ``"raise"`` (default): a function that cannot be captured raises
         :class:`JitCaptureError`; ``"eager"``: warn (naming the cause) and run that
         signature eagerly from then on. A graph with point-to-point transfers (a pipeline
-        step) that fails to compile under Inductor raises even so: its regions compile as
-        the first call reaches them, after earlier transfers were posted.
+        step) compiles all its regions under Inductor before its first transfer, and the
+        ranks agree on the outcome: when one rank fails, every rank raises (naming the rank
+        that failed and its error) or, with ``"eager"``, every rank warns and runs eagerly.
+        Under another backend such a graph raises even with ``"eager"`` (its compile may
+        fail after transfers were posted).
       options: Inductor config for this compilation (``torch.compile(options=...)``); with
         ``"inductor"`` it is applied over fshard's collective passes
         (``fshard._jit_comm.collective_passes()``: merging back-to-back collectives), whose
@@ -319,10 +328,12 @@ class Jitted:
         except JitCaptureError as e:  # the backend failed to compile the captured graph
             # With donation the first call may have written into the arguments before failing:
             # running them eagerly again could apply a step twice. With point-to-point
-            # transfers, the regions compile one by one as the call reaches them: the transfers
-            # before a failing region were posted already, and an eager rerun would post them
-            # again, out of step with the peers.
-            if self._on_error != "eager" or self._donate or _has_p2p(entry.graph):
+            # transfers, Inductor's regions all compile before any transfer and every rank
+            # raises together (_first_p2p_call), so every rank falls back together; another
+            # backend compiles and runs in one go, and its failure may come after transfers
+            # were posted (an eager rerun would post them again, out of step with the peers).
+            if (self._on_error != "eager" or self._donate
+                    or (_has_p2p(entry.graph) and self._backend != "inductor")):
                 raise
             warnings.warn(f"{e}\nfs.jit runs this signature eagerly (on_capture_error='eager').",
                           RuntimeWarning, stacklevel=2)
@@ -584,25 +595,12 @@ class _Compiled:
         if self._fn is not None:
             return self._fn(*args)
         owner = self._owner
+        if owner._backend == "inductor" and _has_p2p(self._gm):
+            self._fn, out = self._first_p2p_call(args)
+            return out
         t0 = time.perf_counter()
         try:
-            if owner._backend == "inductor" and _has_p2p(self._gm):
-                prologue, main = _hoist_input_views(self._gm)
-                inputs = prologue(*args) if prologue is not None else args
-                # No merging of collectives in the regions: ranks on different stages compile
-                # different regions but share the pp group (the loss broadcast, a pp-wide norm),
-                # and merging is only the same on every rank for the same graph.
-                compiled = _jit_p2p.Segmented(main, lambda g, a: _inductor_compile(g, a, owner._options,
-                                                                                   bucketing=False),
-                                              key=lambda g, a: _graph_key(g, a, {}))
-                fn = compiled if prologue is None else (lambda *a: compiled(*prologue(*a)))
-                compiled.compile_ahead()
-                out = compiled(*inputs)  # compiles the other regions at their first run
-                log.info("fs.jit(%s): point-to-point transfers: %d transfer nodes and %d others run eagerly "
-                         "between %d compiled regions (%d distinct, compiled in %.1f s); first call %.1f s",
-                         owner.__name__, compiled.n_transfer_nodes, compiled.n_eager, compiled.n_regions,
-                         compiled.n_compiled, compiled.compile_s, time.perf_counter() - t0)
-            elif owner._backend == "inductor":
+            if owner._backend == "inductor":
                 prologue, main = _hoist_input_views(self._gm)
                 inputs = prologue(*args) if prologue is not None else args
                 compiled = _inductor_compile(main, inputs, owner._options)
@@ -620,6 +618,48 @@ class _Compiled:
                                                    e)) from e
         self._fn = fn
         return out
+
+    def _first_p2p_call(self, args: tuple):
+        """Compiles a graph with point-to-point transfers region by region
+        (``fshard/_jit_p2p.py``), has the ranks agree that every one compiled, then runs it.
+        Only the compile is reported as a compile failure: an error of the run (a peer that
+        died, a transfer's timeout) propagates as it is."""
+        owner = self._owner
+        stage = f"compile (backend={owner._backend!r})"
+        t0 = time.perf_counter()
+        error = None
+        try:
+            prologue, main = _hoist_input_views(self._gm)
+            inputs = prologue(*args) if prologue is not None else args
+            # No merging of collectives in the regions: ranks on different stages compile
+            # different regions but share the pp group (the loss broadcast, a pp-wide norm),
+            # and merging is only the same on every rank for the same graph.
+            compiled = _jit_p2p.Segmented(main, lambda g, a: _inductor_compile(g, a, owner._options,
+                                                                               bucketing=False),
+                                          key=lambda g, a: _graph_key(g, a, {}))
+            compiled.compile_ahead()
+        except Exception as e:  # noqa: BLE001
+            error = e
+        # Before the first transfer: a rank that failed would leave its peers waiting at their
+        # receives for the process group's timeout, then reporting that instead of the cause.
+        failed = _jit_p2p.agree(error)
+        if failed:
+            others = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+            if error is not None:
+                raise JitCaptureError(f"{_capture_message(owner.__name__, stage, error)}\n"
+                                      f"Every rank stops before its first transfer (ranks that failed: "
+                                      f"{others}).") from error
+            raise JitCaptureError(f"fs.jit({owner.__name__}) could not {stage} the function on another rank of "
+                                  f"the pipeline ({others}). This rank compiled its regions and stops too, "
+                                  f"before its first transfer.")
+        fn = compiled if prologue is None else (lambda *a: compiled(*prologue(*a)))
+        t1 = time.perf_counter()
+        out = compiled(*inputs)
+        log.info("fs.jit(%s): point-to-point transfers: %d transfer nodes and %d others run eagerly "
+                 "between %d compiled regions (%d distinct, compiled in %.1f s); compiled and agreed in %.1f s, "
+                 "first run %.1f s", owner.__name__, compiled.n_transfer_nodes, compiled.n_eager,
+                 compiled.n_regions, compiled.n_compiled, compiled.compile_s, t1 - t0, time.perf_counter() - t1)
+        return fn, out
 
 
 def _inductor_compile(gm, args: tuple, options: dict | None, bucketing: bool = True):
@@ -659,6 +699,12 @@ def _once_per_host(key: str):
     (loading the cached result) after the first one's cold compile. Compiling runs no
     collective, so a waiting rank blocks no one. The lock is an OS file lock: a process
     that dies holding it releases it.
+
+    Two empty files per graph stay in ``<cache dir>/fshard_jit`` (next to Inductor's own
+    entries, which also stay): ``<key>.done``, which lets a later process skip the lock, and
+    ``<key>.lock``, which cannot be removed safely (a process waiting on the removed file
+    and one creating it anew would both hold "the" lock). Removing the directory with
+    Inductor's cache, while no process compiles, is safe.
     """
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     from torch.utils._filelock import FileLock
