@@ -168,7 +168,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "_F.all_to_all_single(wire, recv_from, send_to, group.group_name)",
         "_F.all_to_all_single(wire, send_to, recv_from, group.group_name)",
         ("tests/test_comm.py::test_permute_values_zeros_and_log_on_4_ranks",
-         "tests/test_jit.py::test_jit_ppermute_values_grads_and_comm_log_equal_eager_float64"),
+         "tests/test_jit_p2p.py::test_jit_ppermute_values_grads_and_comm_log_equal_eager_float64"),
         "ppermute's all-to-all sends to the source and receives from the destination (a ring runs backwards)"),
     Mutation(
         "jit_donation_copy_dropped", "fshard/jit.py",
@@ -194,7 +194,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "jit_p2p_collective_split_from_wait", "fshard/_jit_p2p.py",
         "if any(seg[f] != seg[n] for f in family):", "if False:",
-        ("tests/test_jit.py::test_jit_p2p_split_keeps_transfers_in_order_and_collectives_whole",),
+        ("tests/test_jit_p2p.py::test_jit_p2p_split_keeps_transfers_in_order_and_collectives_whole",),
         "fs.jit's Inductor path for pipelines compiles a collective in one region and its wait in a later one"),
     # --- pipelines (fshard/sched) -----------------------------------------------------------
     Mutation(
