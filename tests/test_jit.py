@@ -7,6 +7,7 @@ Point-to-point transfers (ppermute, pipeline steps) are tested in tests/test_jit
 
 import logging
 import os
+import re
 import warnings
 
 import pytest
