@@ -364,10 +364,11 @@ def test_jit_refuses_an_argument_that_requires_grad():
 LAYER_LOOP_LAYERS = {"fsdp": 2, "replicate": 1}
 
 
-def _layer_loop_body(mode, backend):
+def _layer_loop_body(mode, backend, bucketing=False):
     """fs.parallel's FSDP / replicate layer loop (gather_params, scan_layers: flat-buffer
     gathers, regather in backward through saved-tensor hooks, async reductions), AdamW:
-    the step bench/jit_step.py runs, on a tiny model."""
+    the step bench/jit_step.py runs, on a tiny model. ``bucketing`` (backend None): then
+    fs.jit's bucketing pass on the same captured graph (``_bucket_pass``), returned fourth."""
     from fshard.models import TransformerConfig
     from fshard.testing import transformer_train_step
 
@@ -389,6 +390,8 @@ def _layer_loop_body(mode, backend):
         errs.append(max([abs(el.full_tensor() - jl.full_tensor()).item()] +
                         [(a.full_tensor() - b.full_tensor()).abs().max().item()
                          for a, b in zip(fs.tree.leaves(ep), fs.tree.leaves(jp))]))
+    if bucketing:
+        return errs, logs, el.full_tensor().item(), _bucket_pass(step, jstep, (sharded, state, tok, tgt))
     return errs, logs, el.full_tensor().item()
 
 
@@ -396,8 +399,18 @@ def _layer_loop_body(mode, backend):
 def test_jit_captures_the_fs_parallel_layer_loop(mode, backend):
     # backend=None runs the captured graph uncompiled (the capture of fs.parallel's
     # machinery); aot_eager also functionalizes it, which needs the in-place bucket
-    # all-reduce of replicate rewritten out of place.
-    for errs, logs, loss in run_on_ranks(_layer_loop_body, mode, backend, world_size=2):
+    # all-reduce of replicate rewritten out of place. FSDP: the same capture then serves
+    # test_jit_bucketing_merges_only_back_to_back_collectives_float64's check for this step
+    # (a capture of the step costs seconds per rank): fs.parallel's prefetched layer gathers
+    # and asynchronous per-layer reductions stay as they are, the same on every rank, and the
+    # graph after the pass still equals eager.
+    results = run_on_ranks(_layer_loop_body, mode, backend, mode == "fsdp", world_size=2)
+    if mode == "fsdp":
+        for _, _, _, (before, after, err) in results:
+            assert err <= 1e-12, err
+            assert after == before, (before, after)
+        assert results[0][3][1] == results[1][3][1]
+    for errs, logs, loss, *_ in results:
         assert max(errs) <= 1e-12, errs
         for ecounts, jcounts, ewire, jwire in logs:
             assert jcounts == ecounts and jwire == ewire
@@ -509,15 +522,32 @@ def test_jit_hoists_the_input_slices_of_inputs_the_graph_does_not_mutate():
 
 
 # --- collective bucketing under Inductor (fshard/_jit_comm.py) ------------------------------
-def _bucket_pass_body(which):
-    """fs.jit's bucketing pass applied to a captured step graph, which then runs uncompiled
-    (backend=None: the merged collectives run for real, without Inductor): the collectives
-    before and after, and the largest difference to eager."""
+def _bucket_pass(step, bucketed, args):
+    """fs.jit's bucketing pass applied to ``bucketed``'s captured graph of ``step`` (a
+    ``fs.jit(step, backend=None)``), which then runs uncompiled (the merged collectives run
+    for real, without Inductor): the collectives before and after, and the largest
+    difference to eager on ``args``."""
     from torch._inductor.pattern_matcher import stable_topological_sort
     from torch.distributed.tensor import DTensor
 
     from fshard._jit_comm import BucketCollectives
 
+    gm = bucketed.graph(*args)
+    before = collective_calls(gm.code)
+    BucketCollectives(25)(gm.graph)
+    stable_topological_sort(gm.graph)  # as Inductor's post-grad passes do after it
+    gm.graph.lint()
+    gm.recompile()
+    after = collective_calls(gm.code)
+    want, got = step(*args), bucketed(*args)
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    return before, after, max((full(u) - full(v)).abs().max().item()
+                              for u, v in zip(fs.tree.leaves(got), fs.tree.leaves(want)))
+
+
+def _bucket_pass_body(which):
+    """``_bucket_pass`` on a captured step (``which``): the collectives before and after the
+    pass, and the largest difference to eager."""
     n = torch.distributed.get_world_size()
     if which == "mlp":  # per-leaf gathers in a shard_map body
         step, params, state, _ = _make_step(_mesh("fsdp"), "fsdp", "inside", True, F64, "clip")
@@ -534,21 +564,12 @@ def _bucket_pass_body(which):
         step, params, state = transformer_train_step(which, cfg, fs.make_mesh({"d": n}), dtype=F64)
         tok = torch.randint(0, 32, (2 * n, 8), generator=torch.Generator().manual_seed(0))
         args = (params, state, tok, torch.roll(tok, -1, 1))
-    bucketed = fs.jit(step, backend=None)
-    gm = bucketed.graph(*args)
-    before = collective_calls(gm.code)
-    BucketCollectives(25)(gm.graph)
-    stable_topological_sort(gm.graph)  # as Inductor's post-grad passes do after it
-    gm.graph.lint()
-    gm.recompile()
-    after = collective_calls(gm.code)
-    want, got = step(*args), bucketed(*args)
-    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
-    return before, after, max((full(u) - full(v)).abs().max().item()
-                              for u, v in zip(fs.tree.leaves(got), fs.tree.leaves(want)))
+    return _bucket_pass(step, fs.jit(step, backend=None), args)
 
 
-@pytest.mark.parametrize("which", ["mlp", "psum", "fsdp", "replicate"])
+# fs.parallel's FSDP layer loop (2 layers): test_jit_captures_the_fs_parallel_layer_loop[fsdp-None]
+# runs this check on its capture of the same step.
+@pytest.mark.parametrize("which", ["mlp", "psum", "replicate"])
 def test_jit_bucketing_merges_only_back_to_back_collectives_float64(which):
     # Collectives the program issues back to back (the MLP's per-leaf all-gathers, and its
     # per-leaf reduce-scatters (all-to-alls on gloo) at the end of the captured backward;
