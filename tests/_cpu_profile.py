@@ -53,7 +53,8 @@ def _live() -> dict[int, float]:
     for pid in pids + ([server] if server else []):
         try:
             t = psutil.Process(pid).cpu_times()
-            out[pid] = t.user + t.system
+            # The reaped children too: the C++ compilers a rank's Inductor compile starts and waits for.
+            out[pid] = t.user + t.system + t.children_user + t.children_system
         except psutil.Error:
             pass
     return out
