@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from fshard.plan.comm import Collective, _p2p_counts, collective_time, pipeline_payload, step_collectives
+from fshard.plan.comm import Collective, collective_time, p2p_counts, pipeline_payload, step_collectives
 from fshard.plan.layout import Layout
 from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
@@ -471,7 +471,7 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     host = [0.0] * pp
     if machine.cores_per_node:
         post = collective_time(machine, layout, Collective("send", ("pp",), 0))
-        ops = _p2p_counts(sch)
+        ops = p2p_counts(sch)
         host = [(ops[r][0] + ops[r][1]) * post / m for r in range(pp)]
     costs, makespan = _shared_core_pipeline(machine, layout, compute_costs, tp_costs, host, p2p, outside)
     busy = [m * (sum(c) - h) for c, h in zip(costs, host)]

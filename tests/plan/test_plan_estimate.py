@@ -246,7 +246,7 @@ def test_gpu_pipeline_estimates_do_not_charge_host_time_per_posted_transfer(mode
         for schedule in ("1f1b", "interleaved"):
             lay = plan.Layout({"pp": 2, "fsdp": 2}, batch=16, microbatches=4, schedule=schedule)
             with monkeypatch.context() as mp:
-                mp.setattr(est, "_p2p_counts", lambda sch: [(100, 100)] * 2)
+                mp.setattr(est, "p2p_counts", lambda sch: [(100, 100)] * 2)
                 many = plan.estimate(model, gpu, lay)
             assert many.stage_costs == plan.estimate(model, gpu, lay).stage_costs
             assert many.step_s == plan.estimate(model, gpu, lay).step_s
@@ -254,7 +254,7 @@ def test_gpu_pipeline_estimates_do_not_charge_host_time_per_posted_transfer(mode
     cpu = _machine(cores_per_node=4, calibrated_ranks=4, devices_per_node=1 << 20)
     lay = plan.Layout({"pp": 2, "fsdp": 2}, batch=16, microbatches=4, schedule="1f1b")
     with monkeypatch.context() as mp:
-        mp.setattr(est, "_p2p_counts", lambda sch: [(100, 100)] * 2)
+        mp.setattr(est, "p2p_counts", lambda sch: [(100, 100)] * 2)
         many = plan.estimate(model, cpu, lay)
     assert many.step_s > plan.estimate(model, cpu, lay).step_s
 
@@ -266,7 +266,7 @@ def test_each_posted_transfer_costs_its_rank_host_time_outside_the_busy_time(mod
     boundaries cross ranks each way, 1F1B: 1) has the larger bubble. Before, transfers cost
     only a latency on the dependency edge, and interleaved 1F1B's bubble was predicted 9-10
     points below the measured at pp=2, m=4 (docs/plan.md)."""
-    from fshard.plan.comm import _p2p_counts
+    from fshard.plan.comm import p2p_counts
 
     lat = 2e-4
     cpu = dict(cores_per_node=4, calibrated_ranks=4, devices_per_node=1 << 20)  # a core per rank: no speed-up
@@ -276,7 +276,7 @@ def test_each_posted_transfer_costs_its_rank_host_time_outside_the_busy_time(mod
     for schedule in ("1f1b", "interleaved"):
         lay = plan.Layout({"pp": 2, "fsdp": 2}, batch=16, microbatches=4, schedule=schedule)
         a, b = plan.estimate(model, slow, lay), plan.estimate(model, free, lay)
-        ops = _p2p_counts(lay.build_schedule())
+        ops = p2p_counts(lay.build_schedule())
         for r in range(2):
             host = (ops[r][0] + ops[r][1]) * lat / 4
             assert a.stage_costs[r][0] == pytest.approx(b.stage_costs[r][0] + host / 2)
@@ -284,6 +284,6 @@ def test_each_posted_transfer_costs_its_rank_host_time_outside_the_busy_time(mod
             assert a.stage_costs[r][2] == pytest.approx(b.stage_costs[r][2])
         assert a.breakdown["compute"] == pytest.approx(b.breakdown["compute"])  # busy leaves it out
         gap[schedule] = a.bubble_fraction - b.bubble_fraction
-    assert sum(_p2p_counts(plan.Layout({"pp": 2, "fsdp": 2}, batch=16, microbatches=4,
+    assert sum(p2p_counts(plan.Layout({"pp": 2, "fsdp": 2}, batch=16, microbatches=4,
                                        schedule="interleaved").build_schedule())[0]) == 24
     assert gap["interleaved"] > gap["1f1b"] > 0
