@@ -100,7 +100,11 @@ def _sustained(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None],
         fn()
     sync()
     per_call = _median_over_ranks((time.perf_counter() - t0) / repeat, device)
-    count = max(repeat, math.ceil(min_s / max(per_call, 1e-9)))
+    # 1.25: the calls of a short burst run a little slower than those of a long one (cold
+    # caches), and a count sized exactly made most first bursts 5-15 % short, each then run
+    # again (single process, 2026-11-27: 2.2 s in _sustained for a quick calibration, against
+    # 1.25 s with the count from one call).
+    count = max(repeat, math.ceil(_BURST_MARGIN * min_s / max(per_call, 1e-9)))
     for _ in range(_BURST_TRIES):
         barrier()
         t0 = time.perf_counter()
@@ -112,13 +116,14 @@ def _sustained(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None],
             break
         # Too short (the calls ran faster than the estimate): again, long enough this time;
         # every rank computes the same count from the same reduced time.
-        count = math.ceil(count * 1.2 * min_s / max(elapsed, 1e-9))
+        count = math.ceil(count * _BURST_MARGIN * min_s / max(elapsed, 1e-9))
     return elapsed / count
 
 
 # Timed bursts before _sustained takes a short one (each retry is sized from the last, so a
-# second is short only if the calls sped up more than 1.2 times between the two).
+# second is short only if the calls sped up more than _BURST_MARGIN times between the two).
 _BURST_TRIES = 4
+_BURST_MARGIN = 1.25
 
 
 def _median_over_ranks(t: float, device: torch.device) -> float:
