@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import fshard as fs  # noqa: E402
 import fshard.plan as plan  # noqa: E402
-from fshard.plan.comm import _p2p_counts, pipeline_payload  # noqa: E402
+from fshard.plan.comm import p2p_counts, pipeline_payload  # noqa: E402
 from fshard.plan.estimate import simulate_pipeline  # noqa: E402
 
 MODEL = ["--dim", "256", "--layers", "4", "--heads", "4", "--seq-len", "128", "--batch-size", "16"]
@@ -220,10 +220,12 @@ def main() -> None:
                 costs, measured_bubble, other = _measured_costs([o["stats"] for o in out], warm, layout, pp_of_rank)
                 p2p = plan.collective_time(machine, layout, plan.Collective(
                     "send", ("pp",), pipeline_payload(model, layout)))
-                # As the planner: each posted send and receive costs its rank the latency, not busy.
+                # As the planner: on a CPU node each posted send and receive costs its rank the
+                # latency, not busy (devices post asynchronously: nothing).
                 post = plan.collective_time(machine, layout, plan.Collective("send", ("pp",), 0))
-                ops = _p2p_counts(layout.build_schedule())
-                host = [(ops[r][0] + ops[r][1]) * post / layout.microbatches for r in range(layout.pp)]
+                ops = p2p_counts(layout.build_schedule())
+                host = [(ops[r][0] + ops[r][1]) * post / layout.microbatches if machine.cores_per_node else 0.0
+                        for r in range(layout.pp)]
                 with_host = [(f + h / 2, i + h / 2, w) for (f, i, w), h in zip(costs, host)]
                 makespan, _ = simulate_pipeline(layout, with_host, p2p)
                 outside = est.step_s - est.breakdown["optimizer"] - (est.breakdown["compute"] + est.breakdown["bubble"])

@@ -75,7 +75,10 @@ def _sustained(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None],
                barrier: Callable[[], None], device: torch.device, min_s: float = MIN_BURST_S) -> float:
     """Seconds per call of ``fn`` while every rank runs it at once: all ranks start after a
     barrier, each runs ``fn`` back to back for at least ``min_s`` (the same count on every
-    rank), and the time is the slowest rank's elapsed time over the count.
+    rank), and the time is the slowest rank's elapsed time over the count. The count comes
+    from a short burst of ``repeat`` calls (the median of the ranks' per-call times); a
+    timed burst whose slowest rank took less than ``min_s`` runs again with the count scaled
+    up, so every timed burst lasts at least ``min_s``.
 
     That is the rate a step sees when every rank computes: a step's collectives wait for
     the slowest rank. With more ranks than cores, a rank's own per-call times (their mean,
@@ -89,17 +92,48 @@ def _sustained(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None],
     for _ in range(2):
         fn()
     sync()
+    # The count from a short burst's per-call time, the median over the ranks: one call timed
+    # on the slowest rank is a time slice long when that rank was preempted, and the count
+    # then falls to ``repeat`` (bursts far shorter than ``min_s``).
     t0 = time.perf_counter()
-    fn()
-    sync()
-    one = _max_over_ranks(time.perf_counter() - t0, device)
-    count = max(repeat, math.ceil(min_s / max(one, 1e-9)))
-    barrier()
-    t0 = time.perf_counter()
-    for _ in range(count):
+    for _ in range(repeat):
         fn()
     sync()
-    return _max_over_ranks(time.perf_counter() - t0, device) / count
+    per_call = _median_over_ranks((time.perf_counter() - t0) / repeat, device)
+    # 1.25: the calls of a short burst run a little slower than those of a long one (cold
+    # caches), and a count sized exactly made most first bursts 5-15 % short, each then run
+    # again (single process, 2026-11-27: 2.2 s in _sustained for a quick calibration, against
+    # 1.25 s with the count from one call).
+    count = max(repeat, math.ceil(_BURST_MARGIN * min_s / max(per_call, 1e-9)))
+    for _ in range(_BURST_TRIES):
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(count):
+            fn()
+        sync()
+        elapsed = _max_over_ranks(time.perf_counter() - t0, device)  # the same on every rank
+        if elapsed >= min_s:
+            break
+        # Too short (the calls ran faster than the estimate): again, long enough this time;
+        # every rank computes the same count from the same reduced time.
+        count = math.ceil(count * _BURST_MARGIN * min_s / max(elapsed, 1e-9))
+    return elapsed / count
+
+
+# Timed bursts before _sustained takes a short one (each retry is sized from the last, so a
+# second is short only if the calls sped up more than _BURST_MARGIN times between the two).
+_BURST_TRIES = 4
+_BURST_MARGIN = 1.25
+
+
+def _median_over_ranks(t: float, device: torch.device) -> float:
+    """The median of ``t`` over the ranks (``t`` itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    x = torch.tensor([t], dtype=torch.float64, device=device)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return statistics.median(float(p) for p in parts)
 
 
 def _max_over_ranks(t: float, device: torch.device) -> float:

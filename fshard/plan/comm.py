@@ -32,7 +32,7 @@ from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, ModelDesc
 from fshard.plan.shards import layer_shards, stage_layers, stage_shards
 
-__all__ = ["Collective", "collective_time", "log_totals", "pipeline_payload", "step_collectives"]
+__all__ = ["Collective", "collective_time", "log_totals", "p2p_counts", "pipeline_payload", "step_collectives"]
 
 BUCKET_BYTES = 25 * 2**20  # scan_layers' DDP bucket
 
@@ -250,7 +250,7 @@ def _pipeline_collectives(model: ModelDesc, layout: Layout, pp_rank: int) -> lis
         for i, k in stages[s]:
             out += _tp_layer(model, layout, i, b, k * m, remat=layout.remat and i == model.repeated, pipeline=True)
     act = pipeline_payload(model, layout)
-    sends, recvs = _p2p_counts(sch)[pp_rank]
+    sends, recvs = p2p_counts(sch)[pp_rank]
     if sends:
         out.append(Collective("send", ("pp",), act, sends, "p2p", None, "p2p"))
     if recvs:
@@ -275,8 +275,16 @@ def _pipeline_collectives(model: ModelDesc, layout: Layout, pp_rank: int) -> lis
 _P2P: dict[int, tuple[object, tuple[tuple[int, int], ...]]] = {}
 
 
-def _p2p_counts(schedule: object) -> tuple[tuple[int, int], ...]:
-    """Per rank, (sends, receives) of the lowered schedule (cached per schedule object)."""
+def p2p_counts(schedule: object) -> tuple[tuple[int, int], ...]:
+    """Per rank, ``(sends, receives)`` one step of ``schedule`` posts: its lowered actions'
+    SEND_F / SEND_B and RECV_F / RECV_B (cached per schedule object).
+
+    Args:
+      schedule: an ``fs.sched`` schedule (e.g. ``Layout.build_schedule()``).
+
+    Returns:
+      One ``(sends, receives)`` pair per pipeline rank.
+    """
     from fshard.sched import Kind, lower
 
     hit = _P2P.get(id(schedule))

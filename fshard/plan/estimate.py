@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from fshard.plan.comm import Collective, _p2p_counts, collective_time, pipeline_payload, step_collectives
+from fshard.plan.comm import Collective, collective_time, p2p_counts, pipeline_payload, step_collectives
 from fshard.plan.layout import Layout
 from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
@@ -463,12 +463,16 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     window = {"fwd": blk_f, "bwd": blk_b}
     outside = max(sum(_exposed(machine, layout, c, window) for c in colls if not c.pipeline)
                   for colls in colls_by_rank)
-    # Each send and receive the rank posts costs it host time outside its compute actions
-    # (the runtime's _post / _prefetch; not in StepStats' busy time): the point-to-point
-    # latency per op, on the rank's own timeline, half with F and half with I.
-    post = collective_time(machine, layout, Collective("send", ("pp",), 0))
-    ops = _p2p_counts(sch)
-    host = [(ops[r][0] + ops[r][1]) * post / m for r in range(pp)]
+    # CPU nodes: each send and receive the rank posts costs it host time outside its compute
+    # actions (gloo runs them from the rank's own thread: the runtime's _post / _prefetch,
+    # not in StepStats' busy time): the point-to-point latency per op, on the rank's own
+    # timeline, half with F and half with I. Devices post asynchronously (NCCL): their
+    # latency is the dependency edge's only, which the simulator charges already.
+    host = [0.0] * pp
+    if machine.cores_per_node:
+        post = collective_time(machine, layout, Collective("send", ("pp",), 0))
+        ops = p2p_counts(sch)
+        host = [(ops[r][0] + ops[r][1]) * post / m for r in range(pp)]
     costs, makespan = _shared_core_pipeline(machine, layout, compute_costs, tp_costs, host, p2p, outside)
     busy = [m * (sum(c) - h) for c, h in zip(costs, host)]
     opt_s = [_optimizer_time(machine, layout, numel, leaves) for _, numel, leaves in persistent]
@@ -495,7 +499,23 @@ def pipeline_speedup(machine: Machine, ranks_per_node: int, busy_share: float) -
     A rank that waits in a pipeline's bubble (blocked on a receive) leaves its core to the
     ranks that compute; with 4 ranks on 2 cores and a quarter of the pipeline idle, 3 ranks
     share 2 cores: each computes 1.33 times as fast as when all 4 do.
+
+    Args:
+      machine: the machine (its ``cores_per_node`` and ``calibrated_ranks``).
+      ranks_per_node: ranks on one node, an int >= 1.
+      busy_share: the share of them computing at once, in [0, 1].
+
+    Returns:
+      The speed-up, >= 1.
+
+    Raises:
+      ValueError: ``ranks_per_node`` is not an int >= 1, or ``busy_share`` is not a number
+        in [0, 1] (the parameter and its value are named).
     """
+    if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool) or ranks_per_node < 1:
+        raise ValueError(f"pipeline_speedup: ranks_per_node must be an int >= 1, got {ranks_per_node!r}")
+    if not isinstance(busy_share, (int, float)) or isinstance(busy_share, bool) or not 0 <= busy_share <= 1:
+        raise ValueError(f"pipeline_speedup: busy_share must be a number in [0, 1], got {busy_share!r}")
     busy = max(ranks_per_node * busy_share, 1e-9)
     return machine.share(busy) / machine.share(ranks_per_node)
 
@@ -508,25 +528,40 @@ def _shared_core_pipeline(machine: Machine, layout: Layout, compute: list[tuple[
     (``tp``: collectives in the actions, ``host``: per microbatch, the rank's host time
     outside its actions; neither sped up, and ``host`` not busy).
 
-    The speed depends on the bubble and the bubble on the speed: a fixed point, iterated
-    from the all-busy costs (4-5 simulations here). Where the cores stay saturated (busy
-    ranks at least the cores) every busy share is consistent, the step comes out at the
-    ranks' work over the cores, and the iteration keeps the bubble shape of the fixed-cost
-    schedule, which is what the measured spans showed (docs/plan.md, "Model changes of
-    2026-11-27"). On GPUs, or with a core per rank, the speed-up is 1: one simulation.
+    The speed depends on the bubble and the bubble on the speed: a fixed point ``s = g(s)``,
+    with ``g(s)`` the speed-up at the busy share the schedule simulated at speed ``s`` gives.
+    Faster compute leaves more of the step to the fixed costs, so the busy share falls and
+    ``g`` grows with ``s``; ``g(1) >= 1`` and ``g`` is at most the speed-up with no rank
+    busy, so ``g(s) - s`` changes sign on that interval: bisected to 1e-4 relative (about
+    15 simulations). Iterating ``s = g(s)`` converges only linearly when the fixed costs
+    nearly match the compute, and the costs' rounding to 1/200 can make it cycle.
+    Where the cores stay saturated (busy ranks at least the cores) every busy share is
+    consistent, the step comes out at the ranks' work over the cores, and the fixed point
+    keeps the bubble shape of the fixed-cost schedule, which is what the measured spans
+    showed (docs/plan.md, "Model changes of 2026-11-27"). On GPUs, or with a core per rank,
+    the speed-up is 1: one simulation.
     """
     m, rpn = layout.microbatches, _ranks_per_node(machine, layout)
-    speed = 1.0
-    for _ in range(30):
+
+    def run(speed: float) -> tuple[list[tuple[float, float, float]], float, float]:
         costs = [(cs[0] / speed + ts[0] + h / 2, cs[1] / speed + ts[1] + h / 2, cs[2] / speed + ts[2])
                  for cs, ts, h in zip(compute, tp, host)]
         makespan, _ = simulate_pipeline(layout, costs, p2p)
-        wall = makespan + outside
-        share = sum(m * (sum(c) - h) for c, h in zip(costs, host)) / (len(costs) * wall)
-        new = pipeline_speedup(machine, rpn, min(1.0, share))
-        if abs(new - speed) < 1e-4 * speed:
-            break
-        speed = new
+        share = sum(m * (sum(c) - h) for c, h in zip(costs, host)) / (len(costs) * (makespan + outside))
+        return costs, makespan, pipeline_speedup(machine, rpn, min(1.0, max(0.0, share)))
+
+    costs, makespan, g = run(1.0)
+    lo, hi = 1.0, pipeline_speedup(machine, rpn, 0.0)
+    if g <= lo or hi <= lo:
+        return costs, makespan
+    # g(lo) > lo and g(hi) <= hi throughout
+    while hi - lo > 1e-4 * lo:
+        mid = (lo + hi) / 2
+        if run(mid)[2] > mid:
+            lo = mid
+        else:
+            hi = mid
+    costs, makespan, _ = run((lo + hi) / 2)
     return costs, makespan
 
 

@@ -82,6 +82,9 @@ class Machine:
       overlap: share of overlappable communication (FSDP prefetch, gradient
         reductions) hidden behind compute, 0 to 1.
       cores_per_node: CPU machines: cores the ranks of a node share (0: a device each).
+        Non-zero also means the ranks post point-to-point transfers from their own thread
+        (gloo): a pipeline estimate charges each posted send or receive its latency on the
+        rank's timeline; devices (0) post asynchronously (NCCL), the latency is the edge's.
       calibrated_ranks: ranks per node when the figures were measured (CPU machines:
         compute rates scale by ``min(1, cores / ranks)`` relative to that).
       reserved_bytes: device memory the runtime keeps for itself (CUDA context, NCCL).
