@@ -153,3 +153,32 @@ def test_pp_compiled_sides_match_eager():
     for r in out:
         assert set(r[5]) == {(n, 2) for n in ("gpipe", "1f1b", "zb-h1", "gpipe jit", "1f1b jit", "zb-h1 jit")}
         assert max(r[5].values()) <= 1e-5, r[5]  # fp32 gradients against torch 1F1B's
+
+
+def _collectives():
+    import fshard as fs
+
+    return _bench("collectives")._compiled(fs.make_mesh({"x": 2}), 64, 1, "eager")
+
+
+def test_collectives_compiled_sides_match_eager():
+    # bench/collectives.py --compiled: _compiled itself raises when fs.jit's or torch.compile's
+    # result leaves its eager call's, or fs.jit's leaves torch's.
+    for res in run_on_ranks(_collectives, world_size=2):
+        assert set(res) == {"psum", "all_gather", "psum_scatter", "all_to_all"}
+        assert all(t_torch > 0 and t_ours > 0 for t_torch, t_ours in res.values()), res
+
+
+def test_run_all_passes_flags_each_script_takes():
+    # bench/run_all.py --compiled: every script it passes --compiled / --backend to declares them.
+    run_all = _bench("run_all")
+    for name, (script, _, _) in run_all.BENCHES.items():
+        args = run_all.command(name, 3, compiled=True, backend="eager")
+        source = (BENCH / script).read_text()
+        if name in run_all.ALWAYS_COMPILED:
+            assert "--compiled" not in args, name
+        for flag in ("--compiled", "--backend", "--steps"):
+            if flag in args:
+                assert f'"{flag}"' in source or (name in ("fsdp", "ddp") and f'"{flag}"' in
+                                                  (BENCH / "data_parallel.py").read_text()), (name, flag)
+    assert {"jit_step", "optim_step"} <= set(run_all.BENCHES)
