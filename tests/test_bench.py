@@ -182,3 +182,18 @@ def test_run_all_passes_flags_each_script_takes():
                 assert f'"{flag}"' in source or (name in ("fsdp", "ddp") and f'"{flag}"' in
                                                   (BENCH / "data_parallel.py").read_text()), (name, flag)
     assert {"jit_step", "optim_step"} <= set(run_all.BENCHES)
+
+
+def _jit_memory(mode):
+    jm = _bench("jit_memory")
+    return {side: jm._peak(side, mode, "eager", TINY) for side in jm.NATIVE}
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "replicate"])
+def test_jit_memory_native_sides_profile(mode):
+    # bench/jit_memory.py --sides native,native\ compiled: torch's step eager and compiled (its
+    # losses against eager: test_data_parallel_compiled_sides_match_eager, the same _native_step).
+    for res in run_on_ranks(_jit_memory, mode, world_size=2):
+        assert set(res) == {"native", "native compiled"}
+        for side, (start, peak) in res.items():  # the parameters and optimizer state, then the activations
+            assert 0 < start < peak, (side, start, peak)
