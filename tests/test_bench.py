@@ -201,7 +201,8 @@ def test_jit_memory_native_sides_profile(mode):
 
 def _hf_fsdp_memory():
     hf = _bench("hf_fsdp_memory")
-    return {side: hf.step_memory(side, 1, 32, 1, 8, steps=2, backend="eager") for side in ("per-block", "per-block jit")}
+    return {side: hf.step_memory(side, 1, 32, 1, 8, steps=2, backend="eager")
+            for side in ("per-block", "per-block jit")}
 
 
 def test_hf_fsdp_memory_jit_side_matches_eager():
