@@ -1,9 +1,12 @@
 """Where the GPU waits: a timeline of fully_shard's and fshard's steps, and the host calls that stall.
 
-    python bench/gpu_idle.py [--size large] [--steps 3] [--out DIR]
+    python bench/gpu_idle.py [--size large] [--steps 3] [--out DIR] [--backend inductor] [--no-jit]
 
 The sides and sizes of ``bench/jit_gpu.py`` (one process, one-rank group): ``torch`` (eager
-fully_shard), ``fshard`` (eager) and ``fshard_jit``. For each side, after warm-up:
+fully_shard), ``torch_compiled`` (each block ``torch.compile(block, fullgraph=True)`` before
+``fully_shard``, torchtitan's recipe: compiled against compiled), ``fshard`` (eager) and
+``fshard_jit``; the compiled sides by ``--backend``, both left out by ``--no-jit``. For each
+side, after warm-up:
 
 1. ``torch.cuda.set_sync_debug_mode("warn")`` over one step: every call that makes the host
    wait for the device (a ``.item()``, a pageable host-to-device copy, a synchronize) warns;
@@ -141,14 +144,19 @@ def main() -> None:
     ap.add_argument("--size", default="large", choices=["small", "large"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="/tmp/gpu_idle")
-    ap.add_argument("--no-jit", action="store_true", help="skip the fs.jit side (its compile takes ~90 s)")
+    ap.add_argument("--no-jit", action="store_true",
+                    help="skip the compiled sides, fs.jit and torch per-block compiled (fs.jit's compile takes ~90 s)")
+    ap.add_argument("--backend", default="inductor", help="the torch.compile backend of the compiled sides")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     _, mesh, cfg, tok, tgt = one_rank_setup(args.size)
     dev = mesh.device
     step, p, s = transformer_train_step("fsdp", cfg, mesh)
     sides = {"torch": (lambda ts: (lambda: ts(tok, tgt)))(_native_step("fsdp", cfg))}
-    for name, f in (("fshard", step),) + (() if args.no_jit else (("fshard_jit", fs.jit(step)),)):
+    if not args.no_jit:
+        sides["torch_compiled"] = (lambda ts: (lambda: ts(tok, tgt)))(
+            _native_step("fsdp", cfg, compiled=True, backend=args.backend))
+    for name, f in (("fshard", step),) + (() if args.no_jit else (("fshard_jit", fs.jit(step, backend=args.backend)),)):
         box = {"p": p, "s": s}
 
         def call(f=f, box=box):

@@ -1,7 +1,7 @@
 """Peak memory of per-block FSDP (``fs.parallel.fsdp_apply``) vs a whole-model gather, on a
 Hugging Face Llama built from a random config.
 
-    python bench/hf_fsdp_memory.py [--layers 8] [--dim 256] [--world-size 2]
+    python bench/hf_fsdp_memory.py [--layers 8] [--dim 256] [--world-size 2] [--compiled [--backend inductor]]
 
 Both sides train the same ``transformers.LlamaForCausalLM`` through ``fs.nn.functionalize``
 on the same fsdp mesh, fp32, AdamW: ``whole`` gathers every parameter with one
@@ -21,6 +21,14 @@ instead (a dispatch mode that counts each storage an op creates until its last t
 dies): the peak of the tensors created during the gradient step alone, and during the
 whole step with the update; it is exact and repeatable, and it is what
 ``tests/parallel/test_parallel_module.py`` checks.
+
+``--compiled`` adds both sides under ``fs.jit`` (``whole jit``, ``per-block jit``: the
+gradient step and the AdamW update in one captured graph, compiled by ``--backend``) to the
+profiler table, with their last loss, which must equal the eager side's. Not to the first
+table: Inductor's generated code allocates its buffers outside the dispatcher, where a
+dispatch mode cannot see them. The module's buffers (the rotary ``inv_freq``) go into the
+jitted step as an argument (``apply(..., buffers=)``): fs.jit cannot capture a real tensor
+that the function closes over. There is no native side (no torch FSDP of this model here).
 """
 
 from __future__ import annotations
@@ -47,29 +55,58 @@ def _model(layers: int, dim: int):
     return LlamaForCausalLM(cfg)
 
 
-def make_step(side: str, layers: int, dim: int, rows: int, seq: int, dtype: torch.dtype = torch.float32):
-    """Two closures for one training step of ``side`` ("whole" or "per-block") on this rank:
-    ``grad_step() -> (loss, grads)`` (forward, backward and the gradient reductions) and
-    ``update(grads)`` (the AdamW update of the sharded parameters)."""
-    mesh = fs.make_mesh({"fsdp": dist.get_world_size()})
-    apply, params, _ = fs.nn.functionalize(_model(layers, dim).to(dtype))
-    specs = fs.parallel.fsdp_specs(params, "fsdp")
-    if side == "per-block":
-        wrapped = fs.parallel.fsdp_apply(apply, blocks="model.layers", axis="fsdp")
-    else:
-        def wrapped(p, tok):
-            return apply(fs.parallel.gather_params(p, axis="fsdp"), tok)
+SIDES = ("whole", "per-block", "whole jit", "per-block jit")
 
-    def loss_fn(p, tok):
-        logits = wrapped(p, tok[:, :-1]).logits
+
+def make_step(side: str, layers: int, dim: int, rows: int, seq: int, dtype: torch.dtype = torch.float32,
+              backend: str = "inductor"):
+    """Two closures for one training step of ``side`` (one of :data:`SIDES`) on this rank:
+    ``grad_step() -> (loss, grads)`` (forward, backward and the gradient reductions) and
+    ``update(grads)`` (the AdamW update of the sharded parameters). A ``jit`` side's
+    ``grad_step`` runs the whole step, update included, as one ``fs.jit`` call compiled by
+    ``backend``, and returns ``(loss, None)``; its ``update`` does nothing."""
+    mesh = fs.make_mesh({"fsdp": dist.get_world_size()})
+    apply, params, buffers = fs.nn.functionalize(_model(layers, dim).to(dtype))
+    specs = fs.parallel.fsdp_specs(params, "fsdp")
+    if side.startswith("per-block"):
+        per_block = fs.parallel.fsdp_apply(apply, blocks="model.layers", axis="fsdp")
+
+        def wrapped(p, b, tok):
+            return per_block(p, tok, buffers=b)
+    else:
+        def wrapped(p, b, tok):
+            return apply(fs.parallel.gather_params(p, axis="fsdp"), tok, buffers=b)
+
+    def loss_fn(p, b, tok):
+        logits = wrapped(p, b, tok[:, :-1]).logits
         return fs.lax.pmean(F.cross_entropy(logits.flatten(0, 1), tok[:, 1:].flatten()), "fsdp")
 
-    step = fs.shard_map(fs.value_and_grad(loss_fn), mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=(P(), specs))
+    # The eager sides leave the buffers in the module (buffers=None); the jit sides pass them.
+    step = fs.shard_map(fs.value_and_grad(lambda p, tok: loss_fn(p, None, tok)), mesh=mesh,
+                        in_specs=(specs, P("fsdp")), out_specs=(P(), specs))
     opt = fs.optim.adamw(1e-3)
     box = {"p": fs.shard(params, specs, mesh, uneven=True)}
     box["s"] = opt.init(box["p"])
     n = rows * dist.get_world_size()
     tok = torch.randint(0, 512, (n, seq + 1), generator=torch.Generator().manual_seed(0))
+    if side.endswith(" jit"):
+        grad_fn = fs.shard_map(fs.value_and_grad(loss_fn), mesh=mesh, in_specs=(specs, P(), P("fsdp")),
+                               out_specs=(P(), specs))
+
+        def whole_step(p, s, b, tok):
+            loss, grads = grad_fn(p, b, tok)
+            updates, s = opt.update(grads, s, p)
+            return loss, fs.optim.apply_updates(p, updates), s
+
+        jitted = fs.jit(whole_step, backend=backend)
+        # A captured graph has no autograd of its own: its inputs are plain (detached) tensors.
+        box["p"] = fs.tree.tree_map(lambda x: x.detach(), box["p"])
+
+        def jit_step():
+            loss, box["p"], box["s"] = jitted(box["p"], box["s"], buffers, tok)
+            return loss, None
+
+        return jit_step, lambda grads: None
 
     def grad_step():
         return step(box["p"], tok)
@@ -82,7 +119,7 @@ def make_step(side: str, layers: int, dim: int, rows: int, seq: int, dtype: torc
 
 
 def step_memory(side: str, layers: int, dim: int, rows: int, seq: int, steps: int = 5,
-                dtype: torch.dtype = torch.float32) -> tuple[list[tuple[int, int]], float]:
+                dtype: torch.dtype = torch.float32, backend: str = "inductor") -> tuple[list[tuple[int, int]], float]:
     """Per step, ``(live bytes at its start, peak live bytes during it)`` on this rank, and
     the last loss. Live bytes: the profiler's running total of CPU tensor storage."""
     from torch._C._profiler import _EventType
@@ -90,7 +127,7 @@ def step_memory(side: str, layers: int, dim: int, rows: int, seq: int, steps: in
 
     torch.set_num_threads(1)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        grad_step, update = make_step(side, layers, dim, rows, seq, dtype)
+        grad_step, update = make_step(side, layers, dim, rows, seq, dtype, backend)
         for i in range(steps):
             gc.collect()  # garbage from the previous step (reference cycles) would count as live
             dist.barrier()
@@ -158,7 +195,11 @@ def step_peak(side: str, layers: int, dim: int, rows: int, seq: int, steps: int 
     """Per step on this rank, ``(gradient peak, step peak)``: the peak bytes of tensors
     created during the gradient step (forward, backward, gradient reductions), and during
     the whole step (the same, then the optimizer update while the gradients are held).
-    Deterministic (no profiler, no thread races): the numbers the test checks."""
+    Deterministic (no profiler, no thread races): the numbers the test checks. Eager sides
+    only (a compiled graph's buffers are invisible to the dispatch mode)."""
+    if side.endswith(" jit"):
+        raise ValueError(f"step_peak: side {side!r}: the dispatch mode cannot see a compiled step's allocations; "
+                         "use step_memory")
     torch.set_num_threads(1)
     grad_step, update = make_step(side, layers, dim, rows, seq, dtype)
     peaks = []
@@ -195,6 +236,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2, help="rows per rank")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--compiled", action="store_true",
+                    help="also both sides under fs.jit (whole step in one graph), in the profiler table")
+    ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
     args = ap.parse_args()
     import transformers  # noqa: F401  (imported once here; the forked ranks inherit it)
 
@@ -210,14 +254,20 @@ def main() -> None:
         print(f"  {side:<10} " + "  ".join(f"rank {r}: {mib(max(g for g, _ in p))} / {mib(max(t for _, t in p))}"
                                              for r, p in enumerate(res)))
     print("torch.profiler live CPU tensor bytes, per rank: before the first step + smallest step increment = peak, MiB")
-    for side in ("whole", "per-block"):
+    losses = {}
+    for side in SIDES if args.compiled else SIDES[:2]:
         res = fs.run_local(step_memory, side, args.layers, args.dim, args.rows, args.seq, args.steps,
-                           world_size=args.world_size, timeout_s=3000)
+                           torch.float32, args.backend, world_size=args.world_size, timeout_s=3000)
+        losses[side] = res[0][1]
         cells = []
         for r, (per_step, _) in enumerate(res):
             base, inc = summary(per_step)
             cells.append(f"rank {r}: {mib(base)} + {mib(inc)} = {mib(base + inc)}")
-        print(f"  {side:<10} loss {res[0][1]:.6f}  " + "  ".join(cells))
+        print(f"  {side:<13} loss {res[0][1]:.6f}  " + "  ".join(cells))
+    for side in SIDES[2:] if args.compiled else ():
+        eager = side.removesuffix(" jit")
+        if abs(losses[side] - losses[eager]) > 1e-4 * abs(losses[eager]):
+            raise SystemExit(f"{side}: last loss {losses[side]} differs from {eager}'s {losses[eager]}")
 
 
 if __name__ == "__main__":

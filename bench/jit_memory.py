@@ -1,6 +1,6 @@
 """Peak memory per rank of fshard's data-parallel step: eager against ``fs.jit`` variants.
 
-    PYTHONPATH=. python bench/jit_memory.py [--mode fsdp|replicate] [--sides eager,jit,...]
+    PYTHONPATH=. python bench/jit_memory.py [--mode fsdp|replicate] [--sides eager,jit,...] [--backend inductor]
 
 The model and step of ``bench/jit_step.py`` (Transformer vocab 512, dim 256, 4 layers, seq
 128, fp32, AdamW, 2 gloo ranks x batch 8). Each side runs 3 steps in its own processes
@@ -17,8 +17,15 @@ during it. Sides:
   jit cat in place  ``fs.jit`` without ``fshard._jit_memory.LateConcat``: Inductor writes
                   the producers of a collective's flat buffer into it in place (its default)
   jit aot_eager   ``fs.jit(backend="aot_eager")``: the captured graph in program order
+  native          torch's eager step (``bench/data_parallel.py``'s ``_native_step``:
+                  ``fully_shard`` per block and root, or DDP; foreach AdamW)
+  native compiled the same compiled by ``--backend`` (FSDP: each block
+                  ``torch.compile(block, fullgraph=True)`` before ``fully_shard``,
+                  torchtitan's recipe; DDP: the module compiled, then wrapped)
 
-Issue 17's target: the jit's peak not higher than eager fshard's.
+Issue 17's target: the jit's peak not higher than eager fshard's. The native sides put
+both next to torch's, eager and compiled (compiled against compiled). ``--backend`` is the
+backend of ``native compiled`` and of the ``jit`` sides that do not name their own.
 
 ``--count thread`` counts, in the same profile, only the tensors that the step's own thread
 allocates (wherever they are freed): gloo's temporaries (allocated on its threads) left out.
@@ -45,23 +52,26 @@ from fshard.models import TransformerConfig
 from fshard.testing import transformer_train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_parallel import CFG, _batches, _fshard_step, profiled_steps, step_peak_memory  # noqa: E402
+from data_parallel import CFG, _batches, _fshard_step, _native_step, profiled_steps, step_peak_memory  # noqa: E402
 
 _JIT = {"jit": {}, "jit donated": dict(donate_argnums=(0, 1)),
         "jit no overlap": dict(options=without_collective_passes(bucketing=True)),
         "jit locality": dict(options={"reorder_for_locality": True}),
         "jit cat in place": dict(options={"post_grad_custom_pre_pass": None}), "jit aot_eager": dict(backend="aot_eager")}
-SIDES = ("eager", "eager pure", *_JIT)
+NATIVE = ("native", "native compiled")
+SIDES = ("eager", "eager pure", *_JIT, *NATIVE)
 
 
-def _make(side: str, mode: str):
-    cfg = TransformerConfig(**CFG)
+def _make(side: str, mode: str, backend: str = "inductor", cfg: dict | None = None):
+    cfg = TransformerConfig(**(cfg or CFG))
     mesh = fs.make_mesh({"d": dist.get_world_size()})
+    if side in NATIVE:  # this rank's rows of the same global batch
+        return _native_step(mode, cfg, compiled=side == "native compiled", backend=backend), _batches(cfg, 8)["torch"]
     args = _batches(cfg, 8)["fshard"]
     if side == "eager":
         return _fshard_step(mode, cfg, mesh), args
     step, params, state = transformer_train_step(mode, cfg, mesh, axis="d")
-    f = step if side == "eager pure" else fs.jit(step, **_JIT[side])
+    f = step if side == "eager pure" else fs.jit(step, **{"backend": backend, **_JIT[side]})
     box = [params, state]
 
     def call(tok, tgt):
@@ -71,15 +81,15 @@ def _make(side: str, mode: str):
     return call, args
 
 
-def _peak(side: str, mode: str) -> tuple[int, int]:
-    return step_peak_memory(lambda: _make(side, mode))
+def _peak(side: str, mode: str, backend: str = "inductor", cfg: dict | None = None) -> tuple[int, int]:
+    return step_peak_memory(lambda: _make(side, mode, backend, cfg))
 
 
-def _thread_peak(side: str, mode: str) -> tuple[int, int]:
+def _thread_peak(side: str, mode: str, backend: str = "inductor") -> tuple[int, int]:
     """``--count thread``: as :func:`step_peak_memory`, counting only the tensors that the
     step's own thread allocates (wherever they are freed): not gloo's temporaries."""
 
-    mark, allocs = profiled_steps(lambda: _make(side, mode))
+    mark, allocs = profiled_steps(lambda: _make(side, mode, backend))
     ours, live, start, peak = {}, 0, None, 0
     for e in allocs:
         f = e.extra_fields
@@ -119,6 +129,8 @@ def main() -> None:
     ap.add_argument("--sides", default="eager,jit,jit donated", help=f"comma-separated, of: {', '.join(SIDES)}")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--count", default="profiler", choices=["profiler", "thread", "graph"])
+    ap.add_argument("--backend", default="inductor",
+                    help="the torch.compile backend of 'native compiled' and of the jit sides without their own")
     args = ap.parse_args()
     sides = args.sides.split(",")
     bad = [s for s in sides if s not in SIDES]
@@ -136,7 +148,7 @@ def main() -> None:
     print(f"{args.mode}: {args.world_size} gloo ranks; live CPU tensor MiB per rank{which}, start of step 3 -> "
           f"peak during it")
     for side in sides:
-        per_rank = fs.run_local(_peak if args.count == "profiler" else _thread_peak, side, args.mode,
+        per_rank = fs.run_local(_peak if args.count == "profiler" else _thread_peak, side, args.mode, args.backend,
                                 world_size=args.world_size, timeout_s=3000)
         cells = "  ".join(f"rank {r}: {s / 2**20:.1f} -> {p / 2**20:.1f}" for r, (s, p) in enumerate(per_rank))
         print(f"  {side:<16} {cells}", flush=True)

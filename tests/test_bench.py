@@ -157,3 +157,64 @@ def test_pp_compiled_sides_match_eager():
     for r in out:
         assert set(r[5]) == {(n, 2) for n in ("gpipe", "1f1b", "zb-h1", "gpipe jit", "1f1b jit", "zb-h1 jit")}
         assert max(r[5].values()) <= 1e-5, r[5]  # fp32 gradients against torch 1F1B's
+
+
+def _collectives():
+    import fshard as fs
+
+    return _bench("collectives")._compiled(fs.make_mesh({"x": 2}), 64, 1, "eager")
+
+
+def test_collectives_compiled_sides_match_eager():
+    # bench/collectives.py --compiled: _compiled itself raises when fs.jit's or torch.compile's
+    # result leaves its eager call's, or fs.jit's leaves torch's.
+    for res in run_on_ranks(_collectives, world_size=2):
+        assert set(res) == {"psum", "all_gather", "psum_scatter", "all_to_all"}
+        assert all(t_torch > 0 and t_ours > 0 for t_torch, t_ours in res.values()), res
+
+
+def test_run_all_passes_flags_each_script_takes():
+    # bench/run_all.py --compiled: every script it passes --compiled / --backend to declares them.
+    run_all = _bench("run_all")
+    for name, (script, _, _) in run_all.BENCHES.items():
+        args = run_all.command(name, 3, compiled=True, backend="eager")
+        source = (BENCH / script).read_text()
+        if name in run_all.ALWAYS_COMPILED:
+            assert "--compiled" not in args, name
+        for flag in ("--compiled", "--backend", "--steps"):
+            if flag in args:
+                assert f'"{flag}"' in source or (name in ("fsdp", "ddp") and f'"{flag}"' in
+                                                  (BENCH / "data_parallel.py").read_text()), (name, flag)
+    assert {"jit_step", "optim_step"} <= set(run_all.BENCHES)
+
+
+def _jit_memory(mode):
+    jm = _bench("jit_memory")
+    return {side: jm._peak(side, mode, "eager", TINY) for side in jm.NATIVE}
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "replicate"])
+def test_jit_memory_native_sides_profile(mode):
+    # bench/jit_memory.py --sides native,native\ compiled: torch's step eager and compiled (its
+    # losses against eager: test_data_parallel_compiled_sides_match_eager, the same _native_step).
+    for res in run_on_ranks(_jit_memory, mode, world_size=2):
+        assert set(res) == {"native", "native compiled"}
+        for side, (start, peak) in res.items():  # the parameters and optimizer state, then the activations
+            assert 0 < start < peak, (side, start, peak)
+
+
+def _hf_fsdp_memory():
+    hf = _bench("hf_fsdp_memory")
+    return {side: hf.step_memory(side, 1, 32, 1, 8, steps=2, backend="eager")
+            for side in ("per-block", "per-block jit")}
+
+
+def test_hf_fsdp_memory_jit_side_matches_eager():
+    # bench/hf_fsdp_memory.py --compiled: per-block FSDP of the Llama with the whole step
+    # (gradient and AdamW update) under fs.jit; its last loss (after an update) is the eager
+    # side's. ~9 s of CPU: Dynamo tracing transformers' Llama.
+    for res in run_on_ranks(_hf_fsdp_memory, world_size=2):
+        (eager_steps, eager_loss), (jit_steps, jit_loss) = res["per-block"], res["per-block jit"]
+        _close([jit_loss], [eager_loss], "per-block jit vs per-block")
+        for start, peak in eager_steps + jit_steps:  # the profiler saw the model, then each step's tensors
+            assert 0 < start < peak, res
