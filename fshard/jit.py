@@ -1116,4 +1116,9 @@ def _capture_message(name: str, stage: str, e: BaseException) -> str:
         hint = ("\nThe function reads a tensor's value in Python (.item(), bool(t), if/while on a tensor, "
                 "printing it): fs.jit traces without values. Compute it with tensor ops (torch.where), "
                 "move it out of the jitted function, or pass on_capture_error='eager'.")
+    elif "convert all Tensors to FakeTensors" in text or "non-Fake Tensor" in text:
+        hint = ("\nThe function uses a tensor it does not take as an argument (a tensor it closes over, or a "
+                "module's parameter or buffer, e.g. one fs.nn.functionalize left on the module): fs.jit traces "
+                "its arguments only and bakes in no tensor as a constant, since a torch tensor can change in "
+                "place between calls. Pass that tensor as an argument (in the params or buffers pytree).")
     return f"fs.jit({name}) could not {stage} the function: {cause}\n  at {line}{hint}"

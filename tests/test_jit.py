@@ -344,6 +344,19 @@ def test_jit_python_if_on_a_tensor_is_a_clear_error_naming_the_line():
         fs.jit(_tensor_bool_step, backend=None)(torch.ones(3))
 
 
+_CLOSED_OVER = torch.arange(4.0)
+
+
+def _closure_step(x):
+    return x * _CLOSED_OVER.clone()  # a tensor the function closes over, not an argument
+
+
+def test_jit_a_closed_over_tensor_is_a_clear_error_naming_the_line_and_the_remedy():
+    with pytest.raises(fs.JitCaptureError,
+                       match=r"(?s)test_jit\.py:\d+: return x \* _CLOSED_OVER.*does not take as an argument"
+                             r".*Pass that tensor as an argument"):
+        fs.jit(_closure_step, backend=None)(torch.ones(4))
+
 def test_jit_capture_failure_can_fall_back_to_eager_with_a_warning():
     f = fs.jit(_item_step, backend=None, on_capture_error="eager")
     with pytest.warns(RuntimeWarning, match="runs this signature eagerly"):
