@@ -17,12 +17,13 @@ The kinds, by op name (an op's *self* time, so nested ops are not counted twice)
   other aten ops      every other recorded operator: elementwise, reductions, copies, views
   collective wait     the operators that block until a collective ends (``wait_tensor``)
   collective launch   c10d / _c10d_functional / gloo / nccl operators that start one
-  blocked, unrecorded the wall time the thread spent off its core outside the recorded waits
-                      (wall - thread CPU - collective wait, within what no event recorded):
-                      ``Work.wait()``, which DDP and fully_shard call and which records no
-                      event, and, on a loaded machine, other processes' time slices
-  host                the rest of the wall time no event recorded: Python, dispatch, guards,
-                      the autograd engine's own work
+  off core, unrecorded  an upper bound on the wall time the thread spent off its core
+                      outside the recorded waits (wall - thread CPU - collective wait, at most
+                      what no event recorded): ``Work.wait()``, which DDP and fully_shard call
+                      and which records no event, and other processes' time slices (an op
+                      descheduled mid-way counts in its own kind and here too)
+  host                the rest of the wall time no event recorded, a lower bound: Python,
+                      dispatch, guards, the autograd engine's own work
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 KINDS = ("matrix products", "attention", "compiled kernels", "eager optimizer", "other aten ops",
-         "collective wait", "collective launch", "blocked, unrecorded", "host")
+         "collective wait", "collective launch", "off core, unrecorded", "host")
 
 _MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation"}
 _COLLECTIVE_NS = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:", "record_param_comms")
@@ -100,8 +101,8 @@ def breakdown(step: Callable[[], object], n: int) -> dict[str, float]:
     per.pop("host", None)  # ranges' self time is Python: counted in the remainder below
     unrecorded = max(wall - sum(per.values()), 0.0)
     off_core = max(wall - cpu - per.get("collective wait", 0.0), 0.0)
-    per["blocked, unrecorded"] = min(off_core, unrecorded)
-    per["host"] = unrecorded - per["blocked, unrecorded"]
+    per["off core, unrecorded"] = min(off_core, unrecorded)
+    per["host"] = unrecorded - per["off core, unrecorded"]
     out = {k: per.get(k, 0.0) / n for k in KINDS}
     out["step"] = wall / n
     out["thread CPU"] = cpu / n

@@ -363,8 +363,12 @@ def without_collective_passes(bucketing: bool = False, reorder: bool = False,
                               overlap: bool = False) -> dict[str, Any]:
     """``fs.jit(options=...)`` that turns fshard's collective passes off (all of them by
     default; ``bucketing=True``, ``reorder=True`` or ``overlap=True`` keeps that one): for
-    comparisons."""
+    comparisons. Without the overlap pass, Inductor's ``reorder_for_peak_memory`` is back
+    on, as with no fshard pass (``options={"post_grad_custom_post_pass": None}`` alone
+    leaves it off)."""
     patches: dict[str, Any] = {"post_grad_custom_post_pass": _post_passes(BUCKET_MB if bucketing else None, overlap)}
     if not reorder:
         patches["aten_distributed_optimizations.enable_overlap_scheduling"] = False
+    if not overlap:  # Inductor's own memory ordering, which collective_passes turns off for the pass
+        patches["reorder_for_peak_memory"] = True
     return patches

@@ -54,7 +54,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-__all__ = ["split_at_transfers", "Segmented", "P2P_OPS", "agree", "overlaps"]
+__all__ = ["split_at_transfers", "Segmented", "P2P_OPS", "agree", "overlaps", "spans_world"]
 
 P2P_OPS = frozenset({"fshard.p2p_batch.default", "_c10d_functional.batch_p2p_ops.default",
                      "_c10d_functional.isend.default", "_c10d_functional.irecv.default"})
@@ -298,7 +298,13 @@ class Segmented:
         fn = self._compiled.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            fn = self._compiled[key] = self._compile(region, args)
+            if alias:
+                # AOTAutograd's own cache keys fake inputs by shape, stride and dtype, not by
+                # what they share: it could serve the code compiled for disjoint inputs.
+                with torch._functorch.config.patch(enable_autograd_cache=False):
+                    fn = self._compiled[key] = self._compile(region, args)
+            else:
+                fn = self._compiled[key] = self._compile(region, args)
             self.compile_s += time.perf_counter() - t0
         return fn
 
@@ -388,9 +394,10 @@ class _Region:
 
 def overlaps(args) -> tuple[tuple[int, int], ...]:
     """The pairs ``(i, j)``, ``i < j``, of tensor arguments whose memory overlaps: on one
-    storage, with intersecting spans from their first to their last element (strided views
-    that interleave count as overlapping: a recompile too many, never a wrong value). Works
-    on real and fake tensors (the storage object, not its address, identifies it)."""
+    storage, with intersecting byte spans from their first to their last element (strided
+    views that interleave count as overlapping: a recompile too many, never a wrong value;
+    views of one storage in different dtypes compare in bytes). Works on real and fake
+    tensors (the storage object, not its address, identifies it)."""
     by_storage: dict[int, list[int]] = {}
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.numel():
@@ -399,19 +406,46 @@ def overlaps(args) -> tuple[tuple[int, int], ...]:
     for idx in by_storage.values():
         if len(idx) < 2:
             continue
-        spans = [_span(args[i]) for i in idx]
-        for p in range(len(idx)):
-            for q in range(p + 1, len(idx)):
-                if spans[p][0] < spans[q][1] and spans[q][0] < spans[p][1]:
-                    pairs.append((idx[p], idx[q]))
-    return tuple(pairs)
+        # A sweep by start: each span is compared with those still open when it starts.
+        spans = sorted((*_span(args[i]), i) for i in idx)
+        open_: list[tuple[int, int]] = []  # (end, index)
+        for start, end, i in spans:
+            open_ = [(e, j) for e, j in open_ if e > start]
+            pairs.extend((min(i, j), max(i, j)) for _, j in open_)
+            open_.append((end, i))
+    return tuple(sorted(pairs))
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
-    """``[first, last + 1)`` element offsets of ``t`` in its storage (its dtype's elements)."""
+    """``[first, last + 1)`` byte offsets of ``t`` in its storage."""
     start = t.storage_offset()
     last = start + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
-    return start, last + 1
+    size = t.element_size()
+    return start * size, (last + 1) * size
+
+
+def spans_world(graph: fx.Graph, meshes: list) -> bool:
+    """Whether every rank of the default group runs a step like this one: the process groups
+    of the graph's transfers and collectives cover the world, or an input's mesh (its root,
+    for a slice such as ``mesh["dp"]``) does. Collectives are symmetric (every member of a
+    group has it in its graph), so the ranks of one pipeline decide alike."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    world = dist.get_world_size()
+    for m in meshes:
+        root = m._get_root_mesh() if hasattr(m, "_get_root_mesh") else m
+        if root.mesh.numel() == world:
+            return True
+    ranks: set[int] = set()
+    for n in graph.nodes:
+        if _is_p2p(n) or _is_collective(n):
+            names = [a for a in n.args if isinstance(a, str)]
+            if names:
+                ranks.update(dist.get_process_group_ranks(_resolve_process_group(names[-1])))
+    return len(ranks) == world
 
 
 def agree(error: BaseException | None) -> dict[int, str]:
@@ -421,8 +455,9 @@ def agree(error: BaseException | None) -> dict[int, str]:
     The ranks of a pipeline must stop together: a rank that raised at its compile would
     leave its peers waiting at their first receive for the process group's timeout, and
     then report their timeout instead of the cause. One ``all_gather_object`` over the
-    default group (every rank of the mesh runs the step: ``make_mesh`` spans the world),
-    before any transfer, after every region's compile (which runs no collective).
+    default group, before any transfer, after every region's compile (which runs no
+    collective). The caller agrees only when the step's mesh spans the world (``make_mesh``
+    does), so that every rank of the default group runs the same step.
     """
     import torch.distributed as dist
 

@@ -567,6 +567,8 @@ class Jitted:
         if self._backend not in _ORDER_KEEPING_BACKENDS and _has_p2p(gm):
             return self._failed(f"compile (backend={self._backend!r})", JitCaptureError(_P2P_REORDERED))
         run = gm if self._backend in _UNCOMPILED_BACKENDS else _Compiled(gm, self)
+        if isinstance(run, _Compiled):
+            run._meshes = list({id(r[0]): r[0] for r in rebuild if r is not None}.values())
         return _Entry(run, found["tree"], found["kinds"], found["timeline"], gm)
 
     def _failed(self, stage: str, e: BaseException) -> _Entry:
@@ -590,6 +592,7 @@ class _Compiled:
 
     def __init__(self, gm, owner: Jitted) -> None:
         self._gm, self._owner, self._fn = gm, owner, None
+        self._meshes: list = []  # the input DTensors' device meshes (set by Jitted._capture)
 
     def __call__(self, *args):
         if self._fn is not None:
@@ -642,7 +645,15 @@ class _Compiled:
             error = e
         # Before the first transfer: a rank that failed would leave its peers waiting at their
         # receives for the process group's timeout, then reporting that instead of the cause.
-        failed = _jit_p2p.agree(error)
+        # Only where every rank of the default group runs this step (a step on a mesh that is
+        # not the world would leave the other ranks out of the gather): otherwise a failure
+        # raises on its rank alone, as before the agreement.
+        if _jit_p2p.spans_world(self._gm.graph, self._meshes):
+            failed = _jit_p2p.agree(error)
+        elif error is not None:
+            raise JitCaptureError(_capture_message(owner.__name__, stage, error)) from error
+        else:
+            failed = {}
         if failed:
             others = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
             if error is not None:
@@ -653,6 +664,9 @@ class _Compiled:
                                   f"the pipeline ({others}). This rank compiled its regions and stops too, "
                                   f"before its first transfer.")
         fn = compiled if prologue is None else (lambda *a: compiled(*prologue(*a)))
+        # Set before the first run: a rank whose first run raised must not agree again at its
+        # next call, where its peers go straight to their transfers.
+        self._fn = fn
         t1 = time.perf_counter()
         out = compiled(*inputs)
         log.info("fs.jit(%s): point-to-point transfers: %d transfer nodes and %d others run eagerly "
@@ -1116,7 +1130,7 @@ def _capture_message(name: str, stage: str, e: BaseException) -> str:
         hint = ("\nThe function reads a tensor's value in Python (.item(), bool(t), if/while on a tensor, "
                 "printing it): fs.jit traces without values. Compute it with tensor ops (torch.where), "
                 "move it out of the jitted function, or pass on_capture_error='eager'.")
-    elif "convert all Tensors to FakeTensors" in text or "non-Fake Tensor" in text:
+    elif stage == "trace" and ("convert all Tensors to FakeTensors" in text or "non-Fake Tensor" in text):
         hint = ("\nThe function uses a tensor it does not take as an argument (a tensor it closes over, or a "
                 "module's parameter or buffer, e.g. one fs.nn.functionalize left on the module): fs.jit traces "
                 "its arguments only and bakes in no tensor as a constant, since a torch tensor can change in "

@@ -69,6 +69,8 @@ NOT_RUN_HERE = {
                                                                         "pattern it stresses is pinned by "
                                                                         "tests/test_comm_one_at_a_time.py",
     r"PYTHONPATH=\.:tools python -m pytest .*": "the suite's own multi-rank modules, looped for the hunt",
+    r"FSHARD_TEST_INDUCTOR_STEP=1 python -m pytest .*": "the suite's opt-in Inductor tests, minutes of cold "
+                                                        "compiles; run by hand, their last run recorded there",
     r"(taskset -c 0 )?nice -n (10|19) python tools/exit_loop\.py --runs \d+ .*": "the abort-at-exit loop, "
                                                                             "minutes (its --no-teardown arm exits 1 "
                                                                             "when it reproduces the abort); its short "

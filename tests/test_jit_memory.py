@@ -65,9 +65,10 @@ def test_jit_inductor_allocates_a_collectives_flat_buffer_where_the_graph_concat
     # Inductor (LateConcat off), the count sees the bucket held across the backward: the
     # check has the power to catch the regression (if that part fails, Inductor no longer
     # concatenates in place early and LateConcat may be unneeded). Inductor's own ordering
-    # for peak memory ends below the program order on this graph even with the bucket held
-    # (measured: order 1,999,360 B, fs.jit 1,738,752, in place 1,869,824), so the
-    # regression is measured against fs.jit's compile, not against the program order.
+    # for peak memory (reorder_for_peak_memory, on when this was measured; now off with the
+    # overlap pass) ended below the program order on this graph even with the bucket held
+    # (order 1,999,360 B, fs.jit 1,738,752, in place 1,869,824), so the regression is
+    # measured against fs.jit's compile, not against the program order.
     bucket = LAYERS * (DIM * DIM + DIM) * 8
     for peaks, err in run_on_ranks(_bucket_body, world_size=2, timeout_s=600):
         assert err <= 1e-12, err

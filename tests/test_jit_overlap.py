@@ -375,3 +375,14 @@ def test_overlap_order_survives_inductor_float64():
         assert len(rs) == 4 and rs[0] > 0 and rs[1] > 0, rows
         assert all(flying == 0 for _, _, flying in rows), rows
     assert _code_structure(results[0][1]) == _code_structure(results[1][1])
+
+
+def test_inductor_memory_reordering_is_off_only_with_the_overlap_pass():
+    # Inductor's reorder_for_peak_memory runs after fshard's passes and moved each collective's
+    # start back next to its wait: off with the overlap pass, back on for sides without it.
+    from fshard._jit_comm import collective_passes, without_collective_passes
+
+    assert collective_passes()["reorder_for_peak_memory"] is False
+    assert without_collective_passes()["reorder_for_peak_memory"] is True
+    assert without_collective_passes(bucketing=True)["reorder_for_peak_memory"] is True
+    assert "reorder_for_peak_memory" not in without_collective_passes(overlap=True)

@@ -575,3 +575,30 @@ def test_jit_p2p_region_recompiles_when_its_inputs_overlap_differently_float64()
         assert torch.equal(got, want) and torch.equal(x, ex), (same, got, want)
     assert seg.n_compiled == 2  # one compile per overlap pattern, reused
     assert _jit_p2p.overlaps((x, x[1:], x[:1], y, x.view(2, 2)[:, 0])) == ((0, 1), (0, 2), (0, 4), (1, 4), (2, 4))
+    # Views of one storage in two dtypes compare in bytes: the int32 view's elements 4.. are
+    # bytes 16-31, x's last two float64 elements (in elements of their own dtypes, 4.. and 0..4
+    # would look disjoint).
+    assert _jit_p2p.overlaps((x[2:], x.view(torch.int32)[4:], x[:1])) == ((0, 1),)
+
+
+def test_jit_p2p_agrees_over_the_world_only_when_the_step_spans_it():
+    # The compile agreement is an all_gather over the default group: a step whose groups (or
+    # input meshes) do not cover the world would leave the other ranks out of it.
+    assert run_on_ranks(_spans_world_body, world_size=2) == [(True, False, True)] * 2
+
+
+def _spans_world_body():
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_reduce
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fshard import _jit_p2p
+
+    world = dist.group.WORLD
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    x = torch.ones(2)
+    on_world = make_fx(lambda t: all_reduce(t, "sum", world))(x).graph
+    on_own = make_fx(lambda t: all_reduce(t, "sum", alone))(x).graph
+    mesh = fs.make_mesh({"x": dist.get_world_size()})
+    return (_jit_p2p.spans_world(on_world, []), _jit_p2p.spans_world(on_own, []),
+            _jit_p2p.spans_world(on_own, [mesh.device_mesh]))

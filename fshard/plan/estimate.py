@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from fractions import Fraction
 from typing import Any, Sequence
 
@@ -512,9 +513,9 @@ def pipeline_speedup(machine: Machine, ranks_per_node: int, busy_share: float) -
       ValueError: ``ranks_per_node`` is not an int >= 1, or ``busy_share`` is not a number
         in [0, 1] (the parameter and its value are named).
     """
-    if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool) or ranks_per_node < 1:
+    if not isinstance(ranks_per_node, numbers.Integral) or isinstance(ranks_per_node, bool) or ranks_per_node < 1:
         raise ValueError(f"pipeline_speedup: ranks_per_node must be an int >= 1, got {ranks_per_node!r}")
-    if not isinstance(busy_share, (int, float)) or isinstance(busy_share, bool) or not 0 <= busy_share <= 1:
+    if not isinstance(busy_share, numbers.Real) or isinstance(busy_share, bool) or not 0 <= busy_share <= 1:
         raise ValueError(f"pipeline_speedup: busy_share must be a number in [0, 1], got {busy_share!r}")
     busy = max(ranks_per_node * busy_share, 1e-9)
     return machine.share(busy) / machine.share(ranks_per_node)
