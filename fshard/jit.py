@@ -129,7 +129,13 @@ transfer (on the traced fake tensors: their layouts and overlaps are the real in
 the ranks then agree on the outcome (one ``all_gather_object``): a compile that fails on one
 rank raises ``JitCaptureError`` on every rank at once, naming that rank and its error (or,
 with ``on_capture_error="eager"``, every rank runs eagerly), instead of its peers waiting at
-their first receive for the process group's timeout. A region that writes into an input is
+their first receive for the process group's timeout. The agreement is over the default
+group, so it runs only where the step spans the world (its process groups, or an input's
+mesh, cover every rank: ``make_mesh`` does); a step on a smaller mesh raises on the failing
+rank alone, its peers waiting for the timeout as before. Not covered: a capture (not
+compile) that fails on some ranks only, e.g. ``.item()`` in the last stage's loss, since the
+ranks exchange shape headers while they trace; with ``on_capture_error="eager"`` the ranks
+that captured would wait in the agreement for the one that fell back. A region that writes into an input is
 compiled for the overlaps of its inputs, which are checked at every call (AOTAutograd's code
 assumes them; Inductor checks shapes and strides only): other overlaps compile it again.
 ``aot_eager`` and ``None`` run the whole graph in order; any other backend (which would
