@@ -299,9 +299,12 @@ class Segmented:
         if fn is None:
             t0 = time.perf_counter()
             if alias:
-                # AOTAutograd's own cache keys fake inputs by shape, stride and dtype, not by
-                # what they share: it could serve the code compiled for disjoint inputs.
-                with torch._functorch.config.patch(enable_autograd_cache=False):
+                # AOTAutograd's own cache keys fake inputs by metadata; whether that holds what
+                # they share is torch's detail (a check with Inductor, cold and warm, found it
+                # served the right code), so regions compiled for overlaps skip it.
+                import torch._functorch.config as functorch_config  # not imported by `import torch`
+
+                with functorch_config.patch(enable_autograd_cache=False):
                     fn = self._compiled[key] = self._compile(region, args)
             else:
                 fn = self._compiled[key] = self._compile(region, args)
