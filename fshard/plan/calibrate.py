@@ -6,12 +6,13 @@ cost each other when they share CPU cores or a node's links):
 - matrix products (square, several sizes) per dtype: time ``= a + flops / F`` fitted
   over the sizes gives the sustained rate ``F``;
 - the fixed cost of a kernel (a one-element add, many times);
-- a real Transformer block, forward and backward through ``value_and_grad(shard_map)``, at
-  two batch sizes: matrix products of a model's shapes, attention and norms reach a
-  fraction of the square products' rate, and autograd and fshard cost a fixed host time
-  per call besides; the two timings, with the block's traced work
-  (:func:`~fshard.plan.model.describe_transformer`), fit ``matmul_efficiency`` and
-  ``layer_overhead_s`` so that the estimate's layer formula reproduces the block;
+- real Transformer blocks, forward and backward through ``value_and_grad(shard_map)``,
+  one and two per call at two batch sizes: matrix products of a model's shapes, attention
+  and norms reach a fraction of the square products' rate, and autograd and fshard cost a
+  fixed host time per call and per layer besides; the timings, with the block's traced
+  work (:func:`~fshard.plan.model.describe_transformer`), fit ``matmul_efficiency``,
+  ``layer_overhead_s`` and ``call_overhead_s`` so that the estimate's formulas reproduce
+  them (a block faster than the square products raises the matrix-product rates instead);
 - memory bandwidth (a large copy: bytes read + written per second);
 - per mesh axis, all-gather, reduce-scatter, all-reduce and point-to-point (a ring of
   sends) at several sizes: ``(latency, bandwidth)`` fitted to the ring formulas of
@@ -221,15 +222,22 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
     mem_bw = 2 * big.numel() * big.element_size() / t
     del big, dst
 
-    efficiency, layer_overhead, fit_note = 1.0, 0.0, "block fit skipped"
+    efficiency, layer_overhead, call_overhead, fit_note = 1.0, 0.0, 0.0, "block fit skipped"
     if block is not False and "float32" in flops:
-        efficiency, layer_overhead, fit_note = _block_fit(block, mesh, flops["float32"], mem_bw, op_overhead,
-                                                          repeat, sync, barrier)
+        efficiency, layer_overhead, call_overhead, fit_note = _block_fit(
+            block, mesh, flops["float32"], mem_bw, op_overhead, quick, sync, barrier)
         # Every rank uses rank 0's fit (the machine file is rank 0's figures).
         if world > 1:
-            fit = torch.tensor([efficiency, layer_overhead], dtype=torch.float64)
+            fit = torch.tensor([efficiency, layer_overhead, call_overhead], dtype=torch.float64)
             dist.broadcast(fit, src=0)
-            efficiency, layer_overhead = float(fit[0]), float(fit[1])
+            efficiency, layer_overhead, call_overhead = (float(v) for v in fit)
+        if efficiency > 1:
+            # The block multiplied faster than the square products' fit says: that fit ran
+            # slow (on shared cores their timings spread 2x between calibrations minutes
+            # apart), and the block is what a step runs. Its rate becomes the machine's.
+            flops = {k: v * efficiency for k, v in flops.items()}
+            fit_note += f"; the matmul rates raised {efficiency:.2f}x to the block's"
+            efficiency = 1.0
 
     collectives, measurements = _collectives(mesh, quick, sync, barrier)
     overlap = _overlap(mesh, sync, barrier) if world > 1 else 0.5
@@ -246,6 +254,7 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
         matmul_efficiency=efficiency,
         op_overhead_s=op_overhead,
         layer_overhead_s=layer_overhead,
+        call_overhead_s=call_overhead,
         collectives=collectives,
         overlap=overlap,
         cores_per_node=0 if cuda else (os.cpu_count() or 1),
@@ -271,17 +280,25 @@ def _reference_block() -> Any:
     return TransformerConfig(vocab_size=256, dim=256, n_layers=1, n_heads=4, max_seq_len=128)
 
 
-def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: float, repeat: int,
-               sync: Callable[[], None], barrier: Callable[[], None]) -> tuple[float, float, str]:
-    """``(matmul_efficiency, layer_overhead_s, note)`` from a block's forward + backward.
+def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: float, quick: bool,
+               sync: Callable[[], None], barrier: Callable[[], None]) -> tuple[float, float, float, str]:
+    """``(matmul_efficiency, layer_overhead_s, call_overhead_s, note)`` from real blocks'
+    forward + backward.
 
-    The block runs as a training step runs it: ``fs.value_and_grad`` of an ``fs.shard_map``
-    (checked mode, the default) over ``mesh`` with everything replicated (no collective), so
-    the time includes autograd's and fshard's host work per call. The estimate costs a
-    layer call of ``b`` samples ``b * (flops / (peak * eff) + bytes / BW) + ops * op_overhead
-    + layer_overhead`` (forward and backward: two calls); timing the block at two ``b``
-    gives the two unknowns. The efficiency is at most 1 (more would only come from noise),
-    and the overhead at least 0.
+    The blocks run as a training step runs them: ``fs.value_and_grad`` of an
+    ``fs.shard_map`` (checked mode, the default) over ``mesh`` with everything replicated
+    (no collective), so the time includes autograd's and fshard's host work. The estimate
+    costs a flat step's body of ``n`` layer calls of ``b`` samples
+    ``call_overhead + n * (2 * layer_overhead + ops * op_overhead + b * (flops / (peak * eff)
+    + bytes / BW))``; timing one and two blocks per call at two ``b`` gives the three
+    unknowns (:func:`fit_block`). Each point is the median of rounds taken in turn (three;
+    one when ``quick``), so that a drift of the machine's speed moves every point alike.
+
+    Why three unknowns: measured on 4 ranks sharing 2 cores (2026-11-27), 1, 2 and 4 blocks
+    per call took 44, 68 and 107 ms at 1 sample and 103, 183 and 351 ms at 4: about 20 ms
+    per call, 20 ms per block and sample, and almost nothing per block besides. A fit of one
+    block at two ``b`` put the whole 20 ms per call on every layer's forward and backward,
+    which a flat step pays once per microbatch and a pipeline stage not at all.
     """
     import optree
 
@@ -299,55 +316,89 @@ def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: flo
     with torch.device("meta"):
         shapes = transformer_init(cfg, 0)["layers"][0]
     g = torch.Generator().manual_seed(0)
-    params = optree.tree_map(lambda t: (torch.randn(t.shape, generator=g) * 0.02).to(device), shapes)
+    blocks = [optree.tree_map(lambda t: (torch.randn(t.shape, generator=g) * 0.02).to(device), shapes)
+              for _ in range(2)]
     T = cfg.max_seq_len
-    grad = fs.value_and_grad(fs.shard_map(lambda p, x: block_fn(p, x, cfg).sum(), mesh=mesh,
-                                          in_specs=(P(), P()), out_specs=P()), argnums=(0, 1))
 
-    sizes = (1, 4)
-    times = []
-    for b in sizes:
-        x = torch.randn(b, T, cfg.dim, generator=g).to(device)
-        times.append(_sustained(lambda: grad(params, x), repeat=max(3, repeat), sync=sync, barrier=barrier,
-                                device=device))
-    efficiency, layer_overhead = fit_block(sizes, times, work, peak, mem_bw, op_overhead)
-    note = (f"block fit (dim {cfg.dim}, {T} tokens, b={sizes}, through value_and_grad(shard_map)): "
-            f"{', '.join(f'{t * 1e3:.1f}' for t in times)} ms -> {efficiency:.2f} of the matmul rate, "
-            f"{layer_overhead * 1e3:.2f} ms per layer forward or backward call")
-    return efficiency, layer_overhead, note
+    def body(ps: list, x: torch.Tensor) -> torch.Tensor:
+        for p in ps:
+            x = block_fn(p, x, cfg)
+        return x.sum()
+
+    grad = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P()), argnums=(0, 1))
+    points = ((1, 1), (1, 4), (2, 1)) if quick else ((1, 1), (1, 4), (2, 1), (2, 4))
+    xs = {b: torch.randn(b, T, cfg.dim, generator=g).to(device) for _, b in points}
+    rounds: dict[tuple[int, int], list[float]] = {pt: [] for pt in points}
+    for _ in range(1 if quick else 3):
+        for n, b in points:
+            ps, x = blocks[:n], xs[b]
+            rounds[(n, b)].append(_sustained(lambda: grad(ps, x), repeat=3, sync=sync, barrier=barrier,
+                                             device=device))
+    times = [statistics.median(rounds[pt]) for pt in points]
+    efficiency, layer_overhead, call_overhead = fit_block(points, times, work, peak, mem_bw, op_overhead)
+    note = (f"block fit (dim {cfg.dim}, {T} tokens, (blocks, samples) per value_and_grad(shard_map) call: "
+            + ", ".join(f"{pt}: {t * 1e3:.1f} ms" for pt, t in zip(points, times))
+            + f") -> {efficiency:.2f} of the matmul rate, {layer_overhead * 1e3:.2f} ms per layer forward or "
+            f"backward call, {call_overhead * 1e3:.2f} ms per step-body call")
+    return efficiency, layer_overhead, call_overhead, note
 
 
-def fit_block(sizes: Sequence[int], times: Sequence[float], work: Any, peak: float, mem_bw: float,
-              op_overhead: float) -> tuple[float, float]:
-    """``(matmul_efficiency, layer_overhead_s)`` that make the estimate's layer formula give
-    ``times`` (forward + backward of one block, seconds) at ``sizes`` (samples).
+def fit_block(points: Sequence[tuple[int, int]], times: Sequence[float], work: Any, peak: float, mem_bw: float,
+              op_overhead: float) -> tuple[float, float, float]:
+    """``(matmul_efficiency, layer_overhead_s, call_overhead_s)`` that make the estimate's
+    formulas give ``times`` (seconds of one step-body call) at ``points``, each
+    ``(blocks per call, samples)``.
 
-    The formula, for a block's forward and backward (two calls)::
+    The formula, for ``n`` blocks' forward and backward (two layer calls each) in one call::
 
-        t(b) = b * (flops / (peak * eff) + bytes / mem_bw) + ops * op_overhead + 2 * layer_overhead
+        t(n, b) = call + n * (2 * layer + ops * op_overhead) + n * b * (flops / (peak * eff) + bytes / mem_bw)
+
+    Least squares over the points for ``call``, ``layer`` and ``1 / eff``, with ``call`` and
+    ``layer`` kept at 0 or above (the fit with the fewest of them pinned to 0 that keeps
+    the others non-negative, the smallest residual among those).
 
     Args:
-      sizes, times: two or more batch sizes and their measured times.
+      points: three or more ``(blocks, samples)`` with at least two block counts and two
+        sample counts (all three unknowns then follow).
+      times: their measured seconds.
       work: the block's :class:`~fshard.plan.trace.Work` summed over its phases.
       peak: the matrix-product rate the efficiency is a share of (FLOP/s).
       mem_bw, op_overhead: the machine's other calibrated figures.
 
     Returns:
-      The efficiency, in ``(0, 1]``, and the overhead, ``>= 0``; a fit that would give a
-      negative overhead or rate (noise) keeps the overhead at 0 and fits the rate alone.
+      The efficiency (above 0; above 1 when the block ran faster than ``peak`` says, which
+      the caller resolves), and the two overheads, ``>= 0``.
+
+    Raises:
+      ValueError: fewer than three points, or too few distinct block or sample counts.
     """
-    rest = [t - b * work.bytes / mem_bw - work.ops * op_overhead for b, t in zip(sizes, times)]
-    n = len(sizes)
-    xs = [b * work.flops for b in sizes]
-    mx, mr = sum(xs) / n, sum(rest) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    inv_rate = sum((x - mx) * (r - mr) for x, r in zip(xs, rest)) / sxx if sxx else 0.0
-    fixed = mr - inv_rate * mx
-    if inv_rate <= 0 or fixed < 0:
-        fixed = 0.0
-        num, den = sum(x * r for x, r in zip(xs, rest)), sum(x * x for x in xs)
-        inv_rate = num / den if num > 0 else 1.0 / peak
-    return min(1.0, max(1e-3, 1.0 / inv_rate / peak)), fixed / 2
+    if len(points) != len(times) or len(points) < 3 or len({n for n, _ in points}) < 2 or \
+            len({b for _, b in points}) < 2:
+        raise ValueError(f"fit_block: needs 3 or more (blocks, samples) points with 2 block counts and 2 sample "
+                         f"counts, and one time each; got points {list(points)} and {len(times)} times")
+    ys = [t - n * work.ops * op_overhead - n * b * work.bytes / mem_bw for (n, b), t in zip(points, times)]
+    cols = {"call": [1.0] * len(points), "layer": [2.0 * n for n, _ in points],
+            "rate": [n * b * work.flops for n, b in points]}
+    best: tuple[int, float, dict[str, float]] | None = None  # (-pinned, sse, fit): the largest wins
+    for free in (("call", "layer"), ("layer",), ("call",), ()):
+        names = list(free) + ["rate"]
+        a = torch.tensor([[cols[k][i] for k in names] for i in range(len(points))], dtype=torch.float64)
+        y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+        scale = a.abs().amax(0).clamp_min(1e-30)  # the columns differ by orders of magnitude
+        sol = (torch.linalg.lstsq(a / scale, y).solution.squeeze(1) / scale).tolist()
+        fit = dict(zip(names, sol))
+        if fit["rate"] <= 0 or any(fit[k] < 0 for k in free):
+            continue
+        sse = float(((a @ torch.tensor(sol, dtype=torch.float64).unsqueeze(1) - y) ** 2).sum())
+        if best is None or (len(free), -sse) > (best[0], -best[1]):
+            best = (len(free), sse, fit)
+    if best is None:  # nothing but noise: the rate alone, through the origin
+        num = sum(x * y for x, y in zip(cols["rate"], ys))
+        den = sum(x * x for x in cols["rate"])
+        fit = {"rate": num / den if num > 0 else 1.0 / peak}
+    else:
+        fit = best[2]
+    return max(1e-3, 1.0 / fit["rate"] / peak), fit.get("layer", 0.0), fit.get("call", 0.0)
 
 
 def _links(collectives: dict[str, dict[str, Link]]) -> dict[str, Link]:

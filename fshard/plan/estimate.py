@@ -13,7 +13,8 @@ Time, per rank::
          + optimizer (AdamW + global norm over this rank's shards, traced)
 
 A layer phase costs ``samples * (flops / F + bytes / BW) + kernels * overhead`` (plus the
-machine's fixed host cost per forward or backward call, ``layer_overhead_s``), with the
+machine's fixed host cost per forward or backward call, ``layer_overhead_s``; a flat
+step's body also costs ``call_overhead_s`` once per microbatch), with the
 work the model description gives, divided by tp where tensor parallelism splits it
 (and the rest by tp too under sequence parallelism).
 
@@ -245,7 +246,9 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
            _phase_time(machine, layout, model, layer, "bwd_weight", b) for i, layer in enumerate(model.layers)}
     if layout.remat:
         bwd[rep] += fwd[rep]
-    compute = K * sum((fwd[i] + bwd[i]) * layer.count for i, layer in enumerate(model.layers))
+    # One value_and_grad(shard_map(...)) call per microbatch: its fixed host cost once.
+    call = machine.call_overhead(_ranks_per_node(machine, layout))
+    compute = K * (call + sum((fwd[i] + bwd[i]) * layer.count for i, layer in enumerate(model.layers)))
     colls = step_collectives(model, layout)
     window = {"fwd": fwd[rep], "bwd": bwd[rep]}
     exposed = sum(_exposed(machine, layout, c, window) for c in colls)

@@ -76,6 +76,12 @@ class Machine:
         its kernels' (eager autograd and fshard's bookkeeping on the host: shard_map's
         checked-mode metadata, the layer loop); calibrated machines fit it from a block, a
         GPU whose host runs ahead of it hides it (0).
+      call_overhead_s: fixed host seconds per call of a flat step's body
+        (``value_and_grad(shard_map(...))``: shard_map's entry and exit checks, the
+        autograd graph's setup and teardown), once per microbatch, whatever the layer
+        count; pipeline stage bodies run under plain autograd and pay ``layer_overhead_s``
+        only. Calibrated machines fit it from blocks per call (one and two); a GPU whose
+        host runs ahead hides it (0).
       collectives: measured ``{kind: {level: Link}}`` fitted per collective kind (kinds
         ``all_gather``, ``psum_scatter``, ``psum``, ``ppermute``); where present they
         replace ``links`` for that kind.
@@ -105,6 +111,7 @@ class Machine:
     mem_efficiency: float = 1.0
     op_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
+    call_overhead_s: float = 0.0
     collectives: Mapping[str, Mapping[str, Link]] = attrs.field(factory=dict, converter=lambda d: {
         k: dict(v) for k, v in d.items()})
     overlap: float = 0.9
@@ -150,6 +157,7 @@ class Machine:
                 raise DescriptionError(f"{where}: {f} must be in {'[0, 1]' if f == 'overlap' else '(0, 1]'}, got {v!r}")
         _positive(f"{where}: op_overhead_s", self.op_overhead_s, allow_zero=True)
         _positive(f"{where}: layer_overhead_s", self.layer_overhead_s, allow_zero=True)
+        _positive(f"{where}: call_overhead_s", self.call_overhead_s, allow_zero=True)
         _positive(f"{where}: reserved_bytes", self.reserved_bytes, allow_zero=True)
         _positive(f"{where}: comm_temporaries", self.comm_temporaries, allow_zero=True)
         for f in ("cores_per_node", "calibrated_ranks"):
@@ -181,6 +189,10 @@ class Machine:
     def layer_overhead(self, ranks_per_node: int | None = None) -> float:
         """Seconds of fixed host cost per layer forward or backward call on one rank."""
         return self.layer_overhead_s / self.share(ranks_per_node)
+
+    def call_overhead(self, ranks_per_node: int | None = None) -> float:
+        """Seconds of fixed host cost per call of a flat step's body on one rank."""
+        return self.call_overhead_s / self.share(ranks_per_node)
 
     def share(self, ranks_per_node: float | None) -> float:
         """CPU machines: this rank's share of the speed measured at calibration (1 on GPUs),

@@ -178,6 +178,20 @@ def test_layer_overhead_costs_once_per_layer_forward_and_backward_call(model):
     assert more - base == pytest.approx(calls * 1e-3)
 
 
+def test_call_overhead_costs_once_per_flat_microbatch_and_nothing_in_pipelines(model):
+    """The step body's fixed host cost (value_and_grad(shard_map) entry and exit) is paid
+    once per microbatch of a flat step, whatever the layer count; pipeline stage bodies run
+    under plain autograd and do not pay it."""
+    for k in (1, 2):
+        lay = plan.Layout({"fsdp": 2}, batch=8, microbatches=k)
+        base = plan.estimate(model, _machine(), lay).breakdown["compute"]
+        more = plan.estimate(model, _machine(call_overhead_s=5e-3), lay).breakdown["compute"]
+        assert more - base == pytest.approx(k * 5e-3)
+    pipe = plan.Layout({"pp": 2}, batch=8, microbatches=4, schedule="1f1b")
+    assert plan.estimate(model, _machine(call_overhead_s=5e-3), pipe).step_s == \
+        pytest.approx(plan.estimate(model, _machine(), pipe).step_s)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
 def test_pipeline_ranks_idle_in_the_bubble_leave_their_cores_to_the_others(model, schedule):
     """4 ranks on 2 CPU cores, calibrated with all 4 computing: a pipeline rank waiting in

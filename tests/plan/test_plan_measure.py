@@ -124,7 +124,8 @@ def test_calibrate_measures_and_saves_the_same_machine_on_every_rank(tmp_path):
     assert m.links["inter"] == m.collectives["all_gather"]["inter"]
     assert "axis x (n=2, inter)" in m.notes and "axis y (n=2, intra)" in m.notes
     assert m.calibrated_ranks == 4 and m.cores_per_node >= 1
-    assert 0 < m.matmul_efficiency <= 1 and m.layer_overhead_s >= 0 and "block fit (dim 256" in m.notes
+    assert 0 < m.matmul_efficiency <= 1 and m.layer_overhead_s >= 0 and m.call_overhead_s >= 0
+    assert "block fit (dim 256" in m.notes
     # the estimate can use it
     model = plan.describe_transformer(fs.models.TransformerConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2,
                                                                   max_seq_len=8))
@@ -132,7 +133,7 @@ def test_calibrate_measures_and_saves_the_same_machine_on_every_rank(tmp_path):
     assert est.step_s > 0
 
 
-def test_block_fit_recovers_the_efficiency_and_overhead_the_times_were_made_with():
+def test_block_fit_recovers_the_efficiency_and_overheads_the_times_were_made_with():
     import importlib
 
     fit_block = importlib.import_module("fshard.plan.calibrate").fit_block
@@ -141,24 +142,36 @@ def test_block_fit_recovers_the_efficiency_and_overhead_the_times_were_made_with
 
     w = Work(flops=2e8, bytes=3e6, ops=30)
     peak, bw, op = 1e11, 1e10, 2e-6
+    points = ((1, 1), (1, 4), (2, 1), (2, 4))
 
-    def t(b, eff, over):
-        return b * (w.flops / (peak * eff) + w.bytes / bw) + w.ops * op + 2 * over
+    def t(n, b, eff, layer, call):
+        return call + n * (2 * layer + w.ops * op) + n * b * (w.flops / (peak * eff) + w.bytes / bw)
 
-    eff, over = fit_block((1, 4), [t(1, 0.4, 3e-3), t(4, 0.4, 3e-3)], w, peak, bw, op)
-    assert eff == pytest.approx(0.4) and over == pytest.approx(3e-3)
-    # the estimate's formula then gives the block's times back
+    eff, layer, call = fit_block(points, [t(n, b, 0.4, 3e-3, 2e-2) for n, b in points], w, peak, bw, op)
+    assert (eff, layer, call) == pytest.approx((0.4, 3e-3, 2e-2))
+    # three points are enough (quick calibrations)
+    assert fit_block(points[:3], [t(n, b, 0.4, 3e-3, 2e-2) for n, b in points[:3]], w, peak, bw, op) == \
+        pytest.approx((0.4, 3e-3, 2e-2))
+    # the estimate's formulas then give the blocks' times back
     m = Machine(name="fit", memory_bytes=2**30, flops={"float32": peak}, mem_bandwidth=bw, devices_per_node=1,
                 links={"intra": Link(1e9, 1e-5), "inter": Link(1e9, 1e-5)}, matmul_efficiency=eff,
-                op_overhead_s=op, layer_overhead_s=over)
-    assert 4 * w.flops / m.flops_rate("float32") + 4 * w.bytes / m.bytes_rate() + w.ops * m.overhead() + \
-        2 * m.layer_overhead() == pytest.approx(t(4, 0.4, 3e-3))
-    # noise that would make the overhead negative: overhead 0, the rate from both points
-    eff, over = fit_block((1, 4), [t(1, 0.5, 0.0) * 0.5, t(4, 0.5, 0.0)], w, peak, bw, op)
-    assert over == 0.0 and 0 < eff <= 1
-    # a block faster than the square products' rate: capped at 1
-    eff, _ = fit_block((1, 4), [t(1, 2.0, 1e-3), t(4, 2.0, 1e-3)], w, peak, bw, op)
-    assert eff == 1.0
+                op_overhead_s=op, layer_overhead_s=layer, call_overhead_s=call)
+    assert m.call_overhead() + 2 * (4 * w.flops / m.flops_rate("float32") + 4 * w.bytes / m.bytes_rate() +
+                                    w.ops * m.overhead() + 2 * m.layer_overhead()) == \
+        pytest.approx(t(2, 4, 0.4, 3e-3, 2e-2))
+    # a cost per call only (what 4 ranks on 2 cores measured): nothing charged per layer
+    eff, layer, call = fit_block(points, [t(n, b, 0.5, 0.0, 2e-2) for n, b in points], w, peak, bw, op)
+    assert layer == pytest.approx(0.0, abs=1e-9) and call == pytest.approx(2e-2) and eff == pytest.approx(0.5)
+    # noise that would make the per-layer cost negative: pinned at 0, the rest refitted
+    times = [t(n, b, 0.5, 0.0, 2e-2) for n, b in points]
+    times[2] *= 0.8  # two blocks at one sample ran fast
+    eff, layer, call = fit_block(points, times, w, peak, bw, op)
+    assert layer == 0.0 and call > 0 and eff > 0
+    # a block faster than the square products' rate: reported above 1 (calibrate raises the rates)
+    eff, _, _ = fit_block(points, [t(n, b, 2.0, 1e-3, 0.0) for n, b in points], w, peak, bw, op)
+    assert eff == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="2 block counts"):
+        fit_block(((1, 1), (1, 4), (1, 8)), [1.0, 2.0, 3.0], w, peak, bw, op)
 
 
 def test_calibrated_links_fall_back_to_the_measured_level():
