@@ -240,7 +240,7 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
             efficiency = 1.0
 
     collectives, measurements = _collectives(mesh, quick, sync, barrier)
-    overlap = _overlap(mesh, sync, barrier) if world > 1 else 0.5
+    overlap = _overlap(mesh, sync, barrier, quick) if world > 1 else 0.5
 
     host = _host()
     total_mem = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory() / max(1, world)
@@ -505,8 +505,17 @@ def _collectives(mesh: Any, quick: bool, sync, barrier) -> tuple[dict[str, dict[
     return out, notes
 
 
-def _overlap(mesh: Any, sync, barrier) -> float:
-    """Share of an all-gather hidden behind a concurrent matrix-product loop."""
+def _overlap(mesh: Any, sync, barrier, quick: bool = False) -> float:
+    """Share of an all-gather hidden behind a concurrent matrix-product loop.
+
+    Each of the three (compute alone, gather alone, both) is timed as :func:`_sustained`
+    times it, the median of rounds taken in turn (three; one when ``quick``): the share is
+    a difference of times, and single short timings of each (as before 2026-11-27) gave
+    0.26, 0.0 and 0.89 in three calibrations of one quiet 2-core machine minutes apart; the
+    compute loop is sized to last as long as the gather. Four calibrations in a row, 4 ranks
+    on 2 cores, then gave 0.22, 0.01, 0.11 and 0.13: with every core computing, gloo's
+    transfers take cores from the compute rather than hide behind it.
+    """
     from fshard import comm
 
     axis = max(mesh.axis_names, key=lambda a: mesh.shape[a])
@@ -518,7 +527,7 @@ def _overlap(mesh: Any, sync, barrier) -> float:
     x = torch.ones(2**20, device=mesh.device)
 
     def compute() -> None:
-        for _ in range(8):
+        for _ in range(reps):
             torch.mm(a, a)
 
     def gather() -> None:
@@ -529,14 +538,18 @@ def _overlap(mesh: Any, sync, barrier) -> float:
         compute()
         h.wait()
 
-    barrier()
-    tc = _timeit(compute, repeat=7, sync=sync)
-    barrier()
-    tg = _timeit(gather, repeat=7, sync=sync)
-    barrier()
-    tb = _timeit(both, repeat=7, sync=sync)
+    # As long as the gather alone: the share is a difference over the shorter of the two,
+    # which a short compute loop (8 products: 6 ms against a 20-60 ms gather on 4 ranks
+    # sharing 2 cores) makes a fifth as precise.
+    reps = 8
+    tg = _sustained(gather, repeat=5, sync=sync, barrier=barrier, device=mesh.device)
+    tc = _sustained(compute, repeat=5, sync=sync, barrier=barrier, device=mesh.device)
+    reps = max(8, min(256, round(8 * tg / tc)))
+    rounds: dict[str, list[float]] = {"compute": [], "gather": [], "both": []}
+    for _ in range(1 if quick else 3):
+        for name, fn in (("compute", compute), ("gather", gather), ("both", both)):
+            rounds[name].append(_sustained(fn, repeat=5, sync=sync, barrier=barrier, device=mesh.device))
+    tc, tg, tb = (statistics.median(rounds[k]) for k in ("compute", "gather", "both"))
     hidden = (tc + tg - tb) / min(tc, tg)
-    value = torch.tensor([min(1.0, max(0.0, hidden))], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return float(value)
-
+    # _sustained's times are the slowest rank's, the same on every rank
+    return min(1.0, max(0.0, hidden))
