@@ -80,7 +80,7 @@ class Machine:
         (``value_and_grad(shard_map(...))``: shard_map's entry and exit checks, the
         autograd graph's setup and teardown), once per microbatch, whatever the layer
         count; pipeline stage bodies run under plain autograd and pay ``layer_overhead_s``
-        only. Calibrated machines fit it from blocks per call (one and two); a GPU whose
+        only. Calibrated machines fit it from blocks per call (one and four); a GPU whose
         host runs ahead hides it (0).
       collectives: measured ``{kind: {level: Link}}`` fitted per collective kind (kinds
         ``all_gather``, ``psum_scatter``, ``psum``, ``ppermute``); where present they
