@@ -186,10 +186,15 @@ def _optimizer_time(machine: Machine, layout: Layout, numel: int, n_leaves: int)
 
 
 def _exposed(machine: Machine, layout: Layout, c: Collective, window: dict[str | None, float]) -> float:
+    """Seconds of ``c`` (all its calls) the step waits for. ``machine.overlap`` is the share
+    of the shorter of a collective and the compute beside it that runs hidden (what
+    ``calibrate`` measures: an all-gather beside a loop as long as it); charging it as the
+    share of the compute window that hides communication, as before 2026-11-27, hid every
+    FSDP collective shorter than ``overlap`` times its block, however small ``overlap``."""
     t = collective_time(machine, layout, c) * c.count
     if c.hide is None:
         return t
-    return max(0.0, t - machine.overlap * window[c.hide] * c.count)
+    return max(0.0, t - machine.overlap * min(t, window[c.hide] * c.count))
 
 
 def estimate(model: ModelDesc, machine: Machine, layout: Layout, *, memory_limit: float | None = None,

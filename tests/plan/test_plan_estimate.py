@@ -178,6 +178,26 @@ def test_layer_overhead_costs_once_per_layer_forward_and_backward_call(model):
     assert more - base == pytest.approx(calls * 1e-3)
 
 
+def test_overlap_hides_its_share_of_the_shorter_of_collective_and_compute():
+    """machine.overlap is what calibrate measures: the share of the shorter of a collective
+    and the compute beside it that runs hidden. A collective shorter than its window keeps
+    (1 - overlap) of its time exposed; one longer keeps the rest beyond overlap * window."""
+    import sys
+
+    from fshard.plan.comm import Collective
+
+    E = sys.modules["fshard.plan.estimate"]
+    m, lay = _machine(overlap=0.25), plan.Layout({"fsdp": 2}, batch=8)
+    c = Collective("all_gather", ("fsdp",), 2**20, count=3, hide="fwd")
+    t = E.collective_time(m, lay, c) * 3
+    assert E._exposed(m, lay, c, {"fwd": 10 * t}) == pytest.approx(0.75 * t)  # short: 3/4 of it shows
+    assert E._exposed(m, lay, c, {"fwd": t / 30}) == pytest.approx(t - 0.25 * t / 10)  # long: beyond the window
+    assert E._exposed(_machine(overlap=0.0), lay, c, {"fwd": 10 * t}) == pytest.approx(t)
+    assert E._exposed(_machine(overlap=1.0), lay, c, {"fwd": 10 * t}) == 0.0
+    exposed = Collective("psum", ("fsdp",), 2**20, count=2, hide=None)
+    assert E._exposed(m, lay, exposed, {"fwd": 10 * t}) == pytest.approx(E.collective_time(m, lay, exposed) * 2)
+
+
 def test_call_overhead_costs_once_per_flat_microbatch_and_nothing_in_pipelines(model):
     """The step body's fixed host cost (value_and_grad(shard_map) entry and exit) is paid
     once per microbatch of a flat step, whatever the layer count; pipeline stage bodies run
