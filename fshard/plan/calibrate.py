@@ -7,7 +7,7 @@ cost each other when they share CPU cores or a node's links):
   over the sizes gives the sustained rate ``F``;
 - the fixed cost of a kernel (a one-element add, many times);
 - real Transformer blocks, forward and backward through ``value_and_grad(shard_map)``,
-  one and four per call at two batch sizes: matrix products of a model's shapes, attention
+  one, two and four per call at one to four samples: matrix products of a model's shapes, attention
   and norms reach a fraction of the square products' rate, and autograd and fshard cost a
   fixed host time per call and per layer besides; the timings, with the block's traced
   work (:func:`~fshard.plan.model.describe_transformer`), fit ``matmul_efficiency``,
@@ -224,20 +224,11 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
 
     efficiency, layer_overhead, call_overhead, fit_note = 1.0, 0.0, 0.0, "block fit skipped"
     if block is not False and "float32" in flops:
-        efficiency, layer_overhead, call_overhead, fit_note = _block_fit(
+        efficiency, layer_overhead, call_overhead, compute_share, fit_note = _block_fit(
             block, mesh, flops["float32"], mem_bw, op_overhead, quick, sync, barrier)
-        # Every rank uses rank 0's fit (the machine file is rank 0's figures).
-        if world > 1:
-            fit = torch.tensor([efficiency, layer_overhead, call_overhead], dtype=torch.float64)
-            dist.broadcast(fit, src=0)
-            efficiency, layer_overhead, call_overhead = (float(v) for v in fit)
-        if efficiency > 1:
-            # The block multiplied faster than the square products' fit says: that fit ran
-            # slow (on shared cores their timings spread 2x between calibrations minutes
-            # apart), and the block is what a step runs. Its rate becomes the machine's.
-            flops = {k: v * efficiency for k, v in flops.items()}
-            fit_note += f"; the matmul rates raised {efficiency:.2f}x to the block's"
-            efficiency = 1.0
+        flops, efficiency, note = resolve_efficiency(flops, efficiency, compute_share)
+        fit_note += note
+    # Every rank returns rank 0's machine (broadcast below), fit included.
 
     collectives, measurements = _collectives(mesh, quick, sync, barrier)
     overlap = _overlap(mesh, sync, barrier, quick) if world > 1 else 0.5
@@ -274,6 +265,35 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
     return machine
 
 
+# How far a block's fit may raise the matrix-product rates, and the least share of the
+# block's time its per-sample compute must take for the fit to say anything about the rate.
+MAX_RATE_RAISE = 2.0
+MIN_COMPUTE_SHARE = 0.3
+
+
+def resolve_efficiency(flops: dict[str, float], efficiency: float, compute_share: float
+                       ) -> tuple[dict[str, float], float, str]:
+    """``(flops, matmul_efficiency, note)`` from a block fit's efficiency, kept at most 1.
+
+    An efficiency above 1 means the block multiplied faster than the square products' fit
+    says: on shared cores those timings spread 2x between calibrations minutes apart, and
+    the block is what a step runs, so the rates (every dtype's, as the efficiency applies
+    to every dtype) are raised to the block's, by at most :data:`MAX_RATE_RAISE`. Only
+    when the block's per-sample compute took at least :data:`MIN_COMPUTE_SHARE` of its
+    largest timing: a host-bound block (a small one on a GPU) fits its rate from noise,
+    and the efficiency is then capped at 1 with the rates left as measured.
+    """
+    if efficiency <= 1:
+        return flops, efficiency, ""
+    if compute_share < MIN_COMPUTE_SHARE:
+        return flops, 1.0, (f"; efficiency {efficiency:.2f} capped at 1: the block's compute is "
+                            f"{compute_share:.0%} of its time, too little to fit a rate from")
+    factor = min(efficiency, MAX_RATE_RAISE)
+    capped = f" (fit {efficiency:.2f}x, capped)" if factor < efficiency else ""
+    return ({k: v * factor for k, v in flops.items()}, 1.0,
+            f"; the matmul rates raised {factor:.2f}x to the block's{capped}")
+
+
 def _reference_block() -> Any:
     from fshard.models import TransformerConfig
 
@@ -281,18 +301,20 @@ def _reference_block() -> Any:
 
 
 def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: float, quick: bool,
-               sync: Callable[[], None], barrier: Callable[[], None]) -> tuple[float, float, float, str]:
-    """``(matmul_efficiency, layer_overhead_s, call_overhead_s, note)`` from real blocks'
-    forward + backward.
+               sync: Callable[[], None], barrier: Callable[[], None]) -> tuple[float, float, float, float, str]:
+    """``(matmul_efficiency, layer_overhead_s, call_overhead_s, compute_share, note)`` from
+    real blocks' forward + backward (``compute_share``: the fitted per-sample compute's share
+    of the largest timing).
 
     The blocks run as a training step runs them: ``fs.value_and_grad`` of an
     ``fs.shard_map`` (checked mode, the default) over ``mesh`` with everything replicated
     (no collective), so the time includes autograd's and fshard's host work. The estimate
     costs a flat step's body of ``n`` layer calls of ``b`` samples
     ``call_overhead + n * (2 * layer_overhead + ops * op_overhead + b * (flops / (peak * eff)
-    + bytes / BW))``; timing one and four blocks per call at two ``b`` gives the three
-    unknowns (:func:`fit_block`). Each point is the median of rounds taken in turn (three;
-    one when ``quick``), so that a drift of the machine's speed moves every point alike.
+    + bytes / BW))``; timing ``(n, b)`` = (1, 1), (1, 4), (4, 1) and (2, 2) (one block's
+    parameters applied ``n`` times) gives the three unknowns (:func:`fit_block`). Each point
+    is the median of rounds taken in turn (five; one when ``quick``), so that a drift of
+    the machine's speed moves every point alike.
 
     Why three unknowns: measured on 4 ranks sharing 2 cores (2026-11-27), 1, 2 and 4 blocks
     per call took 44, 68 and 107 ms at 1 sample and 103, 183 and 351 ms at 4: about 20 ms
@@ -316,34 +338,43 @@ def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: flo
     with torch.device("meta"):
         shapes = transformer_init(cfg, 0)["layers"][0]
     g = torch.Generator().manual_seed(0)
-    blocks = [optree.tree_map(lambda t: (torch.randn(t.shape, generator=g) * 0.02).to(device), shapes)
-              for _ in range(4)]
+    # One block's parameters, applied n times: the memory of one block's parameters and of
+    # at most 4 samples' activations, as a fit at 1 and 4 samples of one block took.
+    params = optree.tree_map(lambda t: (torch.randn(t.shape, generator=g) * 0.02).to(device), shapes)
     T = cfg.max_seq_len
 
-    def body(ps: list, x: torch.Tensor) -> torch.Tensor:
-        for p in ps:
-            x = block_fn(p, x, cfg)
-        return x.sum()
+    def blocks(n: int) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+        def body(p: Any, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(n):
+                x = block_fn(p, x, cfg)
+            return x.sum()
+        return body
 
-    grad = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P()), argnums=(0, 1))
-    # 1 and 4 blocks: the per-layer cost is the small difference of per-block times, which
-    # 1 and 2 blocks left to noise (three calibrations minutes apart fitted 5.2, 10.3 and
-    # 9.6 ms per layer call, 9.2, 0 and 2.0 ms per step-body call).
-    points = ((1, 1), (1, 4), (4, 1)) if quick else ((1, 1), (1, 4), (4, 1), (4, 4))
+    grads = {n: fs.value_and_grad(fs.shard_map(blocks(n), mesh=mesh, in_specs=(P(), P()), out_specs=P()),
+                                  argnums=(0, 1)) for n in (1, 2, 4)}
+    # Up to 4 blocks per call: the per-layer cost is the small difference of per-block
+    # times, which 1 and 2 blocks left to noise (three calibrations minutes apart fitted
+    # 5.2, 10.3 and 9.6 ms per layer call, 9.2, 0 and 2.0 ms per step-body call). At most
+    # 4 block-samples per point; four points, so that the fit of three unknowns averages.
+    points = ((1, 1), (1, 4), (4, 1), (2, 2))
     xs = {b: torch.randn(b, T, cfg.dim, generator=g).to(device) for _, b in points}
     rounds: dict[tuple[int, int], list[float]] = {pt: [] for pt in points}
-    for _ in range(1 if quick else 3):
+    for _ in range(1 if quick else 5):
         for n, b in points:
-            ps, x = blocks[:n], xs[b]
-            rounds[(n, b)].append(_sustained(lambda: grad(ps, x), repeat=3, sync=sync, barrier=barrier,
+            fn, x = grads[n], xs[b]
+            rounds[(n, b)].append(_sustained(lambda: fn(params, x), repeat=3, sync=sync, barrier=barrier,
                                              device=device))
     times = [statistics.median(rounds[pt]) for pt in points]
     efficiency, layer_overhead, call_overhead = fit_block(points, times, work, peak, mem_bw, op_overhead)
+    # The per-sample compute's share of the largest timing, as fitted (resolve_efficiency).
+    big = max(range(len(points)), key=lambda i: times[i])
+    n, b = points[big]
+    compute_share = n * b * work.flops / (peak * efficiency) / times[big]
     note = (f"block fit (dim {cfg.dim}, {T} tokens, (blocks, samples) per value_and_grad(shard_map) call: "
             + ", ".join(f"{pt}: {t * 1e3:.1f} ms" for pt, t in zip(points, times))
             + f") -> {efficiency:.2f} of the matmul rate, {layer_overhead * 1e3:.2f} ms per layer forward or "
             f"backward call, {call_overhead * 1e3:.2f} ms per step-body call")
-    return efficiency, layer_overhead, call_overhead, note
+    return efficiency, layer_overhead, call_overhead, compute_share, note
 
 
 def fit_block(points: Sequence[tuple[int, int]], times: Sequence[float], work: Any, peak: float, mem_bw: float,
@@ -361,8 +392,8 @@ def fit_block(points: Sequence[tuple[int, int]], times: Sequence[float], work: A
     the others non-negative, the smallest residual among those).
 
     Args:
-      points: three or more ``(blocks, samples)`` with at least two block counts and two
-        sample counts (all three unknowns then follow).
+      points: three or more ``(blocks, samples)`` that separate the three unknowns (the rows
+        ``(1, blocks, blocks * samples)`` have rank 3).
       times: their measured seconds.
       work: the block's :class:`~fshard.plan.trace.Work` summed over its phases.
       peak: the matrix-product rate the efficiency is a share of (FLOP/s).
@@ -373,12 +404,17 @@ def fit_block(points: Sequence[tuple[int, int]], times: Sequence[float], work: A
       the caller resolves), and the two overheads, ``>= 0``.
 
     Raises:
-      ValueError: fewer than three points, or too few distinct block or sample counts.
+      ValueError: fewer than three points, too few distinct block or sample counts, or
+        points that do not separate the unknowns.
     """
     if len(points) != len(times) or len(points) < 3 or len({n for n, _ in points}) < 2 or \
             len({b for _, b in points}) < 2:
         raise ValueError(f"fit_block: needs 3 or more (blocks, samples) points with 2 block counts and 2 sample "
                          f"counts, and one time each; got points {list(points)} and {len(times)} times")
+    design = torch.tensor([[1.0, n, n * b] for n, b in points], dtype=torch.float64)
+    if int(torch.linalg.matrix_rank(design)) < 3:
+        raise ValueError(f"fit_block: points {list(points)} do not separate the per-call, per-layer and per-sample "
+                         f"costs (their (1, blocks, blocks * samples) rows have rank < 3)")
     ys = [t - n * work.ops * op_overhead - n * b * work.bytes / mem_bw for (n, b), t in zip(points, times)]
     cols = {"call": [1.0] * len(points), "layer": [2.0 * n for n, _ in points],
             "rate": [n * b * work.flops for n, b in points]}

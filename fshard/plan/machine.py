@@ -68,25 +68,28 @@ class Machine:
       mem_bandwidth: bytes per second of device memory (memory-bound kernels).
       devices_per_node: devices that share the intra-node link.
       links: ``{"intra": Link, "inter": Link}``.
-      matmul_efficiency: share of ``flops`` that large matrix products reach (vendor
-        figures are peaks; a calibrated machine measured its own, so 1.0).
+      matmul_efficiency: share of ``flops`` that a model's matrix products reach (vendor
+        figures are peaks; a calibrated machine fits it on a real block, at most 1: a
+        block faster than the square products raises ``flops`` instead).
       mem_efficiency: share of ``mem_bandwidth`` that elementwise kernels reach.
       op_overhead_s: fixed seconds per kernel (launch / dispatch), whatever its size.
       layer_overhead_s: fixed seconds per call of a layer's forward or backward besides
-        its kernels' (eager autograd and fshard's bookkeeping on the host: shard_map's
-        checked-mode metadata, the layer loop); calibrated machines fit it from a block, a
-        GPU whose host runs ahead of it hides it (0).
+        its kernels' (eager autograd's and fshard's per-layer bookkeeping on the host);
+        calibrated machines fit it from 1, 2 and 4 blocks per call (on a GPU whose host
+        runs ahead of its kernels the fit reads host time the step hides: the shipped GPU
+        files set 0).
       call_overhead_s: fixed host seconds per call of a flat step's body
         (``value_and_grad(shard_map(...))``: shard_map's entry and exit checks, the
         autograd graph's setup and teardown), once per microbatch, whatever the layer
         count; pipeline stage bodies run under plain autograd and pay ``layer_overhead_s``
-        only. Calibrated machines fit it from blocks per call (one and four); a GPU whose
-        host runs ahead hides it (0).
+        only. Calibrated machines fit it with ``layer_overhead_s``; the shipped GPU files
+        set 0.
       collectives: measured ``{kind: {level: Link}}`` fitted per collective kind (kinds
         ``all_gather``, ``psum_scatter``, ``psum``, ``ppermute``); where present they
         replace ``links`` for that kind.
-      overlap: share of overlappable communication (FSDP prefetch, gradient
-        reductions) hidden behind compute, 0 to 1.
+      overlap: share of the shorter of an overlappable collective (FSDP prefetch,
+        gradient reductions) and the compute beside it that runs hidden, 0 to 1 (what
+        ``calibrate`` measures: an all-gather beside a matmul loop as long as it).
       cores_per_node: CPU machines: cores the ranks of a node share (0: a device each).
         Non-zero also means the ranks post point-to-point transfers from their own thread
         (gloo): a pipeline estimate charges each posted send or receive its latency on the

@@ -124,8 +124,7 @@ def test_calibrate_measures_and_saves_the_same_machine_on_every_rank(tmp_path):
     assert m.links["inter"] == m.collectives["all_gather"]["inter"]
     assert "axis x (n=2, inter)" in m.notes and "axis y (n=2, intra)" in m.notes
     assert m.calibrated_ranks == 4 and m.cores_per_node >= 1
-    assert 0 < m.matmul_efficiency <= 1 and m.layer_overhead_s >= 0 and m.call_overhead_s >= 0
-    assert "block fit (dim 256" in m.notes
+    assert "block fit (dim 256" in m.notes and "per step-body call" in m.notes
     # the estimate can use it
     model = plan.describe_transformer(fs.models.TransformerConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2,
                                                                   max_seq_len=8))
@@ -172,6 +171,23 @@ def test_block_fit_recovers_the_efficiency_and_overheads_the_times_were_made_wit
     assert eff == pytest.approx(2.0)
     with pytest.raises(ValueError, match="2 block counts"):
         fit_block(((1, 1), (1, 4), (1, 8)), [1.0, 2.0, 3.0], w, peak, bw, op)
+    with pytest.raises(ValueError, match="do not separate"):  # blocks * samples the same in every row
+        fit_block(((1, 2), (2, 1), (1, 2)), [1.0, 2.0, 3.0], w, peak, bw, op)
+
+
+def test_a_block_faster_than_the_square_products_raises_the_rates_within_bounds():
+    import importlib
+
+    calibrate = importlib.import_module("fshard.plan.calibrate")
+    flops = {"float32": 10e9, "bfloat16": 20e9}
+    assert calibrate.resolve_efficiency(flops, 0.7, 0.9) == (flops, 0.7, "")
+    raised, eff, note = calibrate.resolve_efficiency(flops, 1.5, 0.9)
+    assert raised == {"float32": 15e9, "bfloat16": 30e9} and eff == 1.0 and "raised 1.50x" in note
+    raised, eff, note = calibrate.resolve_efficiency(flops, 40.0, 0.9)  # noise: at most MAX_RATE_RAISE
+    assert raised["float32"] == 10e9 * calibrate.MAX_RATE_RAISE and eff == 1.0 and "capped" in note
+    # a host-bound block (a small one on a GPU) says nothing of the rate: left as measured
+    raised, eff, note = calibrate.resolve_efficiency(flops, 3.0, 0.05)
+    assert raised == flops and eff == 1.0 and "too little" in note
 
 
 def test_calibrated_links_fall_back_to_the_measured_level():
