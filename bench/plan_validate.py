@@ -5,7 +5,8 @@
     PYTHONPATH=. python bench/plan_validate.py --memory-only --only "fsdp=4;fsdp=4 remat" --out plan_validate.json
 
 For each repeat: calibrate this machine on 4 ranks (``fs.plan.calibrate``, all ranks at
-once; with ``--calibrate each``, a quick calibration right before each layout instead),
+once; with ``--calibrate each``, a quick calibration right before each layout instead, with
+``--calibrate each-full`` a full one),
 then run ``examples/train_lm.py`` on 4 ranks for each layout below with
 ``--log-json`` and ``--machine`` set to that calibration, so its last record carries
 ``predicted_step_s``, ``measured_step_s`` (median after the warm-up),
@@ -154,7 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--calibrate", choices=("once", "each"), default="once",
+    ap.add_argument("--calibrate", choices=("once", "each", "each-full"), default="once",
                     help="once per repeat (full), or a quick one right before each layout "
                          "(on a shared machine the load moves between layouts)")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -187,8 +188,8 @@ def main() -> None:
             if args.budget_s is not None and time.time() - start > args.budget_s:
                 print(f"repeat {rep}: {name}: skipped (--budget-s {args.budget_s:.0f} spent)", flush=True)
                 continue
-            if args.calibrate == "each":  # the machine as it is now: the load moves between layouts
-                fs.run_local(_calibrate, str(machine_path), True, world_size=4, timeout_s=900)
+            if args.calibrate != "once":  # the machine as it is now: its speed moves between layouts
+                fs.run_local(_calibrate, str(machine_path), args.calibrate == "each", world_size=4, timeout_s=900)
                 machine = plan.load_machine(machine_path)
             log = Path(tempfile.mkdtemp()) / "log.json"
             argv = MODEL + flags + ["--steps", str(args.steps), "--quiet", "--sample-chars", "0",
