@@ -156,8 +156,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--calibrate", choices=("once", "each", "each-full"), default="once",
-                    help="once per repeat (full), or a quick one right before each layout "
-                         "(on a shared machine the load moves between layouts)")
+                    help="once per repeat (full), or right before each layout, quick (each) or full "
+                         "(each-full): the machine's speed moves between layouts")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new layout after this many seconds (the rest are listed as skipped)")
     ap.add_argument("--memory-only", action="store_true",
