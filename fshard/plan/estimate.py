@@ -182,7 +182,8 @@ def _optimizer_time(machine: Machine, layout: Layout, numel: int, n_leaves: int)
     kernels = ow.ops - ow.foreach_ops + ow.ops_per_leaf * n_leaves
     # A CPU runs a foreach kernel as one kernel per tensor; a GPU as one per ~dozens of tensors.
     kernels += ow.foreach_ops * (n_leaves if machine.cores_per_node else max(1, n_leaves / 32))
-    return numel * ow.bytes_per_element * k / machine.bytes_rate(rpn) + kernels * machine.overhead(rpn)
+    host = n_leaves * machine.optimizer_leaf_overhead_s / machine.share(rpn)
+    return numel * ow.bytes_per_element * k / machine.bytes_rate(rpn) + kernels * machine.overhead(rpn) + host
 
 
 def _exposed(machine: Machine, layout: Layout, c: Collective, window: dict[str | None, float]) -> float:

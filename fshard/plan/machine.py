@@ -84,6 +84,10 @@ class Machine:
         count; pipeline stage bodies run under plain autograd and pay ``layer_overhead_s``
         only. Calibrated machines fit it with ``layer_overhead_s``; the shipped GPU files
         set 0.
+      optimizer_leaf_overhead_s: host seconds per parameter leaf of the optimizer step
+        (global norm, clipping, AdamW, apply) beyond its kernels' (the Python of the
+        transforms and DTensor's dispatch of every op); calibrated machines measure it on
+        DTensor leaves; the shipped GPU files set 0.
       collectives: measured ``{kind: {level: Link}}`` fitted per collective kind (kinds
         ``all_gather``, ``psum_scatter``, ``psum``, ``ppermute``); where present they
         replace ``links`` for that kind.
@@ -115,6 +119,7 @@ class Machine:
     op_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
     call_overhead_s: float = 0.0
+    optimizer_leaf_overhead_s: float = 0.0
     collectives: Mapping[str, Mapping[str, Link]] = attrs.field(factory=dict, converter=lambda d: {
         k: dict(v) for k, v in d.items()})
     overlap: float = 0.9
@@ -161,6 +166,7 @@ class Machine:
         _positive(f"{where}: op_overhead_s", self.op_overhead_s, allow_zero=True)
         _positive(f"{where}: layer_overhead_s", self.layer_overhead_s, allow_zero=True)
         _positive(f"{where}: call_overhead_s", self.call_overhead_s, allow_zero=True)
+        _positive(f"{where}: optimizer_leaf_overhead_s", self.optimizer_leaf_overhead_s, allow_zero=True)
         _positive(f"{where}: reserved_bytes", self.reserved_bytes, allow_zero=True)
         _positive(f"{where}: comm_temporaries", self.comm_temporaries, allow_zero=True)
         for f in ("cores_per_node", "calibrated_ranks"):

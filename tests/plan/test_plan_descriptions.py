@@ -42,6 +42,7 @@ def test_machine_round_trips_through_json(tmp_path):
     ({"overlap": 1.5}, "overlap"),
     ({"layer_overhead_s": -1e-3}, "layer_overhead_s"),
     ({"call_overhead_s": -1e-3}, "call_overhead_s"),
+    ({"optimizer_leaf_overhead_s": -1e-3}, "optimizer_leaf_overhead_s"),
     ({"collectives": {"all_reduce": {}}}, "unknown kind 'all_reduce'"),
     ({"speed": 3}, "unknown field 'speed'"),
 ])

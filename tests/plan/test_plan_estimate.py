@@ -198,6 +198,21 @@ def test_overlap_hides_its_share_of_the_shorter_of_collective_and_compute():
     assert E._exposed(m, lay, exposed, {"fwd": 10 * t}) == pytest.approx(E.collective_time(m, lay, exposed) * 2)
 
 
+def test_optimizer_leaf_overhead_costs_once_per_leaf_a_rank_holds(model):
+    """The optimizer's host time per parameter leaf (calibrated on DTensor leaves) is paid
+    for every leaf this rank updates: all of them on a flat layout, a stage's on a pipeline
+    rank (the slowest rank's optimizer is the step's)."""
+    n_leaves = sum(len(layer.params) * layer.count for layer in model.layers)
+    lay = plan.Layout({"fsdp": 2}, batch=8)
+    base = plan.estimate(model, _machine(), lay).breakdown["optimizer"]
+    more = plan.estimate(model, _machine(optimizer_leaf_overhead_s=1e-3), lay).breakdown["optimizer"]
+    assert more - base == pytest.approx(n_leaves * 1e-3)
+    pipe = plan.Layout({"pp": 2}, batch=8, microbatches=4, schedule="1f1b")
+    base = plan.estimate(model, _machine(), pipe).breakdown["optimizer"]
+    more = plan.estimate(model, _machine(optimizer_leaf_overhead_s=1e-3), pipe).breakdown["optimizer"]
+    assert 0 < more - base < n_leaves * 1e-3
+
+
 def test_call_overhead_costs_once_per_flat_microbatch_and_nothing_in_pipelines(model):
     """The step body's fixed host cost (value_and_grad(shard_map) entry and exit) is paid
     once per microbatch of a flat step, whatever the layer count; pipeline stage bodies run

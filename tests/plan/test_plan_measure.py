@@ -124,7 +124,7 @@ def test_calibrate_measures_and_saves_the_same_machine_on_every_rank(tmp_path):
     assert m.links["inter"] == m.collectives["all_gather"]["inter"]
     assert "axis x (n=2, inter)" in m.notes and "axis y (n=2, intra)" in m.notes
     assert m.calibrated_ranks == 4 and m.cores_per_node >= 1
-    assert "block fit (dim 256" in m.notes and "per step-body call" in m.notes
+    assert "block fit (dim 256" in m.notes and "per step-body call" in m.notes and "per leaf" in m.notes
     # the estimate can use it
     model = plan.describe_transformer(fs.models.TransformerConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2,
                                                                   max_seq_len=8))
