@@ -86,7 +86,7 @@ NOT_RUN_HERE = {
     r"python -m fshard\.plan --model llama3-8b --devices 64 .*": "a search over every 64-device layout, 45 s of "
                                                                 "CPU; tests/plan's CLI tests run the search on "
                                                                 "small cases (the --layout command here is run)",
-    r"PYTHONPATH=\. nice -n 19 python bench/plan_validate\.py .*": "the validation runs, about 5 minutes; "
+    r"PYTHONPATH=\. nice -n 19 python bench/plan_validate\.py .*": "the validation runs, 10-20 minutes; "
                                                                    "tests/plan checks each predicted quantity",
     r"PYTHONPATH=\. python bench/plan_validate\.py --report .*": "prints the table the run above saved",
     r"PYTHONPATH=\. python bench/plan_paper\.py": "40 s of search against published runs; its table is in "
