@@ -269,6 +269,9 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
     return machine
 
 
+# (blocks per call, samples) the block fit times: see _block_fit.
+BLOCK_POINTS = ((1, 1), (1, 4), (4, 1), (2, 2))
+
 # How far a block's fit may raise the matrix-product rates, and the least share of the
 # block's time its per-sample compute must take for the fit to say anything about the rate.
 MAX_RATE_RAISE = 2.0
@@ -285,7 +288,9 @@ def resolve_efficiency(flops: dict[str, float], efficiency: float, compute_share
     to every dtype) are raised to the block's, by at most :data:`MAX_RATE_RAISE`. Only
     when the block's per-sample compute took at least :data:`MIN_COMPUTE_SHARE` of its
     largest timing: a host-bound block (a small one on a GPU) fits its rate from noise,
-    and the efficiency is then capped at 1 with the rates left as measured.
+    and the efficiency is then capped at 1 with the rates left as measured. (The share is
+    the fit's own, so a fit whose efficiency came out low from noise has a larger share;
+    only the raise, not a low efficiency, is guarded.)
     """
     if efficiency <= 1:
         return flops, efficiency, ""
@@ -307,8 +312,9 @@ def _optimizer_leaf_overhead(mesh: Any, mem_bw: float, op_overhead: float, quick
     Timed on DTensor leaves over ``mesh`` (as train_lm's parameters are: every op goes
     through DTensor's dispatch) of 4096 elements, at 8 and 32 leaves, as :func:`_sustained`
     times it; the difference per leaf, less the traced kernels' cost per leaf (their bytes
-    over ``mem_bw`` and their count times ``op_overhead``). On 4 ranks sharing 2 cores
-    (2026-11-27) the update of train_lm's 38 leaves took 33-65 ms against the kernel
+    over ``mem_bw`` and their count times ``op_overhead``, as the estimate counts them), the
+    median of rounds taken in turn (three; one when ``quick``). On 4 ranks sharing 2 cores
+    (2026-11-27) the update of train_lm's 53 leaves took 32-65 ms against the kernel
     formula's 8-27 ms.
     """
     from fshard import optim
@@ -316,28 +322,35 @@ def _optimizer_leaf_overhead(mesh: Any, mem_bw: float, op_overhead: float, quick
     from fshard.mesh.spec import PartitionSpec as P
     from fshard.plan.trace import trace_optimizer
 
+    from fshard.plan.estimate import optimizer_kernels
+
     work = trace_optimizer(torch.float32)
     numel = 4096
     g = torch.Generator().manual_seed(0)
 
-    def timed(n_leaves: int) -> float:
+    def make(n_leaves: int) -> Callable[[], None]:
         params = shard([torch.randn(numel, generator=g) for _ in range(n_leaves)], P(), mesh)
         grads = shard([torch.randn(numel, generator=g) for _ in range(n_leaves)], P(), mesh)
         opt = optim.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1)
         box = [params, opt.init(params)]
 
-        def step() -> None:
+        def step() -> None:  # replicated leaves: global_norm issues no collective
             norm = float(optim.global_norm(grads))
             clipped = [x * (1.0 / (norm + 1e-6)) for x in grads]
             with optim.donate():
                 updates, box[1] = opt.update(clipped, box[1], box[0])
                 box[0] = optim.apply_updates(box[0], updates)
+        return step
 
-        return _sustained(step, repeat=3, sync=sync, barrier=barrier, device=mesh.device)
-
-    t8, t32 = timed(8), timed(32)
-    per_leaf = (t32 - t8) / 24
-    kernels = work.ops_per_leaf + work.foreach_ops  # a CPU runs a foreach kernel per tensor
+    steps = {n: make(n) for n in (8, 32)}
+    rounds: dict[int, list[float]] = {8: [], 32: []}
+    for _ in range(1 if quick else 3):  # taken in turn, as the block fit's points
+        for n, step in steps.items():
+            rounds[n].append(_sustained(step, repeat=3, sync=sync, barrier=barrier, device=mesh.device))
+    per_leaf = (statistics.median(rounds[32]) - statistics.median(rounds[8])) / 24
+    # What the estimate charges per leaf for the kernels, with its own CPU / GPU rule.
+    cpu = mesh.device.type != "cuda"
+    kernels = (optimizer_kernels(work, 32, cpu) - optimizer_kernels(work, 8, cpu)) / 24
     formula = numel * work.bytes_per_element / mem_bw + kernels * op_overhead
     return max(0.0, per_leaf - formula)
 
@@ -404,7 +417,7 @@ def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: flo
     # times, which 1 and 2 blocks left to noise (three calibrations minutes apart fitted
     # 5.2, 10.3 and 9.6 ms per layer call, 9.2, 0 and 2.0 ms per step-body call). At most
     # 4 block-samples per point; four points, so that the fit of three unknowns averages.
-    points = ((1, 1), (1, 4), (4, 1), (2, 2))
+    points = BLOCK_POINTS
     xs = {b: torch.randn(b, T, cfg.dim, generator=g).to(device) for _, b in points}
     rounds: dict[tuple[int, int], list[float]] = {pt: [] for pt in points}
     for _ in range(1 if quick else 5):

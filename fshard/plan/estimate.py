@@ -175,13 +175,19 @@ def _optimizer_work(dtype: str) -> OptimizerWork:
     return trace_optimizer(getattr(torch, dtype))
 
 
+def optimizer_kernels(ow: OptimizerWork, n_leaves: float, cpu: bool) -> float:
+    """Kernels of one optimizer step over ``n_leaves`` leaves (``calibrate`` subtracts the
+    same count from its timings, so the two agree on what the per-leaf host time is)."""
+    kernels = ow.ops - ow.foreach_ops + ow.ops_per_leaf * n_leaves
+    # A CPU runs a foreach kernel as one kernel per tensor; a GPU as one per ~dozens of tensors.
+    return kernels + ow.foreach_ops * (n_leaves if cpu else max(1, n_leaves / 32))
+
+
 def _optimizer_time(machine: Machine, layout: Layout, numel: int, n_leaves: int) -> float:
     ow = _optimizer_work(layout.master_dtype)
     rpn = _ranks_per_node(machine, layout)
     k = DTYPE_BYTES[layout.master_dtype] / 4
-    kernels = ow.ops - ow.foreach_ops + ow.ops_per_leaf * n_leaves
-    # A CPU runs a foreach kernel as one kernel per tensor; a GPU as one per ~dozens of tensors.
-    kernels += ow.foreach_ops * (n_leaves if machine.cores_per_node else max(1, n_leaves / 32))
+    kernels = optimizer_kernels(ow, n_leaves, bool(machine.cores_per_node))
     host = n_leaves * machine.optimizer_leaf_overhead_s / machine.share(rpn)
     return numel * ow.bytes_per_element * k / machine.bytes_rate(rpn) + kernels * machine.overhead(rpn) + host
 

@@ -210,7 +210,36 @@ def test_optimizer_leaf_overhead_costs_once_per_leaf_a_rank_holds(model):
     pipe = plan.Layout({"pp": 2}, batch=8, microbatches=4, schedule="1f1b")
     base = plan.estimate(model, _machine(), pipe).breakdown["optimizer"]
     more = plan.estimate(model, _machine(optimizer_leaf_overhead_s=1e-3), pipe).breakdown["optimizer"]
-    assert 0 < more - base < n_leaves * 1e-3
+    # the slowest pp rank's leaves: its stages' (the embedding's or the head's, and half the blocks)
+    from fshard.plan.shards import stage_layers
+
+    per_rank = [sum(len(model.layers[i].params) * k for i, k in stage) for stage in stage_layers(model, 2)]
+    assert more - base == pytest.approx(max(per_rank) * 1e-3, rel=0.05)
+    # 4 ranks calibrated on 2 cores, a layout of 2 ranks on the node: each has a core, the
+    # host time runs at twice the calibrated speed (as every other host cost)
+    shared = dict(cores_per_node=2, calibrated_ranks=4)
+    base = plan.estimate(model, _machine(**shared), lay).breakdown["optimizer"]
+    more = plan.estimate(model, _machine(optimizer_leaf_overhead_s=1e-3, **shared), lay).breakdown["optimizer"]
+    assert more - base == pytest.approx(n_leaves * 1e-3 / 2)
+
+
+def test_calibrate_subtracts_the_kernels_the_estimate_charges_per_optimizer_leaf():
+    """calibrate's per-leaf host time is what is left of a leaf's time after the kernels
+    the estimate charges for it: on a CPU every foreach kernel runs per leaf, on a GPU a
+    foreach kernel covers ~32 leaves, so between 8 and 32 leaves it adds none."""
+    import sys
+
+    E = sys.modules["fshard.plan.estimate"]
+    ow = E._optimizer_work("float32")
+    cpu = (E.optimizer_kernels(ow, 32, True) - E.optimizer_kernels(ow, 8, True)) / 24
+    gpu = (E.optimizer_kernels(ow, 32, False) - E.optimizer_kernels(ow, 8, False)) / 24
+    assert cpu == pytest.approx(ow.ops_per_leaf + ow.foreach_ops) and gpu == pytest.approx(ow.ops_per_leaf)
+    # and _optimizer_time charges exactly these counts
+    lay = plan.Layout({"fsdp": 2}, batch=8)
+    for cores, per_leaf in ((2, cpu), (0, gpu)):
+        m = _machine(cores_per_node=cores, calibrated_ranks=cores, mem_bandwidth=1e30)
+        t = [E._optimizer_time(m, lay, 0, n) for n in (8, 32)]
+        assert (t[1] - t[0]) / 24 == pytest.approx(per_leaf * m.overhead(2))
 
 
 def test_call_overhead_costs_once_per_flat_microbatch_and_nothing_in_pipelines(model):

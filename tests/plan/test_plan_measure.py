@@ -124,6 +124,8 @@ def test_calibrate_measures_and_saves_the_same_machine_on_every_rank(tmp_path):
     assert m.links["inter"] == m.collectives["all_gather"]["inter"]
     assert "axis x (n=2, inter)" in m.notes and "axis y (n=2, intra)" in m.notes
     assert m.calibrated_ranks == 4 and m.cores_per_node >= 1
+    assert 0 < m.matmul_efficiency <= 1 and m.layer_overhead_s >= 0 and m.call_overhead_s >= 0
+    assert 0 <= m.optimizer_leaf_overhead_s < 0.1  # a finite figure, seconds per leaf
     assert "block fit (dim 256" in m.notes and "per step-body call" in m.notes and "per leaf" in m.notes
     # the estimate can use it
     model = plan.describe_transformer(fs.models.TransformerConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2,
@@ -141,14 +143,14 @@ def test_block_fit_recovers_the_efficiency_and_overheads_the_times_were_made_wit
 
     w = Work(flops=2e8, bytes=3e6, ops=30)
     peak, bw, op = 1e11, 1e10, 2e-6
-    points = ((1, 1), (1, 4), (2, 1), (2, 4))
+    points = importlib.import_module("fshard.plan.calibrate").BLOCK_POINTS  # what calibrate times
 
     def t(n, b, eff, layer, call):
         return call + n * (2 * layer + w.ops * op) + n * b * (w.flops / (peak * eff) + w.bytes / bw)
 
     eff, layer, call = fit_block(points, [t(n, b, 0.4, 3e-3, 2e-2) for n, b in points], w, peak, bw, op)
     assert (eff, layer, call) == pytest.approx((0.4, 3e-3, 2e-2))
-    # three points are enough (quick calibrations)
+    # three points are enough
     assert fit_block(points[:3], [t(n, b, 0.4, 3e-3, 2e-2) for n, b in points[:3]], w, peak, bw, op) == \
         pytest.approx((0.4, 3e-3, 2e-2))
     # the estimate's formulas then give the blocks' times back
@@ -163,7 +165,7 @@ def test_block_fit_recovers_the_efficiency_and_overheads_the_times_were_made_wit
     assert layer == pytest.approx(0.0, abs=1e-9) and call == pytest.approx(2e-2) and eff == pytest.approx(0.5)
     # noise that would make the per-layer cost negative: pinned at 0, the rest refitted
     times = [t(n, b, 0.5, 0.0, 2e-2) for n, b in points]
-    times[2] *= 0.8  # two blocks at one sample ran fast
+    times[2] *= 0.8  # four blocks at one sample ran fast
     eff, layer, call = fit_block(points, times, w, peak, bw, op)
     assert layer == 0.0 and call > 0 and eff > 0
     # a block faster than the square products' rate: reported above 1 (calibrate raises the rates)
