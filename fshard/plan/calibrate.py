@@ -32,13 +32,14 @@ by rank 0 to ``path`` (default :func:`~fshard.plan.machine.default_machine_path`
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -145,6 +146,18 @@ def _max_over_ranks(t: float, device: torch.device) -> float:
     x = torch.tensor([t], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return float(x)
+
+
+def _medians_in_turn(fns: Mapping[Any, Callable[[], Any]], rounds: int, *, repeat: int,
+                     sync: Callable[[], None], barrier: Callable[[], None], device: torch.device) -> dict[Any, float]:
+    """Per key of ``fns``, the median over ``rounds`` of its :func:`_sustained` time, the
+    functions taken in turn each round: a drift of the machine's speed then moves every
+    figure alike, and a figure made of differences of them (a fit, an overlap) keeps."""
+    times: dict[Any, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            times[k].append(_sustained(fn, repeat=repeat, sync=sync, barrier=barrier, device=device))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _fit(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
@@ -320,9 +333,8 @@ def _optimizer_leaf_overhead(mesh: Any, mem_bw: float, op_overhead: float, quick
     from fshard import optim
     from fshard.mesh.sharding import shard
     from fshard.mesh.spec import PartitionSpec as P
-    from fshard.plan.trace import trace_optimizer
-
     from fshard.plan.estimate import optimizer_kernels
+    from fshard.plan.trace import trace_optimizer
 
     work = trace_optimizer(torch.float32)
     numel = 4096
@@ -342,12 +354,9 @@ def _optimizer_leaf_overhead(mesh: Any, mem_bw: float, op_overhead: float, quick
                 box[0] = optim.apply_updates(box[0], updates)
         return step
 
-    steps = {n: make(n) for n in (8, 32)}
-    rounds: dict[int, list[float]] = {8: [], 32: []}
-    for _ in range(1 if quick else 3):  # taken in turn, as the block fit's points
-        for n, step in steps.items():
-            rounds[n].append(_sustained(step, repeat=3, sync=sync, barrier=barrier, device=mesh.device))
-    per_leaf = (statistics.median(rounds[32]) - statistics.median(rounds[8])) / 24
+    t = _medians_in_turn({n: make(n) for n in (8, 32)}, 1 if quick else 3, repeat=3, sync=sync, barrier=barrier,
+                         device=mesh.device)
+    per_leaf = (t[32] - t[8]) / 24
     # What the estimate charges per leaf for the kernels, with its own CPU / GPU rule.
     cpu = mesh.device.type != "cuda"
     kernels = (optimizer_kernels(work, 32, cpu) - optimizer_kernels(work, 8, cpu)) / 24
@@ -419,13 +428,9 @@ def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: flo
     # 4 block-samples per point; four points, so that the fit of three unknowns averages.
     points = BLOCK_POINTS
     xs = {b: torch.randn(b, T, cfg.dim, generator=g).to(device) for _, b in points}
-    rounds: dict[tuple[int, int], list[float]] = {pt: [] for pt in points}
-    for _ in range(1 if quick else 5):
-        for n, b in points:
-            fn, x = grads[n], xs[b]
-            rounds[(n, b)].append(_sustained(lambda: fn(params, x), repeat=3, sync=sync, barrier=barrier,
-                                             device=device))
-    times = [statistics.median(rounds[pt]) for pt in points]
+    medians = _medians_in_turn({(n, b): functools.partial(grads[n], params, xs[b]) for n, b in points},
+                               1 if quick else 5, repeat=3, sync=sync, barrier=barrier, device=device)
+    times = [medians[pt] for pt in points]
     efficiency, layer_overhead, call_overhead = fit_block(points, times, work, peak, mem_bw, op_overhead)
     # The per-sample compute's share of the largest timing, as fitted (resolve_efficiency).
     big = max(range(len(points)), key=lambda i: times[i])
@@ -479,11 +484,11 @@ def fit_block(points: Sequence[tuple[int, int]], times: Sequence[float], work: A
     ys = [t - n * work.ops * op_overhead - n * b * work.bytes / mem_bw for (n, b), t in zip(points, times)]
     cols = {"call": [1.0] * len(points), "layer": [2.0 * n for n, _ in points],
             "rate": [n * b * work.flops for n, b in points]}
-    best: tuple[int, float, dict[str, float]] | None = None  # (-pinned, sse, fit): the largest wins
+    y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+    best: tuple[int, float, dict[str, float]] | None = None  # (free terms, sse, fit): most free, then least sse
     for free in (("call", "layer"), ("layer",), ("call",), ()):
         names = list(free) + ["rate"]
         a = torch.tensor([[cols[k][i] for k in names] for i in range(len(points))], dtype=torch.float64)
-        y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
         scale = a.abs().amax(0).clamp_min(1e-30)  # the columns differ by orders of magnitude
         sol = (torch.linalg.lstsq(a / scale, y).solution.squeeze(1) / scale).tolist()
         fit = dict(zip(names, sol))
@@ -645,11 +650,9 @@ def _overlap(mesh: Any, sync, barrier, quick: bool = False) -> float:
     tg = _sustained(gather, repeat=5, sync=sync, barrier=barrier, device=mesh.device)
     tc = _sustained(compute, repeat=5, sync=sync, barrier=barrier, device=mesh.device)
     reps = max(8, min(256, round(8 * tg / tc)))
-    rounds: dict[str, list[float]] = {"compute": [], "gather": [], "both": []}
-    for _ in range(1 if quick else 3):
-        for name, fn in (("compute", compute), ("gather", gather), ("both", both)):
-            rounds[name].append(_sustained(fn, repeat=5, sync=sync, barrier=barrier, device=mesh.device))
-    tc, tg, tb = (statistics.median(rounds[k]) for k in ("compute", "gather", "both"))
+    t = _medians_in_turn({"compute": compute, "gather": gather, "both": both}, 1 if quick else 3, repeat=5,
+                         sync=sync, barrier=barrier, device=mesh.device)
+    tc, tg, tb = t["compute"], t["gather"], t["both"]
     hidden = (tc + tg - tb) / min(tc, tg)
     # _sustained's times are the slowest rank's, the same on every rank
     return min(1.0, max(0.0, hidden))

@@ -188,7 +188,7 @@ def _optimizer_time(machine: Machine, layout: Layout, numel: int, n_leaves: int)
     rpn = _ranks_per_node(machine, layout)
     k = DTYPE_BYTES[layout.master_dtype] / 4
     kernels = optimizer_kernels(ow, n_leaves, bool(machine.cores_per_node))
-    host = n_leaves * machine.optimizer_leaf_overhead_s / machine.share(rpn)
+    host = n_leaves * machine.optimizer_leaf_overhead(rpn)
     return numel * ow.bytes_per_element * k / machine.bytes_rate(rpn) + kernels * machine.overhead(rpn) + host
 
 

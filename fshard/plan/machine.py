@@ -203,6 +203,10 @@ class Machine:
         """Seconds of fixed host cost per call of a flat step's body on one rank."""
         return self.call_overhead_s / self.share(ranks_per_node)
 
+    def optimizer_leaf_overhead(self, ranks_per_node: int | None = None) -> float:
+        """Seconds of the optimizer's host time per parameter leaf on one rank."""
+        return self.optimizer_leaf_overhead_s / self.share(ranks_per_node)
+
     def share(self, ranks_per_node: float | None) -> float:
         """CPU machines: this rank's share of the speed measured at calibration (1 on GPUs),
         when ``ranks_per_node`` ranks compute at once (a mean, so not always a whole number:
