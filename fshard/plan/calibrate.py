@@ -20,7 +20,10 @@ cost each other when they share CPU cores or a node's links):
   collective kind and link level: an axis whose ranks share a host is ``intra``, one that
   spans hosts ``inter`` (the levels the estimate picks per axis);
 - overlap: a matrix-product loop with an all-gather in flight, against each alone;
-- the optimizer's host time per parameter leaf beyond its kernels (DTensor leaves).
+- CPU ranks: what a blocking collective costs beyond its own time when the ranks compute
+  between such calls (small all-reduces between matrix-product bursts);
+- the optimizer: its host time per parameter leaf beyond its kernels, and the share of the
+  copy's bandwidth its kernels reach (DTensor leaves, small and large).
 
 Every compute figure is timed as :func:`_sustained` times it: all ranks at once, long enough
 to span several of the scheduler's time slices, the slowest rank's time (what a step whose
@@ -243,10 +246,11 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
         flops, efficiency, note = resolve_efficiency(flops, efficiency, compute_share)
         fit_note += note
     # Every rank returns rank 0's machine (broadcast below), fit included.
-    optimizer_leaf = _optimizer_leaf_overhead(mesh, mem_bw, op_overhead, quick, sync, barrier)
+    optimizer_leaf, optimizer_eff = _optimizer_fit(mesh, mem_bw, op_overhead, quick, sync, barrier)
 
     collectives, measurements = _collectives(mesh, quick, sync, barrier)
     overlap = _overlap(mesh, sync, barrier, quick) if world > 1 else 0.5
+    sync_overhead = _sync_overhead(mesh, sync, barrier, quick) if world > 1 and not cuda else 0.0
 
     host = _host()
     total_mem = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory() / max(1, world)
@@ -262,15 +266,21 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
         layer_overhead_s=layer_overhead,
         call_overhead_s=call_overhead,
         optimizer_leaf_overhead_s=optimizer_leaf,
+        optimizer_mem_efficiency=optimizer_eff,
         collectives=collectives,
         overlap=overlap,
+        sync_overhead_s=sync_overhead,
         cores_per_node=0 if cuda else (os.cpu_count() or 1),
         comm_temporaries=1.0 if dist.is_initialized() and dist.get_backend() == "gloo" else 0.0,
         calibrated_ranks=0 if cuda else world,
         sources=(f"fs.plan.calibrate on {host} ({device.type}), {world} rank(s) at once, "
                  f"{time.strftime('%Y-%m-%d %H:%M')}; load average {_load()}",),
-        notes="measured: " + "; ".join([fit_note, f"optimizer {optimizer_leaf * 1e3:.3f} ms per leaf besides its "
-                                                   f"kernels"] + measurements),
+        notes="measured: " + "; ".join([
+            fit_note,
+            f"optimizer {optimizer_leaf * 1e3:.3f} ms per leaf besides its kernels, its kernels at "
+            f"{optimizer_eff:.2f} of the copy's bandwidth",
+            f"overlap {overlap:.2f}, {sync_overhead * 1e3:.2f} ms per blocking collective beside compute",
+        ] + measurements),
     )
     if world > 1:  # every rank returns rank 0's figures (they measured at the same time)
         box = [machine]
@@ -316,31 +326,33 @@ def resolve_efficiency(flops: dict[str, float], efficiency: float, compute_share
             f"; the matmul rates raised {factor:.2f}x to the block's{capped}")
 
 
-def _optimizer_leaf_overhead(mesh: Any, mem_bw: float, op_overhead: float, quick: bool,
-                             sync: Callable[[], None], barrier: Callable[[], None]) -> float:
-    """Seconds of host time per parameter leaf of the update ``examples/train_lm.py`` takes
-    (``global_norm``, the clipping scale, ``fs.optim.adamw`` and ``apply_updates`` under
-    ``donate()``) beyond what the estimate's kernel formula charges for it.
+# (leaves, elements per leaf) the optimizer's timing takes: see _optimizer_fit.
+OPTIMIZER_POINTS = ((8, 4096), (32, 4096), (8, 262144))
 
-    Timed on DTensor leaves over ``mesh`` (as train_lm's parameters are: every op goes
-    through DTensor's dispatch) of 4096 elements, at 8 and 32 leaves, as :func:`_sustained`
-    times it; the difference per leaf, less the traced kernels' cost per leaf (their bytes
-    over ``mem_bw`` and their count times ``op_overhead``, as the estimate counts them), the
-    median of rounds taken in turn (three; one when ``quick``). On 4 ranks sharing 2 cores
-    (2026-11-27) the update of train_lm's 53 leaves took 32-65 ms against the kernel
-    formula's 8-27 ms.
+
+def _optimizer_fit(mesh: Any, mem_bw: float, op_overhead: float, quick: bool,
+                   sync: Callable[[], None], barrier: Callable[[], None]) -> tuple[float, float]:
+    """``(optimizer_leaf_overhead_s, optimizer_mem_efficiency)`` of the update
+    ``examples/train_lm.py`` takes (``global_norm``, the clipping scale, ``fs.optim.adamw``
+    and ``apply_updates`` under ``donate()``), as :func:`fit_optimizer` fits them.
+
+    Timed on replicated DTensor leaves over ``mesh`` (as train_lm's parameters are: every
+    op goes through DTensor's dispatch) at :data:`OPTIMIZER_POINTS` (a block's matrices
+    are 2^16 to 2^18 elements), as :func:`_sustained` times it, the median of rounds
+    taken in turn (three; one when ``quick``). On 4 ranks sharing 2 cores (2026-11-27)
+    train_lm's update of its 53 leaves (3.3 M elements) took 55 ms replicated and 27 ms
+    sharded over 4, against 39 and 21 ms from the traced kernels at the copy's bandwidth
+    with the per-leaf cost of small leaves: the difference scales with the bytes, at
+    about 0.6 of the copy's bandwidth.
     """
     from fshard import optim
     from fshard.mesh.sharding import shard
     from fshard.mesh.spec import PartitionSpec as P
-    from fshard.plan.estimate import optimizer_kernels
     from fshard.plan.trace import trace_optimizer
 
-    work = trace_optimizer(torch.float32)
-    numel = 4096
     g = torch.Generator().manual_seed(0)
 
-    def make(n_leaves: int) -> Callable[[], None]:
+    def make(n_leaves: int, numel: int) -> Callable[[], None]:
         params = shard([torch.randn(numel, generator=g) for _ in range(n_leaves)], P(), mesh)
         grads = shard([torch.randn(numel, generator=g) for _ in range(n_leaves)], P(), mesh)
         opt = optim.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1)
@@ -354,14 +366,58 @@ def _optimizer_leaf_overhead(mesh: Any, mem_bw: float, op_overhead: float, quick
                 box[0] = optim.apply_updates(box[0], updates)
         return step
 
-    t = _medians_in_turn({n: make(n) for n in (8, 32)}, 1 if quick else 3, repeat=3, sync=sync, barrier=barrier,
-                         device=mesh.device)
-    per_leaf = (t[32] - t[8]) / 24
-    # What the estimate charges per leaf for the kernels, with its own CPU / GPU rule.
-    cpu = mesh.device.type != "cuda"
-    kernels = (optimizer_kernels(work, 32, cpu) - optimizer_kernels(work, 8, cpu)) / 24
-    formula = numel * work.bytes_per_element / mem_bw + kernels * op_overhead
-    return max(0.0, per_leaf - formula)
+    t = _medians_in_turn({pt: make(*pt) for pt in OPTIMIZER_POINTS}, 1 if quick else 3, repeat=3, sync=sync,
+                         barrier=barrier, device=mesh.device)
+    return fit_optimizer(OPTIMIZER_POINTS, [t[pt] for pt in OPTIMIZER_POINTS], trace_optimizer(torch.float32),
+                         mem_bw, op_overhead, cpu=mesh.device.type != "cuda")
+
+
+def fit_optimizer(points: Sequence[tuple[int, int]], times: Sequence[float], work: Any, mem_bw: float,
+                  op_overhead: float, *, cpu: bool) -> tuple[float, float]:
+    """``(optimizer_leaf_overhead_s, optimizer_mem_efficiency)`` that make the estimate's
+    optimizer formula give ``times`` at ``points``, each ``(leaves, elements per leaf)``.
+
+    The formula (:func:`fshard.plan.estimate._optimizer_time`), for ``n`` leaves of ``e``
+    elements::
+
+        t(n, e) = n * e * bytes_per_element / (mem_bw * eff) + kernels(n) * op_overhead + n * leaf
+
+    The two points with the fewest leaves, at different sizes, give ``eff`` (their
+    difference is bytes alone); the two smallest leaves, at different counts, give
+    ``leaf`` with that ``eff``. ``eff`` is kept in ``[0.05, 1]`` and ``leaf`` at 0 or above.
+
+    Args:
+      points: ``(leaves, elements per leaf)``: two with the same count and different
+        sizes, and two with the same (smallest) size and different counts.
+      times: their measured seconds.
+      work: the update's :class:`~fshard.plan.trace.OptimizerWork` (fp32).
+      mem_bw, op_overhead: the machine's calibrated figures.
+      cpu: the estimate's kernel count rule (:func:`~fshard.plan.estimate.optimizer_kernels`).
+
+    Raises:
+      ValueError: points that do not hold such pairs.
+    """
+    from fshard.plan.estimate import optimizer_kernels
+
+    by = dict(zip(points, times))
+    if len(by) != len(times):
+        raise ValueError(f"fit_optimizer: needs one time per distinct point; got points {list(points)} and "
+                         f"{len(times)} times")
+    e0 = min(e for _, e in points)
+    small = sorted(n for n, e in points if e == e0)
+    n0 = small[0]
+    sizes = sorted(e for n, e in points if n == n0)
+    if len(small) < 2 or len(sizes) < 2:
+        raise ValueError(f"fit_optimizer: points {list(points)} need two leaf counts at the smallest size "
+                         f"({e0}) and two sizes at the fewest leaves ({n0})")
+    e1, n1 = sizes[-1], small[-1]
+    d_bytes = n0 * (e1 - e0) * work.bytes_per_element
+    d_t = by[(n0, e1)] - by[(n0, e0)]
+    eff = min(1.0, max(0.05, d_bytes / (mem_bw * d_t))) if d_t > 0 else 1.0
+    kernels = (optimizer_kernels(work, n1, cpu) - optimizer_kernels(work, n0, cpu)) / (n1 - n0)
+    per_leaf = (by[(n1, e0)] - by[(n0, e0)]) / (n1 - n0)
+    leaf = per_leaf - e0 * work.bytes_per_element / (mem_bw * eff) - kernels * op_overhead
+    return max(0.0, leaf), eff
 
 
 def _reference_block() -> Any:
@@ -614,7 +670,7 @@ def _overlap(mesh: Any, sync, barrier, quick: bool = False) -> float:
     """Share of an all-gather hidden behind a concurrent matrix-product loop.
 
     Each of the three (compute alone, gather alone, both) is timed as :func:`_sustained`
-    times it, the median of rounds taken in turn (three; one when ``quick``): the share is
+    times it, the median of rounds taken in turn (five; one when ``quick``): the share is
     a difference of times, and single short timings of each (as before 2026-11-27) gave
     0.26, 0.0 and 0.89 in three calibrations of one quiet 2-core machine minutes apart; the
     compute loop is sized to last as long as the gather. Four calibrations in a row, 4 ranks
@@ -650,9 +706,55 @@ def _overlap(mesh: Any, sync, barrier, quick: bool = False) -> float:
     tg = _sustained(gather, repeat=5, sync=sync, barrier=barrier, device=mesh.device)
     tc = _sustained(compute, repeat=5, sync=sync, barrier=barrier, device=mesh.device)
     reps = max(8, min(256, round(8 * tg / tc)))
-    t = _medians_in_turn({"compute": compute, "gather": gather, "both": both}, 1 if quick else 3, repeat=5,
+    t = _medians_in_turn({"compute": compute, "gather": gather, "both": both}, 1 if quick else 5, repeat=5,
                          sync=sync, barrier=barrier, device=mesh.device)
     tc, tg, tb = t["compute"], t["gather"], t["both"]
     hidden = (tc + tg - tb) / min(tc, tg)
     # _sustained's times are the slowest rank's, the same on every rank
     return min(1.0, max(0.0, hidden))
+
+
+def _sync_overhead(mesh: Any, sync, barrier, quick: bool = False) -> float:
+    """Seconds a blocking collective costs beyond its own time when the ranks compute
+    between such collectives (tensor parallelism's all-reduces between a block's matrix
+    products), per call.
+
+    A loop of ``reps`` times (a matrix-product burst, then a small all-reduce over the
+    largest axis), against the bursts alone and the all-reduces alone, each as
+    :func:`_sustained` times it, the median of rounds taken in turn (five; one when
+    ``quick``). On a device every rank has its own, this is about 0. With more ranks than
+    cores, a rank that reaches the collective waits for peers the scheduler has preempted
+    in favour of other ranks' compute: on 4 ranks sharing 2 cores (2026-11-27) the tp=2
+    layouts of ``bench/plan_validate.py`` ran 130-185 ms over the estimate, with their
+    all-reduces at the idle link's time.
+    """
+    from fshard import comm
+
+    axis = max(mesh.axis_names, key=lambda a: mesh.shape[a])
+    n = mesh.shape[axis]
+    if n == 1:
+        return 0.0
+    group = mesh.group(axis)
+    a = torch.randn(256, 256, device=mesh.device)
+    x = torch.ones(1024, device=mesh.device)
+    reps = 8
+    burst = 4  # products per burst: a few milliseconds on a CPU core, a block's half
+
+    def compute() -> None:
+        for _ in range(reps):
+            for _ in range(burst):
+                torch.mm(a, a)
+
+    def reduce() -> None:
+        for _ in range(reps):
+            comm.all_reduce(x, group, "sum", axes=(axis,))
+
+    def both() -> None:
+        for _ in range(reps):
+            for _ in range(burst):
+                torch.mm(a, a)
+            comm.all_reduce(x, group, "sum", axes=(axis,))
+
+    t = _medians_in_turn({"compute": compute, "reduce": reduce, "both": both}, 1 if quick else 5, repeat=3,
+                         sync=sync, barrier=barrier, device=mesh.device)
+    return max(0.0, (t["both"] - t["compute"] - t["reduce"]) / reps)

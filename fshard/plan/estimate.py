@@ -189,7 +189,7 @@ def _optimizer_time(machine: Machine, layout: Layout, numel: int, n_leaves: int)
     k = DTYPE_BYTES[layout.master_dtype] / 4
     kernels = optimizer_kernels(ow, n_leaves, bool(machine.cores_per_node))
     host = n_leaves * machine.optimizer_leaf_overhead(rpn)
-    return numel * ow.bytes_per_element * k / machine.bytes_rate(rpn) + kernels * machine.overhead(rpn) + host
+    return numel * ow.bytes_per_element * k / machine.optimizer_bytes_rate(rpn) + kernels * machine.overhead(rpn) + host
 
 
 def _exposed(machine: Machine, layout: Layout, c: Collective, window: dict[str | None, float]) -> float:
@@ -200,8 +200,14 @@ def _exposed(machine: Machine, layout: Layout, c: Collective, window: dict[str |
     FSDP collective shorter than ``overlap`` times its block, however small ``overlap``."""
     t = collective_time(machine, layout, c) * c.count
     if c.hide is None:
-        return t
+        return _blocking(machine, layout, c)
     return max(0.0, t - machine.overlap * min(t, window[c.hide] * c.count))
+
+
+def _blocking(machine: Machine, layout: Layout, c: Collective) -> float:
+    """Seconds of ``c`` (all its calls) on the critical path: the link's time, and the
+    machine's cost per blocking call of peers out of step (CPU ranks sharing cores)."""
+    return c.count * (collective_time(machine, layout, c) + machine.sync_overhead(_ranks_per_node(machine, layout)))
 
 
 def estimate(model: ModelDesc, machine: Machine, layout: Layout, *, memory_limit: float | None = None,
@@ -467,8 +473,8 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
         for s in sch.stages_of(r):
             f, i, w = stage_cost(stages[s])
             F, I, W = F + f, I + i, W + w
-        tp_f = sum(collective_time(machine, layout, c) * c.count for c in colls if c.pipeline == "F") / m
-        tp_i = sum(collective_time(machine, layout, c) * c.count for c in colls if c.pipeline == "I") / m
+        tp_f = sum(_blocking(machine, layout, c) for c in colls if c.pipeline == "F") / m
+        tp_i = sum(_blocking(machine, layout, c) for c in colls if c.pipeline == "I") / m
         compute_costs.append((F, I, W))
         tp_costs.append((tp_f, tp_i, 0.0))
     p2p = collective_time(machine, layout, Collective("send", ("pp",), pipeline_payload(model, layout)))

@@ -88,6 +88,15 @@ class Machine:
         (global norm, clipping, AdamW, apply) beyond its kernels' (the Python of the
         transforms and DTensor's dispatch of every op); calibrated machines measure it on
         DTensor leaves; the shipped GPU files set 0.
+      optimizer_mem_efficiency: share of ``mem_bandwidth`` the optimizer step's kernels
+        reach on the bytes the estimate traces for them (many elementwise passes over
+        separate tensors, not one long copy); calibrated machines measure it on the update
+        of large leaves; 1 by default.
+      sync_overhead_s: seconds each blocking collective call (one on the critical path)
+        costs beyond its link time when the ranks compute between such calls: CPU ranks
+        sharing cores wait for peers the scheduler has preempted; calibrated machines
+        measure it (small all-reduces between matrix-product bursts); charged only when a
+        node's ranks outnumber its cores; 0 on devices.
       collectives: measured ``{kind: {level: Link}}`` fitted per collective kind (kinds
         ``all_gather``, ``psum_scatter``, ``psum``, ``ppermute``); where present they
         replace ``links`` for that kind.
@@ -120,6 +129,8 @@ class Machine:
     layer_overhead_s: float = 0.0
     call_overhead_s: float = 0.0
     optimizer_leaf_overhead_s: float = 0.0
+    optimizer_mem_efficiency: float = 1.0
+    sync_overhead_s: float = 0.0
     collectives: Mapping[str, Mapping[str, Link]] = attrs.field(factory=dict, converter=lambda d: {
         k: dict(v) for k, v in d.items()})
     overlap: float = 0.9
@@ -159,7 +170,7 @@ class Machine:
                     raise DescriptionError(f"{where}: collectives[{kind!r}][{level!r}] must be a Link at level "
                                            f"'intra' or 'inter'")
                 link.check(f"{where}: collectives[{kind!r}][{level!r}]")
-        for f in ("matmul_efficiency", "mem_efficiency", "overlap"):
+        for f in ("matmul_efficiency", "mem_efficiency", "optimizer_mem_efficiency", "overlap"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1 or (f != "overlap" and v == 0):
                 raise DescriptionError(f"{where}: {f} must be in {'[0, 1]' if f == 'overlap' else '(0, 1]'}, got {v!r}")
@@ -167,6 +178,7 @@ class Machine:
         _positive(f"{where}: layer_overhead_s", self.layer_overhead_s, allow_zero=True)
         _positive(f"{where}: call_overhead_s", self.call_overhead_s, allow_zero=True)
         _positive(f"{where}: optimizer_leaf_overhead_s", self.optimizer_leaf_overhead_s, allow_zero=True)
+        _positive(f"{where}: sync_overhead_s", self.sync_overhead_s, allow_zero=True)
         _positive(f"{where}: reserved_bytes", self.reserved_bytes, allow_zero=True)
         _positive(f"{where}: comm_temporaries", self.comm_temporaries, allow_zero=True)
         for f in ("cores_per_node", "calibrated_ranks"):
@@ -191,6 +203,10 @@ class Machine:
         """Bytes per second memory-bound kernels move on one rank."""
         return self.mem_bandwidth * self.mem_efficiency * self.share(ranks_per_node)
 
+    def optimizer_bytes_rate(self, ranks_per_node: int | None = None) -> float:
+        """Bytes per second the optimizer step's kernels move on one rank."""
+        return self.bytes_rate(ranks_per_node) * self.optimizer_mem_efficiency
+
     def overhead(self, ranks_per_node: int | None = None) -> float:
         """Seconds of fixed cost per kernel on one rank."""
         return self.op_overhead_s / self.share(ranks_per_node)
@@ -206,6 +222,13 @@ class Machine:
     def optimizer_leaf_overhead(self, ranks_per_node: int | None = None) -> float:
         """Seconds of the optimizer's host time per parameter leaf on one rank."""
         return self.optimizer_leaf_overhead_s / self.share(ranks_per_node)
+
+    def sync_overhead(self, ranks_per_node: int | None = None) -> float:
+        """Seconds a blocking collective call costs beyond its link time on one rank: the
+        calibrated figure while a node's ranks outnumber its cores (or on a device), else 0."""
+        if self.cores_per_node and ranks_per_node and ranks_per_node <= self.cores_per_node:
+            return 0.0
+        return self.sync_overhead_s
 
     def share(self, ranks_per_node: float | None) -> float:
         """CPU machines: this rank's share of the speed measured at calibration (1 on GPUs),

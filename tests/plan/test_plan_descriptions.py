@@ -43,6 +43,8 @@ def test_machine_round_trips_through_json(tmp_path):
     ({"layer_overhead_s": -1e-3}, "layer_overhead_s"),
     ({"call_overhead_s": -1e-3}, "call_overhead_s"),
     ({"optimizer_leaf_overhead_s": -1e-3}, "optimizer_leaf_overhead_s"),
+    ({"optimizer_mem_efficiency": 0.0}, "optimizer_mem_efficiency"),
+    ({"optimizer_mem_efficiency": 1.5}, "optimizer_mem_efficiency"),
     ({"collectives": {"all_reduce": {}}}, "unknown kind 'all_reduce'"),
     ({"speed": 3}, "unknown field 'speed'"),
 ])

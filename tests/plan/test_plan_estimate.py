@@ -242,6 +242,48 @@ def test_calibrate_subtracts_the_kernels_the_estimate_charges_per_optimizer_leaf
         assert (t[1] - t[0]) / 24 == pytest.approx(per_leaf * m.overhead(2))
 
 
+def test_sync_overhead_costs_once_per_blocking_collective_call_on_oversubscribed_cores(model):
+    """Each blocking collective call (hide None) costs the machine's sync overhead on top of
+    its link time, on a flat step, in a pipeline's TP actions and outside its schedule; an
+    overlappable one (FSDP prefetch) not; nothing when a node's ranks have a core each."""
+    import sys
+
+    from fshard.plan.comm import step_collectives
+
+    E = sys.modules["fshard.plan.estimate"]
+    shared = dict(cores_per_node=2, calibrated_ranks=4, devices_per_node=1 << 20)
+    lay = plan.Layout({"fsdp": 2, "tp": 2}, batch=8)
+    blocking = sum(c.count for c in step_collectives(model, lay) if c.hide is None)
+    hidden = sum(c.count for c in step_collectives(model, lay) if c.hide is not None)
+    assert blocking > 0 and hidden > 0
+    base = plan.estimate(model, _machine(**shared), lay).breakdown["exposed_comm"]
+    more = plan.estimate(model, _machine(sync_overhead_s=1e-3, **shared), lay).breakdown["exposed_comm"]
+    assert more - base == pytest.approx(blocking * 1e-3)
+    # 4 ranks on 4 cores: nobody waits for a preempted peer
+    own = dict(cores_per_node=4, calibrated_ranks=4, devices_per_node=1 << 20)
+    assert plan.estimate(model, _machine(sync_overhead_s=1e-3, **own), lay).step_s == \
+        pytest.approx(plan.estimate(model, _machine(**own), lay).step_s)
+    assert _machine(sync_overhead_s=1e-3, **shared).sync_overhead(4) == 1e-3
+    assert _machine(sync_overhead_s=1e-3, **shared).sync_overhead(2) == 0.0
+    # a pipeline's TP collectives are in its actions' costs: the stage costs grow
+    pipe = plan.Layout({"pp": 2, "tp": 2}, batch=8, microbatches=4, schedule="1f1b")
+    c0 = plan.estimate(model, _machine(**shared), pipe).stage_costs
+    c1 = plan.estimate(model, _machine(sync_overhead_s=1e-3, **shared), pipe).stage_costs
+    assert all(b[0] > a[0] and b[1] > a[1] for a, b in zip(c0, c1))
+    c = next(c for c in step_collectives(model, lay) if c.hide is None)
+    assert E._blocking(_machine(sync_overhead_s=1e-3, **shared), lay, c) == pytest.approx(
+        c.count * (E.collective_time(_machine(**shared), lay, c) + 1e-3))
+
+
+def test_optimizer_kernels_run_at_the_calibrated_share_of_the_bandwidth(model):
+    """optimizer_mem_efficiency divides the rate of the update's traced bytes only."""
+    lay = plan.Layout({"fsdp": 2}, batch=8)
+    full = plan.estimate(model, _machine(op_overhead_s=0.0), lay)
+    half = plan.estimate(model, _machine(op_overhead_s=0.0, optimizer_mem_efficiency=0.5), lay)
+    assert half.breakdown["optimizer"] == pytest.approx(2 * full.breakdown["optimizer"])
+    assert half.breakdown["compute"] == full.breakdown["compute"]
+
+
 def test_call_overhead_costs_once_per_flat_microbatch_and_nothing_in_pipelines(model):
     """The step body's fixed host cost (value_and_grad(shard_map) entry and exit) is paid
     once per microbatch of a flat step, whatever the layer count; pipeline stage bodies run

@@ -126,7 +126,9 @@ def test_calibrate_measures_and_saves_the_same_machine_on_every_rank(tmp_path):
     assert m.calibrated_ranks == 4 and m.cores_per_node >= 1
     assert 0 < m.matmul_efficiency <= 1 and m.layer_overhead_s >= 0 and m.call_overhead_s >= 0
     assert 0 <= m.optimizer_leaf_overhead_s < 0.1  # a finite figure, seconds per leaf
-    assert "block fit (dim 256" in m.notes and "per step-body call" in m.notes and "per leaf" in m.notes
+    assert 0.05 <= m.optimizer_mem_efficiency <= 1
+    assert "block fit (dim 256" in m.notes and "per step-body call" in m.notes and "per leaf" in m.notes and \
+        "of the copy's bandwidth" in m.notes
     # the estimate can use it
     model = plan.describe_transformer(fs.models.TransformerConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2,
                                                                   max_seq_len=8))
@@ -175,6 +177,45 @@ def test_block_fit_recovers_the_efficiency_and_overheads_the_times_were_made_wit
         fit_block(((1, 1), (1, 4), (1, 8)), [1.0, 2.0, 3.0], w, peak, bw, op)
     with pytest.raises(ValueError, match="do not separate"):  # blocks * samples the same in every row
         fit_block(((1, 2), (2, 1), (1, 2)), [1.0, 2.0, 3.0], w, peak, bw, op)
+
+
+def test_optimizer_fit_recovers_the_leaf_cost_and_bandwidth_share_the_times_were_made_with():
+    """fit_optimizer inverts the estimate's optimizer formula: times made with a per-leaf
+    host cost and a share of the copy's bandwidth give them back, and a machine holding
+    them makes _optimizer_time give the times back (what calibrate relies on)."""
+    import importlib
+    import sys
+
+    cal = importlib.import_module("fshard.plan.calibrate")
+    E = sys.modules["fshard.plan.estimate"]
+    from fshard.plan.machine import Link, Machine
+
+    ow = E._optimizer_work("float32")
+    bw, op = 1e10, 3e-6
+    points = cal.OPTIMIZER_POINTS  # what calibrate times
+
+    def t(n, e, leaf, eff, cpu=True):
+        return n * e * ow.bytes_per_element / (bw * eff) + E.optimizer_kernels(ow, n, cpu) * op + n * leaf
+
+    for cpu in (True, False):
+        leaf, eff = cal.fit_optimizer(points, [t(n, e, 2e-4, 0.6, cpu) for n, e in points], ow, bw, op, cpu=cpu)
+        assert (leaf, eff) == pytest.approx((2e-4, 0.6))
+    # the estimate's formula with the fitted figures gives the times back
+    m = Machine(name="fit", memory_bytes=2**30, flops={"float32": 1e11}, mem_bandwidth=bw, devices_per_node=1,
+                links={"intra": Link(1e9, 1e-5), "inter": Link(1e9, 1e-5)}, op_overhead_s=op,
+                optimizer_leaf_overhead_s=leaf, optimizer_mem_efficiency=eff, cores_per_node=0)
+    lay = plan.Layout({"fsdp": 2}, batch=8)
+    for n, e in points:
+        assert E._optimizer_time(m, lay, n * e, n) == pytest.approx(t(n, e, 2e-4, 0.6, cpu=False))
+    # kept in range: kernels faster than the copy (noise) at 1, a negative leaf cost at 0
+    leaf, eff = cal.fit_optimizer(points, [t(n, e, 0.0, 3.0) for n, e in points], ow, bw, op, cpu=True)
+    assert eff == 1.0 and leaf == 0.0
+    leaf, eff = cal.fit_optimizer(points, [t(n, e, 0.0, 1e-4) for n, e in points], ow, bw, op, cpu=True)
+    assert eff == 0.05
+    with pytest.raises(ValueError, match="two leaf counts"):
+        cal.fit_optimizer(((8, 4096), (8, 2**18), (16, 2**18)), [1.0, 2.0, 3.0], ow, bw, op, cpu=True)
+    with pytest.raises(ValueError, match="one time per distinct point"):
+        cal.fit_optimizer(((8, 4096), (8, 4096), (32, 4096)), [1.0, 2.0, 3.0], ow, bw, op, cpu=True)
 
 
 def test_a_block_faster_than_the_square_products_raises_the_rates_within_bounds():
