@@ -205,9 +205,19 @@ def _exposed(machine: Machine, layout: Layout, c: Collective, window: dict[str |
 
 
 def _blocking(machine: Machine, layout: Layout, c: Collective) -> float:
-    """Seconds of ``c`` (all its calls) on the critical path: the link's time, and the
-    machine's cost per blocking call of peers out of step (CPU ranks sharing cores)."""
-    return c.count * (collective_time(machine, layout, c) + machine.sync_overhead(_ranks_per_node(machine, layout)))
+    """Seconds of ``c`` (all its calls) on the critical path: the link's time and, in a
+    flat step, the machine's cost per blocking call of peers out of step (CPU ranks
+    sharing cores).
+
+    Not in pipelines: on 4 ranks sharing 2 cores (2026-11-27, ``bench/plan_validate.py``,
+    run ``v1``) the flat ``fsdp=2,tp=2`` layouts ran 20-29 % over the estimate without the
+    calibrated 1.6 ms per call, and the ``pp=2,tp=2`` ones within 7 % of it, 14-31 % under
+    it with the cost. (A pipeline's tp ranks start each action together on the activation
+    they both receive, and its blocked ranks leave their cores to the others; a flat
+    step's FSDP gathers run beside its TP all-reduces on gloo's threads.)
+    """
+    sync = machine.sync_overhead(_ranks_per_node(machine, layout)) if layout.pp == 1 else 0.0
+    return c.count * (collective_time(machine, layout, c) + sync)
 
 
 def estimate(model: ModelDesc, machine: Machine, layout: Layout, *, memory_limit: float | None = None,

@@ -95,8 +95,8 @@ class Machine:
       sync_overhead_s: seconds each blocking collective call (one on the critical path)
         costs beyond its link time when the ranks compute between such calls: CPU ranks
         sharing cores wait for peers the scheduler has preempted; calibrated machines
-        measure it (small all-reduces between matrix-product bursts); charged only when a
-        node's ranks outnumber its cores; 0 on devices.
+        measure it (small all-reduces between matrix-product bursts); the estimate charges
+        it in flat steps, only when a node's ranks outnumber its cores; 0 on devices.
       collectives: measured ``{kind: {level: Link}}`` fitted per collective kind (kinds
         ``all_gather``, ``psum_scatter``, ``psum``, ``ppermute``); where present they
         replace ``links`` for that kind.

@@ -243,9 +243,9 @@ def test_calibrate_subtracts_the_kernels_the_estimate_charges_per_optimizer_leaf
 
 
 def test_sync_overhead_costs_once_per_blocking_collective_call_on_oversubscribed_cores(model):
-    """Each blocking collective call (hide None) costs the machine's sync overhead on top of
-    its link time, on a flat step, in a pipeline's TP actions and outside its schedule; an
-    overlappable one (FSDP prefetch) not; nothing when a node's ranks have a core each."""
+    """Each blocking collective call (hide None) of a flat step costs the machine's sync
+    overhead on top of its link time; an overlappable one (FSDP prefetch) not; nothing when
+    a node's ranks have a core each, nor in pipelines."""
     import sys
 
     from fshard.plan.comm import step_collectives
@@ -265,11 +265,10 @@ def test_sync_overhead_costs_once_per_blocking_collective_call_on_oversubscribed
         pytest.approx(plan.estimate(model, _machine(**own), lay).step_s)
     assert _machine(sync_overhead_s=1e-3, **shared).sync_overhead(4) == 1e-3
     assert _machine(sync_overhead_s=1e-3, **shared).sync_overhead(2) == 0.0
-    # a pipeline's TP collectives are in its actions' costs: the stage costs grow
+    # not in pipelines (measured: their TP layouts ran at the link time, docs/plan.md)
     pipe = plan.Layout({"pp": 2, "tp": 2}, batch=8, microbatches=4, schedule="1f1b")
-    c0 = plan.estimate(model, _machine(**shared), pipe).stage_costs
-    c1 = plan.estimate(model, _machine(sync_overhead_s=1e-3, **shared), pipe).stage_costs
-    assert all(b[0] > a[0] and b[1] > a[1] for a, b in zip(c0, c1))
+    assert plan.estimate(model, _machine(sync_overhead_s=1e-3, **shared), pipe).step_s == \
+        pytest.approx(plan.estimate(model, _machine(**shared), pipe).step_s)
     c = next(c for c in step_collectives(model, lay) if c.hide is None)
     assert E._blocking(_machine(sync_overhead_s=1e-3, **shared), lay, c) == pytest.approx(
         c.count * (E.collective_time(_machine(**shared), lay, c) + 1e-3))
