@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import fshard as fs  # noqa: E402
 import fshard.plan as plan  # noqa: E402
-from fshard.plan.comm import p2p_counts, pipeline_payload  # noqa: E402
-from fshard.plan.estimate import simulate_pipeline  # noqa: E402
+from fshard.plan.comm import p2p_counts  # noqa: E402
+from fshard.plan.estimate import pipeline_transfer, simulate_pipeline  # noqa: E402
 
 MODEL = ["--dim", "256", "--layers", "4", "--heads", "4", "--seq-len", "128", "--batch-size", "16"]
 
@@ -71,6 +71,23 @@ LAYOUTS = [
     ("dp=4", ["--mesh", "dp=4"]),
     ("pp=2,tp=2 1f1b m=8", ["--mesh", "pp=2,tp=2", "--schedule", "1f1b", "--microbatches", "8"]),
 ]
+
+
+def simulated_bubble(machine: plan.Machine, layout: plan.Layout, model: plan.ModelDesc,
+                     costs: list[tuple[float, float, float]], est: plan.Estimate) -> float:
+    """The bubble the simulator gives with the F, I, W per microbatch each pp rank measured
+    (``costs``) and the planner's own transfer costs: the dependency edge's and, on CPU
+    nodes, each posted send and receive's host time on its rank, half with F and half with
+    I (:func:`fshard.plan.estimate.pipeline_transfer`); the time outside the schedule as
+    the planner predicts it."""
+    p2p, post = pipeline_transfer(machine, layout, model)
+    ops = p2p_counts(layout.build_schedule())
+    host = [(ops[r][0] + ops[r][1]) * post / layout.microbatches for r in range(layout.pp)]
+    with_host = [(f + h / 2, i + h / 2, w) for (f, i, w), h in zip(costs, host)]
+    makespan, _ = simulate_pipeline(layout, with_host, p2p)
+    outside = est.step_s - est.breakdown["optimizer"] - (est.breakdown["compute"] + est.breakdown["bubble"])
+    wall = makespan + outside
+    return statistics.mean(1 - layout.microbatches * sum(c) / wall for c in costs)
 
 
 def _calibrate(path: str, quick: bool) -> None:
@@ -219,19 +236,7 @@ def main() -> None:
                 est = plan.estimate(model, machine, layout)
                 pp_of_rank = [r // (4 // layout.pp) for r in range(4)]  # pp is the outermost axis
                 costs, measured_bubble, other = _measured_costs([o["stats"] for o in out], warm, layout, pp_of_rank)
-                p2p = plan.collective_time(machine, layout, plan.Collective(
-                    "send", ("pp",), pipeline_payload(model, layout)))
-                # As the planner: on a CPU node each posted send and receive costs its rank the
-                # latency, not busy (devices post asynchronously: nothing).
-                post = plan.collective_time(machine, layout, plan.Collective("send", ("pp",), 0))
-                ops = p2p_counts(layout.build_schedule())
-                host = [(ops[r][0] + ops[r][1]) * post / layout.microbatches if machine.cores_per_node else 0.0
-                        for r in range(layout.pp)]
-                with_host = [(f + h / 2, i + h / 2, w) for (f, i, w), h in zip(costs, host)]
-                makespan, _ = simulate_pipeline(layout, with_host, p2p)
-                outside = est.step_s - est.breakdown["optimizer"] - (est.breakdown["compute"] + est.breakdown["bubble"])
-                wall = makespan + outside
-                sim_measured = statistics.mean(1 - layout.microbatches * sum(c) / wall for c in costs)
+                sim_measured = simulated_bubble(machine, layout, model, costs, est)
                 row.update(predicted_bubble=est.bubble_fraction, measured_bubble=measured_bubble,
                            simulated_bubble_measured_costs=sim_measured, measured_costs=costs,
                            measured_host_share=other)

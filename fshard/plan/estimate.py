@@ -487,7 +487,7 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
         tp_i = sum(_blocking(machine, layout, c) for c in colls if c.pipeline == "I") / m
         compute_costs.append((F, I, W))
         tp_costs.append((tp_f, tp_i, 0.0))
-    p2p = collective_time(machine, layout, Collective("send", ("pp",), pipeline_payload(model, layout)))
+    p2p, post = pipeline_transfer(machine, layout, model)
     # Outside the schedule: stage gathers before the first F, reductions after the last W.
     blk_f = _phase_time(machine, layout, model, model.layers[rep], "fwd", b)
     blk_b = _phase_time(machine, layout, model, model.layers[rep], "bwd_input", b) + \
@@ -500,11 +500,8 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     # not in StepStats' busy time): the point-to-point latency per op, on the rank's own
     # timeline, half with F and half with I. Devices post asynchronously (NCCL): their
     # latency is the dependency edge's only, which the simulator charges already.
-    host = [0.0] * pp
-    if machine.cores_per_node:
-        post = collective_time(machine, layout, Collective("send", ("pp",), 0))
-        ops = p2p_counts(sch)
-        host = [(ops[r][0] + ops[r][1]) * post / m for r in range(pp)]
+    ops = p2p_counts(sch)
+    host = [(ops[r][0] + ops[r][1]) * post / m for r in range(pp)]
     costs, makespan = _shared_core_pipeline(machine, layout, compute_costs, tp_costs, host, p2p, outside)
     busy = [m * (sum(c) - h) for c, h in zip(costs, host)]
     opt_s = [_optimizer_time(machine, layout, numel, leaves) for _, numel, leaves in persistent]
@@ -521,6 +518,26 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
                                "optimizer": optimizer_s},
                     memory={k: memory[k] for k in MEMORY_KINDS}, memory_limit=limit, tokens_per_s=tokens, mfu=mfu,
                     bubble_fraction=bubble_fraction, comm=tuple(colls_by_rank[0]), stage_costs=tuple(costs))
+
+
+def pipeline_transfer(machine: Machine, layout: Layout, model: ModelDesc) -> tuple[float, float]:
+    """``(edge, post)``: seconds an activation (or gradient) transfer between stages adds to
+    the dependency from one stage's action to the next's, and host seconds each posted
+    send or receive costs its rank outside its compute.
+
+    Devices post asynchronously (NCCL): the whole point-to-point time is the edge's, and
+    posting costs nothing. On CPU nodes (gloo) a rank posts its transfers from its own
+    thread: the point-to-point latency is its host time per posted op, and the edge carries
+    the bytes' time only, as the receive was posted ahead (the runtime's prefetch). Charging
+    the latency on both, as before 2026-11-27, put it twice on a 1F1B step's critical path
+    per microbatch: with the F, I and W each rank measured, the ``pp=2,tp=2`` m=8 runs
+    simulated at 6-7 points more bubble than they measured.
+    """
+    full = collective_time(machine, layout, Collective("send", ("pp",), pipeline_payload(model, layout)))
+    if not machine.cores_per_node:
+        return full, 0.0
+    post = collective_time(machine, layout, Collective("send", ("pp",), 0))
+    return max(0.0, full - post), post
 
 
 def pipeline_speedup(machine: Machine, ranks_per_node: int, busy_share: float) -> float:

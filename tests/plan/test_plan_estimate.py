@@ -378,6 +378,37 @@ def test_gpu_pipeline_estimates_do_not_charge_host_time_per_posted_transfer(mode
     assert many.step_s > plan.estimate(model, cpu, lay).step_s
 
 
+def test_a_cpu_transfer_charges_its_latency_once_on_the_posting_rank_not_again_on_the_edge(model):
+    """pipeline_transfer: on a CPU node the point-to-point latency is the posting rank's host
+    time, and the dependency edge carries the bytes' time only; on devices the edge carries
+    both and posting is free. Charging the latency on both put it twice per microbatch on a
+    1F1B step's critical path (docs/plan.md: 6-7 points of bubble too many at m=8)."""
+    import sys
+
+    from fshard.plan.comm import Collective, pipeline_payload
+
+    E = sys.modules["fshard.plan.estimate"]
+    lat, bw = 3e-3, 1e9
+    links = {"intra": Link(bw, lat), "inter": Link(bw, lat)}
+    lay = plan.Layout({"pp": 2, "tp": 2}, batch=16, microbatches=8, schedule="1f1b")
+    payload = pipeline_payload(model, lay)
+    full = E.collective_time(_machine(links=links), lay, Collective("send", ("pp",), payload))
+    assert full == pytest.approx(lat + payload / bw)
+    cpu = _machine(links=links, cores_per_node=4, calibrated_ranks=4, devices_per_node=1 << 20)
+    assert E.pipeline_transfer(cpu, lay, model) == pytest.approx((payload / bw, lat))
+    assert E.pipeline_transfer(_machine(links=links), lay, model) == pytest.approx((full, 0.0))
+    # with no bytes' time the CPU edge is free: the bubble is the schedule's with the posts'
+    # host time on the ranks only, below what the latency on the edges as well gives
+    fast = dict(links={"intra": Link(1e15, lat), "inter": Link(1e15, lat)}, cores_per_node=4, calibrated_ranks=4,
+                devices_per_node=1 << 20)
+    e = plan.estimate(model, _machine(**fast), lay)
+    costs = [tuple(c) for c in e.stage_costs]
+    makespan_edge_free, _ = E.simulate_pipeline(lay, costs, 0.0)
+    makespan_edge_lat, _ = E.simulate_pipeline(lay, costs, lat)
+    assert e.breakdown["compute"] + e.breakdown["bubble"] == pytest.approx(makespan_edge_free, rel=1e-6)
+    assert makespan_edge_lat > makespan_edge_free
+
+
 def test_each_posted_transfer_costs_its_rank_host_time_outside_the_busy_time(model):
     """On a CPU node the runtime posts every send and receive from the rank's thread (gloo), outside its compute
     spans (StepStats.busy_s leaves them out): each costs the point-to-point latency on the
