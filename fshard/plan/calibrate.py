@@ -674,8 +674,9 @@ def _overlap(mesh: Any, sync, barrier, quick: bool = False) -> float:
     a difference of times, and single short timings of each (as before 2026-11-27) gave
     0.26, 0.0 and 0.89 in three calibrations of one quiet 2-core machine minutes apart; the
     compute loop is sized to last as long as the gather. Four calibrations in a row, 4 ranks
-    on 2 cores, then gave 0.22, 0.01, 0.11 and 0.13: with every core computing, gloo's
-    transfers take cores from the compute rather than hide behind it.
+    on 2 cores, then gave 0.22, 0.01, 0.11 and 0.13 with three rounds, and 24 with five
+    0-0.36 (median 0.08): with every core computing, gloo's transfers take cores from the
+    compute rather than hide behind it.
     """
     from fshard import comm
 

@@ -378,6 +378,25 @@ def test_gpu_pipeline_estimates_do_not_charge_host_time_per_posted_transfer(mode
     assert many.step_s > plan.estimate(model, cpu, lay).step_s
 
 
+def test_the_pipeline_is_simulated_at_its_slowest_ranks_costs_not_each_kinds_largest():
+    """simulate_pipeline takes the slowest rank's (F, I, W) by their sum: the first stage of
+    a split-backward schedule does its whole backward in W (its I is empty), and the
+    kind-wise largest over the ranks made a rank slower than any (docs/plan.md)."""
+    import sys
+
+    from fshard.sched.simulate import simulate
+
+    E = sys.modules["fshard.plan.estimate"]
+    lay = plan.Layout({"pp": 2}, batch=16, microbatches=8, schedule="zb")
+    costs = [(36.0, 0.1, 48.0), (42.0, 34.0, 19.0)]  # ms per microbatch, as measured (docs/plan.md)
+    makespan, _ = E.simulate_pipeline(lay, costs, 0.0)
+    slow = costs[1]
+    unit = slow[0] / E.RESOLUTION
+    want = simulate(lay.build_schedule(), E.RESOLUTION, round(slow[1] / unit), round(slow[2] / unit)).makespan
+    assert makespan == pytest.approx(float(want) * unit)
+    assert makespan < 8 * (42 + 34 + 48)  # below even the kind-wise largest's ideal
+
+
 def test_a_cpu_transfer_charges_its_latency_once_on_the_posting_rank_not_again_on_the_edge(model):
     """pipeline_transfer: on a CPU node the point-to-point latency is the posting rank's host
     time, and the dependency edge carries the bytes' time only; on devices the edge carries
