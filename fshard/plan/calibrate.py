@@ -328,6 +328,9 @@ def resolve_efficiency(flops: dict[str, float], efficiency: float, compute_share
 
 # (leaves, elements per leaf) the optimizer's timing takes: see _optimizer_fit.
 OPTIMIZER_POINTS = ((8, 4096), (32, 4096), (8, 262144))
+# The least share the large leaves' update must take beyond the small ones' for fit_optimizer
+# to read a bandwidth from it (on 4 CPU ranks sharing 2 cores: several times more).
+MIN_BYTES_SHARE = 0.25
 
 
 def _optimizer_fit(mesh: Any, mem_bw: float, op_overhead: float, quick: bool,
@@ -384,7 +387,10 @@ def fit_optimizer(points: Sequence[tuple[int, int]], times: Sequence[float], wor
 
     The two points with the fewest leaves, at different sizes, give ``eff`` (their
     difference is bytes alone); the two smallest leaves, at different counts, give
-    ``leaf`` with that ``eff``. ``eff`` is kept in ``[0.05, 1]`` and ``leaf`` at 0 or above.
+    ``leaf`` with that ``eff``. ``eff`` is kept in ``[0.05, 1]`` and ``leaf`` at 0 or above;
+    ``eff`` is 1 when the larger leaves took less than :data:`MIN_BYTES_SHARE` more than
+    the smaller ones (on a GPU the bytes' difference is tens of microseconds against
+    milliseconds of host time: noise, which would make ``eff`` anything).
 
     Args:
       points: ``(leaves, elements per leaf)``: two with the same count and different
@@ -400,7 +406,7 @@ def fit_optimizer(points: Sequence[tuple[int, int]], times: Sequence[float], wor
     from fshard.plan.estimate import optimizer_kernels
 
     by = dict(zip(points, times))
-    if len(by) != len(times):
+    if len(points) != len(times) or len(by) != len(times):
         raise ValueError(f"fit_optimizer: needs one time per distinct point; got points {list(points)} and "
                          f"{len(times)} times")
     e0 = min(e for _, e in points)
@@ -413,7 +419,7 @@ def fit_optimizer(points: Sequence[tuple[int, int]], times: Sequence[float], wor
     e1, n1 = sizes[-1], small[-1]
     d_bytes = n0 * (e1 - e0) * work.bytes_per_element
     d_t = by[(n0, e1)] - by[(n0, e0)]
-    eff = min(1.0, max(0.05, d_bytes / (mem_bw * d_t))) if d_t > 0 else 1.0
+    eff = min(1.0, max(0.05, d_bytes / (mem_bw * d_t))) if d_t > MIN_BYTES_SHARE * by[(n0, e0)] else 1.0
     kernels = (optimizer_kernels(work, n1, cpu) - optimizer_kernels(work, n0, cpu)) / (n1 - n0)
     per_leaf = (by[(n1, e0)] - by[(n0, e0)]) / (n1 - n0)
     leaf = per_leaf - e0 * work.bytes_per_element / (mem_bw * eff) - kernels * op_overhead
@@ -726,7 +732,7 @@ def _sync_overhead(mesh: Any, sync, barrier, quick: bool = False) -> float:
     ``quick``). On a device every rank has its own, this is about 0. With more ranks than
     cores, a rank that reaches the collective waits for peers the scheduler has preempted
     in favour of other ranks' compute: on 4 ranks sharing 2 cores (2026-11-27) the tp=2
-    layouts of ``bench/plan_validate.py`` ran 130-185 ms over the estimate, with their
+    layouts of ``bench/plan_validate.py`` ran 110-185 ms over the estimate, with their
     all-reduces at the idle link's time.
     """
     from fshard import comm

@@ -5,12 +5,15 @@ Time, per rank::
     step = compute (forward + backward [+ recompute] of every microbatch)
          + exposed communication (TP collectives on the critical path; FSDP / DDP
            collectives beyond what ``machine.overlap`` hides behind a block's compute;
-           the first gathers and last reductions)
+           the first gathers and last reductions; in a flat step on CPU ranks that
+           outnumber their cores, ``sync_overhead_s`` per blocking call)
          + pipeline bubble (fs.sched.simulate of the schedule with this layout's F, I, W
-           and point-to-point times; the slowest rank's costs; each posted send or
-           receive costs its rank the point-to-point latency; CPU ranks that outnumber
-           their cores compute faster by the share the bubble leaves idle)
-         + optimizer (AdamW + global norm over this rank's shards, traced)
+           and point-to-point times; the slowest rank's costs; on CPU nodes each posted
+           send or receive costs its rank the point-to-point latency, and the edge the
+           bytes' time; CPU ranks that outnumber their cores compute faster by the share
+           the bubble leaves idle)
+         + optimizer (AdamW + global norm over this rank's shards, traced; its bytes at
+           ``optimizer_mem_efficiency`` of the bandwidth, a host time per leaf)
 
 A layer phase costs ``samples * (flops / F + bytes / BW) + kernels * overhead`` (plus the
 machine's fixed host cost per forward or backward call, ``layer_overhead_s``; a flat
@@ -198,9 +201,9 @@ def _exposed(machine: Machine, layout: Layout, c: Collective, window: dict[str |
     ``calibrate`` measures: an all-gather beside a loop as long as it); charging it as the
     share of the compute window that hides communication, as before 2026-11-27, hid every
     FSDP collective shorter than ``overlap`` times its block, however small ``overlap``."""
-    t = collective_time(machine, layout, c) * c.count
     if c.hide is None:
         return _blocking(machine, layout, c)
+    t = collective_time(machine, layout, c) * c.count
     return max(0.0, t - machine.overlap * min(t, window[c.hide] * c.count))
 
 
@@ -424,15 +427,17 @@ def simulate_pipeline(layout: Layout, costs: list[tuple[float, float, float]], p
                       ) -> tuple[float, tuple[int, ...]]:
     """``fs.sched.simulate`` of the layout's schedule with per-rank ``(F, I, W)`` seconds.
 
-    The simulator takes one cost per kind for every rank: the slowest rank's ``(F, I, W)``,
-    by their sum (the pipeline runs at the pace of its slowest stage). Not the largest of
+    The simulator takes one cost per kind for every rank: the slowest rank's forward and
+    backward (``F`` and ``I + W``), by their sum (the pipeline runs at the pace of its
+    slowest stage), its backward split at the largest ``I`` over the ranks (the chain of
+    input gradients between stages is as slow as its slowest link). Not the largest of
     each kind over the ranks: ranks that split their backward differently then add up to a
     rank slower than any. fshard's runtime leaves the first stage's I empty (no input
-    gradient to send) and does its whole backward in W: measured ``(36, 0.1, 48)`` and
-    ``(42, 34, 19)`` ms on the two ranks of ``pp=2,tp=2 zb m=8``, whose kind-wise largest,
-    124 ms per microbatch against 95 on the slower rank, simulated a bubble 20 points
-    above the measured one (2026-11-27). Costs are rounded to 1/200 of the forward cost
-    (the simulator computes in exact fractions; similar layouts share a run).
+    gradient to send) and does its whole backward in W: measured ``(35.9, 0.1, 46.8)`` and
+    ``(41.3, 31.1, 17.2)`` ms on the two ranks of ``pp=2,tp=2 zb m=8``, whose kind-wise
+    largest, 119 ms per microbatch against 90 on the slower rank, simulated a bubble 20
+    points above the measured one (2026-11-27). Costs are rounded to 1/200 of the forward
+    cost (the simulator computes in exact fractions; similar layouts share a run).
 
     Args:
       layout: a layout with pp > 1.
@@ -443,7 +448,9 @@ def simulate_pipeline(layout: Layout, costs: list[tuple[float, float, float]], p
     Returns:
       ``(makespan seconds, peak (stage, microbatch) activations alive per rank)``.
     """
-    f, i, w = max(costs, key=lambda c: (sum(c), c))
+    f, i_slow, w_slow = max(costs, key=lambda c: (sum(c), c))
+    i = min(i_slow + w_slow, max(c[1] for c in costs))
+    w = i_slow + w_slow - i
     unit = f / RESOLUTION
     key = (layout.schedule, layout.pp, layout.microbatches, layout.virtual)
     makespan = _simulate(key, RESOLUTION, max(1, round(i / unit)), round(w / unit), round(p2p / unit))

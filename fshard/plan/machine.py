@@ -225,8 +225,11 @@ class Machine:
 
     def sync_overhead(self, ranks_per_node: int | None = None) -> float:
         """Seconds a blocking collective call costs beyond its link time on one rank: the
-        calibrated figure while a node's ranks outnumber its cores (or on a device), else 0."""
+        calibrated figure while a node's ranks outnumber its cores, if they did when it
+        was measured (else it measured nothing of the kind), or on a device; else 0."""
         if self.cores_per_node and ranks_per_node and ranks_per_node <= self.cores_per_node:
+            return 0.0
+        if self.cores_per_node and self.calibrated_ranks and self.calibrated_ranks <= self.cores_per_node:
             return 0.0
         return self.sync_overhead_s
 

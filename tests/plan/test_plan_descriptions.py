@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import attrs
+
 import pytest
 
 import fshard.plan as plan
@@ -28,6 +30,11 @@ def test_machine_round_trips_through_json(tmp_path):
     m = plan.get_machine("a100")
     plan.save_machine(m, tmp_path / "m.json")
     assert plan.load_machine(tmp_path / "m.json") == m
+    # the calibrated-only figures too (the shipped files leave them at their defaults)
+    m = attrs.evolve(m, optimizer_mem_efficiency=0.5, sync_overhead_s=1e-3, call_overhead_s=2e-3,
+                     optimizer_leaf_overhead_s=1e-4)
+    plan.save_machine(m, tmp_path / "m2.json")
+    assert plan.load_machine(tmp_path / "m2.json") == m
 
 
 @pytest.mark.parametrize("change, field", [
@@ -45,6 +52,7 @@ def test_machine_round_trips_through_json(tmp_path):
     ({"optimizer_leaf_overhead_s": -1e-3}, "optimizer_leaf_overhead_s"),
     ({"optimizer_mem_efficiency": 0.0}, "optimizer_mem_efficiency"),
     ({"optimizer_mem_efficiency": 1.5}, "optimizer_mem_efficiency"),
+    ({"sync_overhead_s": -1e-3}, "sync_overhead_s"),
     ({"collectives": {"all_reduce": {}}}, "unknown kind 'all_reduce'"),
     ({"speed": 3}, "unknown field 'speed'"),
 ])

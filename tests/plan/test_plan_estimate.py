@@ -265,6 +265,9 @@ def test_sync_overhead_costs_once_per_blocking_collective_call_on_oversubscribed
         pytest.approx(plan.estimate(model, _machine(**own), lay).step_s)
     assert _machine(sync_overhead_s=1e-3, **shared).sync_overhead(4) == 1e-3
     assert _machine(sync_overhead_s=1e-3, **shared).sync_overhead(2) == 0.0
+    # calibrated with a core per rank: the figure measured no preemption, charged nowhere
+    assert _machine(sync_overhead_s=1e-3, cores_per_node=4, calibrated_ranks=4).sync_overhead(8) == 0.0
+    assert _machine(sync_overhead_s=1e-3).sync_overhead(8) == 1e-3  # a device
     # not in pipelines (measured: their TP layouts ran at the link time, docs/plan.md)
     pipe = plan.Layout({"pp": 2, "tp": 2}, batch=8, microbatches=4, schedule="1f1b")
     assert plan.estimate(model, _machine(sync_overhead_s=1e-3, **shared), pipe).step_s == \
@@ -379,22 +382,34 @@ def test_gpu_pipeline_estimates_do_not_charge_host_time_per_posted_transfer(mode
 
 
 def test_the_pipeline_is_simulated_at_its_slowest_ranks_costs_not_each_kinds_largest():
-    """simulate_pipeline takes the slowest rank's (F, I, W) by their sum: the first stage of
-    a split-backward schedule does its whole backward in W (its I is empty), and the
-    kind-wise largest over the ranks made a rank slower than any (docs/plan.md)."""
+    """simulate_pipeline takes the slowest rank's forward and backward (by their sum), its
+    backward split at the largest I over the ranks: the first stage of a split-backward
+    schedule does its whole backward in W (its I is empty), and the kind-wise largest over
+    the ranks made a rank slower than any (docs/plan.md); the slowest rank's own split would
+    drop the chain of input gradients between the stages when that rank is the first."""
     import sys
 
     from fshard.sched.simulate import simulate
 
     E = sys.modules["fshard.plan.estimate"]
+
+    def sim(lay, f, i, w, comm=0.0):
+        unit = f / E.RESOLUTION
+        return float(simulate(lay.build_schedule(), E.RESOLUTION, max(1, round(i / unit)), round(w / unit),
+                              round(comm / unit)).makespan) * unit
+
     lay = plan.Layout({"pp": 2}, batch=16, microbatches=8, schedule="zb")
-    costs = [(36.0, 0.1, 48.0), (42.0, 34.0, 19.0)]  # ms per microbatch, as measured (docs/plan.md)
-    makespan, _ = E.simulate_pipeline(lay, costs, 0.0)
-    slow = costs[1]
-    unit = slow[0] / E.RESOLUTION
-    want = simulate(lay.build_schedule(), E.RESOLUTION, round(slow[1] / unit), round(slow[2] / unit)).makespan
-    assert makespan == pytest.approx(float(want) * unit)
-    assert makespan < 8 * (42 + 34 + 48)  # below even the kind-wise largest's ideal
+    measured = [(35.9, 0.1, 46.8), (41.3, 31.1, 17.2)]  # ms per microbatch, v3 (docs/plan.md)
+    makespan, _ = E.simulate_pipeline(lay, measured, 0.0)
+    assert makespan == pytest.approx(sim(lay, 41.3, 31.1, 17.2))
+    assert makespan < sim(lay, 41.3, 31.1, 46.8)  # the kind-wise largest
+    # the first stage the slowest: its forward and backward, split at the others' I (with
+    # 4 stages and transfers between them, the chain of I's lengthens the step)
+    lay = plan.Layout({"pp": 4}, batch=16, microbatches=4, schedule="zb")
+    first_slow = [(50.0, 0.1, 60.0)] + [(42.0, 31.0, 17.0)] * 3
+    makespan, _ = E.simulate_pipeline(lay, first_slow, 10.0)
+    assert makespan == pytest.approx(sim(lay, 50.0, 31.0, 29.1, 10.0))
+    assert makespan > sim(lay, 50.0, 0.1, 60.0, 10.0) + 10  # the first stage's own split: no I chain
 
 
 def test_a_cpu_transfer_charges_its_latency_once_on_the_posting_rank_not_again_on_the_edge(model):

@@ -127,8 +127,9 @@ def test_calibrate_measures_and_saves_the_same_machine_on_every_rank(tmp_path):
     assert 0 < m.matmul_efficiency <= 1 and m.layer_overhead_s >= 0 and m.call_overhead_s >= 0
     assert 0 <= m.optimizer_leaf_overhead_s < 0.1  # a finite figure, seconds per leaf
     assert 0.05 <= m.optimizer_mem_efficiency <= 1
+    assert 0 <= m.sync_overhead_s < 0.1  # seconds per blocking call, measured (4 ranks; cores vary)
     assert "block fit (dim 256" in m.notes and "per step-body call" in m.notes and "per leaf" in m.notes and \
-        "of the copy's bandwidth" in m.notes
+        "of the copy's bandwidth" in m.notes and "per blocking collective" in m.notes
     # the estimate can use it
     model = plan.describe_transformer(fs.models.TransformerConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2,
                                                                   max_seq_len=8))
@@ -212,10 +213,18 @@ def test_optimizer_fit_recovers_the_leaf_cost_and_bandwidth_share_the_times_were
     assert eff == 1.0 and leaf == 0.0
     leaf, eff = cal.fit_optimizer(points, [t(n, e, 0.0, 1e-4) for n, e in points], ow, bw, op, cpu=True)
     assert eff == 0.05
+    # large leaves barely slower than small ones (a GPU: microseconds of bytes under
+    # milliseconds of host time): no bandwidth read from the noise
+    times = [t(n, e, 2e-4, 0.6) for n, e in points]
+    times[points.index((8, 262144))] = times[points.index((8, 4096))] * 1.1
+    leaf, eff = cal.fit_optimizer(points, times, ow, bw, op, cpu=True)
+    assert eff == 1.0
     with pytest.raises(ValueError, match="two leaf counts"):
         cal.fit_optimizer(((8, 4096), (8, 2**18), (16, 2**18)), [1.0, 2.0, 3.0], ow, bw, op, cpu=True)
     with pytest.raises(ValueError, match="one time per distinct point"):
         cal.fit_optimizer(((8, 4096), (8, 4096), (32, 4096)), [1.0, 2.0, 3.0], ow, bw, op, cpu=True)
+    with pytest.raises(ValueError, match="one time per distinct point"):
+        cal.fit_optimizer(points, [1.0, 2.0], ow, bw, op, cpu=True)
 
 
 def test_a_block_faster_than_the_square_products_raises_the_rates_within_bounds():
