@@ -61,12 +61,17 @@ _SERIALS = itertools.count(1)
 class Body:
     """What a shard_map body knows: its mesh, whether varying axes are tracked, which
     parameter group owns each local leaf (``fs.parallel`` refuses a leaf in two groups),
-    and its inputs by storage (for :func:`meta_of`'s alias lookup)."""
+    its inputs by storage (for :func:`meta_of`'s alias lookup), and where checked mode's
+    types stopped proving replication: storages written in place with values varying over
+    more axes than the written tensor had (``written``: storage address -> axes), and
+    varying values converted to Python objects (``escaped``: axes -> the op)."""
 
     mesh: Any
     check: bool
     owners: dict = attrs.field(factory=dict, eq=False, repr=False)
     inputs: dict = attrs.field(factory=dict, eq=False, repr=False)
+    written: dict = attrs.field(factory=dict, eq=False, repr=False)
+    escaped: dict = attrs.field(factory=dict, eq=False, repr=False)
     serial: int = attrs.field(factory=lambda: next(_SERIALS), eq=False, repr=False)
 
 

@@ -30,7 +30,7 @@ from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.placement import local_block, placements_to_spec, raise_spec_errors, spec_problems, spec_to_placements
 from fshard.mesh.sharding import make_dtensor
 from fshard.mesh.spec import PartitionSpec, is_spec
-from fshard.transforms.vma import VmaMode
+from fshard.transforms.vma import VmaMode, storage_address
 
 __all__ = ["shard_map"]
 
@@ -284,7 +284,7 @@ def _exit(name: str, body: lax.Body, out: Any, out_specs: Any) -> Any:
             result.append(x)
             continue
         if check:
-            x = _check_promise(name, mesh, path, x, spec)
+            x = _check_promise(name, body, path, x, spec)
         result.append(make_dtensor(x, spec, mesh, _global_shape(body, x, spec)))
     return tree_util.tree_unflatten(treedef, result)
 
@@ -303,8 +303,22 @@ def _global_shape(body: lax.Body, x: torch.Tensor, spec: PartitionSpec) -> tuple
     return tuple(s * (body.mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, s in enumerate(x.shape))
 
 
-def _check_promise(name: str, mesh: Mesh, path: str, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
-    extra = tuple(a for a in mesh.axis_names if a in lax.vma(x) and a not in spec.axes())
+def _unproven_axes(body: lax.Body, x: torch.Tensor) -> frozenset:
+    """The axes over which ``x``'s type does not prove it replicated: those it varies over,
+    those its memory was written with in place by varying values, and those of any varying
+    value the body turned into a Python object (see :mod:`fshard.transforms.vma`)."""
+    axes = lax.vma(x)
+    if body.written:
+        axes = axes | body.written.get(storage_address(x), frozenset())
+    if body.escaped:
+        axes = axes.union(*body.escaped)
+    return axes
+
+
+def _check_promise(name: str, body: lax.Body, path: str, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    mesh = body.mesh
+    unproven = _unproven_axes(body, x)
+    extra = tuple(a for a in mesh.axis_names if a in unproven and a not in spec.axes())
     if not extra:
         return x  # the types prove the promise
     group = mesh.group(extra)
