@@ -159,6 +159,32 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_shard_map.py::test_data_parallel_grads_checked_implicit_equal_unchecked_explicit_and_reference",),
         "checked mode no longer sums an invariant value's gradient over the axes it meets"),
     Mutation(
+        "inplace_lift_skipped", "fshard/transforms/vma.py",
+        "            _lift_in_place(func, w, union, body)\n", "            pass\n",
+        ("tests/transforms/test_transforms_vma.py::test_replicated_operands_get_summed_gradients",),
+        "y += x on a replicated y keeps y's gradient per rank instead of summing it (JAX: y = y + x)"),
+    Mutation(
+        "lift_skipped_by_name", "fshard/transforms/vma.py",
+        "        if not isinstance(x, torch.Tensor) or any(x is w for w in written):\n",
+        "        if not isinstance(x, torch.Tensor) or (getattr(func, '__name__', '').endswith('_') and x is args[0]):\n",
+        ("tests/transforms/test_transforms_vma.py::test_replicated_operands_get_summed_gradients",),
+        "the old name rule: __getitem__/__rsub__ taken as in-place, so an embedding by indexing gets no pvary"),
+    Mutation(
+        "slice_bounds_untyped", "fshard/transforms/vma.py",
+        "tensors.extend(b for b in (s.start, s.stop, s.step) if isinstance(b, torch.Tensor))", "pass",
+        ("tests/transforms/test_transforms_vma.py::test_replicated_operands_get_summed_gradients",),
+        "w[i:i + 1] with a varying i is typed invariant: its gradient is not summed"),
+    Mutation(
+        "written_tensors_not_retyped", "fshard/transforms/vma.py",
+        "            _retype_written(x, m, union, body)\n", "            pass\n",
+        ("tests/transforms/test_transforms_vma.py::test_values_that_leave_the_types_are_verified_at_run_time",),
+        "memory written in place with varying values keeps its invariant type: ranks may disagree under P()"),
+    Mutation(
+        "escaped_values_trusted", "fshard/transforms/shard_map.py",
+        "        axes = axes.union(*body.escaped)\n", "        axes = axes\n",
+        ("tests/transforms/test_transforms_vma.py::test_values_that_leave_the_types_are_verified_at_run_time",),
+        "a varying value turned into a Python number (.item()) reaches a P() output unverified"),
+    Mutation(
         "ppermute_transpose_not_inverted", "fshard/lax.py",
         "inverse = tuple((d, s) for s, d in ctx.perm)", "inverse = tuple(ctx.perm)",
         ("tests/test_lax.py::test_collective_values_and_grads_equal_global_functions",),
