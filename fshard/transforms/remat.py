@@ -14,15 +14,22 @@ outputs are saved anyway, through torch's selective checkpointing:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from fshard import lax
+from fshard.transforms.grad import depth as grad_depth
+from fshard.transforms.grad import reset_depth, set_depth
 from fshard.transforms.vma import VmaMode
 
-__all__ = ["remat", "checkpoint_policies"]
+__all__ = ["checkpoint_policies", "remat"]
 
 # The collectives themselves, not ``wait_tensor``: a saved collective's output is replayed
 # already complete, and waiting on it again is a no-op. Saving waits would also record waits
@@ -86,18 +93,21 @@ def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = No
 
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        # The recomputation runs during backward, outside the shard_map body: carry the
-        # body (mesh, checked mode) into it so collectives and implicit pvary replay alike.
-        body = lax.BODY.get()
+        # The recomputation runs during backward, outside the shard_map body and outside
+        # the fs.grad calls that enclosed the first run: carry the body (mesh, checked mode)
+        # and that grad depth into it, so that collectives, implicit pvary and a nested
+        # fs.grad (which keeps its graph only when enclosed) replay alike.
+        body, depth = lax.BODY.get(), grad_depth()
 
         def replayable(*a: Any, **k: Any) -> Any:
-            token = lax.BODY.set(body)
+            token, depth_token = lax.BODY.set(body), set_depth(depth)
             try:
                 if body is not None and body.check:
                     with VmaMode():
                         return f(*a, **k)
                 return f(*a, **k)
             finally:
+                reset_depth(depth_token)
                 lax.BODY.reset(token)
 
         if policy is None:
