@@ -27,7 +27,8 @@ is first made varying (``pvary``), exactly like JAX; see :mod:`fshard.transforms
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -37,8 +38,8 @@ from fshard import meta as _meta
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh
 
-__all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
-           "all_to_all", "axis_index", "axis_size", "pvary", "AxisIndex"]
+__all__ = ["all_gather", "all_to_all", "axis_index", "axis_size", "pmax", "pmean", "pmin", "ppermute",
+           "psum", "psum_scatter", "pvary"]
 
 _MSG_OUTSIDE = (
     "fs.lax.{what} was called outside a shard_map body. Collectives need the mesh and "
@@ -299,11 +300,12 @@ for _fn, _dims in ((_Psum, ()), (_Pvary, ()), (_PReduceNoGrad, ()), (_AllGather,
 _IN_LAX: contextvars.ContextVar[bool] = contextvars.ContextVar("fshard_in_lax", default=False)
 
 
-def _map(what: str, x: Any, axis_name, one, *, to_varying: bool | None):
+def _map(what: str, x: Any, axis_name, one, *, to_varying: bool | None, all_or_none: bool = False):
     """Applies ``one(leaf, body, axes)`` to every tensor leaf, with checked-mode typing.
 
     ``to_varying``: True -> output varies over the axes, False -> invariant over them,
-    None -> no typing change beyond the input's.
+    None -> no typing change beyond the input's. ``all_or_none``: a leaf must vary over
+    all of the axes or none of them (JAX's rule for the reducing collectives).
     """
     body, ax = _axes(what, axis_name)
     names = frozenset(ax.names)
@@ -313,6 +315,8 @@ def _map(what: str, x: Any, axis_name, one, *, to_varying: bool | None):
             if not isinstance(t, torch.Tensor):
                 return t
             if body.check:
+                if all_or_none:
+                    _check_all_or_none(what, t, ax.names)
                 t = _make_varying(t, ax, names)
             out = one(t, ax)  # each ``one`` skips the collective for an axis of size 1
             if body.check:
@@ -322,6 +326,38 @@ def _map(what: str, x: Any, axis_name, one, *, to_varying: bool | None):
         return tree_util.tree_map(leaf, x)
     finally:
         _IN_LAX.reset(token)
+
+
+_MSG_MIXED = (
+    "fs.lax.{what} over {axes}: the value varies over {varying} but not over {invariant} "
+    "(checked mode). As in JAX, {what} takes a value that varies over all of its axes or "
+    "over none of them. Fix: {fix}"
+)
+
+# The fix each all-or-none collective suggests (JAX refuses the same calls, see docs/jax.md).
+_FIX_MIXED = {
+    "psum": "make it varying over the rest first, fs.lax.{what}(fs.lax.pvary(x, {invariant}), {axes}) "
+            "(every rank's copy then counts), or reduce over {varying} only.",
+    "pvary": "pvary over the axes it does not vary over yet: fs.lax.pvary(x, {invariant}).",
+}
+_FIX_MIXED["pmean"] = _FIX_MIXED["psum_scatter"] = _FIX_MIXED["psum"]
+
+
+def _axes_repr(axes: tuple[str, ...]) -> str:
+    return repr(axes[0]) if len(axes) == 1 else repr(axes)
+
+
+def _check_all_or_none(what: str, t: torch.Tensor, names: tuple[str, ...]) -> None:
+    """JAX 0.10.2's rule for psum, pmean, psum_scatter and pvary over several axes: the
+    value varies over all of them or none (pmax, pmin, all_gather, ppermute and
+    all_to_all accept any mix). Raises ``ValueError`` otherwise."""
+    v = vma(t)
+    varying = tuple(a for a in names if a in v)
+    if not varying or len(varying) == len(names):
+        return
+    parts = {"what": what, "axes": _axes_repr(names), "varying": _axes_repr(varying),
+             "invariant": _axes_repr(tuple(a for a in names if a not in v))}
+    raise ValueError(_MSG_MIXED.format(**parts, fix=_FIX_MIXED[what].format(**parts)))
 
 
 def _make_varying(t: torch.Tensor, ax: _Axes, names: frozenset) -> torch.Tensor:
@@ -342,16 +378,25 @@ def _sub_axes(ax: _Axes, names: frozenset) -> _Axes:
 def psum(x: Any, axis_name: str | Sequence[str]) -> Any:
     """All-reduce sum over ``axis_name``. Shape unchanged; result invariant over the axes.
 
-    Backward: identity (the cotangent of an invariant output is invariant).
+    Checked mode: the value varies over all of the axes or none (JAX's rule); an
+    invariant one is summed as ``n`` copies. Backward: identity (the cotangent of an
+    invariant output is invariant).
+
+    Raises:
+      ValueError: (checked mode) the value varies over some of the axes only.
     """
-    return _map("psum", x, axis_name, lambda t, ax: _apply(_Psum, t, ax) if ax.n > 1 else t.view_as(t),
-                to_varying=False)
+    return _psum("psum", x, axis_name)
+
+
+def _psum(what: str, x: Any, axis_name) -> Any:
+    return _map(what, x, axis_name, lambda t, ax: _apply(_Psum, t, ax) if ax.n > 1 else t.view_as(t),
+                to_varying=False, all_or_none=True)
 
 
 def pmean(x: Any, axis_name: str | Sequence[str]) -> Any:
-    """``psum(x, axis_name) / axis_size(axis_name)``."""
+    """``psum(x, axis_name) / axis_size(axis_name)`` (the same all-or-none rule)."""
     n = axis_size(axis_name)
-    return tree_util.tree_map(lambda t: t / n if isinstance(t, torch.Tensor) else t, psum(x, axis_name))
+    return tree_util.tree_map(lambda t: t / n if isinstance(t, torch.Tensor) else t, _psum("pmean", x, axis_name))
 
 
 def pmax(x: Any, axis_name: str | Sequence[str]) -> Any:
@@ -373,7 +418,12 @@ def pvary(x: Any, axis_name: str | Sequence[str]) -> Any:
 
     Megatron's "f". Needed in unchecked mode wherever a replicated value (e.g. a
     parameter with spec ``P()``) meets data that differs across the axis; checked
-    mode inserts it for you.
+    mode inserts it for you. Checked mode: a value already varying over all of the axes
+    is returned as it is (JAX refuses it; a row of docs/jax.md), one varying over some of
+    them only is refused, as in JAX.
+
+    Raises:
+      ValueError: (checked mode) the value varies over some of the axes only.
     """
     def one(t, ax):
         return _apply(_Pvary, t, ax) if ax.n > 1 else t.view_as(t)
@@ -384,8 +434,10 @@ def pvary(x: Any, axis_name: str | Sequence[str]) -> Any:
     def leaf(t):
         if not isinstance(t, torch.Tensor):
             return t
-        if body.check and names <= vma(t):
-            return t  # already varying: nothing to sum in backward
+        if body.check:
+            _check_all_or_none("pvary", t, ax.names)
+            if names <= vma(t):
+                return t  # already varying (JAX refuses; docs/jax.md): nothing to sum in backward
         return set_vma(one(t, ax), vma(t) | names) if body.check else one(t, ax)
 
     token = _IN_LAX.set(True)
@@ -417,8 +469,11 @@ def psum_scatter(x: Any, axis_name: str | Sequence[str], *, scatter_dimension: i
     Shapes (n = axis size): ``tiled=False`` needs ``x.shape[d] == n`` and removes dim d;
     ``tiled=True`` needs ``x.shape[d] % n == 0`` and divides it by n. Backward: ``all_gather``.
 
+    Checked mode: the value varies over all of the axes or none (JAX's rule).
+
     Raises:
-      ValueError: the dim does not fit the axis size (names both).
+      ValueError: the dim does not fit the axis size (names both); (checked mode) the
+        value varies over some of the axes only.
     """
     def one(t, ax):
         d = scatter_dimension % t.dim()
@@ -427,7 +482,7 @@ def psum_scatter(x: Any, axis_name: str | Sequence[str], *, scatter_dimension: i
             return t.view_as(t) if tiled else t.squeeze(d)
         return _apply(_PsumScatter, t, ax, d, tiled)
 
-    return _map("psum_scatter", x, axis_name, one, to_varying=True)
+    return _map("psum_scatter", x, axis_name, one, to_varying=True, all_or_none=True)
 
 
 def all_to_all(x: Any, axis_name: str | Sequence[str], split_axis: int, concat_axis: int, *,
@@ -476,50 +531,20 @@ def ppermute(x: Any, axis_name: str | Sequence[str], perm: Sequence[tuple[int, i
                 to_varying=True)
 
 
-class AxisIndex(int):
-    """An ``int`` that varies over mesh axes (``axes``), as JAX types ``axis_index``.
-
-    It is a plain int everywhere (slicing, ``range``, arithmetic); integer arithmetic keeps
-    the axes, and in checked mode a tensor op that uses it is typed varying over them (an
-    invariant operand that needs gradients gets the implicit ``pvary``).
-    """
-
-    axes: frozenset
-
-    def __new__(cls, value: int, axes: frozenset) -> "AxisIndex":
-        out = super().__new__(cls, value)
-        out.axes = axes
-        return out
-
-    def _wrap(self, v: Any, other: Any = None) -> Any:
-        if not isinstance(v, int) or isinstance(v, bool):
-            return v
-        axes = self.axes | (other.axes if isinstance(other, AxisIndex) else frozenset())
-        return AxisIndex(v, axes)
-
-    def __add__(self, o): return self._wrap(int.__add__(self, o), o)  # noqa: E704
-    def __radd__(self, o): return self._wrap(int.__radd__(self, o), o)  # noqa: E704
-    def __sub__(self, o): return self._wrap(int.__sub__(self, o), o)  # noqa: E704
-    def __rsub__(self, o): return self._wrap(int.__rsub__(self, o), o)  # noqa: E704
-    def __mul__(self, o): return self._wrap(int.__mul__(self, o), o)  # noqa: E704
-    def __rmul__(self, o): return self._wrap(int.__rmul__(self, o), o)  # noqa: E704
-    def __floordiv__(self, o): return self._wrap(int.__floordiv__(self, o), o)  # noqa: E704
-    def __rfloordiv__(self, o): return self._wrap(int.__rfloordiv__(self, o), o)  # noqa: E704
-    def __mod__(self, o): return self._wrap(int.__mod__(self, o), o)  # noqa: E704
-    def __rmod__(self, o): return self._wrap(int.__rmod__(self, o), o)  # noqa: E704
-    def __neg__(self): return self._wrap(int.__neg__(self))  # noqa: E704
-
-    def __reduce__(self):
-        return (AxisIndex, (int(self), self.axes))
-
-
-def axis_index(axis_name: str | Sequence[str]) -> int:
+def axis_index(axis_name: str | Sequence[str]) -> torch.Tensor:
     """This rank's index along ``axis_name`` (row-major over a tuple, in its order).
 
-    Returns an :class:`AxisIndex`: an int typed varying over the axes, as in JAX.
+    Returns a 0-d int64 tensor on the CPU, as JAX returns an int array: in checked mode it
+    varies over the axes, so every op that uses it (arithmetic, comparisons, ``where``,
+    indexing) is typed varying over them, and an invariant operand that needs gradients
+    gets the implicit ``pvary``. On the CPU it mixes with CUDA tensors as a scalar and
+    reads back with no device sync: ``x[i]``, ``x[i * k:(i + 1) * k]``, ``range(i)`` and
+    ``int(i)`` work; ``int(i)`` is a plain host int, typed invariant, for where a host
+    value is meant (seeds, Python control flow).
     """
-    ax = _axes("axis_index", axis_name)[1]
-    return AxisIndex(ax.me, frozenset(ax.names))
+    body, ax = _axes("axis_index", axis_name)
+    i = torch.tensor(ax.me, dtype=torch.int64, device="cpu")
+    return set_vma(i, frozenset(ax.names)) if body.check else i
 
 
 def axis_size(axis_name: str | Sequence[str]) -> int:

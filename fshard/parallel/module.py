@@ -309,6 +309,14 @@ class FSDPApply:
         return result
 
 
+def _varying(x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+    """``x`` typed varying over all of ``axes`` (checked mode): psum and pmean take a value
+    varying over all of their axes or none, and a buffer that a forward updated from data
+    split over some of them, or one picked by the rank's position, varies over all."""
+    missing = tuple(a for a in axes if a not in lax.vma(x))
+    return lax.pvary(x, missing) if missing else x  # detached: no autograd, no collective
+
+
 def _sync_buffers(buffers: Any, mode: str, axes: tuple[str, ...]) -> Any:
     """Makes the buffers a forward updated the same on every rank of the data ``axes``.
 
@@ -319,7 +327,7 @@ def _sync_buffers(buffers: Any, mode: str, axes: tuple[str, ...]) -> Any:
     if not axes:
         return buffers
     leaves, treedef = tree_util.tree_flatten(buffers)
-    first = all(lax.axis_index(a) == 0 for a in axes)
+    first = all(int(lax.axis_index(a)) == 0 for a in axes)  # a host bool: it picks a value below
     by_dtype: dict[torch.dtype, list[int]] = {}
     for k, b in enumerate(leaves):
         if isinstance(b, torch.Tensor) and b.is_floating_point():
@@ -328,9 +336,9 @@ def _sync_buffers(buffers: Any, mode: str, axes: tuple[str, ...]) -> Any:
     for ks in by_dtype.values():
         flat = torch.cat([leaves[k].detach().reshape(-1) for k in ks])  # (sum of numels,)
         if mode == "mean":
-            flat = lax.pmean(flat, axes)
+            flat = lax.pmean(_varying(flat, axes), axes)
         else:
-            flat = lax.psum(flat if first else torch.zeros_like(flat), axes)
+            flat = lax.psum(_varying(flat if first else torch.zeros_like(flat), axes), axes)
         for k, part in zip(ks, flat.split([leaves[k].numel() for k in ks])):
             out[k] = part.view(leaves[k].shape)
     return tree_util.tree_unflatten(treedef, out)

@@ -407,7 +407,8 @@ def _hooks(e: _Entry, tp: TPApply, n: int, hooks: mods.CallHooks, shared: dict):
             undo: list = []
             if m.padding_idx is not None:
                 p = m.padding_idx % (rows * n)
-                _override(m, "padding_idx", p - start if start <= p < start + rows else None, hooks, undo)
+                first = int(start)  # a host int: padding_idx is one
+                _override(m, "padding_idx", p - first if first <= p < first + rows else None, hooks, undo)
             pending.append((mine, undo))
             return put(local)
 
@@ -493,7 +494,7 @@ def _gather_invariant(out: Any, axis: str, n: int) -> Any:
         return out
     token = lax._IN_LAX.set(True)
     try:
-        full = _GatherInvariant.apply(out, axis, n, lax.axis_index(axis))
+        full = _GatherInvariant.apply(out, axis, n, int(lax.axis_index(axis)))  # backward's chunk index
     finally:
         lax._IN_LAX.reset(token)
     body = lax.BODY.get()

@@ -170,10 +170,14 @@ def sp_params(params: Any, axis: str = "tp") -> Any:
 
 
 # --- vocabulary parallelism ------------------------------------------------------------------
-def _vocab_range(local_size: int, axis: str, vocab_size: int | None) -> tuple[int, int]:
-    """This rank's ``[start, start + local_size)`` of the vocabulary (torch.chunk layout)."""
+def _vocab_range(local_size: int, axis: str, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``[start, start + local_size)`` of the vocabulary (torch.chunk layout).
+
+    0-d CPU tensors varying over ``axis`` (from ``axis_index``): the masks made from them
+    are typed varying, and comparing CUDA ids with them needs no device sync.
+    """
     n, r = lax.axis_size(axis), lax.axis_index(axis)
-    start = r * local_size if vocab_size is None else min(r * -(-vocab_size // n), vocab_size)
+    start = r * local_size if vocab_size is None else (r * -(-vocab_size // n)).clamp(max=vocab_size)
     return start, start + local_size
 
 
@@ -286,7 +290,9 @@ def tp_rng(axis: str, device: torch.device):
     The seed is drawn from the shared global stream (so it changes every call and
     advances every rank's global RNG alike) plus this rank's index on ``axis``.
     """
-    seed = int(torch.randint(0, 2**62, (1,))) + lax.axis_index(axis)
+    # A host int (manual_seed takes one); the masks vary because the value they drop
+    # from does (split=True), so the seed's own type is not needed.
+    seed = int(torch.randint(0, 2**62, (1,))) + int(lax.axis_index(axis))
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.default_generator.manual_seed(seed)
@@ -364,7 +370,8 @@ def tp_embed(params: Any, tokens: torch.Tensor, cfg: TransformerConfig, axis: st
     pos = params["pos_embeddings"]["weight"][:T]  # (T, D)
     if sequence_parallel:
         t = x.shape[1]
-        pos = sp_params(pos, axis)[lax.axis_index(axis) * t:(lax.axis_index(axis) + 1) * t]  # (T / tp, D)
+        r = lax.axis_index(axis)
+        pos = sp_params(pos, axis)[r * t:(r + 1) * t]  # (T / tp, D)
     return tp_dropout(x + pos, cfg, axis, training=training, split=sequence_parallel)
 
 
