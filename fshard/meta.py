@@ -63,7 +63,7 @@ class Body:
     parameter group owns each local leaf (``fs.parallel`` refuses a leaf in two groups),
     its inputs by storage (for :func:`meta_of`'s alias lookup), and where checked mode's
     types stopped proving replication: storages written in place with values varying over
-    more axes than the written tensor had (``written``: storage address -> axes), and
+    more axes than the written tensor had (``written``: storage address -> (storage, axes)), and
     varying values converted to Python objects (``escaped``: axes -> the op)."""
 
     mesh: Any

@@ -309,7 +309,9 @@ def _unproven_axes(body: lax.Body, x: torch.Tensor) -> frozenset:
     value the body turned into a Python object (see :mod:`fshard.transforms.vma`)."""
     axes = lax.vma(x)
     if body.written:
-        axes = axes | body.written.get(storage_address(x), frozenset())
+        key = storage_address(x)
+        held = body.written.get(key) if key else None
+        axes = axes | held[1] if held else axes
     if body.escaped:
         axes = axes.union(*body.escaped)
     return axes

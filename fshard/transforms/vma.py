@@ -252,10 +252,13 @@ def _retype_written(x: torch.Tensor, m: meta_util.Meta, union: frozenset, body: 
     base = x._base
     if base is not None and not union <= lax.vma(base):
         meta_util.set_vma(base, lax.vma(base) | union)
-    if union - m.vma:
+    key = storage_address(x)
+    if union - m.vma and key:
         # Other aliases of this memory keep their old types: a replication promise on any
         # of them is verified at run time (shard_map's exit reads this table).
-        body.written[storage_address(x)] = body.written.get(storage_address(x), frozenset()) | union
+        # The storage is held so that its address stays its own until the body ends.
+        held = body.written.get(key)
+        body.written[key] = (x.untyped_storage(), (held[1] if held else frozenset()) | union)
 
 
 def storage_address(x: torch.Tensor) -> int:
