@@ -76,7 +76,6 @@ _LEAVES_TYPES = frozenset({
 # Python entry points with no aten op of their own: the aten op whose schema they follow.
 _LOWERS_TO = {torch.Tensor.__setitem__: "index_put_"}
 
-_AXIS_INDEX = getattr(lax, "AxisIndex", ())  # () when axis_index is a tensor: isinstance is then False
 _NO_WRITES: tuple = ()
 _WRITES: dict[Any, tuple] = {}
 
@@ -136,14 +135,15 @@ def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]
     return out
 
 
-def _tensor_leaves(tree: Any) -> tuple[list[torch.Tensor], list[Any]]:
-    """The tensors a call receives, including slice bounds (``x[i:i + 1]``), and all leaves."""
-    everything = tree_util.leaves(tree)
-    tensors = [x for x in everything if isinstance(x, torch.Tensor)]
-    for s in everything:
-        if type(s) is slice:
-            tensors.extend(b for b in (s.start, s.stop, s.step) if isinstance(b, torch.Tensor))
-    return tensors, everything
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors a call receives, including slice bounds (``x[i:i + 1]``)."""
+    tensors = []
+    for x in tree_util.leaves(tree):
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+        elif type(x) is slice:
+            tensors.extend(b for b in (x.start, x.stop, x.step) if isinstance(b, torch.Tensor))
+    return tensors
 
 
 class VmaMode(TorchFunctionMode):
@@ -161,17 +161,12 @@ class VmaMode(TorchFunctionMode):
         if func == _GRAD_GETTER:
             g = func(*args, **kwargs)
             return g if g is None else meta_util.copy_meta(args[0], g)  # x.grad has x's type
-        leaves, everything = _tensor_leaves((args, kwargs))
-        # An int-typed axis_index (lax.AxisIndex) makes the result vary too.
-        indices = [x.axes for x in everything if isinstance(x, _AXIS_INDEX)]
+        leaves = _tensor_leaves((args, kwargs))
         if not leaves:
-            out = func(*args, **kwargs)
-            if indices:
-                _tag_outputs(func, out, [], [], frozenset().union(*indices))
-            return out
+            return func(*args, **kwargs)
         metas = [meta_util.meta_of(x) for x in leaves]
-        union = frozenset().union(*(m.vma for m in metas), *indices)
-        if union and (indices or any(m.vma != union for m in metas)):
+        union = frozenset().union(*(m.vma for m in metas))
+        if union and any(m.vma != union for m in metas):
             out = _mixed_call(func, args, kwargs, leaves, metas, union)
         else:
             out = func(*args, **kwargs)
@@ -286,7 +281,7 @@ def _inplace_message(func: Any, union: frozenset) -> str:
 
 
 def _tag_outputs(func: Any, out: Any, leaves: list, metas: list, union: frozenset) -> None:
-    first, x0 = (metas[0], leaves[0]) if leaves else (meta_util.EMPTY, None)
+    first, x0 = metas[0], leaves[0]
     keep = first.global_shape is not None
     for o in tree_util.leaves(out):
         if not isinstance(o, torch.Tensor):
