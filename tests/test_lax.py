@@ -165,3 +165,71 @@ def test_collective_bad_input_messages():
     assert "equal to 2" in errors["a2a"]
     assert "unique" in errors["perm"] and "duplicates" in errors["perm"]
     assert "out of range: [2]" in errors["perm_range"]
+
+
+# --- axis_index: a 0-d tensor typed varying, as JAX's ------------------------------------
+
+def _axis_index_body():
+    mesh = fs.make_mesh({"x": 4})
+    w = torch.tensor(2.0, dtype=torch.float64)
+    out = {}
+
+    def sub(w):  # JAX: d/dw of the sum over ranks of (i - w) = -4
+        return (fs.lax.axis_index("x") - w).sum()
+
+    def scaled(w):  # JAX: 0 + .25 + .5 + .75 = 1.5 on every rank
+        return (w * (fs.lax.axis_index("x") / 4)).sum()
+
+    for name, f in (("sub", sub), ("scaled", scaled)):
+        inside = fs.shard_map(fs.grad(f), mesh=mesh, in_specs=P(), out_specs=P())
+        outside = fs.grad(fs.shard_map(lambda w, f=f: fs.lax.psum(f(w), "x"), mesh=mesh, in_specs=P(),
+                                       out_specs=P()))
+        out[name] = (inside(w).to_local().item(), outside(w).item())
+
+    def uses(x):
+        i, n = fs.lax.axis_index("x"), fs.lax.axis_size("x")
+        kind = (i.dim(), i.dtype, i.device.type, fs.lax.vma(i), fs.lax.vma(x[i * 2:(i + 1) * 2] * i))
+        y = x[i * 2:(i + 1) * 2].sum() + x[i] + len(range(i)) + int(i)  # 7 i + 1 for x = arange
+        z = fs.lax.ppermute(x[:1] + i, "x", [(j, (j + 1) % n) for j in range(n)])  # the previous index
+        out["kind"] = kind
+        return torch.stack([y, z[0], torch.where(i > 1, x[0], x[1])]).unsqueeze(0)
+
+    got = fs.shard_map(uses, mesh=mesh, in_specs=P(), out_specs=P("x"))(torch.arange(8, dtype=torch.float64))
+    out["uses"] = got.full_tensor().tolist()
+    return out
+
+
+def test_axis_index_is_a_varying_0d_tensor():
+    for out in run_on_ranks(_axis_index_body, world_size=4):
+        assert out["sub"] == (-4.0, -4.0) and out["scaled"] == (1.5, 1.5), out
+        assert out["kind"] == (0, torch.int64, "cpu", frozenset({"x"}), frozenset({"x"}))
+        assert out["uses"] == [[7.0 * r + 1, float((r - 1) % 4), float(r <= 1)] for r in range(4)]
+
+
+# --- mixed states: JAX 0.10.2's all-or-none rule (tests/conformance/conf_programs_mixed.py) ---
+
+def _mixed_body():
+    mesh = fs.make_mesh({"a": 2, "b": 2})
+    errors, ok = {}, {}
+    for check in (True, False):
+        for what in ("psum", "pmean", "psum_scatter", "pvary", "pmax", "all_gather"):
+            f = fs.shard_map(lambda x, what=what: getattr(fs.lax, what)(x, ("b", "a")), mesh=mesh,
+                             in_specs=P("a"), out_specs=P(("a", "b")), check=check)
+            try:
+                f(torch.ones(8, 2))
+                ok[(what, check)] = True
+            except ValueError as e:
+                errors[(what, check)] = str(e)
+    # pvary of a value varying over all its axes: returned as it is (JAX refuses; docs/jax.md)
+    same = fs.shard_map(lambda x: fs.lax.pvary(x, "a") is x, mesh=mesh, in_specs=P("a"), out_specs=P())
+    return errors, ok, same(torch.ones(4, 2))
+
+
+def test_mixed_state_collectives_refuse_as_jax_does():
+    errors, ok, same = run_on_ranks(_mixed_body, world_size=4)[0]
+    assert set(errors) == {("psum", True), ("pmean", True), ("psum_scatter", True), ("pvary", True)}, errors
+    assert len(ok) == 8 and same is True
+    msg = errors[("psum", True)]
+    assert msg.startswith("fs.lax.psum over ('b', 'a'): the value varies over 'a' but not over 'b'"), msg
+    assert "fs.lax.psum(fs.lax.pvary(x, 'b'), ('b', 'a'))" in msg
+    assert errors[("pvary", True)].endswith("Fix: pvary over the axes it does not vary over yet: fs.lax.pvary(x, 'b').")

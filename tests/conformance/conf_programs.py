@@ -27,7 +27,7 @@ MESHES: dict[str, tuple[tuple[str, int], ...]] = {
     "2x2": (("x", 2), ("y", 2)),
 }
 
-MODULES = ("conf_programs_lax", "conf_programs_patterns")
+MODULES = ("conf_programs_lax", "conf_programs_patterns", "conf_programs_mixed", "conf_programs_regress")
 
 
 @dataclasses.dataclass(frozen=True)

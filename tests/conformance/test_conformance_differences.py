@@ -117,6 +117,39 @@ def test_unchecked_no_implicit_pvary(conformance):
             f"rank {r}: fshard {value['grads']} vs JAX's local gradient of device {r} {local[r]}")
 
 
+NIP = "unchecked_invariant_meets_varying"
+
+
+@TIMEOUT
+@pytest.mark.parametrize("conformance_program", _differs(NIP))
+def test_unchecked_invariant_meets_varying(conformance, conformance_program):
+    """``(x + psum(x)) * w`` differentiated w.r.t. x, with no explicit pvary: both JAX modes
+    give ``w + psum(w)`` (checked: the implicit pvary's transpose; unchecked: psum's), fshard's
+    unchecked mode ``2 w`` (no implicit pvary, psum's backward the identity): it differs from
+    both. With w = 1: 5 against 2. Its checked mode agrees with JAX."""
+    p = _ALL[conformance_program]
+    _, w = p.make_inputs()
+    blocks = w.reshape(4, -1, w.shape[1])
+    jax_dx = (blocks + blocks.sum(0)).reshape(w.shape)
+    for rec, who in ((conformance.jax(conformance_program), "JAX unchecked"), (conformance.jax(p.oracle), "JAX checked")):
+        got = _ok(rec, who, conformance_program)["dx"]
+        assert np.allclose(got, jax_dx, rtol=1e-12, atol=1e-12), (who, got, jax_dx)
+    fs_dx = _ok(conformance.fshard(conformance_program), "fshard", conformance_program)["dx"]
+    assert np.allclose(fs_dx, 2 * w, rtol=1e-12, atol=1e-12), (fs_dx, 2 * w)
+    assert conformance.mismatch(p.oracle) is None, conformance.mismatch(p.oracle)
+
+
+@TIMEOUT
+@pytest.mark.parametrize("conformance_program", _differs("pvary_already_varying"))
+def test_pvary_of_a_varying_value(conformance, conformance_program):
+    """Checked ``pvary`` of a value already varying over all of its axes: JAX refuses it,
+    fshard returns the value as it is (its oracle: JAX on the program without the pvary)."""
+    jax_rec = conformance.jax(conformance_program)
+    assert jax_rec["status"] == "error" and "Unsupported pcast from=varying" in jax_rec["error"], jax_rec
+    problem = conformance.mismatch(conformance_program)
+    assert problem is None, problem
+
+
 # --- docs/jax.md: "where JAX is not the oracle" ---------------------------------------------
 @TIMEOUT
 @pytest.mark.parametrize("conformance_program", [n for n, p in _ALL.items() if p.jax_quirk])
