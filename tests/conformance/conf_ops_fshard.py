@@ -80,6 +80,24 @@ class FshardOps:
         return x.to(torch.int32)
 
     @staticmethod
+    def gt0_int(x):
+        return (x > 0).long()
+
+    @staticmethod
+    def index(x, i):
+        return x[i]
+
+    @staticmethod
+    def iadd(y, x):  # in place, as ordinary PyTorch code writes it
+        y += x
+        return y
+
+    @staticmethod
+    def setitem(y, i, v):  # in place, as ordinary PyTorch code writes it
+        y[i] = v
+        return y
+
+    @staticmethod
     def moveaxis(x, source, destination):
         return torch.movedim(x, source, destination)
 

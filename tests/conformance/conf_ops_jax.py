@@ -96,6 +96,22 @@ class JaxOps:
     def einsum(spec, *xs):
         return jnp.einsum(spec, *xs)
 
+    @staticmethod
+    def gt0_int(x):
+        return (x > 0).astype(jnp.int32)
+
+    @staticmethod
+    def index(x, i):
+        return x[i]
+
+    @staticmethod
+    def iadd(y, x):
+        return y + x
+
+    @staticmethod
+    def setitem(y, i, v):
+        return y.at[i].set(v)
+
     moveaxis = staticmethod(jnp.moveaxis)
 
     @staticmethod
