@@ -327,7 +327,10 @@ def _sync_buffers(buffers: Any, mode: str, axes: tuple[str, ...]) -> Any:
     if not axes:
         return buffers
     leaves, treedef = tree_util.tree_flatten(buffers)
-    first = all(int(lax.axis_index(a)) == 0 for a in axes)  # a host bool: it picks a value below
+    # A host bool that picks a value below: from the mesh, not int(lax.axis_index(...)), whose
+    # conversion to Python would leave checked mode's types (every P() output then verified).
+    mesh = lax.BODY.get().mesh
+    first = all(mesh.axis_index(a) == 0 for a in axes)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for k, b in enumerate(leaves):
         if isinstance(b, torch.Tensor) and b.is_floating_point():

@@ -290,9 +290,10 @@ def tp_rng(axis: str, device: torch.device):
     The seed is drawn from the shared global stream (so it changes every call and
     advances every rank's global RNG alike) plus this rank's index on ``axis``.
     """
-    # A host int (manual_seed takes one); the masks vary because the value they drop
-    # from does (split=True), so the seed's own type is not needed.
-    seed = int(torch.randint(0, 2**62, (1,))) + int(lax.axis_index(axis))
+    # A host int (manual_seed takes one), from the mesh: int(lax.axis_index(...)) would
+    # leave checked mode's types (every P() output then verified at run time). The masks
+    # vary because the value they drop from does (split=True), so the seed needs no type.
+    seed = int(torch.randint(0, 2**62, (1,))) + lax.BODY.get().mesh.axis_index(axis)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.default_generator.manual_seed(seed)
