@@ -22,6 +22,8 @@ The autograd functions use ``setup_context``, so ``torch.func.grad``/``vjp`` of 
 work as well as ``torch.autograd``. In checked mode (``shard_map(check=True)``) every
 value carries the set of axes it varies over, and an invariant operand of a collective
 is first made varying (``pvary``), exactly like JAX; see :mod:`fshard.transforms.vma`.
+As in JAX 0.10.2, ``psum``, ``pmean``, ``psum_scatter`` and ``pvary`` over several axes
+take a value that varies over all of them or none (docs/jax.md has the measured table).
 """
 
 from __future__ import annotations
