@@ -142,3 +142,38 @@ def test_values_that_leave_the_types_are_verified_at_run_time(kind):
 def test_proven_promise_needs_no_run_time_check():
     out = run_on_ranks(_unprovable, "proven", world_size=N)
     assert all(torch.equal(o.full_tensor(), torch.ones(2, dtype=torch.float64)) for o in out)
+
+
+def _inplace_on_a_leaf(w, x):
+    mesh = fs.make_mesh({"x": N})
+    step = fs.shard_map(fs.grad(lambda w, x: w.add_(x).sum()), mesh=mesh, in_specs=(P(), P("x")), out_specs=P())
+    step(w, x)
+
+
+def test_inplace_write_that_cannot_be_summed_names_the_op_and_the_fix():
+    with pytest.raises(RuntimeError, match=r"add_ writes in place .*\(y = y \+ x"):
+        run_on_ranks(_inplace_on_a_leaf, torch.ones(2), torch.ones(N * 2), world_size=N)
+
+
+def _weakened(order):
+    """A replicated value typed varying on purpose (pvary of a psum): the promise of P() is
+    verified by value, and the gradient is the unweakened program's."""
+    mesh = fs.make_mesh({"x": N})
+
+    def weak(w, x):
+        return fs.lax.pvary(fs.lax.psum((w * x).sum(), "x"), "x")
+
+    def strong(w, x):
+        return fs.lax.psum((w * x).sum(), "x")
+
+    out = []
+    for body in (weak, strong):
+        sm = fs.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P())
+        w, x = torch.arange(2.0, dtype=torch.float64), torch.arange(N * 2.0, dtype=torch.float64)
+        out.append(fs.grad(sm)(w, x))
+    return out
+
+
+def test_weakened_types_are_verified_by_value_with_the_same_gradients():
+    for weak, strong in run_on_ranks(_weakened, "outside", world_size=N):
+        torch.testing.assert_close(weak, strong, rtol=0, atol=0)
