@@ -83,6 +83,12 @@ def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = No
     Returns:
       A function with ``f``'s signature and results.
 
+    Inside nested ``fs.grad`` calls (grad of grad, Hessian-vector products) the
+    recomputation replays the grad nesting too, so higher-order gradients are JAX's.
+    Under ``torch.func``'s ``grad``/``vjp``/``jacrev``/``hessian`` (e.g. ``jvp`` of
+    ``fs.grad``: forward-over-reverse), where torch's checkpoint cannot run (saved-tensor
+    hooks are disabled there), ``f`` runs as is: the same values, activations stored.
+
     Raises:
       ValueError: an unknown policy name (the known ones are listed).
     """
@@ -93,6 +99,8 @@ def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = No
 
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+            return f(*args, **kwargs)  # torch.func's grad transforms: checkpoint would raise
         # The recomputation runs during backward, outside the shard_map body and outside
         # the fs.grad calls that enclosed the first run: carry the body (mesh, checked mode)
         # and that grad depth into it, so that collectives, implicit pvary and a nested
