@@ -95,3 +95,13 @@ register(Program("regress/grad_of_grad/x4/checked/inside", "x4", True, _grad_of_
                  normals((3,), (N * 3,)), "grad_of_grad_sm", group="regress/x4"))
 register(Program("regress/grad_of_grad/x4/checked/outside", "x4", True, _grad_of_shard_map_of_grad,
                  normals((3,), (N * 3,)), "grad_of_grad_sm", group="regress/x4"))
+
+
+
+def _axis_index_over_3(ops, x):  # integer true division: float32 in both (JAX's axis_index is int32)
+    sm = ops.shard_map(lambda x: x * 0.0 + ops.axis_index("x") / 3, in_specs=ops.P("x"), out_specs=ops.P("x"))
+    return {"q": sm(x)}
+
+
+register(Program("regress/axis_index_over_3/x4/checked/values", "x4", True, _axis_index_over_3, normals((N,)),
+                 "axis_index_over_3", group="regress/x4"))
