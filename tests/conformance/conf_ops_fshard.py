@@ -80,6 +80,10 @@ class FshardOps:
         return x.to(torch.int32)
 
     @staticmethod
+    def to_float(x):
+        return float(x)
+
+    @staticmethod
     def gt0_int(x):
         return (x > 0).long()
 

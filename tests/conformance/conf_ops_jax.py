@@ -97,6 +97,10 @@ class JaxOps:
         return jnp.einsum(spec, *xs)
 
     @staticmethod
+    def to_float(x):
+        return float(x)
+
+    @staticmethod
     def gt0_int(x):
         return (x > 0).astype(jnp.int32)
 

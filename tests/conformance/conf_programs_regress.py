@@ -105,3 +105,23 @@ def _axis_index_over_3(ops, x):  # integer true division: float32 in both (JAX's
 
 register(Program("regress/axis_index_over_3/x4/checked/values", "x4", True, _axis_index_over_3, normals((N,)),
                  "axis_index_over_3", group="regress/x4"))
+
+
+# --- a designed difference: a varying value converted to a Python number ------------------
+VALUES_LEAVE_THE_TYPES = "values_leave_the_types"
+
+
+def _scaled_by_python_float(ops, x):  # JAX: a tracer cannot become a float (ConcretizationTypeError)
+    sm = ops.shard_map(lambda x: x * ops.to_float(ops.sum(x)), in_specs=ops.P("x"), out_specs=ops.P("x"))
+    return {"y": sm(x)}
+
+
+def _scaled_by_tensor(ops, x):  # the oracle: the same value kept as an array
+    sm = ops.shard_map(lambda x: x * ops.sum(x), in_specs=ops.P("x"), out_specs=ops.P("x"))
+    return {"y": sm(x)}
+
+
+_SCALED = register(Program("regress/values_leave_the_types/x4/checked/oracle", "x4", True, _scaled_by_tensor,
+                           normals((2 * N,)), VALUES_LEAVE_THE_TYPES, group="regress/x4"))
+register(Program("diff/values_leave_the_types/x4/checked", "x4", True, _scaled_by_python_float,
+                 normals((2 * N,)), VALUES_LEAVE_THE_TYPES, differs=VALUES_LEAVE_THE_TYPES, oracle=_SCALED.name))

@@ -150,6 +150,19 @@ def test_pvary_of_a_varying_value(conformance, conformance_program):
     assert problem is None, problem
 
 
+@TIMEOUT
+@pytest.mark.parametrize("conformance_program", _differs("values_leave_the_types"))
+def test_values_that_leave_the_types(conformance, conformance_program):
+    """``float()`` of a varying value inside a body: JAX refuses (a tracer cannot become a
+    Python number); fshard computes it eagerly (its oracle: JAX with the value kept as an
+    array), and verifies the body's replication promises over those axes at run time
+    (tests/transforms/test_transforms_vma.py)."""
+    jax_rec = conformance.jax(conformance_program)
+    assert jax_rec["status"] == "error" and "Concretization" in jax_rec["error"], jax_rec
+    problem = conformance.mismatch(conformance_program)
+    assert problem is None, problem
+
+
 # --- docs/jax.md: "where JAX is not the oracle" ---------------------------------------------
 @TIMEOUT
 @pytest.mark.parametrize("conformance_program", [n for n, p in _ALL.items() if p.jax_quirk])
