@@ -198,11 +198,17 @@ class _Psum(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        ctx.ax = inputs[1]
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        # JAX's transpose of psum is pvary: the identity on values, and (when this backward
+        # is itself differentiated: grad of grad) a psum of what flows back through it.
+        return _apply(_Pvary, g, ctx.ax), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return _apply(_Psum, t, ctx.ax)  # linear: the tangent of a psum is the psum of the tangent
 
 
 class _Pvary(torch.autograd.Function):
@@ -217,6 +223,10 @@ class _Pvary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _apply(_Psum, g, ctx.ax), None  # (_apply: a torch.func-wrapped g needs the Function)
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return _apply(_Pvary, t, ctx.ax)
 
 
 class _PReduceNoGrad(torch.autograd.Function):
@@ -249,6 +259,10 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx, g):
         return _apply(_PsumScatter, g, ctx.ax, ctx.axis, ctx.tiled), None, None, None
 
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return _apply(_AllGather, t, ctx.ax, ctx.axis, ctx.tiled)
+
 
 class _PsumScatter(torch.autograd.Function):
     @staticmethod
@@ -262,6 +276,10 @@ class _PsumScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _apply(_AllGather, g, ctx.ax, ctx.dim, ctx.tiled), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return _apply(_PsumScatter, t, ctx.ax, ctx.dim, ctx.tiled)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -277,6 +295,10 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, g):
         return _apply(_AllToAll, g, ctx.ax, ctx.concat, ctx.split, ctx.tiled), None, None, None, None
 
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return _apply(_AllToAll, t, ctx.ax, ctx.split, ctx.concat, ctx.tiled)
+
 
 class _Ppermute(torch.autograd.Function):
     @staticmethod
@@ -291,6 +313,10 @@ class _Ppermute(torch.autograd.Function):
     def backward(ctx, g):
         inverse = tuple((d, s) for s, d in ctx.perm)
         return _apply(_Ppermute, g, ctx.ax, inverse), None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return _apply(_Ppermute, t, ctx.ax, ctx.perm)
 
 
 for _fn, _dims in ((_Psum, ()), (_Pvary, ()), (_PReduceNoGrad, ()), (_AllGather, (2,)), (_PsumScatter, (2,)),

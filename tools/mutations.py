@@ -147,10 +147,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "an async collective's result is used without waiting for it"),
     Mutation(
         "psum_transpose_is_psum", "fshard/lax.py",
-        "    def setup_context(ctx, inputs, output):\n        pass\n\n    @staticmethod\n"
-        "    def backward(ctx, g):\n        return g, None\n",
-        "    def setup_context(ctx, inputs, output):\n        ctx.ax = inputs[1]\n\n    @staticmethod\n"
-        "    def backward(ctx, g):\n        return _psum_raw(g, ctx.ax), None\n",
+        "        return _apply(_Pvary, g, ctx.ax), None\n",
+        "        return _psum_raw(g, ctx.ax), None\n",
         ("tests/test_shard_map.py::test_tensor_parallel_grads_checked_equal_unchecked_and_reference",),
         "psum's backward sums the cotangent again instead of passing it through"),
     Mutation(

@@ -211,9 +211,12 @@ class _Locals(torch.autograd.Function):
 def _as_dtensor(g: torch.Tensor, spec) -> DTensor:
     """The local cotangent ``g`` as a DTensor laid out by ``spec`` (its primal's)."""
     meta = spec.tensor_meta
-    if meta is not None and g.dtype == meta.dtype and g.is_contiguous() and meta.stride == _contiguous(meta.shape):
+    differentiable = g.requires_grad and torch.is_grad_enabled()  # a create_graph backward (grad of grad)
+    if (not differentiable and meta is not None and g.dtype == meta.dtype and g.is_contiguous()
+            and meta.stride == _contiguous(meta.shape)):
         return DTensor(g, spec, requires_grad=False)
-    # A non-contiguous primal or cotangent: torch's own rule (global stride from the local one).
+    # A non-contiguous primal or cotangent, or one that must stay differentiable: torch's own
+    # rule (global stride from the local one), through from_local's autograd node.
     from torch.distributed.tensor._utils import compute_global_tensor_info
 
     _, stride = compute_global_tensor_info(g, spec.mesh, spec.placements)

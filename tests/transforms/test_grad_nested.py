@@ -36,17 +36,9 @@ RTOL, ATOL = 1e-9, 1e-12
 
 # Second-order cases that need a change outside fshard/transforms (see each reason). strict:
 # once the change lands the test passes, fails as XPASS, and the mark must go.
-_PSUM_TRANSPOSE = ("fshard/lax.py: _Psum.backward must return pvary(g) (identity forward, psum "
-                   "backward: JAX's transpose of psum) instead of g, so that the second order "
-                   "sums the cotangent of psum's result over the axis")
-_LOCALS_BACKWARD = ("fshard/transforms/shard_map.py: _Locals.backward builds DTensor(g, spec, "
-                    "requires_grad=False), which cuts a create_graph backward; it must use "
-                    "DTensor.from_local(g, ...) when g requires grad and grad mode is on")
-_COLLECTIVE_JVP = ("fshard/lax.py: the collectives' autograd Functions define no jvp, so torch.func.jvp "
-                   "(forward mode) through a body raises; each is linear, so its jvp is the same "
-                   "collective (pvary: the identity) applied to the tangent")
-XFAIL = {f"sharded/{loss}/inside_fwd_rev/{mode}": _COLLECTIVE_JVP for loss in progs.LOSSES for mode in MODES}
-XFAIL.update({f"sharded/psum_sq/{comp}/{mode}": _PSUM_TRANSPOSE for comp in progs.COMPOSITIONS for mode in MODES})
+# Programs expected to fail, with the change that would fix each (none left: psum's transpose
+# is pvary, the collectives have jvp rules, and _Locals.backward keeps a create_graph cotangent).
+XFAIL: dict[str, str] = {}
 
 
 class FshardOps:
@@ -194,7 +186,6 @@ def _dtensor_grad_grad_shard_map() -> float:
     return fs.gather(fs.grad(lambda u: (fs.grad(sm)(u, x) * v).sum())(w)).numpy()
 
 
-@pytest.mark.xfail(strict=True, reason=_LOCALS_BACKWARD)
 def test_grad_grad_shard_map_of_dtensor_arguments_matches_jax(jax_results):
     got = run_on_ranks(_dtensor_grad_grad_shard_map, world_size=progs.WORLD)[0]
     _assert_matches(got, jax_results["sharded/pvary/grad_grad_sm"], "dtensor grad_grad_sm")
@@ -212,9 +203,22 @@ def _issue_program_in_body(check: bool) -> float:
     return max((_global(inside) - 6 * x).abs().max().item(), (outside - 6 * x).abs().max().item())
 
 
+def _step_keeps_no_graph(check: bool) -> bool:
+    """A training step, shard_map(value_and_grad), with fs.shard'ed parameters that require
+    grad (the body sees them as non-leaves): nothing encloses the call, so no graph is kept."""
+    mesh = fs.make_mesh({"x": progs.WORLD})
+    ins = _inputs()
+    w = fs.shard(ins["w"].clone().requires_grad_(), fs.P(), mesh)
+    step = fs.shard_map(fs.value_and_grad(lambda w, x: progs.LOSSES["pvary"](FshardOps(mesh, check), w, x, check)),
+                        mesh=mesh, in_specs=(fs.P(), fs.P("x")), out_specs=(fs.P(), fs.P()), check=check)
+    value, g = step(w, ins["x"])
+    return w.requires_grad and not value.requires_grad and not g.requires_grad
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_grad_of_grad_in_and_around_shard_map(mode):
     assert max(run_on_ranks(_issue_program_in_body, MODES[mode], world_size=progs.WORLD)) < 1e-12
+    assert all(run_on_ranks(_step_keeps_no_graph, MODES[mode], world_size=progs.WORLD))
 
 
 # --- the cost rule, torch's backward, grad mode ----------------------------------------------
