@@ -183,6 +183,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/transforms/test_transforms_vma.py::test_values_that_leave_the_types_are_verified_at_run_time",),
         "a varying value turned into a Python number (.item()) reaches a P() output unverified"),
     Mutation(
+        "psum_jvp_is_identity", "fshard/lax.py",
+        "        return _apply(_Psum, t, ctx.ax)  # linear", "        return t.view_as(t)  # linear",
+        ("tests/transforms/test_grad_nested.py::test_sharded_hvp_matches_jax",),
+        "forward mode (torch.func.jvp of a body) passes psum's tangent through unsummed"),
+    Mutation(
+        "create_graph_cut_at_dtensor_inputs", "fshard/transforms/shard_map.py",
+        "    differentiable = g.requires_grad and torch.is_grad_enabled()", "    differentiable = False",
+        ("tests/transforms/test_grad_nested.py::test_grad_grad_shard_map_of_dtensor_arguments_matches_jax",),
+        "grad of grad(shard_map) over DTensor arguments is zero: the cotangent's DTensor leaves the graph"),
+    Mutation(
         "ppermute_transpose_not_inverted", "fshard/lax.py",
         "inverse = tuple((d, s) for s, d in ctx.perm)", "inverse = tuple(ctx.perm)",
         ("tests/test_lax.py::test_collective_values_and_grads_equal_global_functions",),

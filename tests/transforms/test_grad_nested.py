@@ -122,7 +122,10 @@ def jax_results(request, _jax_run) -> dict[str, np.ndarray | str]:
 @pytest.fixture(scope="module")
 def _jax_run(request):
     """Starts the JAX run unless cached: ``(cache path, process or None, its output path)``."""
-    cache = request.config.cache.mkdir("fshard-grad-nested") / f"jax-{_jax_key()}.pkl"
+    # No cache provider (tools/mutations.py runs pytest with -p no:cacheprovider): a throwaway dir.
+    store = request.config.cache.mkdir("fshard-grad-nested") if hasattr(request.config, "cache") else \
+        Path(tempfile.mkdtemp(prefix="fshard-grad-nested-"))
+    cache = store / f"jax-{_jax_key()}.pkl"
     if cache.exists():
         yield cache, None, None
         return
