@@ -1,0 +1,107 @@
+"""The grammar's collectives: every ``fs.lax`` op with jax.lax's signature and options.
+
+Shapes follow jax.lax: untiled ``all_gather`` inserts a dim of the axis size at ``axis``;
+untiled ``psum_scatter`` removes ``scatter_dimension`` (whose size must be the axis size);
+untiled ``all_to_all`` removes ``split_axis`` (of the axis size) and inserts one at
+``concat_axis``; tiled forms divide / multiply the dim instead. ``ppermute`` over a tuple
+of axes keeps mesh order (JAX numbers ``perm`` in mesh order otherwise: a docs/jax.md
+"not the oracle" row, not fuzzed).
+"""
+
+from __future__ import annotations
+
+from .gen import Ctx
+
+
+def _ax(axes) -> list[str]:
+    return [axes] if isinstance(axes, str) else list(axes)
+
+
+def _reduce(ctx: Ctx) -> bool:
+    a = ctx.float_of()
+    v = ctx.vals[a]
+    op = ctx.rng.choice(["psum", "psum", "pmean", "pmax", "pmin"])
+    axes = ctx.axes_choice(v.vma)
+    ctx.add(op, [a], {"axes": axes}, "f", v.shape, v.vma - set(_ax(axes)))
+    return True
+
+
+def _pvary(ctx: Ctx) -> bool:
+    a = ctx.float_of()
+    v = ctx.vals[a]
+    axes = ctx.axes_choice(frozenset(ctx.axes) - v.vma)  # mostly axes it does not vary over yet
+    ctx.add("pvary", [a], {"axes": axes}, "f", v.shape, v.vma | set(_ax(axes)))
+    return True
+
+
+def _all_gather(ctx: Ctx) -> bool:
+    a = ctx.float_of(pred=lambda v: len(v.shape) >= 1)
+    v = ctx.vals[a]
+    axes = ctx.axes_choice(v.vma)
+    n, tiled = ctx.size(axes), ctx.rng.random() < 0.5
+    d = ctx.rng.randrange(len(v.shape) + (0 if tiled else 1))
+    shape = list(v.shape)
+    if tiled:
+        shape[d] *= n
+    else:
+        shape.insert(d, n)
+    ctx.add("all_gather", [a], {"axes": axes, "axis": d, "tiled": tiled}, "f", shape, v.vma | set(_ax(axes)))
+    return True
+
+
+def _psum_scatter(ctx: Ctx) -> bool:
+    a = ctx.float_of(pred=lambda v: len(v.shape) >= 1)
+    v = ctx.vals[a]
+    axes = ctx.axes_choice(v.vma)
+    n, tiled = ctx.size(axes), ctx.rng.random() < 0.6
+    dims = [d for d, s in enumerate(v.shape) if (s % n == 0 if tiled else s == n)]
+    if not dims:
+        return False
+    d = ctx.rng.choice(dims)
+    shape = list(v.shape)
+    if tiled:
+        shape[d] //= n
+    else:
+        del shape[d]
+    ctx.add("psum_scatter", [a], {"axes": axes, "dim": d, "tiled": tiled}, "f", shape, v.vma | set(_ax(axes)))
+    return True
+
+
+def _ppermute(ctx: Ctx) -> bool:
+    a = ctx.float_of()
+    v = ctx.vals[a]
+    axes = ctx.axes_choice(v.vma, mesh_order=True)
+    n = ctx.size(axes)
+    srcs = list(range(n))
+    dsts = ctx.rng.sample(srcs, n)
+    keep = [i for i in srcs if ctx.rng.random() < 0.8] or [0]
+    perm = [[s, dsts[s]] for s in keep]
+    ctx.add("ppermute", [a], {"axes": axes, "perm": perm}, "f", v.shape, v.vma | set(_ax(axes)))
+    return True
+
+
+def _all_to_all(ctx: Ctx) -> bool:
+    a = ctx.float_of(pred=lambda v: len(v.shape) >= 1)
+    v = ctx.vals[a]
+    axes = ctx.axes_choice(v.vma)
+    n, tiled = ctx.size(axes), ctx.rng.random() < 0.6
+    splits = [d for d, s in enumerate(v.shape) if (s % n == 0 if tiled else s == n)]
+    if not splits:
+        return False
+    split = ctx.rng.choice(splits)
+    shape = list(v.shape)
+    if tiled:
+        concat = ctx.rng.randrange(len(shape))
+        shape[split] //= n
+        shape[concat] *= n
+    else:
+        concat = ctx.rng.randrange(len(shape))
+        del shape[split]
+        shape.insert(concat, n)
+    ctx.add("all_to_all", [a], {"axes": axes, "split": split, "concat": concat, "tiled": tiled}, "f", shape,
+            v.vma | set(_ax(axes)))
+    return True
+
+
+LAX_RULES = [(_reduce, 4), (_pvary, 1), (_all_gather, 2), (_psum_scatter, 1), (_ppermute, 1),
+             (_all_to_all, 1)]

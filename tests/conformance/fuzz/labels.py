@@ -1,0 +1,86 @@
+"""The labelling rules: outcomes that differ from JAX by design, each tied to a docs/jax.md row.
+
+A rule is a row name (the "topic" column of docs/jax.md, verbatim), the outcome it may
+explain, and a predicate on the program. The rules are the whole list: anything else that
+differs is a mismatch.
+
+- ``Replication promised by out_specs (checked mode)``: JAX refused a checked program
+  statically for an out_spec its types do not prove, fshard ran it (the values were
+  identical), and fshard's values and gradients equal JAX's unchecked twin's.
+- The four ``Unchecked mode: ...`` rows: an unchecked program whose values agree with JAX
+  but whose gradients do not (or whose ranks disagree on gradients only), and which has
+  the feature the row is about (first matching row wins).
+- ``untiled all_to_all with split_axis != concat_axis, differentiated`` (docs/jax.md,
+  "Where JAX 0.10.2 is not the oracle"): JAX fails to transpose it.
+"""
+
+from __future__ import annotations
+
+PROMISE = "Replication promised by `out_specs` (checked mode)"
+A2A_QUIRK = "untiled `all_to_all` with `split_axis != concat_axis`, differentiated"
+
+
+def _ops(prog: dict) -> set[str]:
+    return {op for _, op, _, _ in prog["ops"]}
+
+
+def _size(prog: dict, axes) -> int:
+    sizes = {a: s for a, s in prog["mesh"]}
+    n = 1
+    for a in ([axes] if isinstance(axes, str) else axes):
+        n *= sizes[a]
+    return n
+
+
+def _omits_real_axis(prog: dict, spec: list) -> bool:
+    """The spec leaves out a mesh axis of size > 1 (a replication promise over it)."""
+    named = {a for e in spec if e for a in ([e] if isinstance(e, str) else e)}
+    return any(s > 1 and a not in named for a, s in prog["mesh"])
+
+
+def _grads_inside(prog: dict) -> bool:
+    return prog["grad"]["mode"].endswith("inside")
+
+
+def _has_psum_transpose(prog: dict) -> bool:
+    return _grads_inside(prog) and (prog["grad"].get("loss") == "psum" or bool(_ops(prog) & {"psum", "pmean"}))
+
+
+def _replicated_wrt(prog: dict) -> bool:
+    specs = {n: s for n, _, s in prog["inputs"]}
+    return any(_omits_real_axis(prog, specs[w]) for w in prog["grad"].get("wrt", ()))
+
+
+def _replicated_out(prog: dict) -> bool:
+    return (not _grads_inside(prog)) and any(_omits_real_axis(prog, s) for _, s in prog["outputs"])
+
+
+UNCHECKED_ROWS = (
+    ("Unchecked mode: `psum`'s transpose", _has_psum_transpose),
+    ("Unchecked mode: explicit `pvary`", lambda p: "pvary" in _ops(p)),
+    ("Unchecked mode: replicated inputs", _replicated_wrt),
+    ("Unchecked mode: replicated outputs", _replicated_out),
+)
+
+
+def unchecked_row(prog: dict) -> str | None:
+    """The unchecked-mode row that may explain differing gradients, or None."""
+    if prog["check"] or prog["grad"]["mode"] == "none":
+        return None
+    return next((row for row, applies in UNCHECKED_ROWS if applies(prog)), None)
+
+
+def a2a_quirk(prog: dict, jax_error: str) -> str | None:
+    """JAX cannot transpose an untiled all_to_all with split_axis != concat_axis."""
+    if prog["grad"]["mode"] == "none" or "Expected cotangent type" not in jax_error:
+        return None
+    if any(op == "all_to_all" and not a["tiled"] and a["split"] != a["concat"] for _, op, _, a in prog["ops"]):
+        return A2A_QUIRK
+    return None
+
+
+def is_promise_refusal(err: str) -> bool:
+    """JAX's static refusal of an out_spec that leaves out an axis the value varies over.
+    JAX 0.10.2 sometimes fails while formatting that refusal (``_inout_vma_error`` on a
+    multi-dim spec raises a pytree error): the same refusal."""
+    return ("out_specs" in err and "replication" in err) or "broadcast_prefix prefix_tree" in err
