@@ -6,7 +6,7 @@ The rule, in order:
      unchecked program with a replicated differentiated input (that row says so).
   2. Both raise: agreement (the refusal may come at another moment, e.g. pmax's gradient).
   3. Only JAX raises: the replication-promise row when JAX's unchecked twin equals fshard;
-     the all_to_all quirk row; else a mismatch (``jax refuses, fshard accepts``).
+     the pmax/pmin row for a dead pmax; the all_to_all quirk row; else a mismatch (``jax refuses, fshard accepts``).
   4. Only fshard raises: a mismatch (``fshard refuses, jax accepts``).
   5. Both return: equal to 1e-12 agrees; differing gradients only, unchecked, with a row's
      feature: that row; else a mismatch (``values differ`` / ``gradients differ``).
@@ -14,9 +14,10 @@ The rule, in order:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from conf_compare import flatten, leaf_mismatches
+from conf_compare import leaf_mismatches
 
 from . import labels
 
@@ -32,8 +33,10 @@ class Verdict:
         return f"{self.kind}:{self.what}" if self.what else self.kind
 
 
-def _grad_only(problems: list[str]) -> bool:
-    return bool(problems) and all(p.startswith("grads") for p in problems)
+def _grad_only(prog: dict, problems: list[str]) -> bool:
+    """Only gradients differ (with grad of grad, the value is a gradient's norm too)."""
+    ok = ("grads", "value") if prog["grad"]["mode"].startswith("nested") else ("grads",)
+    return bool(problems) and all(p.startswith(ok) for p in problems)
 
 
 def _disagreeing_leaves(fs_rec: dict) -> list[str]:
@@ -47,10 +50,8 @@ def _disagreeing_leaves(fs_rec: dict) -> list[str]:
 def classify(prog: dict, jax_rec: dict, fs_rec: dict) -> Verdict:
     """The verdict on one program (see the module doc for the rule)."""
     if fs_rec.get("ranks_disagree"):
-        leaves = _disagreeing_leaves(fs_rec)
-        row = labels.unchecked_row(prog)
-        if row == "Unchecked mode: replicated inputs" and leaves and all(p.startswith("grads") for p in leaves):
-            return Verdict("label", row)
+        if labels.unchecked_row(prog) and labels.replicated_wrt(prog) and _grad_only(prog, _disagreeing_leaves(fs_rec)):
+            return Verdict("label", labels.REPLICATED_INPUTS)
         return Verdict("mismatch", "ranks disagree", fs_rec["ranks_disagree"][:1500])
     j_err, f_err = jax_rec["status"] == "error", fs_rec["status"] == "error"
     if j_err and f_err:
@@ -58,14 +59,14 @@ def classify(prog: dict, jax_rec: dict, fs_rec: dict) -> Verdict:
     if j_err:
         return _only_jax_raises(prog, jax_rec, fs_rec)
     if f_err:
-        return Verdict("mismatch", "fshard refuses, jax accepts", fs_rec["error"][:1500])
+        return Verdict("mismatch", f"fshard refuses ({short(fs_rec['error'])}), jax accepts", fs_rec["error"][:1500])
     problems = leaf_mismatches(fs_rec["value"], jax_rec["value"])
     if not problems:
         return Verdict("agree")
     row = labels.unchecked_row(prog)
-    if row and _grad_only(problems):
+    if row and _grad_only(prog, problems):
         return Verdict("label", row)
-    what = "gradients differ" if _grad_only(problems) else "values differ"
+    what = "gradients differ" if _grad_only(prog, problems) else "values differ"
     return Verdict("mismatch", what, "\n".join(problems)[:1500])
 
 
@@ -77,11 +78,12 @@ def _only_jax_raises(prog: dict, jax_rec: dict, fs_rec: dict) -> Verdict:
             return Verdict("label", labels.PROMISE)
         why = twin.get("error") or "\n".join(leaf_mismatches(fs_rec["value"], twin["value"]))
         return Verdict("mismatch", "promise: fshard differs from jax's unchecked twin", why[:1500])
-    quirk = labels.a2a_quirk(prog, err)
+    quirk = labels.dead_pmax(prog, err) or labels.a2a_quirk(prog, err)
     if quirk:
         return Verdict("label", quirk)
-    return Verdict("mismatch", "jax refuses, fshard accepts", f"JAX: {err[:1200]}")
+    return Verdict("mismatch", f"jax refuses ({short(err)}), fshard accepts", f"JAX: {err[:1200]}")
 
 
-def summary_of(value) -> str:
-    return "; ".join(f"{p}={v!r}"[:200] for p, v in flatten(value))[:1500]
+def short(err: str) -> str:
+    """An error's kind for grouping: its type and first words, numbers and shapes dropped."""
+    return re.sub(r"[\d\[\]{}]+", "", err.split("\n")[0])[:70].strip()

@@ -121,9 +121,11 @@ def _int_of(ctx: Ctx, shape) -> str:
 def _index(ctx: Ctx) -> bool:
     """``x[i]`` (constant or axis_index), ``x[idx]`` (integer tensor), gather, embedding."""
     rng = ctx.rng
-    a = ctx.float_of(pred=lambda v: len(v.shape) >= 1)
-    v = ctx.vals[a]
     r = rng.random()
+    # Integer indices are in {0, 1}: the indexed dims need size >= 2 (JAX clamps an index
+    # out of bounds silently, torch raises).
+    a = ctx.float_of(pred=lambda v: len(v.shape) >= 1 and (r < 0.35 or min(v.shape) >= 2))
+    v = ctx.vals[a]
     if r < 0.35:
         i = _small_index(ctx, v.shape[0])
         ctx.add("index", [a, i], {}, "f", v.shape[1:], ctx.vma(a, i))
@@ -135,7 +137,7 @@ def _index(ctx: Ctx) -> bool:
         idx = _int_of(ctx, v.shape)
         ctx.add("gather", [a, idx], {"dim": d}, "f", v.shape, ctx.vma(a, idx))
     else:
-        table = ctx.float_of(ndim=2)
+        table = ctx.float_of(ndim=2, pred=lambda v: v.shape[0] >= 2)
         idx = _int_of(ctx, (rng.choice((2, 4)),))
         ctx.add("embed", [table, idx], {}, "f", ctx.vals[idx].shape + ctx.vals[table].shape[1:],
                 ctx.vma(table, idx))
@@ -156,7 +158,7 @@ def _where_softmax(ctx: Ctx) -> bool:
         v = ctx.vals[a]
         ctx.add(rng.choice(["softmax", "log_softmax"]), [a], {}, "f", v.shape, v.vma)
     else:
-        logits = ctx.float_of(ndim=2)
+        logits = ctx.float_of(ndim=2, pred=lambda v: v.shape[1] >= 2)
         t = _int_of(ctx, ctx.vals[logits].shape[:1])
         ctx.add("xent", [logits, t], {}, "f", (), ctx.vma(logits, t))
     return True

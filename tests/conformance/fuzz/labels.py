@@ -10,6 +10,8 @@ differs is a mismatch.
 - The four ``Unchecked mode: ...`` rows: an unchecked program whose values agree with JAX
   but whose gradients do not (or whose ranks disagree on gradients only), and which has
   the feature the row is about (first matching row wins).
+- ``pmax / pmin gradients``: JAX refused to differentiate a pmax/pmin whose result
+  nothing uses (it linearizes dead code); fshard refuses only when backward reaches one.
 - ``untiled all_to_all with split_axis != concat_axis, differentiated`` (docs/jax.md,
   "Where JAX 0.10.2 is not the oracle"): JAX fails to transpose it.
 """
@@ -17,6 +19,8 @@ differs is a mismatch.
 from __future__ import annotations
 
 PROMISE = "Replication promised by `out_specs` (checked mode)"
+PMAX = "`pmax` / `pmin` gradients"
+REPLICATED_INPUTS = "Unchecked mode: replicated inputs"
 A2A_QUIRK = "untiled `all_to_all` with `split_axis != concat_axis`, differentiated"
 
 
@@ -46,7 +50,7 @@ def _has_psum_transpose(prog: dict) -> bool:
     return _grads_inside(prog) and (prog["grad"].get("loss") == "psum" or bool(_ops(prog) & {"psum", "pmean"}))
 
 
-def _replicated_wrt(prog: dict) -> bool:
+def replicated_wrt(prog: dict) -> bool:
     specs = {n: s for n, _, s in prog["inputs"]}
     return any(_omits_real_axis(prog, specs[w]) for w in prog["grad"].get("wrt", ()))
 
@@ -58,7 +62,7 @@ def _replicated_out(prog: dict) -> bool:
 UNCHECKED_ROWS = (
     ("Unchecked mode: `psum`'s transpose", _has_psum_transpose),
     ("Unchecked mode: explicit `pvary`", lambda p: "pvary" in _ops(p)),
-    ("Unchecked mode: replicated inputs", _replicated_wrt),
+    (REPLICATED_INPUTS, replicated_wrt),
     ("Unchecked mode: replicated outputs", _replicated_out),
 )
 
@@ -68,6 +72,26 @@ def unchecked_row(prog: dict) -> str | None:
     if prog["check"] or prog["grad"]["mode"] == "none":
         return None
     return next((row for row, applies in UNCHECKED_ROWS if applies(prog)), None)
+
+
+def _live(prog: dict) -> set[str]:
+    """The variables the outputs depend on."""
+    live = {o for o, _ in prog["outputs"]}
+    for out, _, args, _ in reversed(prog["ops"]):
+        if out in live:
+            live |= {a for a in args if isinstance(a, str)}
+    return live
+
+
+def dead_pmax(prog: dict, jax_error: str) -> str | None:
+    """JAX refuses to linearize a pmax/pmin whose result nothing uses; fshard refuses when
+    backward reaches one, which it never does there."""
+    if "Differentiation rule for 'pm" not in jax_error:
+        return None
+    live = _live(prog)
+    if any(op in ("pmax", "pmin") and out in live for out, op, _, _ in prog["ops"]):
+        return None
+    return PMAX
 
 
 def a2a_quirk(prog: dict, jax_error: str) -> str | None:
