@@ -39,7 +39,8 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["Body", "BODY", "Meta", "EMPTY", "meta_of", "set_meta", "set_vma", "copy_meta", "register_input"]
+__all__ = ["Body", "BODY", "Meta", "EMPTY", "meta_of", "set_meta", "set_vma", "tag_fresh", "copy_meta",
+           "register_input"]
 
 
 @attrs.frozen
@@ -72,6 +73,7 @@ class Body:
     inputs: dict = attrs.field(factory=dict, eq=False, repr=False)
     written: dict = attrs.field(factory=dict, eq=False, repr=False)
     escaped: dict = attrs.field(factory=dict, eq=False, repr=False)
+    fresh: dict = attrs.field(factory=dict, eq=False, repr=False)  # axes -> Meta(axes), scoped here
     serial: int = attrs.field(factory=lambda: next(_SERIALS), eq=False, repr=False)
 
 
@@ -122,6 +124,20 @@ def _scoped(m: Meta) -> Meta:
 def set_meta(x: torch.Tensor, m: Meta) -> torch.Tensor:
     """Attaches ``m`` (scoped to the current body) to ``x``; returns ``x``."""
     setattr(x, _ATTR, _scoped(m))
+    return x
+
+
+def tag_fresh(x: torch.Tensor, axes: frozenset) -> torch.Tensor:
+    """Gives a value made by an op in the current body the varying ``axes`` and no layout
+    (one shared record per axes and body: checked mode tags every op's output)."""
+    body = BODY.get()
+    if not axes or body is None:
+        setattr(x, _ATTR, EMPTY)
+        return x
+    m = body.fresh.get(axes)
+    if m is None:
+        m = body.fresh[axes] = Meta(axes, scope=body.serial)
+    setattr(x, _ATTR, m)
     return x
 
 

@@ -169,7 +169,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the old name rule: __getitem__/__rsub__ taken as in-place, so an embedding by indexing gets no pvary"),
     Mutation(
         "slice_bounds_untyped", "fshard/transforms/vma.py",
-        "tensors.extend(b for b in (x.start, x.stop, x.step) if isinstance(b, torch.Tensor))", "pass",
+        "out.extend(b for b in (x.start, x.stop, x.step) if isinstance(b, torch.Tensor))", "pass",
         ("tests/transforms/test_transforms_vma.py::test_replicated_operands_get_summed_gradients",),
         "w[i:i + 1] with a varying i is typed invariant: its gradient is not summed"),
     Mutation(

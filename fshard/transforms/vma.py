@@ -135,15 +135,50 @@ def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]
     return out
 
 
-def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    """The tensors a call receives, including slice bounds (``x[i:i + 1]``)."""
-    tensors = []
-    for x in tree_util.leaves(tree):
+def _tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a call receives, including slice bounds (``x[i:i + 1]``).
+
+    torch's signatures take tensors alone, in lists or tuples (``cat``, indices), in slices,
+    or by keyword; a plain loop over those is several times cheaper per op than a pytree
+    flatten, which matters because it runs for every op of a checked body.
+    """
+    out: list[torch.Tensor] = []
+    _collect(args, out)
+    if kwargs:
+        _collect(kwargs.values(), out)
+    return out
+
+
+def _collect(seq: Any, out: list) -> None:
+    for x in seq:
         if isinstance(x, torch.Tensor):
-            tensors.append(x)
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            _collect(x, out)
         elif type(x) is slice:
-            tensors.extend(b for b in (x.start, x.stop, x.step) if isinstance(b, torch.Tensor))
-    return tensors
+            out.extend(b for b in (x.start, x.stop, x.step) if isinstance(b, torch.Tensor))
+        elif type(x) is dict:
+            _collect(x.values(), out)
+
+
+def _map_tensors(fn: Any, x: Any) -> Any:
+    """``x`` with ``fn`` applied to each tensor :func:`_tensor_leaves` finds (the same
+    object where nothing changed)."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        new = [_map_tensors(fn, y) for y in x]
+        if all(a is b for a, b in zip(new, x)):
+            return x
+        if type(x) is list or type(x) is tuple:
+            return type(x)(new)
+        return type(x)(*new) if hasattr(x, "_fields") else type(x)(new)
+    if type(x) is slice:
+        new = [_map_tensors(fn, b) for b in (x.start, x.stop, x.step)]
+        return slice(*new)
+    if type(x) is dict:
+        return {k: _map_tensors(fn, v) for k, v in x.items()}
+    return x
 
 
 class VmaMode(TorchFunctionMode):
@@ -161,7 +196,7 @@ class VmaMode(TorchFunctionMode):
         if func == _GRAD_GETTER:
             g = func(*args, **kwargs)
             return g if g is None else meta_util.copy_meta(args[0], g)  # x.grad has x's type
-        leaves = _tensor_leaves((args, kwargs))
+        leaves = _tensor_leaves(args, kwargs)
         if not leaves:
             return func(*args, **kwargs)
         metas = [meta_util.meta_of(x) for x in leaves]
@@ -193,8 +228,7 @@ def _mixed_call(func, args: tuple, kwargs: dict, leaves: list, metas: list, unio
             lifted.append(y)
         return y
 
-    args, kwargs = tree_util.tree_map(lift, (args, kwargs))
-    args = tuple(_lift_slice(a, lift) if type(a) is slice else a for a in args)
+    args, kwargs = _map_tensors(lift, args), _map_tensors(lift, kwargs)
     versions = [x._version for x in leaves]
     try:
         out = func(*args, **kwargs)
@@ -206,10 +240,6 @@ def _mixed_call(func, args: tuple, kwargs: dict, leaves: list, metas: list, unio
         if x._version != v:  # written, whatever the schema said
             _retype_written(x, m, union, body)
     return out
-
-
-def _lift_slice(s: slice, lift) -> slice:
-    return slice(lift(s.start), lift(s.stop), lift(s.step))
 
 
 def _needs_lift(x: torch.Tensor, union: frozenset) -> bool:
@@ -281,18 +311,24 @@ def _inplace_message(func: Any, union: frozenset) -> str:
 
 
 def _tag_outputs(func: Any, out: Any, leaves: list, metas: list, union: frozenset) -> None:
+    if isinstance(out, torch.Tensor):
+        _tag_output(func, out, leaves, metas, union)
+        return
+    for o in (out if isinstance(out, (list, tuple)) else tree_util.leaves(out)):
+        if isinstance(o, torch.Tensor):
+            _tag_output(func, o, leaves, metas, union)
+
+
+def _tag_output(func: Any, o: torch.Tensor, leaves: list, metas: list, union: frozenset) -> None:
     first, x0 = metas[0], leaves[0]
-    keep = first.global_shape is not None
-    for o in tree_util.leaves(out):
-        if not isinstance(o, torch.Tensor):
-            continue
-        if any(o is x for x in leaves):
-            meta_util.set_vma(o, union)  # in place or returned as is: keep its layout
-        elif keep and o.shape == x0.shape and (func in _SAME_VALUE or _same_memory(o, x0)):
-            meta_util.set_meta(o, meta_util.Meta(union, first.global_shape, first.spec))
-        else:
-            # Tagged even when invariant, so that later lookups stop at the attribute.
-            meta_util.set_meta(o, meta_util.Meta(union) if union else meta_util.EMPTY)
+    if any(o is x for x in leaves):
+        meta_util.set_vma(o, union)  # in place or returned as is: keep its layout
+    elif (first.global_shape is not None and o.shape == x0.shape
+          and (func in _SAME_VALUE or _same_memory(o, x0))):
+        meta_util.set_meta(o, meta_util.Meta(union, first.global_shape, first.spec))
+    else:
+        # Tagged even when invariant, so that later lookups stop at the attribute.
+        meta_util.tag_fresh(o, union)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
