@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .engine import CONF, Engine
 from .gen import generate
+from .known import known_bug
 from .repro import fshard_script, jax_script
 from .shrink import shrink, size
 
@@ -57,7 +58,8 @@ def report(engine: Engine, verdicts: dict, n_shrink: int, log=print) -> list[dic
     bad = collections.defaultdict(list)
     for v, p in verdicts.values():
         if v.kind == "mismatch":
-            bad[v.what].append(p)
+            known = known_bug(p, v)
+            bad[f"{v.what} [known bug: {known}]" if known else v.what].append(p)
     log(f"programs {len(verdicts)}: agree {counts['agree']}, labelled {counts['label']}, "
         f"mismatches {counts['mismatch']}")
     for row, n in rows.most_common():

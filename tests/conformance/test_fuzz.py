@@ -1,0 +1,57 @@
+"""Differential fuzzing against JAX, CI's fixed-seed set: 500 random programs (seeds 0-499,
+tests/conformance/fuzz/) in JAX and on 4 gloo ranks; every one must agree, be labelled by a
+docs/jax.md row, or be claimed by a known bug (fuzz/known.py, each naming its issue).
+
+Budget: about 60 s on the 2-core CI machine with no cache (JAX ~3 programs per XLA
+compile of 24, the ranks ~0.03 s per program, both at once); JAX's results are cached
+like the conformance suite's (``FSHARD_CONFORMANCE_CACHE=0`` turns that off). Any number
+of seeds: ``python -m tests.conformance.fuzz --seeds 0:10000``.
+"""
+
+import collections
+import os
+
+import pytest
+from fuzz.engine import Engine
+from fuzz.known import KNOWN, known_bug
+from fuzz.repro import fshard_script, jax_script
+from fuzz.run import evaluate, minimal
+from fuzz.shrink import size
+
+SEEDS = range(500)
+BUDGET_S = 300  # the timeout: 5x the measured cold run, for a loaded machine
+
+
+@pytest.fixture(scope="module")
+def fuzz_verdicts(request):
+    cache = None
+    if os.environ.get("FSHARD_CONFORMANCE_CACHE", "1") != "0" and getattr(request.config, "cache", None):
+        cache = request.config.cache.mkdir("fshard-fuzz")
+    engine = Engine(cache)
+    try:
+        yield engine, evaluate(engine, SEEDS, log=lambda *a: None)
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(BUDGET_S)
+def test_fuzz_fixed_seeds(fuzz_verdicts):
+    engine, verdicts = fuzz_verdicts
+    unknown, seen = [], collections.Counter()
+    for v, p in verdicts.values():
+        if v.kind == "mismatch":
+            bug = known_bug(p, v)
+            if bug:
+                seen[bug] += 1
+            else:
+                unknown.append((v, p))
+    if unknown:
+        seeds = ", ".join(p["id"] for _, p in unknown[:20])
+        lines = [f"{len(unknown)} of {len(verdicts)} fuzzed programs differ from JAX (seeds {seeds})"]
+        for v, p in sorted(unknown, key=lambda vp: size(vp[1]))[:2]:  # the two smallest, shrunk
+            m = minimal(engine, p, v.key)
+            lines.append(f"--- seed {p['id']}: {v.what}\n{v.detail[:800]}\n# JAX\n{jax_script(m)}\n# fshard\n"
+                         f"{fshard_script(m)}")
+        pytest.fail("\n".join(lines), pytrace=False)
+    fixed = [f"{name} ({issue})" for name, (issue, _) in KNOWN.items() if not seen[name]]
+    assert not fixed, f"known fuzz bugs no longer found in seeds 0-499, delete them from fuzz/known.py: {fixed}"
