@@ -193,6 +193,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/transforms/test_grad_nested.py::test_grad_grad_shard_map_of_dtensor_arguments_matches_jax",),
         "grad of grad(shard_map) over DTensor arguments is zero: the cotangent's DTensor leaves the graph"),
     Mutation(
+        "nested_grad_detached", "fshard/transforms/grad.py",
+        "        attach = (create_graph or _DEPTH.get() > 0) and torch.is_grad_enabled()",
+        "        attach = create_graph and torch.is_grad_enabled()",
+        ("tests/conformance/test_conformance_regress.py", "tests/transforms/test_grad_nested.py"),
+        "an fs.grad inside another detaches its arguments: grad of grad is silently zero (the old behaviour)"),
+    Mutation(
         "ppermute_transpose_not_inverted", "fshard/lax.py",
         "inverse = tuple((d, s) for s, d in ctx.perm)", "inverse = tuple(ctx.perm)",
         ("tests/test_lax.py::test_collective_values_and_grads_equal_global_functions",),
