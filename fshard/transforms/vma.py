@@ -229,7 +229,7 @@ def _mixed_call(func, args: tuple, kwargs: dict, leaves: list, metas: list, unio
         return y
 
     args, kwargs = _map_tensors(lift, args), _map_tensors(lift, kwargs)
-    versions = [x._version for x in leaves]
+    versions = [_version(x) for x in leaves]
     try:
         out = func(*args, **kwargs)
     except RuntimeError as e:
@@ -237,9 +237,18 @@ def _mixed_call(func, args: tuple, kwargs: dict, leaves: list, metas: list, unio
             raise RuntimeError(_inplace_message(func, union)) from e
         raise
     for x, v, m in zip(leaves, versions, metas):
-        if x._version != v:  # written, whatever the schema said
+        if _version(x) != v or any(x is w for w in written):  # written, by its counter or its schema
             _retype_written(x, m, union, body)
     return out
+
+
+def _version(x: torch.Tensor) -> int:
+    """``x``'s version counter; -1 for inference tensors, which keep none (and, made under
+    ``inference_mode``, are never differentiated: their type only matters for values)."""
+    try:
+        return x._version
+    except RuntimeError:
+        return -1
 
 
 def _needs_lift(x: torch.Tensor, union: frozenset) -> bool:

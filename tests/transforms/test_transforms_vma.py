@@ -177,3 +177,21 @@ def _weakened(order):
 def test_weakened_types_are_verified_by_value_with_the_same_gradients():
     for weak, strong in run_on_ranks(_weakened, "outside", world_size=N):
         torch.testing.assert_close(weak, strong, rtol=0, atol=0)
+
+
+def _under_inference_mode():
+    mesh = fs.make_mesh({"x": N})
+
+    def body(w, x):
+        with torch.inference_mode():
+            y = w * 1.0
+            y += x       # an invariant value written with a varying one: retyped varying
+            return y
+
+    return fs.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P("x"))(
+        torch.ones(2, dtype=torch.float64), torch.arange(N * 2, dtype=torch.float64)).full_tensor()
+
+
+def test_mixed_types_under_inference_mode():
+    for got in run_on_ranks(_under_inference_mode, world_size=N):
+        torch.testing.assert_close(got, 1.0 + torch.arange(N * 2, dtype=torch.float64))
