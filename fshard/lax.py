@@ -232,7 +232,9 @@ class _Pvary(torch.autograd.Function):
 class _PReduceNoGrad(torch.autograd.Function):
     @staticmethod
     def forward(x, ax, op):
-        return _psum_raw(x, ax, op)
+        # Over axes of size 1 the value is its own max, but still not differentiable (JAX's
+        # rule does not depend on the size).
+        return _psum_raw(x, ax, op) if ax.n > 1 else x.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -430,14 +432,14 @@ def pmean(x: Any, axis_name: str | Sequence[str]) -> Any:
 def pmax(x: Any, axis_name: str | Sequence[str]) -> Any:
     """All-reduce max. Not differentiable: its backward raises (detach the input)."""
     return _map("pmax", x, axis_name,
-                lambda t, ax: _apply(_PReduceNoGrad, t, ax, "max") if ax.n > 1 else t.view_as(t),
+                lambda t, ax: _apply(_PReduceNoGrad, t, ax, "max"),
                 to_varying=False)
 
 
 def pmin(x: Any, axis_name: str | Sequence[str]) -> Any:
     """All-reduce min. Not differentiable: its backward raises (detach the input)."""
     return _map("pmin", x, axis_name,
-                lambda t, ax: _apply(_PReduceNoGrad, t, ax, "min") if ax.n > 1 else t.view_as(t),
+                lambda t, ax: _apply(_PReduceNoGrad, t, ax, "min"),
                 to_varying=False)
 
 

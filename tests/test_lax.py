@@ -132,6 +132,24 @@ def test_pmax_pmin_values_and_no_gradient():
         assert "pmax has no gradient" in err and "x.detach()" in err
 
 
+def _pmax_size_one_grad(op):
+    mesh = fs.make_mesh({"a": 1, "x": 2})
+    f = fs.shard_map(lambda t: getattr(fs.lax, op)(t * 1.0, "a"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    try:
+        fs.grad(lambda t: f(t).sum())(torch.ones(4))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("op", ["pmax", "pmin"])
+def test_pmax_pmin_over_size_one_axes_have_no_gradient_either(op):
+    """JAX refuses to differentiate pmax/pmin whatever the axis size (found by the fuzzer:
+    fshard's size-1 shortcut was the identity, and differentiable)."""
+    for err in run_on_ranks(_pmax_size_one_grad, op, world_size=2):
+        assert err is not None and f"{op} has no gradient" in err
+
+
 # --- bad input ----------------------------------------------------------------------------
 
 def test_collective_outside_shard_map_is_an_error():

@@ -287,6 +287,7 @@ def _exit(name: str, body: lax.Body, out: Any, out_specs: Any) -> Any:
             result.append(x)
             continue
         if check:
+            x = _vary_over_spec(body, x, spec)
             x = _check_promise(name, body, path, x, spec)
         result.append(make_dtensor(x, spec, mesh, _global_shape(body, x, spec)))
     return tree_util.tree_unflatten(treedef, result)
@@ -304,6 +305,23 @@ def _global_shape(body: lax.Body, x: torch.Tensor, spec: PartitionSpec) -> tuple
             == tuple(x.shape)):
         return m.global_shape
     return tuple(s * (body.mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, s in enumerate(x.shape))
+
+
+def _vary_over_spec(body: lax.Body, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """An output whose spec splits it over axes its type is invariant over: its global value
+    holds one copy per rank of those axes, so (JAX's implicit pvary at the boundary) the
+    gradient of the copies is summed there."""
+    if not x.requires_grad:
+        return x
+    vma, mesh = lax.vma(x), body.mesh
+    missing = tuple(a for a in spec.axes() if a not in vma and mesh.shape[a] > 1)
+    if not missing:
+        return x
+    token = lax.BODY.set(body)
+    try:
+        return lax.pvary(x, missing)
+    finally:
+        lax.BODY.reset(token)
 
 
 def _unproven_axes(body: lax.Body, x: torch.Tensor) -> frozenset:

@@ -125,3 +125,15 @@ _SCALED = register(Program("regress/values_leave_the_types/x4/checked/oracle", "
                            normals((2 * N,)), VALUES_LEAVE_THE_TYPES, group="regress/x4"))
 register(Program("diff/values_leave_the_types/x4/checked", "x4", True, _scaled_by_python_float,
                  normals((2 * N,)), VALUES_LEAVE_THE_TYPES, differs=VALUES_LEAVE_THE_TYPES, oracle=_SCALED.name))
+
+
+def _out_spec_splits_an_invariant_value(ops, w):  # found by the fuzzer
+    """An output spec that splits a value invariant over its axis: the global array holds one
+    copy per rank, and the gradient of a replicated input sums them (JAX's pvary at the
+    boundary): 8 = 4 copies x 2, not 2."""
+    sm = ops.shard_map(lambda w: w * 2.0, in_specs=ops.P(), out_specs=ops.P("x"))
+    return {"grad": ops.grad(lambda w: ops.sum(sm(w) ** 2))(w)}
+
+
+register(Program("regress/out_spec_splits_an_invariant_value/x4/checked/outside", "x4", True,
+                 _out_spec_splits_an_invariant_value, normals((3,)), "out_spec_splits", group="regress/x4"))
