@@ -36,10 +36,10 @@ def _bin(ctx: Ctx) -> bool:
 
 
 def _positive(ctx: Ctx, d: str) -> str:
-    """A denominator made from ``d`` that is at least 1 (``d * d + 1``; ``d + 1`` for axis_index)."""
+    """A denominator made from ``d`` that is at least 1: ``d * d + 1`` (axis_index arithmetic
+    may be 0 or negative too)."""
     v = ctx.vals[d]
-    if v.kind == "f":
-        d = ctx.add("bin", [d, d], {"op": "*"}, "f", v.shape, v.vma)
+    d = ctx.add("bin", [d, d], {"op": "*"}, v.kind, v.shape, v.vma)
     return ctx.add("bin", [d, {"c": 1}], {"op": "+"}, v.kind, v.shape, v.vma)
 
 

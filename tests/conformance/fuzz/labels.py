@@ -74,7 +74,7 @@ def unchecked_row(prog: dict) -> str | None:
     return next((row for row, applies in UNCHECKED_ROWS if applies(prog)), None)
 
 
-def _live(prog: dict) -> set[str]:
+def live_vars(prog: dict) -> set[str]:
     """The variables the outputs depend on."""
     live = {o for o, _ in prog["outputs"]}
     for out, _, args, _ in reversed(prog["ops"]):
@@ -88,7 +88,7 @@ def dead_pmax(prog: dict, jax_error: str) -> str | None:
     backward reaches one, which it never does there."""
     if "Differentiation rule for 'pm" not in jax_error:
         return None
-    live = _live(prog)
+    live = live_vars(prog)
     if any(op in ("pmax", "pmin") and out in live for out, op, _, _ in prog["ops"]):
         return None
     return PMAX
