@@ -31,6 +31,9 @@ __all__ = ["grad", "value_and_grad"]
 # fs.remat's replay, were when a recomputed region first ran): >0 means an enclosing
 # gradient may differentiate what this call returns.
 _DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("fshard_grad_depth", default=0)
+# Whether the innermost of those keeps its graph (create_graph): what its function computes
+# is then differentiated more than once (fs.remat's selective checkpointing allows one).
+_KEEPS_GRAPH: contextvars.ContextVar[bool] = contextvars.ContextVar("fshard_grad_keeps_graph", default=False)
 
 _functorch = torch._C._functorch
 
@@ -133,10 +136,11 @@ def _value_and_grad(f: Callable[..., Any], name: str, nums: tuple[int, ...], mul
             args[i] = tree_util.tree_unflatten(d, leaves)
             fresh[i] = (leaves, d)
     flat, defs = [fresh[i % len(args)][0] for i in nums], [fresh[i % len(args)][1] for i in nums]
-    token = _DEPTH.set(_DEPTH.get() + 1)
+    token, keeps = _DEPTH.set(_DEPTH.get() + 1), _KEEPS_GRAPH.set(attach)
     try:
         out = f(*args, **kwargs)
     finally:
+        _KEEPS_GRAPH.reset(keeps)
         _DEPTH.reset(token)
     value, aux = (out if has_aux else (out, None))
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -184,20 +188,22 @@ def grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool 
     return wrapped
 
 
-def depth() -> int:
-    """How many ``fs.value_and_grad`` calls enclose this point (``fs.remat`` replays it)."""
-    return _DEPTH.get()
+def depth() -> tuple[int, bool]:
+    """How many ``fs.value_and_grad`` calls enclose this point, and whether the innermost
+    keeps its graph (``fs.remat`` replays both)."""
+    return _DEPTH.get(), _KEEPS_GRAPH.get()
 
 
-def set_depth(n: int) -> contextvars.Token:
+def set_depth(state: tuple[int, bool]) -> tuple[contextvars.Token, contextvars.Token]:
     """Sets :func:`depth` (``fs.remat``'s recomputation, which runs in backward); returns the
-    token that :func:`reset_depth` takes."""
-    return _DEPTH.set(n)
+    tokens that :func:`reset_depth` takes."""
+    return _DEPTH.set(state[0]), _KEEPS_GRAPH.set(state[1])
 
 
-def reset_depth(token: contextvars.Token) -> None:
+def reset_depth(tokens: tuple[contextvars.Token, contextvars.Token]) -> None:
     """Undoes a :func:`set_depth`."""
-    _DEPTH.reset(token)
+    _KEEPS_GRAPH.reset(tokens[1])
+    _DEPTH.reset(tokens[0])
 
 
 def _fresh_leaf(x: Any, name: str, argnum: int, tree: Any, k: int, attach: bool) -> Any:

@@ -88,6 +88,9 @@ def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = No
     Under ``torch.func``'s ``grad``/``vjp``/``jacrev``/``hessian`` (e.g. ``jvp`` of
     ``fs.grad``: forward-over-reverse), where torch's checkpoint cannot run (saved-tensor
     hooks are disabled there), ``f`` runs as is: the same values, activations stored.
+    Under an ``fs.grad`` that keeps its graph (the inner one of grad of grad), a policy
+    that saves some ops is dropped for that call and everything is recomputed: torch's
+    selective checkpointing allows one backward through a region.
 
     Raises:
       ValueError: an unknown policy name (the known ones are listed).
@@ -118,7 +121,10 @@ def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = No
                 reset_depth(depth_token)
                 lax.BODY.reset(token)
 
-        if policy is None:
+        if policy is None or depth[1]:
+            # Under an fs.grad that keeps its graph (grad of grad), the region's backward is
+            # itself differentiated, which torch's selective checkpointing refuses ("only
+            # allowed to backward once"): recompute everything instead (the same values).
             return checkpoint(replayable, *args, use_reentrant=False, **kwargs)
         return checkpoint(replayable, *args, use_reentrant=False,
                           context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy),

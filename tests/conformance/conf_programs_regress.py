@@ -137,3 +137,19 @@ def _out_spec_splits_an_invariant_value(ops, w):  # found by the fuzzer
 
 register(Program("regress/out_spec_splits_an_invariant_value/x4/checked/outside", "x4", True,
                  _out_spec_splits_an_invariant_value, normals((3,)), "out_spec_splits", group="regress/x4"))
+
+
+def _grad_of_grad_through_selective_remat(ops, a):  # found by the fuzzer (seed 1093)
+    """grad of grad inside shard_map through ``remat(policy="dots_saveable")``: torch's
+    selective checkpointing allows one backward through a region ("Trying to backward an
+    extra time"); fshard recomputes everything under a graph-keeping grad instead."""
+    f = ops.remat(lambda a: ops.tanh(ops.einsum("ij,kj->ik", a, ops.psum(a, "x"))), policy="dots_saveable")
+
+    def outer(a):
+        return ops.sum(ops.grad(lambda a: ops.sum(f(a) ** 2))(a) ** 2)
+
+    return {"grad": ops.shard_map(ops.grad(outer), in_specs=ops.P("x"), out_specs=ops.P("x"))(a)}
+
+
+register(Program("regress/grad_of_grad_selective_remat/x4/checked/inside", "x4", True,
+                 _grad_of_grad_through_selective_remat, normals((N * 2, 3)), "grad_grad_remat", group="regress/x4"))

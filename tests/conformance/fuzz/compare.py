@@ -6,7 +6,7 @@ The rule, in order:
      unchecked program with a replicated differentiated input (that row says so).
   2. Both raise: agreement (the refusal may come at another moment, e.g. pmax's gradient).
   3. Only JAX raises: the replication-promise row when JAX's unchecked twin equals fshard;
-     the pmax/pmin row for a dead pmax; the all_to_all quirk row; else a mismatch (``jax refuses, fshard accepts``).
+     the pmax/pmin row for a dead pmax; the all_to_all quirk row; the pvary-of-varying row; else a mismatch (``jax refuses, fshard accepts``).
   4. Only fshard raises: a mismatch (``fshard refuses, jax accepts``).
   5. Both return: equal to 1e-12 agrees; differing gradients only, unchecked, with a row's
      feature: that row; else a mismatch (``values differ`` / ``gradients differ``).
@@ -78,7 +78,7 @@ def _only_jax_raises(prog: dict, jax_rec: dict, fs_rec: dict) -> Verdict:
             return Verdict("label", labels.PROMISE)
         why = twin.get("error") or "\n".join(leaf_mismatches(fs_rec["value"], twin["value"]))
         return Verdict("mismatch", "promise: fshard differs from jax's unchecked twin", why[:1500])
-    quirk = labels.dead_pmax(prog, err) or labels.a2a_quirk(prog, err)
+    quirk = labels.dead_pmax(prog, err) or labels.a2a_quirk(prog, err) or labels.pvary_of_varying(prog, err)
     if quirk:
         return Verdict("label", quirk)
     return Verdict("mismatch", f"jax refuses ({short(err)}), fshard accepts", f"JAX: {err[:1200]}")

@@ -10,16 +10,8 @@ from __future__ import annotations
 from .compare import Verdict
 
 
-def _pvary_of_varying(prog: dict, v: Verdict) -> bool:
-    """``fs.lax.pvary(x, ax)`` with ``x`` already varying over ``ax``: JAX 0.10.2 refuses
-    ("Unsupported pcast from=varying, to='varying'"), fshard returns ``x``."""
-    return v.what.startswith("jax refuses (ValueError: Unsupported pcast from=varying")
-
-
 # name -> (issue, predicate)
-KNOWN: dict[str, tuple[str, object]] = {
-    "pvary of an already-varying value accepted": ("issue 29", _pvary_of_varying),
-}
+KNOWN: dict[str, tuple[str, object]] = {}
 
 
 def known_bug(prog: dict, v: Verdict) -> str | None:

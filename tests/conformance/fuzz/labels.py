@@ -12,6 +12,8 @@ differs is a mismatch.
   the feature the row is about (first matching row wins).
 - ``pmax / pmin gradients``: JAX refused to differentiate a pmax/pmin whose result
   nothing uses (it linearizes dead code); fshard refuses only when backward reaches one.
+- ``pvary of a value already varying over all of its axes``: JAX refuses it, fshard
+  returns the value as it is.
 - ``untiled all_to_all with split_axis != concat_axis, differentiated`` (docs/jax.md,
   "Where JAX 0.10.2 is not the oracle"): JAX fails to transpose it.
 """
@@ -92,6 +94,17 @@ def dead_pmax(prog: dict, jax_error: str) -> str | None:
     if any(op in ("pmax", "pmin") and out in live for out, op, _, _ in prog["ops"]):
         return None
     return PMAX
+
+
+PVARY_VARYING = "`pvary` of a value already varying over all of its axes (checked mode)"
+
+
+def pvary_of_varying(prog: dict, jax_error: str) -> str | None:
+    """JAX refuses ``pcast(to="varying")`` of a value already varying over the axes; fshard
+    returns it as it is (a value varying over some of them only is refused by both)."""
+    if prog["check"] and "Unsupported pcast from=varying" in jax_error and "pvary" in _ops(prog):
+        return PVARY_VARYING
+    return None
 
 
 def a2a_quirk(prog: dict, jax_error: str) -> str | None:
