@@ -140,6 +140,23 @@ def test_unchecked_invariant_meets_varying(conformance, conformance_program):
 
 
 @TIMEOUT
+@pytest.mark.parametrize("conformance_program", _differs("unchecked_out_spec_splits_invariant"))
+def test_unchecked_out_spec_splitting_an_invariant_value(conformance, conformance_program):
+    """``grad(sum(shard_map(lambda w: 2 * w, in_specs=P(), out_specs=P("x"))(w) ** 2))`` on
+    x4: the global output holds 4 copies, so both JAX modes give 4 * 8 w = 32 w; fshard's
+    unchecked mode, which has no types to see the value invariant, adds no pvary at the
+    boundary: 8 w. Its checked mode gives JAX's."""
+    p = _ALL[conformance_program]
+    (w,) = p.make_inputs()
+    for rec, who in ((conformance.jax(conformance_program), "JAX unchecked"), (conformance.jax(p.oracle), "JAX checked")):
+        got = _ok(rec, who, conformance_program)["grad"]
+        assert np.allclose(got, 32 * w, rtol=1e-12, atol=1e-12), (who, got, 32 * w)
+    got = _ok(conformance.fshard(conformance_program), "fshard", conformance_program)["grad"]
+    assert np.allclose(got, 8 * w, rtol=1e-12, atol=1e-12), (got, 8 * w)
+    assert conformance.mismatch(p.oracle) is None, conformance.mismatch(p.oracle)
+
+
+@TIMEOUT
 @pytest.mark.parametrize("conformance_program", _differs("pvary_already_varying"))
 def test_pvary_of_a_varying_value(conformance, conformance_program):
     """Checked ``pvary`` of a value already varying over all of its axes: JAX refuses it,

@@ -7,7 +7,7 @@ differs is a mismatch.
 - ``Replication promised by out_specs (checked mode)``: JAX refused a checked program
   statically for an out_spec its types do not prove, fshard ran it (the values were
   identical), and fshard's values and gradients equal JAX's unchecked twin's.
-- The four ``Unchecked mode: ...`` rows: an unchecked program whose values agree with JAX
+- The five ``Unchecked mode: ...`` rows: an unchecked program whose values agree with JAX
   but whose gradients do not (or whose ranks disagree on gradients only), and which has
   the feature the row is about (first matching row wins).
 - ``pmax / pmin gradients``: JAX refused to differentiate a pmax/pmin whose result
@@ -61,11 +61,22 @@ def _replicated_out(prog: dict) -> bool:
     return (not _grads_inside(prog)) and any(_omits_real_axis(prog, s) for _, s in prog["outputs"])
 
 
+def splits_invariant_out(prog: dict) -> bool:
+    """Gradients outside, and an out_spec names an axis (size > 1) that the output's checked
+    type does not vary over: JAX sums the copies' gradients, unchecked fshard adds nothing."""
+    if _grads_inside(prog):
+        return False
+    sizes, vma = {a: s for a, s in prog["mesh"]}, prog.get("out_vma", {})
+    return any(sizes[a] > 1 and a not in vma.get(o, ())
+               for o, spec in prog["outputs"] for e in spec if e for a in ([e] if isinstance(e, str) else e))
+
+
 UNCHECKED_ROWS = (
     ("Unchecked mode: `psum`'s transpose", _has_psum_transpose),
     ("Unchecked mode: explicit `pvary`", lambda p: "pvary" in _ops(p)),
     (REPLICATED_INPUTS, replicated_wrt),
     ("Unchecked mode: replicated outputs", _replicated_out),
+    ("Unchecked mode: an output spec that splits a value invariant over its axis", splits_invariant_out),
 )
 
 
