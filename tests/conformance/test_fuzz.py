@@ -10,9 +10,12 @@ of seeds: ``python -m tests.conformance.fuzz --seeds 0:10000``.
 
 import collections
 import os
+import re
+from pathlib import Path
 
 import pytest
 from fuzz.engine import Engine
+from fuzz import labels
 from fuzz.known import KNOWN, known_bug
 from fuzz.repro import fshard_script, jax_script
 from fuzz.run import evaluate, minimal
@@ -55,3 +58,18 @@ def test_fuzz_fixed_seeds(fuzz_verdicts):
         pytest.fail("\n".join(lines), pytrace=False)
     fixed = [f"{name} ({issue})" for name, (issue, _) in KNOWN.items() if not seen[name]]
     assert not fixed, f"known fuzz bugs no longer found in seeds 0-499, delete them from fuzz/known.py: {fixed}"
+
+
+def _label_rows() -> set[str]:
+    return {v for k, v in vars(labels).items() if k.isupper() and isinstance(v, str)} | \
+        {row for row, _ in labels.UNCHECKED_ROWS}
+
+
+def test_every_label_is_a_docs_row():
+    """Each row the fuzzer may label a difference with is a row of docs/jax.md (its topic,
+    up to the parenthetical), so that every labelled difference is documented and pinned."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "jax.md").read_text()
+    topics = {re.sub(r" \(differs from .*\)$", "", line.split(" | ")[0].lstrip("| ").strip())
+              for line in doc.splitlines() if line.startswith("| ")}
+    missing = sorted(row for row in _label_rows() if row not in topics)
+    assert not missing, f"fuzz labels without a docs/jax.md row: {missing}"

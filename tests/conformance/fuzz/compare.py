@@ -5,8 +5,9 @@ The rule, in order:
      between ranks, or one rank raising): a mismatch, unless only gradients disagree in an
      unchecked program with a replicated differentiated input (that row says so).
   2. Both raise: agreement (the refusal may come at another moment, e.g. pmax's gradient).
-  3. Only JAX raises: the replication-promise row when JAX's unchecked twin equals fshard;
-     the pmax/pmin row for a dead pmax; the all_to_all quirk row; the pvary-of-varying row; else a mismatch (``jax refuses, fshard accepts``).
+  3. Only JAX raises: the pmax/pmin row (JAX refuses any pmax/pmin in differentiated code),
+     the all_to_all quirk row, the pvary-of-varying row; the replication-promise row when
+     JAX's unchecked twin equals fshard; else a mismatch (``jax refuses, fshard accepts``).
   4. Only fshard raises: a mismatch (``fshard refuses, jax accepts``).
   5. Both return: equal to 1e-12 agrees; differing gradients only, unchecked, with a row's
      feature: that row; else a mismatch (``values differ`` / ``gradients differ``).
@@ -72,15 +73,15 @@ def classify(prog: dict, jax_rec: dict, fs_rec: dict) -> Verdict:
 
 def _only_jax_raises(prog: dict, jax_rec: dict, fs_rec: dict) -> Verdict:
     err = jax_rec["error"]
+    quirk = labels.dead_pmax(prog, err) or labels.a2a_quirk(prog, err) or labels.pvary_of_varying(prog, err)
+    if quirk:
+        return Verdict("label", quirk)
     twin = jax_rec.get("twin")
-    if prog["check"] and labels.is_promise_refusal(err) and twin is not None:
+    if prog["check"] and (labels.is_promise_refusal(err) or labels.promise_unproven(prog)) and twin is not None:
         if twin["status"] == "ok" and not leaf_mismatches(fs_rec["value"], twin["value"]):
             return Verdict("label", labels.PROMISE)
         why = twin.get("error") or "\n".join(leaf_mismatches(fs_rec["value"], twin["value"]))
         return Verdict("mismatch", "promise: fshard differs from jax's unchecked twin", why[:1500])
-    quirk = labels.dead_pmax(prog, err) or labels.a2a_quirk(prog, err) or labels.pvary_of_varying(prog, err)
-    if quirk:
-        return Verdict("label", quirk)
     return Verdict("mismatch", f"jax refuses ({short(err)}), fshard accepts", f"JAX: {err[:1200]}")
 
 

@@ -68,7 +68,23 @@ class Ctx:
             deps = frozenset().union(*[self.vals[a].deps for a in args if isinstance(a, str)])
         self.prog["ops"].append([out, op, args, attrs])
         self.vals[out] = Val(kind, tuple(shape), frozenset(vma), deps)
+        if self._meets(op, args, attrs):
+            self.prog["meets"] = True
         return out
+
+    def _meets(self, op: str, args: list, attrs: dict) -> bool:
+        """Whether checked mode would insert an implicit pvary here (JAX's rules): a float
+        operand missing some of the axes its op's operands vary over, or a collective's
+        operand missing some of the collective's axes (pmax/pmin excepted). Unchecked
+        programs with one differ from both JAX modes (docs/jax.md)."""
+        vals = [self.vals[a] for a in args if isinstance(a, str)]
+        union = frozenset().union(*[v.vma for v in vals])
+        if any(v.kind == "f" and v.vma != union for v in vals):
+            return True
+        axes = attrs.get("axes")
+        if axes is None or op in ("pmax", "pmin", "pvary", "axis_index") or not vals:
+            return False
+        return not set([axes] if isinstance(axes, str) else axes) <= vals[0].vma
 
     def vma(self, *args) -> frozenset:
         return frozenset().union(*[self.vals[a].vma for a in args if isinstance(a, str)])

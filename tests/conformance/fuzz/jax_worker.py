@@ -54,7 +54,7 @@ class Runner:
 
     def run_many(self, progs: list[dict]) -> dict:
         """``{id: record}`` for every program (records as in conf_compare)."""
-        from fuzz.labels import is_promise_refusal
+        from fuzz.labels import is_promise_refusal, promise_unproven
 
         out: dict = {}
         by_mesh: dict = {}
@@ -65,7 +65,7 @@ class Runner:
                 out.update(self._chunk(group[i:i + CHUNK]))
         for p in progs:
             rec = out[p["id"]]
-            if rec["status"] == "error" and p["check"] and is_promise_refusal(rec["error"]):
+            if rec["status"] == "error" and p["check"] and (is_promise_refusal(rec["error"]) or promise_unproven(p)):
                 rec["twin"] = self._chunk([dict(p, check=False)])[p["id"]]
         return out
 

@@ -7,7 +7,7 @@ differs is a mismatch.
 - ``Replication promised by out_specs (checked mode)``: JAX refused a checked program
   statically for an out_spec its types do not prove, fshard ran it (the values were
   identical), and fshard's values and gradients equal JAX's unchecked twin's.
-- The five ``Unchecked mode: ...`` rows: an unchecked program whose values agree with JAX
+- The six ``Unchecked mode: ...`` rows: an unchecked program whose values agree with JAX
   but whose gradients do not (or whose ranks disagree on gradients only), and which has
   the feature the row is about (first matching row wins).
 - ``pmax / pmin gradients``: JAX refused to differentiate a pmax/pmin whose result
@@ -77,6 +77,7 @@ UNCHECKED_ROWS = (
     (REPLICATED_INPUTS, replicated_wrt),
     ("Unchecked mode: replicated outputs", _replicated_out),
     ("Unchecked mode: an output spec that splits a value invariant over its axis", splits_invariant_out),
+    ("Unchecked mode: an invariant value meets a varying one, no explicit `pvary`", lambda p: bool(p.get("meets"))),
 )
 
 
@@ -97,14 +98,13 @@ def live_vars(prog: dict) -> set[str]:
 
 
 def dead_pmax(prog: dict, jax_error: str) -> str | None:
-    """JAX refuses to linearize a pmax/pmin whose result nothing uses; fshard refuses when
-    backward reaches one, which it never does there."""
+    """JAX refuses to linearize any pmax/pmin inside differentiated code, even one that no
+    gradient reaches (its result unused, or only compared: ``(pmax(x) > 0)``); fshard
+    refuses when backward reaches one (which it then never does: this is called only when
+    fshard accepted the program, and fshard's pmax/pmin raise in backward)."""
     if "Differentiation rule for 'pm" not in jax_error:
         return None
-    live = live_vars(prog)
-    if any(op in ("pmax", "pmin") and out in live for out, op, _, _ in prog["ops"]):
-        return None
-    return PMAX
+    return PMAX if any(op in ("pmax", "pmin") for _, op, _, _ in prog["ops"]) else None
 
 
 PVARY_VARYING = "`pvary` of a value already varying over all of its axes (checked mode)"
@@ -125,6 +125,19 @@ def a2a_quirk(prog: dict, jax_error: str) -> str | None:
     if any(op == "all_to_all" and not a["tiled"] and a["split"] != a["concat"] for _, op, _, a in prog["ops"]):
         return A2A_QUIRK
     return None
+
+
+def promise_unproven(prog: dict) -> bool:
+    """A checked program with an output whose type (the generator's, JAX's rules) varies over
+    a mesh axis (size > 1) that its out_spec leaves out: JAX refuses it statically."""
+    if _grads_inside(prog):
+        return False  # shard_map's outputs are the gradients, laid out like their inputs
+    sizes, vma = {a: s for a, s in prog["mesh"]}, prog.get("out_vma", {})
+    for o, spec in prog["outputs"]:
+        named = {a for e in spec if e for a in ([e] if isinstance(e, str) else e)}
+        if any(sizes[a] > 1 and a not in named for a in vma.get(o, ())):
+            return True
+    return False
 
 
 def is_promise_refusal(err: str) -> bool:
