@@ -199,6 +199,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/conformance/test_conformance_regress.py", "tests/transforms/test_grad_nested.py"),
         "an fs.grad inside another detaches its arguments: grad of grad is silently zero (the old behaviour)"),
     Mutation(
+        "promise_decided_per_group", "fshard/transforms/shard_map.py",
+        "        if rest:\n            # Every rank decides alike", "        if False:\n            # Every rank decides alike",
+        ("tests/transforms/test_transforms_vma.py::test_broken_promise_raises_on_every_rank",),
+        "a replication promise broken in one group only raises there: the other ranks hang in their next collective"),
+    Mutation(
         "ppermute_transpose_not_inverted", "fshard/lax.py",
         "inverse = tuple((d, s) for s, d in ctx.perm)", "inverse = tuple(ctx.perm)",
         ("tests/test_lax.py::test_collective_values_and_grads_equal_global_functions",),

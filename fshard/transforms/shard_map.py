@@ -366,7 +366,15 @@ def _check_promise(name: str, body: lax.Body, path: str, x: torch.Tensor, spec: 
         comm.one_at_a_time(group)  # nothing of fshard's may still be in flight on a gloo group
         dist.all_reduce(hi, dist.ReduceOp.MAX, group=group)
         dist.all_reduce(lo, dist.ReduceOp.MIN, group=group)
-        diff = float((hi - lo).abs().max()) if d.numel() else 0.0
+        diff_t = torch.nan_to_num((hi - lo).abs().amax().reshape(1), nan=float("inf")) if d.numel() else \
+            torch.zeros(1, dtype=hi.dtype, device=hi.device)
+        rest = tuple(a for a in mesh.axis_names if a not in extra and mesh.shape[a] > 1)
+        if rest:
+            # Every rank decides alike: a promise broken in one group of `extra` (and kept in
+            # another) must raise on all of them, not leave the others waiting in their next
+            # collective for ranks that raised.
+            dist.all_reduce(diff_t, dist.ReduceOp.MAX, group=mesh.group(rest))
+        diff = float(diff_t)
     if diff != 0.0:
         where = "output" if path == "<root>" else f"outputs.{path}"
         raise ValueError(

@@ -195,3 +195,21 @@ def _under_inference_mode():
 def test_mixed_types_under_inference_mode():
     for got in run_on_ranks(_under_inference_mode, world_size=N):
         torch.testing.assert_close(got, 1.0 + torch.arange(N * 2, dtype=torch.float64))
+
+
+def _broken_in_one_group_only():
+    """x=2, y=2: the value differs across y only where x = 1, so the promise of P("x") over y
+    holds in one y-group and breaks in the other: every rank must raise (none may go on to
+    wait in a collective for ranks that raised)."""
+    mesh = fs.make_mesh({"x": 2, "y": 2})
+    f = fs.shard_map(lambda a: fs.lax.axis_index("x") * a, mesh=mesh, in_specs=P(("x", "y")), out_specs=P("x"))
+    try:
+        f(torch.arange(4.0, dtype=torch.float64))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_broken_promise_raises_on_every_rank():
+    for err in run_on_ranks(_broken_in_one_group_only, world_size=N, timeout_s=60):
+        assert err is not None and "differs across them" in err
