@@ -26,7 +26,7 @@ CONF = HERE.parent
 WORLD = 4
 BATCH = 100  # programs per rank task
 RANK_TIMEOUT_S = 120.0
-_KEYED = ("gen.py", "grammar.py", "grammar_lax.py", "emit.py", "ops_src.py", "jax_worker.py")
+_KEYED = ("gen.py", "grammar.py", "grammar_lax.py", "emit.py", "ops_src.py", "jax_worker.py", "labels.py")  # labels: which twins JAX runs
 
 
 def cache_key() -> str:
