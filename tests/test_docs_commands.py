@@ -82,6 +82,9 @@ NOT_RUN_HERE = {
     r"python tests/conformance/conf_report\.py": "every program against JAX, a minute: the same programs "
                                                  "tests/conformance compares in this suite (the `diff/` and "
                                                  "substring forms of the command run here)",
+    r"python -m tests\.conformance\.fuzz --seeds 0:10000 .*": "10,000 fuzzed programs, about 10 minutes; "
+                                                            "tests/conformance/test_fuzz.py runs seeds 0-499 and "
+                                                            "this command's short form (--seeds 0:4)",
     # docs/plan.md
     r"python -m fshard\.plan --model llama3-8b --devices 64 .*": "a search over every 64-device layout, 45 s of "
                                                                 "CPU; tests/plan's CLI tests run the search on "

@@ -73,3 +73,12 @@ def test_every_label_is_a_docs_row():
               for line in doc.splitlines() if line.startswith("| ")}
     missing = sorted(row for row in _label_rows() if row not in topics)
     assert not missing, f"fuzz labels without a docs/jax.md row: {missing}"
+
+
+def test_the_command_runs_a_few_seeds(capsys):
+    """docs/jax.md's command in short form: a summary, exit 0 (no mismatch)."""
+    from fuzz.run import main
+
+    assert main(["--seeds", "0:4", "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "ran 4 programs" in out and "mismatches 0" in out
