@@ -106,7 +106,8 @@ class FshardOps:
         return torch.movedim(x, source, destination)
 
 
-def _to_numpy(x: Any) -> Any:
+def to_numpy(x: Any) -> Any:
+    """A result leaf as numpy (a DTensor as its global value), as the comparison takes it."""
     if isinstance(x, DTensor):
         x = x.full_tensor()
     if isinstance(x, torch.Tensor):
@@ -131,7 +132,7 @@ def run_batch(names: list[str]) -> dict[str, dict]:
         inputs = tuple(torch.from_numpy(np.array(a)) for a in p.make_inputs())
         t0 = time.perf_counter()
         try:
-            rec = ok(tree_map(_to_numpy, p.fn(ops, *inputs)))
+            rec = ok(tree_map(to_numpy, p.fn(ops, *inputs)))
         except Exception as e:  # recorded; the parity test decides whether JAX raised too
             rec = error(e)
         rec["seconds"] = time.perf_counter() - t0
@@ -160,4 +161,4 @@ def merge_ranks(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
     return merged
 
 
-__all__ = ["FshardOps", "run_batch", "merge_ranks"]
+__all__ = ["FshardOps", "merge_ranks", "run_batch", "to_numpy"]

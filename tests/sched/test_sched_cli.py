@@ -111,7 +111,7 @@ def test_virtual_lower_and_costs(capsys):
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "bfs", "zb", "zbh2", "zbv", "dualpipev"])
 def test_plot(name, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="the plot command needs matplotlib (pip install fshard[viz])")
     out_png = tmp_path / f"{name}.png"
     assert main([name, "-p", "2", "-m", "4", "--no-grid", "--plot", str(out_png)]) == 0
     assert out_png.read_bytes().startswith(b"\x89PNG")

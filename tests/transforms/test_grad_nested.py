@@ -36,9 +36,6 @@ RTOL, ATOL = 1e-9, 1e-12
 
 # Second-order cases that need a change outside fshard/transforms (see each reason). strict:
 # once the change lands the test passes, fails as XPASS, and the mark must go.
-# Programs expected to fail, with the change that would fix each (none left: psum's transpose
-# is pvary, the collectives have jvp rules, and _Locals.backward keeps a create_graph cotangent).
-XFAIL: dict[str, str] = {}
 
 
 class FshardOps:
@@ -160,9 +157,7 @@ def _sharded_params():
     for loss in progs.LOSSES:
         for comp in progs.COMPOSITIONS:
             for mode in MODES:
-                name = f"sharded/{loss}/{comp}/{mode}"
-                marks = [pytest.mark.xfail(strict=True, reason=XFAIL[name])] if name in XFAIL else []
-                yield pytest.param(name, id=f"{loss}-{comp}-{mode}", marks=marks)
+                yield pytest.param(f"sharded/{loss}/{comp}/{mode}", id=f"{loss}-{comp}-{mode}")
 
 
 @pytest.mark.parametrize("name", list(_sharded_params()))

@@ -10,25 +10,13 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 from conf_compare import error, ok, tree_map
-from conf_ops_fshard import merge_ranks
-from torch.distributed.tensor import DTensor
+from conf_ops_fshard import merge_ranks, to_numpy
 
 import fshard as fs
 
 from .emit import compile_program, make_inputs
-
-
-def _to_numpy(x):
-    if isinstance(x, DTensor):
-        x = x.full_tensor()
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy().copy()
-    if isinstance(x, (int, float, bool)):
-        return np.asarray(x)
-    return x
 
 
 def run_one(prog: dict) -> dict:
@@ -38,7 +26,7 @@ def run_one(prog: dict) -> dict:
         mesh = fs.make_mesh({a: s for a, s in prog["mesh"]})
         run = compile_program(prog, "fshard", mesh)
         inputs = [torch.from_numpy(a) for a in make_inputs(prog)]
-        rec = ok(tree_map(_to_numpy, run(*inputs)))
+        rec = ok(tree_map(to_numpy, run(*inputs)))
     except Exception as e:  # noqa: BLE001 - recorded: the comparison decides whether JAX raised too
         rec = error(e)
     rec["seconds"] = time.perf_counter() - t0

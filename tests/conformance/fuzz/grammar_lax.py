@@ -49,12 +49,17 @@ def _all_gather(ctx: Ctx) -> bool:
     return True
 
 
+def _fitting_dims(shape: tuple, n: int, tiled: bool) -> list[int]:
+    """The dims a collective can split over n ranks: divisible by n (tiled), or equal to it."""
+    return [d for d, s in enumerate(shape) if (s % n == 0 if tiled else s == n)]
+
+
 def _psum_scatter(ctx: Ctx) -> bool:
     a = ctx.float_of(pred=lambda v: len(v.shape) >= 1)
     v = ctx.vals[a]
     axes = ctx.axes_choice(v.vma)
     n, tiled = ctx.size(axes), ctx.rng.random() < 0.6
-    dims = [d for d, s in enumerate(v.shape) if (s % n == 0 if tiled else s == n)]
+    dims = _fitting_dims(v.shape, n, tiled)
     if not dims:
         return False
     d = ctx.rng.choice(dims)
@@ -85,7 +90,7 @@ def _all_to_all(ctx: Ctx) -> bool:
     v = ctx.vals[a]
     axes = ctx.axes_choice(v.vma)
     n, tiled = ctx.size(axes), ctx.rng.random() < 0.6
-    splits = [d for d, s in enumerate(v.shape) if (s % n == 0 if tiled else s == n)]
+    splits = _fitting_dims(v.shape, n, tiled)
     if not splits:
         return False
     split = ctx.rng.choice(splits)
