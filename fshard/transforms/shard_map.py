@@ -373,6 +373,7 @@ def _check_promise(name: str, body: lax.Body, path: str, x: torch.Tensor, spec: 
             # Every rank decides alike: a promise broken in one group of `extra` (and kept in
             # another) must raise on all of them, not leave the others waiting in their next
             # collective for ranks that raised.
+            comm.one_at_a_time(mesh.group(rest))  # as above: nothing of fshard's in flight on it
             dist.all_reduce(diff_t, dist.ReduceOp.MAX, group=mesh.group(rest))
         diff = float(diff_t)
     if diff != 0.0:
