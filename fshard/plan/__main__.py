@@ -33,18 +33,20 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fshard.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3-8b", help=f"a preset ({', '.join(PRESETS)})")
     p.add_argument("--machine", default="h100", help=f"a shipped machine ({', '.join(MACHINES)}) or a machine file")
-    p.add_argument("--devices", type=int, default=8, help="number of devices")
-    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 2 per device)")
-    p.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
+    p.add_argument("--devices", type=_positive_int, default=8, help="number of devices (>= 1)")
+    p.add_argument("--batch", type=_positive_int, default=None,
+                   help="global batch in sequences, >= 1 (default: 2 per device)")
+    p.add_argument("--seq", type=_positive_int, default=8192, help="tokens per sequence (>= 1)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
-                   help="memory per device in GiB (default: the machine's less its reserve)")
-    p.add_argument("--top", type=int, default=10, help="rows to show")
-    p.add_argument("--schedules", default=",".join(SCHEDULES), help="pipeline schedules to try, comma-separated")
-    p.add_argument("--layout", default=None, metavar="AXIS=N,...",
-                   help=f"estimate this one mesh instead of searching (axes {', '.join(AXES)})")
-    p.add_argument("--microbatches", type=int, default=1, help="with --layout")
-    p.add_argument("--schedule", default="1f1b", help="with --layout and pp")
+    p.add_argument("--memory-limit", type=_positive_float, default=None, metavar="GIB",
+                   help="memory per device in GiB, > 0 (default: the machine's less its reserve)")
+    p.add_argument("--top", type=_positive_int, default=10, help="rows to show (>= 1)")
+    p.add_argument("--schedules", type=_schedule_list, default=",".join(SCHEDULES),
+                   help="pipeline schedules to try, comma-separated (fs.sched's names)")
+    p.add_argument("--layout", type=_mesh, default=None, metavar="AXIS=N,...",
+                   help=f"estimate this one mesh instead of searching (axes {', '.join(AXES)}; sizes >= 1)")
+    p.add_argument("--microbatches", type=_positive_int, default=1, help="with --layout (>= 1)")
+    p.add_argument("--schedule", type=_schedule_name, default="1f1b", help="with --layout and pp")
     p.add_argument("--remat", action="store_true", help="with --layout")
     p.add_argument("--sequence-parallel", action="store_true", help="with --layout")
     p.add_argument("--plain", action="store_true", help="plain text table even when rich is installed")
@@ -52,13 +54,80 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# Argument types: argparse reports an ArgumentTypeError as "argument --flag: <message>" and
+# exits 2, so a bad value stops the run instead of being replaced by a default (``--batch 0``
+# once meant "2 per device") or reaching the search (a negative memory limit fitted nothing).
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):  # "not >" also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _schedule_name(text: str) -> str:
+    from fshard.sched.__main__ import resolve_name
+
+    try:
+        resolve_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _schedule_list(text: str) -> list[str]:
+    """Comma-separated schedule names, every one known to ``fs.sched`` (an unknown one was
+    once only a "rejected" count in the table, and the run exited 0)."""
+    from fshard.sched.__main__ import _choices, resolve_name
+
+    names = [n.strip() for n in text.split(",")]
+    if any(not n for n in names):
+        raise argparse.ArgumentTypeError(f"empty schedule name in {text!r}; write names separated by commas")
+    unknown = []
+    for n in names:
+        try:
+            resolve_name(n)
+        except ValueError:
+            unknown.append(n)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown schedule(s) {', '.join(map(repr, unknown))}; "
+                                         f"known: {_choices()}")
+    return names
+
+
 def _mesh(text: str) -> dict[str, int]:
-    out = {}
+    """``--layout``'s ``axis=size,...``: every axis known, once, with an integer size >= 1."""
+    out: dict[str, int] = {}
     for item in text.split(","):
-        name, _, size = item.partition("=")
-        if not size.isdigit():
-            raise LayoutError(f"--layout {text!r}: expected axis=size items, got {item!r}")
-        out[name.strip()] = int(size)
+        name, eq, size = (s.strip() for s in item.partition("="))
+        if not eq or not name:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected axis=size items separated by commas "
+                                             f"(e.g. fsdp=4,tp=2), got {item!r}")
+        if name not in AXES:
+            raise argparse.ArgumentTypeError(f"{text!r}: unknown axis {name!r}; axes are {', '.join(AXES)}")
+        if name in out:
+            raise argparse.ArgumentTypeError(f"{text!r}: axis {name!r} is given twice")
+        try:
+            value = int(size)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: axis {name!r} has size {size!r}; a size is an "
+                                             f"integer >= 1") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: axis {name!r} has size {value}; a size is an "
+                                             f"integer >= 1 (1 leaves the axis out)")
+        out[name] = value
     return out
 
 
@@ -71,10 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model = get_model(args.model, seq_len=args.seq, dtype=args.dtype)
         machine = get_machine(args.machine)
-        batch = args.batch or 2 * args.devices
-        limit = args.memory_limit * 2**30 if args.memory_limit else None
-        if args.layout:
-            layout = Layout(_mesh(args.layout), batch=batch, microbatches=args.microbatches, schedule=args.schedule,
+        batch = args.batch if args.batch is not None else 2 * args.devices
+        limit = args.memory_limit * 2**30 if args.memory_limit is not None else None
+        if args.layout is not None:
+            layout = Layout(args.layout, batch=batch, microbatches=args.microbatches, schedule=args.schedule,
                             remat=args.remat, sequence_parallel=args.sequence_parallel, dtype=args.dtype)
             est = estimate(model, machine, layout, memory_limit=limit)
             print(render([est], title=f"{model.name} on {layout.n_devices} x {machine.name}, batch {batch} x "
@@ -83,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not est.fits:
                 print(f"does not fit: peak {est.peak_bytes / 2**30:.1f} GiB > limit {est.memory_limit / 2**30:.1f} GiB")
             return 0
-        res = search(model, machine, args.devices, batch, limit, schedules=args.schedules.split(","),
+        res = search(model, machine, args.devices, batch, limit, schedules=args.schedules,
                      dtype=args.dtype, top=args.top)
     except (DescriptionError, LayoutError, ValueError) as e:
         print(f"python -m fshard.plan: error: {e}", file=sys.stderr)
