@@ -413,7 +413,7 @@ def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *,
             received = _F.all_to_all_single(wire, rows, rows, group.group_name)
         # Staged: reduced on the host before the copy back, so 1/n of the bytes cross to the device.
         post = _LocalReduce(n, op)
-        return Handle(received, post if back is None else _Staged(x.device, post), group=group)
+        return Handle(received, _restaged(x, post, back), group=group)
     with _named(axes):
         return Handle(_F.reduce_scatter_tensor(x.contiguous(), op, n, group.group_name), group=group)
 
@@ -434,7 +434,7 @@ class _LocalReduce:
             return chunks.amax(0)
         if self.op == "min":
             return chunks.amin(0)
-        out = chunks.sum(0)
+        out = chunks.sum(0, dtype=chunks.dtype)  # torch's sum widens integers to int64; a reduce-scatter does not
         return out.div_(self.n) if self.op == "avg" else out
 
 
@@ -481,25 +481,43 @@ def via_host(group, device: torch.device) -> bool:
 
 
 class _Staged:
-    """Applies ``post`` to a host-staged result, then moves it back to ``device`` (into
-    ``into`` when given: the in-place all-reduce)."""
+    """Applies ``post`` to a host-staged (or widened) result, then moves it back to
+    ``device`` and ``dtype`` (into ``into`` when given: the in-place all-reduce)."""
 
-    __slots__ = ("device", "post", "into")
+    __slots__ = ("device", "post", "into", "dtype")
 
-    def __init__(self, device: torch.device, post=None, into: torch.Tensor | None = None) -> None:
-        self.device, self.post, self.into = device, post, into
+    def __init__(self, device: torch.device, post=None, into: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.device, self.post, self.into, self.dtype = device, post, into, dtype
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.post is not None:
             t = self.post(t)
-        return self.into.copy_(t) if self.into is not None else t.to(self.device)
+        return self.into.copy_(t) if self.into is not None else t.to(self.device, self.dtype)
+
+
+# Dtypes gloo has no kernels for ("Invalid scalar type"), sent as a wider one: exact for
+# data movement, and for sums (modular arithmetic), max and min once narrowed back.
+_GLOO_WIDEN = {torch.int16: torch.int32}
 
 
 def _stage(group, x: torch.Tensor, into: torch.Tensor | None = None):
     """``(tensor to hand to the collective, post-processing or None)`` for ``x`` (contiguous)."""
-    if not via_host(group, x.device):
-        return x.contiguous(), None
-    return x.contiguous().cpu(), _Staged(x.device, into=into)
+    wire = x.contiguous()
+    host = via_host(group, x.device)
+    if host:
+        wire = wire.cpu()
+    widen = wire.dtype in _GLOO_WIDEN and _is_gloo(group, wire.device.type)
+    if widen:
+        wire = wire.to(_GLOO_WIDEN[wire.dtype])
+    if not (host or widen):
+        return wire, None
+    return wire, _Staged(x.device, into=into, dtype=x.dtype)
+
+
+def _restaged(x: torch.Tensor, post, back):
+    """``post`` run on the staged result, then back to ``x``'s device and dtype (if staged)."""
+    return post if back is None else _Staged(x.device, post, dtype=x.dtype)
 
 
 def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *,
@@ -564,7 +582,7 @@ def permute_async(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: 
     wire, back = _stage(group, flat if dst not in (None, me) else flat[:0])
     with _named(axes, "ppermute"):
         received = _F.all_to_all_single(wire, recv_from, send_to, group.group_name)
-    return Handle(received, post if back is None else _Staged(x.device, post), group=group)
+    return Handle(received, _restaged(x, post, back), group=group)
 
 
 class _Received:

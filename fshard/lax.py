@@ -408,6 +408,9 @@ def _sub_axes(ax: _Axes, names: frozenset) -> _Axes:
 def psum(x: Any, axis_name: str | Sequence[str]) -> Any:
     """All-reduce sum over ``axis_name``. Shape unchanged; result invariant over the axes.
 
+    Dtypes (as JAX 0.10.2): bool is counted, converted to int32 before the sum (all-True
+    over n ranks gives n); other dtypes are kept (integers wrap as in their dtype).
+
     Checked mode: the value varies over all of the axes or none (JAX's rule); an
     invariant one is summed as ``n`` copies. Backward: identity (the cotangent of an
     invariant output is invariant).
@@ -419,14 +422,50 @@ def psum(x: Any, axis_name: str | Sequence[str]) -> Any:
 
 
 def _psum(what: str, x: Any, axis_name) -> Any:
-    return _map(what, x, axis_name, lambda t, ax: _apply(_Psum, t, ax) if ax.n > 1 else t.view_as(t),
-                to_varying=False, all_or_none=True)
+    def one(t, ax):
+        t = _summable(t)
+        return _apply(_Psum, t, ax) if ax.n > 1 else t.view_as(t)
+
+    return _map(what, x, axis_name, one, to_varying=False, all_or_none=True)
+
+
+# --- dtype rules (JAX 0.10.2, measured by tests/faults/faults_jax_dtype_table.py) --------
+# psum of bool counts: JAX converts bool to int32 before the sum (with or without x64), so
+# all-True over n ranks gives n, not True (a sum of bools on gloo is a logical OR).
+# pmean = psum / n with JAX's true division: an integer (or bool, counted in int32) sum
+# becomes float32, a 64-bit one float64; floating dtypes are kept. psum_scatter of bool is
+# refused (JAX: "add does not accept dtype bool"); integer sums keep their dtype.
+_MEAN_DTYPE = {torch.int64: torch.float64, torch.uint64: torch.float64}
+
+
+def _summable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as psum sums it: bool is counted in int32 (JAX's rule)."""
+    return t.to(torch.int32) if t.dtype == torch.bool else t
+
+
+def _mean_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``pmean`` of a (psum-ed) value of ``dtype``: floats kept, 64-bit ints
+    to float64, other ints (and bool, summed as int32) to float32, as JAX's true division."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return dtype
+    return _MEAN_DTYPE.get(dtype, torch.float32)
 
 
 def pmean(x: Any, axis_name: str | Sequence[str]) -> Any:
-    """``psum(x, axis_name) / axis_size(axis_name)`` (the same all-or-none rule)."""
+    """``psum(x, axis_name) / axis_size(axis_name)`` (the same all-or-none rule).
+
+    Dtypes (as JAX 0.10.2): floating values keep their dtype; bool and integer values are
+    summed (bool counted in int32), then divided in float32 (float64 for 64-bit integers),
+    so the mean of an all-True bool is 1.0.
+    """
     n = axis_size(axis_name)
-    return tree_util.tree_map(lambda t: t / n if isinstance(t, torch.Tensor) else t, _psum("pmean", x, axis_name))
+
+    def mean(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return (t if t.dtype == _mean_dtype(t.dtype) else t.to(_mean_dtype(t.dtype))) / n
+
+    return tree_util.tree_map(mean, _psum("pmean", x, axis_name))
 
 
 def pmax(x: Any, axis_name: str | Sequence[str]) -> Any:
@@ -482,9 +521,13 @@ def all_gather(x: Any, axis_name: str | Sequence[str], *, axis: int = 0, tiled: 
 
     Shapes (n = axis size): ``tiled=False``: a new dim of size n at ``axis``;
     ``tiled=True``: dim ``axis`` grows n-fold. Backward: ``psum_scatter``.
+
+    Raises:
+      ValueError: ``axis`` is not a dim of the value (tiled) or of the result (untiled):
+        a 0-d value cannot be gathered tiled (JAX refuses it too); use ``tiled=False``.
     """
     def one(t, ax):
-        a = axis % (t.dim() + (0 if tiled else 1))
+        a = _dim("all_gather", t, axis, ax, "axis", tiled=tiled, extra=0 if tiled else 1)
         if ax.n == 1:
             return t.view_as(t) if tiled else t.unsqueeze(a)
         return _apply(_AllGather, t, ax, a, tiled)
@@ -501,12 +544,21 @@ def psum_scatter(x: Any, axis_name: str | Sequence[str], *, scatter_dimension: i
 
     Checked mode: the value varies over all of the axes or none (JAX's rule).
 
+    Dtypes (as JAX 0.10.2): integer and floating dtypes are kept; bool is refused.
+
     Raises:
-      ValueError: the dim does not fit the axis size (names both); (checked mode) the
-        value varies over some of the axes only.
+      TypeError: a bool value.
+      ValueError: the dim does not fit the axis size (names both), or is not a dim of
+        the value (a 0-d value has none; JAX refuses it too); (checked mode) the value
+        varies over some of the axes only.
     """
     def one(t, ax):
-        d = scatter_dimension % t.dim()
+        if t.dtype == torch.bool:
+            raise TypeError(
+                f"fs.lax.psum_scatter over {_axes_repr(ax.names)}: the value is bool (shape {tuple(t.shape)}); "
+                f"as in JAX (\"add does not accept dtype bool\"), bool values are not summed and scattered. "
+                f"Cast first, e.g. fs.lax.psum_scatter(x.to(torch.int32), ...) to count.")
+        d = _dim("psum_scatter", t, scatter_dimension, ax, "scatter_dimension", tiled=tiled)
         _check_split("psum_scatter", t, d, ax, exact=not tiled)
         if ax.n == 1:
             return t.view_as(t) if tiled else t.squeeze(d)
@@ -524,11 +576,12 @@ def all_to_all(x: Any, axis_name: str | Sequence[str], split_axis: int, concat_a
     Backward: ``all_to_all`` with the two axes swapped.
 
     Raises:
-      ValueError: the split dim does not fit the axis size.
+      ValueError: the split dim does not fit the axis size, or an axis is not a dim of
+        the value (a 0-d value has none; JAX refuses it too).
     """
     def one(t, ax):
-        s = split_axis % t.dim()
-        c = concat_axis % t.dim()
+        s = _dim("all_to_all", t, split_axis, ax, "split_axis", tiled=tiled)
+        c = _dim("all_to_all", t, concat_axis, ax, "concat_axis", tiled=tiled)
         _check_split("all_to_all", t, s, ax, exact=not tiled)
         if ax.n == 1:
             return t.view_as(t) if tiled else t.squeeze(s).unsqueeze(c)
@@ -592,3 +645,25 @@ def _check_split(what: str, t: torch.Tensor, d: int, ax: _Axes, *, exact: bool) 
             + (" (tiled=False)" if exact else " (tiled=True)") + "."
         )
 
+
+
+def _dim(what: str, t: torch.Tensor, axis: int, ax: _Axes, arg: str, *, tiled: bool, extra: int = 0) -> int:
+    """``axis`` normalized to ``[0, t.dim() + extra)`` (``extra``: the new dim of an untiled
+    all_gather), as JAX's ``canonicalize_axis``.
+
+    Raises:
+      ValueError: out of range, naming the op, the mesh axes, the shape and ``tiled``. A
+        0-d value has no dim to tile or split: JAX 0.10.2 refuses it too ("axis 0 is out
+        of bounds for array of dimension 0", or an IndexError for psum_scatter).
+    """
+    ndim = t.dim() + extra
+    if -ndim <= axis < ndim:
+        return axis % ndim
+    hint = ""
+    if t.dim() == 0:
+        hint = (" A 0-d value has no dim to " + ("tile" if what == "all_gather" else "split") + "; "
+                + ("use tiled=False (a new dim of size n) or x.reshape(1)." if what == "all_gather"
+                   else "give it one first (x.reshape(1)), or use psum."))
+    raise ValueError(
+        f"fs.lax.{what} over {_axes_repr(ax.names)}: {arg}={axis} is out of range for the local value of "
+        f"shape {tuple(t.shape)} ({t.dim()}-d, tiled={tiled}); it must be in [{-ndim}, {ndim}).{hint}")
