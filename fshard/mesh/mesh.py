@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import itertools
 import math
+import numbers
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -136,7 +137,10 @@ class Mesh:
                 others = [d for d in range(n) if d not in dims]
                 moved = ranks.permute(*others, *dims).reshape(-1, math.prod(ranks.shape[d] for d in dims))
                 enumeration = [row.tolist() for row in moved]
-                group, _ = dist.new_subgroups_by_enumeration(enumeration, backend=backend)
+                # torch would give these groups its own 30-minute default, not the world's timeout
+                group, _ = dist.new_subgroups_by_enumeration(
+                    enumeration, backend=backend, timeout=process.group_timeout()
+                )
                 self._groups[tuple(self.axis_names[d] for d in dims)] = group
 
 
@@ -160,18 +164,17 @@ def make_mesh(
     Returns:
       The :class:`Mesh`.
 
+    Every group the mesh holds (one per axis, one per set of axes) waits at most
+    :func:`fshard.mesh.process.group_timeout` in a collective: the world's timeout, not
+    torch's 30-minute default for new groups.
+
     Raises:
-      ValueError: empty axes, a non-positive size, a non-identifier name, or sizes whose
-        product differs from the world size.
+      ValueError: empty axes, a size that is not a positive int (a bool, a float, a string,
+        zero, a negative number), a name that is not an identifier string, a name given
+        twice, or sizes whose product differs from the world size. The message names the
+        axis and the value.
     """
-    axes = dict(axes)
-    if not axes:
-        raise ValueError("make_mesh needs at least one axis, e.g. make_mesh({'fsdp': 1}).")
-    for name, size in axes.items():
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"mesh axis name {name!r} must be an identifier string.")
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes must be positive ints.")
+    axes = _checked_axes(axes)
     total = math.prod(axes.values())
     process.ensure_initialized(total)
     world = dist.get_world_size()
@@ -186,7 +189,10 @@ def make_mesh(
     key = (id(dist.group.WORLD), device_type, tuple(axes.items()))
     mesh = _MESH_CACHE.get(key)
     if mesh is None:
-        dm = init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+        dm = init_device_mesh(
+            device_type, tuple(axes.values()), mesh_dim_names=tuple(axes),
+            backend_override=_timeout_overrides(axes, world, dist.get_backend()) or None,
+        )
         mesh = Mesh(dm, tuple(axes))
         mesh._build_multi_axis_groups(dist.get_backend())
         from fshard.comm import register_group
@@ -197,6 +203,75 @@ def make_mesh(
             register_group(group, axes_key)
         _MESH_CACHE[key] = mesh
     return mesh
+
+
+def _checked_axes(axes: Any) -> dict[str, int]:
+    """``axes`` as ``{name: size}``, or a ValueError naming the axis and the bad value.
+
+    Accepts a mapping or a sequence of ``(name, size)`` pairs (where a repeated name is
+    an error, not a silent overwrite). Sizes must be ints (``numpy`` integers too) and
+    positive: a bool is refused even though Python counts it as an int, because
+    ``{"dp": True}`` is a typo, not a size of 1.
+    """
+    example = "e.g. make_mesh({'dp': 2, 'fsdp': 2})"
+    if isinstance(axes, Mapping):
+        pairs = list(axes.items())
+    else:
+        try:
+            pairs = [tuple(p) for p in axes]
+        except TypeError:
+            raise ValueError(f"make_mesh: axes must be a dict {{name: size}}, got {type(axes).__name__} "
+                             f"{axes!r}; {example}.") from None
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError(f"make_mesh: axes must be a dict {{name: size}} or (name, size) pairs, "
+                             f"got {axes!r}; {example}.")
+    if not pairs:
+        raise ValueError(f"make_mesh needs at least one axis, {example} or make_mesh({{'fsdp': 1}}).")
+    out: dict[str, int] = {}
+    for name, size in pairs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"make_mesh: axis name {name!r} ({type(name).__name__}) must be an identifier "
+                             f"string; {example}.")
+        if name in out:
+            raise ValueError(f"make_mesh: axis {name!r} is given twice; each axis name must be unique.")
+        out[name] = _checked_size(name, size)
+    return out
+
+
+def _checked_size(name: str, size: Any) -> int:
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise ValueError(f"make_mesh: axis {name!r} has size {size!r} ({type(size).__name__}); a size must be "
+                         f"a positive int, e.g. {{{name!r}: 2}}.")
+    if size < 1:
+        raise ValueError(f"make_mesh: axis {name!r} has size {size!r}; a size must be a positive int "
+                         f"(use {{{name!r}: 1}} for an axis that does not split).")
+    return int(size)
+
+
+def _timeout_overrides(axes: Mapping[str, int], world: int, backend: str) -> dict[str, Any]:
+    """``init_device_mesh``'s ``backend_override``: the world's timeout for each axis whose
+    groups torch would otherwise create with its own 30-minute default.
+
+    An axis that spans the whole world reuses the default group, which has the timeout
+    already; overriding it would make torch build a second world-sized group instead. On a
+    CUDA machine with a gloo world torch builds a new group for that axis anyway, so it is
+    overridden too. A backend with no options class (not gloo or nccl) keeps torch's
+    behaviour.
+    """
+    options_cls = {"gloo": getattr(dist, "ProcessGroupGloo", None),
+                   "nccl": getattr(dist, "ProcessGroupNCCL", None)}.get(backend)
+    if options_cls is None:
+        return {}
+    timeout = process.group_timeout()
+    world_reuses_default = not (torch.cuda.is_available() and backend == "gloo")
+    out: dict[str, Any] = {}
+    for name, size in axes.items():
+        if size == world and world_reuses_default:
+            continue
+        opts = options_cls._Options() if backend == "gloo" else options_cls.Options()
+        opts._timeout = timeout
+        out[name] = opts
+    return out
 
 
 def forget_meshes() -> None:

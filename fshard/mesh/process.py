@@ -21,10 +21,36 @@ import torch.distributed as dist
 
 from fshard.mesh import failure, teardown
 
-__all__ = ["init", "ensure_initialized", "enable_fault_stacks", "DEFAULT_TIMEOUT"]
+__all__ = ["init", "ensure_initialized", "enable_fault_stacks", "group_timeout", "DEFAULT_TIMEOUT"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("FSHARD_TIMEOUT_S", "300")))
+_FALLBACK_TIMEOUT_S = 300.0
+
+
+def _env_timeout() -> timedelta:
+    """``FSHARD_TIMEOUT_S`` as read now (not at import: a script may set it after importing
+    fshard), else 300 s.
+
+    Raises:
+      ValueError: the variable is not a positive number; the message names it and its value.
+    """
+    raw = os.environ.get("FSHARD_TIMEOUT_S")
+    if raw is None:
+        return timedelta(seconds=_FALLBACK_TIMEOUT_S)
+    try:
+        return _checked_timeout(float(raw), what="FSHARD_TIMEOUT_S")
+    except ValueError as e:
+        raise ValueError(f"{e} (FSHARD_TIMEOUT_S={raw!r} in the environment)") from None
+
+
+def _checked_timeout(seconds: float, *, what: str) -> timedelta:
+    if not seconds > 0:  # also refuses NaN
+        raise ValueError(f"{what} must be a positive number of seconds, got {seconds!r}.")
+    return timedelta(seconds=seconds)
+
+
+# The timeout at import, kept for callers that read it; fshard itself asks group_timeout().
+DEFAULT_TIMEOUT = _env_timeout()
 
 
 def _default_backend() -> str:
@@ -46,11 +72,14 @@ def init(*, backend: str | None = None, timeout: timedelta | float | None = None
     Args:
       backend: ``"nccl"`` or ``"gloo"``; default nccl when CUDA is available, else gloo.
       timeout: how long a collective may wait before failing (seconds or timedelta);
-        default ``FSHARD_TIMEOUT_S`` from the environment, else 300 s.
+        default ``FSHARD_TIMEOUT_S`` from the environment, else 300 s. Every group
+        fshard makes later (mesh axes, multi-axis groups, pipeline and checkpoint groups)
+        gets the same timeout (:func:`group_timeout`).
 
     Raises:
       RuntimeError: some but not all of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are
         set, or they are not consistent; the message names the missing ones.
+      ValueError: ``timeout`` or ``FSHARD_TIMEOUT_S`` is not a positive number.
     """
     if dist.is_initialized():
         return
@@ -77,7 +106,8 @@ def init(*, backend: str | None = None, timeout: timedelta | float | None = None
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout(timeout))
     teardown.install_at_exit(owned=True)  # gloo's threads must be gone before finalization
     if world > 1:  # an uncaught error says whether this rank is the cause or a casualty
-        failure.install(dist.distributed_c10d._get_default_store(), rank, world)
+        failure.install(dist.distributed_c10d._get_default_store(), rank, world,
+                        heartbeat_s=failure.heartbeat_period(group_timeout()))
 
 
 def enable_fault_stacks(file=None) -> bool:
@@ -110,8 +140,42 @@ def enable_fault_stacks(file=None) -> bool:
 
 def _timeout(timeout: timedelta | float | None) -> timedelta:
     if timeout is None:
-        return DEFAULT_TIMEOUT
-    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        return _env_timeout()
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return _checked_timeout(seconds, what="fs.init(timeout=...)")
+
+
+def group_timeout() -> timedelta:
+    """The timeout every process group fshard creates must get: the world group's.
+
+    The one source of truth. The world group carries the configured timeout
+    (``fs.init(timeout=)``, else ``FSHARD_TIMEOUT_S``, else 300 s; in a
+    ``fs.run_local`` rank, its ``timeout_s``), so a sub-group that copies it fails as soon
+    as the world would. torch gives a group made without an explicit timeout its own
+    default (30 minutes for gloo) instead, whatever the world's is: every
+    ``new_group``/``new_subgroups_by_enumeration``/``init_device_mesh`` call in fshard passes
+    this value. Without a world group (or one whose timeout cannot be read), the
+    configured default.
+    """
+    if dist.is_initialized():
+        found = read_group_timeout(dist.group.WORLD)
+        if found is not None:
+            return found
+    return _env_timeout()
+
+
+def read_group_timeout(group) -> timedelta | None:
+    """The timeout ``group``'s backend was made with, or ``None`` when torch does not say.
+
+    Reads ``ProcessGroup._get_backend(device).options._timeout``: torch 2.13 has no public
+    getter, and this is where both gloo and nccl keep the value they enforce.
+    """
+    for device in getattr(group, "_device_types", ()):
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue  # no backend for this device, or a backend without options
+    return None
 
 
 def ensure_initialized(n_ranks_wanted: int) -> None:
@@ -138,6 +202,6 @@ def ensure_initialized(n_ranks_wanted: int) -> None:
             f"fs.run_local(fn, world_size={n_ranks_wanted})."
         )
     dist.init_process_group(
-        _default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=DEFAULT_TIMEOUT
+        _default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=_env_timeout()
     )
     teardown.install_at_exit(owned=True)  # one rank's gloo group has worker threads too
