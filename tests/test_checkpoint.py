@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 from typing import NamedTuple
@@ -100,7 +101,7 @@ def _zip_paths(a, b):
 def saved_on_2(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("ck") / "step_3")
     listing = run_on_ranks(_save_body, path, world_size=2)
-    assert listing[0] == [".fshard-checksums.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert listing[0] == [".fshard-checksums.json", ".fshard-manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]
     return path
 
 
@@ -374,7 +375,15 @@ def test_load_flipped_bit_in_tensor_names_file_and_key_and_changes_nothing(small
         f.write("{not json")
     with pytest.raises(ckpt.CheckpointError, match=r"small' is corrupt: its .fshard-checksums.json cannot be read"):
         ckpt.load(path, like=tree)
-    os.remove(checksums)  # a checkpoint without checksums (plain DCP, or older) loads unchecked
+    os.remove(checksums)  # the manifest says there were checksums: refused, naming the file (issue 36 row 11)
+    with pytest.raises(ckpt.CheckpointError, match=r"small' is incomplete: its .fshard-checksums.json is missing"):
+        ckpt.load(path, like=tree)
+    # A checkpoint that never had checksums (plain DCP, or fshard before them) loads unchecked.
+    os.remove(os.path.join(path, ".fshard-manifest.json"))
+    md = dcp.FileSystemReader(path).read_metadata()
+    del md.fshard_manifest  # what an older fshard wrote: no record of checksums
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
     assert not torch.equal(ckpt.load(path, like=tree)["params"]["w"], tree["params"]["w"])
 
 

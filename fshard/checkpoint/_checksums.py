@@ -6,8 +6,16 @@ loads silently as a wrong value. So each rank, after DCP has written its files, 
 items back and takes their CRC32; rank 0 writes them all to :data:`CHECKSUMS` in the
 checkpoint directory before the commit. Loading checks every item it reads against it
 (no extra I/O: the item is read once, then checked, then parsed), and a mismatch names
-the data file, the key and the byte range. Checkpoints without the file (written before
-it existed, or by plain DCP) load unchecked.
+the data file, the key and the byte range.
+
+The manifest: that a checkpoint has checksums must itself be recorded, or deleting the
+checksum file would make a corrupt checkpoint load unchecked. So the save marks DCP's
+``.metadata`` (which no checkpoint loads without) with :data:`MARK`, naming the manifest,
+and rank 0 writes :data:`MANIFEST` at the commit: the checksum file's name and every
+file's size. Loading a marked checkpoint requires both files and raises, naming the
+missing one. Checkpoints with neither mark nor manifest (written before they existed, or
+by plain DCP) load unchecked, as before: refusing them would strand every older
+checkpoint, and there is nothing in them to say the checksums were ever there.
 """
 
 from __future__ import annotations
@@ -22,9 +30,12 @@ import torch.distributed.checkpoint as dcp
 
 from fshard.checkpoint._common import CheckpointError
 
-__all__ = ["CHECKSUMS", "ChecksumWriter", "VerifyingReader", "read_checksums", "write_checksums"]
+__all__ = ["CHECKSUMS", "MANIFEST", "ChecksumWriter", "VerifyingReader", "read_checksums", "write_checksums",
+           "write_manifest"]
 
 CHECKSUMS = ".fshard-checksums.json"
+MANIFEST = ".fshard-manifest.json"
+MARK = "fshard_manifest"  # the attribute of DCP's Metadata that names the manifest
 _CHUNK = 1 << 22
 
 
@@ -62,9 +73,49 @@ class ChecksumWriter(dcp.FileSystemWriter):
             self.checksums.setdefault(info.relative_path, {})[str(info.offset)] = crc
         return fut
 
+    def finish(self, metadata: Any, results: Any) -> None:
+        # Rank 0, writing .metadata: record that this checkpoint has a manifest (and so
+        # checksums), where deleting those files cannot erase the record.
+        try:
+            setattr(metadata, MARK, MANIFEST)
+        except AttributeError:  # a future Metadata with __slots__: the manifest file alone
+            pass
+        super().finish(metadata, results)
 
-def write_checksums(directory: str, per_rank: list[dict[str, dict[str, int]]]) -> None:
-    """Rank 0: writes every rank's item checksums into ``directory`` (synced)."""
+
+def write_manifest(directory: str) -> None:
+    """Rank 0, at the commit: writes :data:`MANIFEST` (checksum file, every file's size), synced."""
+    files = {}
+    for entry in sorted(os.listdir(directory)):
+        full = os.path.join(directory, entry)
+        if entry != MANIFEST and os.path.isfile(full):
+            files[entry] = os.path.getsize(full)
+    path = os.path.join(directory, MANIFEST)
+    with open(path, "w") as f:
+        json.dump({"version": 1, "checksums": CHECKSUMS, "files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _expects_checksums(directory: str, metadata: Any) -> bool:
+    """Whether the checkpoint says it has checksums (its .metadata mark or its manifest).
+
+    Raises:
+      CheckpointError: the .metadata names a manifest that is not there.
+    """
+    manifest = os.path.join(directory, MANIFEST)
+    if os.path.exists(manifest):
+        return True
+    if metadata is not None and getattr(metadata, MARK, None):
+        raise CheckpointError(
+            f"'{directory}' is incomplete: its .metadata says the save wrote {MANIFEST} (the list of "
+            f"its files and checksums), and that file is missing: files were deleted or not copied. "
+            f"Copy the whole directory again, or load another checkpoint.")
+    return False
+
+
+def write_checksums(directory: str, per_rank: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Rank 0: writes every rank's item checksums into ``directory`` (synced); returns them merged."""
     merged: dict[str, dict[str, int]] = {}
     for part in per_rank:
         for rel, items in (part or {}).items():
@@ -74,16 +125,26 @@ def write_checksums(directory: str, per_rank: list[dict[str, dict[str, int]]]) -
         json.dump({"version": 1, "algorithm": "crc32", "items": merged}, f)
         f.flush()
         os.fsync(f.fileno())
+    return merged
 
 
-def read_checksums(directory: str) -> dict[str, dict[str, int]] | None:
+def read_checksums(directory: str, metadata: Any = None) -> dict[str, dict[str, int]] | None:
     """The item checksums of the checkpoint in ``directory``; None where it has none.
 
+    A checkpoint whose ``metadata`` (DCP's, read from ``directory``) or manifest records
+    checksums must have them.
+
     Raises:
-      CheckpointError: the checksum file exists but cannot be read.
+      CheckpointError: the checksum file exists but cannot be read, or it (or the
+        manifest) is missing where the checkpoint records it; the message names the file.
     """
     path = os.path.join(directory, CHECKSUMS)
     if not os.path.exists(path):
+        if _expects_checksums(directory, metadata):
+            raise CheckpointError(
+                f"'{directory}' is incomplete: its {CHECKSUMS} is missing, and its {MANIFEST} says the "
+                f"save wrote it. Without it a corrupt byte would load unnoticed, so the checkpoint is "
+                f"not read. Copy the whole directory again, or load another checkpoint.")
         return None
     try:
         with open(path) as f:

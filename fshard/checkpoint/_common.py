@@ -10,7 +10,9 @@ that is an error.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
+from datetime import timedelta
 from typing import Any, Iterator, Sequence
 
 import optree
@@ -23,8 +25,11 @@ from torch.distributed.tensor import DTensor, Partial
 __all__ = [
     "CheckpointError",
     "CheckpointException",
+    "CheckpointLockedError",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "agree",
+    "agree_on_path",
     "broadcast_from_0",
     "describe_failure",
     "flatten",
@@ -45,6 +50,22 @@ class CheckpointError(RuntimeError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint directory at the given path."""
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another save to the same path is in progress (another job, or a process of this one).
+
+    The message names the path, the lock file and its holder (host, pid, since when).
+    """
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The template does not match the checkpoint: shapes, dtypes, or tensor against value.
+
+    A ``ValueError`` too, as before it had its own class; a ``CheckpointError`` so that a
+    program that reports checkpoint errors in one line (``examples/train_lm.py --resume``)
+    reports this one alike instead of a traceback per rank.
+    """
 
 
 def short_list(items: Sequence[Any], limit: int = 12) -> str:
@@ -117,9 +138,21 @@ def group() -> Any | None:
     key = id(dist.group.WORLD)
     g = _GROUPS.get(key)
     if g is None:
-        g = dist.new_group(backend="gloo")
+        # The configured timeout, not torch's 30-minute default for a new group: a rank
+        # stopped during a save must fail the others as soon as the world group would.
+        g = dist.new_group(backend="gloo", timeout=timeout())
         _GROUPS[key] = g
     return g
+
+
+def timeout() -> Any:
+    """The timeout of fshard's groups (``fshard.mesh.process.group_timeout``) as a timedelta."""
+    from fshard.mesh import process
+
+    getter = getattr(process, "group_timeout", None)
+    if getter is not None:
+        return getter()
+    return timedelta(seconds=float(os.environ.get("FSHARD_TIMEOUT_S", "300")))
 
 
 def forget_groups() -> None:
@@ -155,6 +188,32 @@ def agree(error: BaseException | None, g: Any | None) -> None:
             if hasattr(e, "add_note"):
                 e.add_note(f"(raised on rank {r}; every rank stops with it)")
             raise e
+
+
+def agree_on_path(path: str, g: Any | None, what: str) -> None:
+    """Raises on every rank unless every rank passed the same (absolute) ``path``.
+
+    Why: a save writes rank 0's path only, and a load on ranks given different paths
+    would mix two checkpoints into one tensor. One ``all_gather_object`` of a string.
+
+    Raises:
+      CheckpointError: the ranks disagree; the message lists which ranks gave which path.
+    """
+    if g is None or dist.get_world_size(g) == 1:
+        return
+    paths: list[Any] = [None] * dist.get_world_size(g)
+    dist.all_gather_object(paths, path, group=g)
+    if len(set(paths)) == 1:
+        return
+    by_path: dict[str, list[int]] = {}
+    for r, p in enumerate(paths):
+        by_path.setdefault(p, []).append(r)
+    groups = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: '{p}'"
+                       for p, rs in by_path.items())
+    raise CheckpointError(
+        f"{what}: the ranks passed different paths ({groups}). Every rank must pass the same path, "
+        f"on a file system every rank sees (a relative path resolves against each rank's working "
+        f"directory). Nothing was read or written.")
 
 
 def broadcast_from_0(value: Any, g: Any | None) -> Any:

@@ -8,6 +8,12 @@ old complete checkpoint or the new one. File systems without that call (NFS, mac
 take two renames, ``<name> -> .<name>.old-<id>`` then the new one into place; a crash
 between them leaves no ``<name>``, and :func:`resolve` then finds the old checkpoint
 under its backup name.
+
+Every step here runs under the path's save lock (:mod:`fshard.checkpoint._lock`), held
+by rank 0 from before the temporary directory exists until the commit is done. The
+temporary directory carries the lock's token in its name, so the holder can tell its
+own from leftovers: a ``.tmp-<token>`` of another token belongs to a save that no longer
+holds the lock, i.e. one that ended or whose process died, and only those are deleted.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ METADATA = ".metadata"  # DCP writes it last, after every rank's data
 # What DCP (and fshard's checksums) put in a checkpoint directory; only such directories
 # are ever replaced, so that a save to a wrong path cannot delete a user's files.
 _DCP_ENTRY = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+\.metadata(\.tmp)?"
-                        r"|\.fshard-checksums\.json)$")
+                        r"|\.fshard-checksums\.json|\.fshard-manifest\.json)$")
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -40,10 +46,11 @@ def _split(path: str) -> tuple[str, str]:
     return parent, name
 
 
-def temp_dir_for(path: str) -> str:
-    """A fresh temporary directory name next to ``path`` (same file system, so rename works)."""
+def temp_dir_for(path: str, token: str | None = None) -> str:
+    """The temporary directory of the save holding lock ``token``, next to ``path`` (same file
+    system, so rename works); a fresh random name without a token."""
     parent, name = _split(path)
-    return os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    return os.path.join(parent, f".{name}.tmp-{token or uuid.uuid4().hex[:12]}")
 
 
 def _backups(path: str) -> list[str]:
@@ -57,8 +64,12 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, METADATA))
 
 
-def prepare_target(path: str) -> None:
-    """Rank 0, before a save: makes the parent, recovers a backup, clears stale temp dirs.
+def prepare_target(path: str, token: str | None = None) -> None:
+    """Rank 0, holding the save lock ``token``: makes the parent, recovers a backup, clears leftovers.
+
+    Leftovers are the ``.tmp-*`` directories of other tokens and ``.old-*`` backups: under
+    the lock no other save is writing them (see the module's docstring). Without a token
+    (no lock: a caller that serializes saves itself) every temporary directory is a leftover.
 
     Raises:
       CheckpointError: ``path`` exists and is not a checkpoint directory (a file, or a
@@ -83,10 +94,16 @@ def prepare_target(path: str) -> None:
                 f"checkpoint ({sorted(foreign)[:5]}), and saving replaces the whole directory. "
                 f"Choose another path."
             )
-    # Leftovers of saves that were killed; a save in flight from this job has been
-    # waited for before this runs, so none of these is in use.
+    clear_leftovers(path, token)
+
+
+def clear_leftovers(path: str, token: str | None) -> None:
+    """Rank 0, holding the save lock ``token``: deletes other saves' temp dirs and old backups."""
+    parent, name = _split(path)
+    mine = f".{name}.tmp-{token}" if token else None
     for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp-*")):
-        shutil.rmtree(stale, ignore_errors=True)
+        if os.path.basename(stale) != mine:
+            shutil.rmtree(stale, ignore_errors=True)
     for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old-*")):
         shutil.rmtree(stale, ignore_errors=True)
 

@@ -12,8 +12,14 @@ Names: the tree from ``fs.nn.functionalize(model)`` is keyed by
 ``model.named_parameters()`` names (``transformer.h.0.mlp.c_fc.weight``), which are the
 names ``model.save_pretrained`` writes; a tied tensor appears once, under its first name,
 and so it is written once, as ``save_pretrained`` does. Checkpoints of the bare base model
-(``h.0.mlp.c_fc.weight``, as GPT-2's on the hub) are read too: a template name not in the
-checkpoint is looked up without its first component.
+(``h.0.mlp.c_fc.weight``, as GPT-2's on the hub) are read too, by one rule: only when *no*
+template name is in the checkpoint as it is, every name is looked up without its first
+component, and that component must be the same for all of them (the model's base-model
+prefix, ``transformer.``). A name that would match only without its prefix while others
+match as they are (``encoder.embed.weight`` against the file's ``embed.weight``), or
+names that match only with different prefixes dropped, are errors naming both names,
+with ``strict`` or without: such a match would be a guess, and a wrong one loads the wrong
+tensor without a word.
 
 Reading: each rank opens the files with ``safetensors.safe_open`` and reads only the block
 of each tensor its DTensor holds (``get_slice``); nothing is communicated. Writing: each
@@ -36,8 +42,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fshard import tree as tree_util
-from fshard.checkpoint import _dirs
-from fshard.checkpoint._common import CheckpointError, CheckpointNotFoundError, agree, flatten, group, rank_of
+from fshard.checkpoint import _dirs, _lock, _space
+from fshard.checkpoint._common import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    agree,
+    agree_on_path,
+    flatten,
+    group,
+    rank_of,
+)
 from fshard.mesh.placement import local_block
 from fshard.mesh.sharding import _mesh_of, make_dtensor, spec_of
 
@@ -137,16 +151,10 @@ def load_hf(path_or_state_dict: Any, like: Any, *, strict: bool = True) -> Any:
     """
     keys, leaves, treedef = flatten(like, what="fs.checkpoint.load_hf", path="<template>")
     src = _Source(path_or_state_dict)
-    names: dict[str, str] = {}
-    for k in keys:
-        if k in src.shapes:
-            names[k] = k
-        elif "." in k and k.split(".", 1)[1] in src.shapes:
-            names[k] = k.split(".", 1)[1]  # a base-model checkpoint (no "transformer." prefix)
+    names, problems = _match_names(keys, src.shapes)
     missing = [k for k in keys if k not in names]
     used = set(names.values())
     extra = [k for k in src.shapes if k not in used] if strict else []
-    problems = []
     if missing:
         problems.append(f"the template's {_first(missing)} {'is' if len(missing) == 1 else 'are'} missing "
                         f"({len(missing)} of {len(keys)})")
@@ -179,6 +187,36 @@ def load_hf(path_or_state_dict: Any, like: Any, *, strict: bool = True) -> Any:
     return tree_util.tree_unflatten(treedef, out)
 
 
+def _split_first(name: str) -> tuple[str, str] | None:
+    return tuple(name.split(".", 1)) if "." in name else None  # type: ignore[return-value]
+
+
+def _match_names(keys: list[str], available: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """Template name -> checkpoint name, by the module docstring's rule, and the ambiguities found.
+
+    Returns:
+      ``(names, problems)``: the names matched, and one message per unsafe match refused
+      (each naming the template's name and the checkpoint's).
+    """
+    direct = {k: k for k in keys if k in available}
+    stripped = {k: parts for k in keys if k not in direct
+                and (parts := _split_first(k)) is not None and parts[1] in available}
+    if direct:
+        problems = [f"the template's '{k}' is not in the checkpoint, and its '{rest}' would match it only "
+                    f"with the prefix '{head}.' dropped while other names match as they are: a guess, "
+                    f"so it is not made (rename one of them)" for k, (head, rest) in stripped.items()]
+        return direct, problems
+    heads: dict[str, str] = {}
+    for k, (head, _) in stripped.items():
+        heads.setdefault(head, k)
+    if len(heads) > 1:  # no one base-model prefix: which of these is the file's name for?
+        shown = ", ".join(f"'{k}' -> '{stripped[k][1]}' (prefix '{h}.')" for h, k in list(heads.items())[:4])
+        return {}, [f"the template's names match the checkpoint only with different prefixes dropped "
+                    f"({shown}): a base-model checkpoint lacks one prefix for every name, so this is not "
+                    f"one (rename the template's names)"]
+    return {k: rest for k, (_, rest) in stripped.items()}, []
+
+
 def save_hf(path: str | os.PathLike, params: Any, *, config: Any = None, max_shard_size: int = 5 * 2**30) -> None:
     """Writes ``params`` as a Hugging Face safetensors checkpoint directory.
 
@@ -203,11 +241,37 @@ def save_hf(path: str | os.PathLike, params: Any, *, config: Any = None, max_sha
     keys, leaves, _ = flatten(params, what="fs.checkpoint.save_hf", path=path)
     g = group()
     rank = rank_of(g)
-    error, tmp = None, None
-    if rank == 0:
+    agree_on_path(path, g, "fs.checkpoint.save_hf")
+    needed = _space.estimate_bytes(leaves)
+    lock, tmp, error = _begin_hf(path) if rank == 0 else (None, None, None)
+    try:
+        agree(error, g)
+        files = _gather(keys, leaves, rank, max_shard_size)
+        error = _write_hf(st, tmp, path, files, config, needed) if rank == 0 else None
+        agree(error, g)  # every rank raises rank 0's error: none is left waiting
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _begin_hf(path: str) -> tuple[Any, str | None, CheckpointError | None]:
+    """Rank 0: the path's save lock, the target check, leftovers cleared; nothing held on error."""
+    lock = None
+    try:
+        lock = _lock.acquire(path)
         error = _check_target(path)
-        tmp = _dirs.temp_dir_for(path)
-    agree(error, g)
+        if error is None:
+            _dirs.clear_leftovers(path, lock.token)
+            return lock, _dirs.temp_dir_for(path, lock.token), None
+    except (OSError, CheckpointError) as e:
+        error = e if isinstance(e, CheckpointError) else CheckpointError(f"save_hf: cannot save to '{path}': {e}")
+    if lock is not None:
+        lock.release()
+    return None, None, error
+
+
+def _gather(keys: list[str], leaves: list[Any], rank: int, max_shard_size: int) -> list[dict[str, torch.Tensor]]:
+    """Every tensor gathered in turn (collective); rank 0 keeps them, cut into files."""
     files: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, x in zip(keys, leaves):
@@ -223,18 +287,30 @@ def save_hf(path: str | os.PathLike, params: Any, *, config: Any = None, max_sha
             size = 0
         files[-1][k] = t
         size += nbytes
-    error = None
-    if rank == 0:
-        try:
-            os.makedirs(tmp)
-            _write(st, tmp, files)
-            if config is not None:
-                config.save_pretrained(tmp)
-            _dirs.commit(tmp, path)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = CheckpointError(f"save_hf: writing '{path}' failed: {e}; what was there is unchanged.")
-    agree(error, g)
+    return files
+
+
+def _write_hf(st: Any, tmp: str, path: str, files: list[dict[str, torch.Tensor]], config: Any,
+              needed: int) -> CheckpointError | None:
+    """Rank 0: writes and commits; on any failure removes ``tmp`` and returns the error to agree on.
+
+    Any exception, not only ``OSError``: safetensors reports a full disk as its own
+    ``SafetensorError``, and an error that escaped here would leave the other ranks waiting.
+    """
+    try:
+        os.makedirs(tmp)
+        _write(st, tmp, files)
+        if config is not None:
+            config.save_pretrained(tmp)
+        _dirs.commit(tmp, path)
+        return None
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _space.is_no_space(e, os.path.dirname(path), needed):
+            return CheckpointError("save_hf: " + _space.no_space_message("writing", path, needed)
+                                   + f" ({type(e).__name__}: {e})")
+        return CheckpointError(f"save_hf: writing '{path}' failed: {type(e).__name__}: {e}; what was there "
+                               f"is unchanged.")
 
 
 def _check_target(path: str) -> CheckpointError | None:

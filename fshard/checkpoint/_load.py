@@ -7,9 +7,7 @@ with the same error instead of leaving some waiting in a collective.
 
 from __future__ import annotations
 
-import math
 import os
-from collections import defaultdict
 from typing import Any, Sequence
 
 import torch
@@ -23,8 +21,10 @@ from fshard.checkpoint._checksums import VerifyingReader, read_checksums
 from fshard.checkpoint._common import (
     CheckpointError,
     CheckpointException,
+    CheckpointMismatchError,
     CheckpointNotFoundError,
     agree,
+    agree_on_path,
     describe_failure,
     flatten,
     group,
@@ -33,6 +33,7 @@ from fshard.checkpoint._common import (
     single_process_quiet,
 )
 from fshard.checkpoint._save import wait
+from fshard.checkpoint._verify import incomplete_keys as _incomplete_keys
 
 __all__ = ["load", "read_metadata"]
 
@@ -87,48 +88,6 @@ def _read_metadata(src: str, path: str, needed: Sequence[str] | None) -> Metadat
         ) from e
 
 
-def _incomplete_keys(src: str, md: Metadata, keys: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Keys whose data is missing: ``(keys, reasons)``, a reason per bad file or chunk list."""
-    entries: dict[str, list[Any]] = defaultdict(list)
-    for index, info in (md.storage_data or {}).items():
-        entries[index.fqn].append(info)
-    sizes: dict[str, int | None] = {}
-    short: dict[str, int] = {}  # truncated file -> bytes the keys need
-    bad_keys: list[str] = []
-    reasons: dict[str, str] = {}
-    for k in keys:
-        meta = md.state_dict_metadata[k]
-        infos = entries.get(k, [])
-        want_chunks = len(meta.chunks) if isinstance(meta, TensorStorageMetadata) else 1
-        bad = False
-        if len(infos) < want_chunks:
-            reasons.setdefault("chunks", f"the metadata lists no data for some chunks (e.g. of '{k}')")
-            bad = True
-        elif isinstance(meta, TensorStorageMetadata):
-            covered = sum(math.prod(c.sizes) for c in meta.chunks)
-            if covered < math.prod(meta.size):
-                reasons.setdefault("cover", f"the chunks of '{k}' cover {covered} of {math.prod(meta.size)} elements")
-                bad = True
-        for info in infos:
-            rel = info.relative_path
-            if rel not in sizes:
-                try:
-                    sizes[rel] = os.path.getsize(os.path.join(src, rel))
-                except OSError:
-                    sizes[rel] = None
-            if sizes[rel] is None:
-                reasons.setdefault(rel, f"data file '{rel}' is missing")
-                bad = True
-            elif sizes[rel] < info.offset + info.length:
-                short[rel] = max(short.get(rel, 0), info.offset + info.length)
-                bad = True
-        if bad:
-            bad_keys.append(k)
-    for rel, need in short.items():
-        reasons[rel] = f"data file '{rel}' is truncated ({sizes[rel]} bytes, needs at least {need})"
-    return bad_keys, list(reasons.values())
-
-
 def _check(src: str, path: str, md: Metadata, keys: Sequence[str], leaves: Sequence[Any]) -> None:
     stored = md.state_dict_metadata
     missing = [k for k in keys if k not in stored]
@@ -143,7 +102,7 @@ def _check(src: str, path: str, md: Metadata, keys: Sequence[str], leaves: Seque
             f"the checkpoint '{src}' is incomplete or corrupt: the data of {len(bad)} keys is "
             f"missing: {short_list(bad)}. Found: {'; '.join(reasons[:5])}."
         )
-    mismatches = []
+    mismatches, dtypes = [], {}
     for k, x in zip(keys, leaves):
         meta = stored[k]
         if isinstance(meta, BytesStorageMetadata):
@@ -156,12 +115,23 @@ def _check(src: str, path: str, md: Metadata, keys: Sequence[str], leaves: Seque
         elif tuple(meta.size) != tuple(x.shape):
             mismatches.append(f"'{k}': checkpoint shape {tuple(meta.size)}, template shape {tuple(x.shape)}")
         elif meta.properties.dtype != x.dtype:
+            dtypes.setdefault((meta.properties.dtype, x.dtype), []).append(k)
             mismatches.append(f"'{k}': checkpoint dtype {meta.properties.dtype}, template dtype {x.dtype} "
                               f"(load with the saved dtype, then cast)")
+    if dtypes and len(mismatches) == sum(map(len, dtypes.values())):
+        raise CheckpointMismatchError(_dtype_message(path, dtypes))
     if mismatches:
         lines = "\n  ".join(mismatches[:20])
         more = f"\n  ... and {len(mismatches) - 20} more" if len(mismatches) > 20 else ""
-        raise ValueError(f"the template does not match the checkpoint '{path}':\n  {lines}{more}")
+        raise CheckpointMismatchError(f"the template does not match the checkpoint '{path}':\n  {lines}{more}")
+
+
+def _dtype_message(path: str, dtypes: dict[tuple[Any, Any], list[str]]) -> str:
+    """One line for templates that differ from the checkpoint in dtype only (a resume in another dtype)."""
+    parts = "; ".join(f"{len(ks)} keys hold {a} where the template has {b} (e.g. {short_list(ks, 2)})"
+                      for (a, b), ks in dtypes.items())
+    return (f"the checkpoint '{path}' was saved in another dtype: {parts}. Load with a template in the "
+            f"saved dtype (resume with the dtype it was trained in), then cast.")
 
 
 def _empty_like(x: Any) -> Any:
@@ -204,8 +174,11 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
         unfinished save there, if any).
       CheckpointError: the checkpoint is partial or corrupt, or lacks keys of the
         template; the message names the path and the keys.
-      ValueError: a template leaf's shape, dtype or kind (tensor or value) differs from
-        the saved one; the message names each key with both shapes.
+      CheckpointMismatchError: (a ``ValueError`` and a ``CheckpointError``) a template
+        leaf's shape, dtype or kind (tensor or value) differs from the saved one; the
+        message names each key with both shapes; a dtype-only difference is one line.
+      CheckpointError: the ranks passed different paths (every rank raises, naming them),
+        or the checkpoint records checksums (its manifest) whose file is missing.
     """
     path = os.path.abspath(os.fspath(path))
     wait()
@@ -213,12 +186,13 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
         return _load_flat(path)
     keys, leaves, treedef = flatten(like, what="fs.checkpoint.load", path=path)
     g = group()
+    agree_on_path(path, g, "fs.checkpoint.load")
     src, error, checksums = path, None, None
     try:
         src = _dirs.resolve(path)
         md = _read_metadata(src, path, keys)
         _check(src, path, md, keys, leaves)
-        checksums = read_checksums(src)
+        checksums = read_checksums(src, md)
     except (CheckpointError, ValueError) as e:
         error = e
     agree(error, g)
@@ -259,5 +233,5 @@ def _load_flat(path: str) -> dict[str, Any]:
             state_dict[k] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         else:
             state_dict[k] = None  # replaced by the saved value
-    _read(state_dict, src, path, None, read_checksums(src))
+    _read(state_dict, src, path, None, read_checksums(src, md))
     return state_dict

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import copy
 import os
 import shutil
+import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -14,21 +17,25 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from fshard.checkpoint import _dirs
-from fshard.checkpoint._checksums import ChecksumWriter, write_checksums
+from fshard.checkpoint import _dirs, _lock, _space
+from fshard.checkpoint._checksums import ChecksumWriter, write_checksums, write_manifest
 from fshard.checkpoint._common import (
     CheckpointError,
     CheckpointException,
     agree,
-    describe_failure,
+    agree_on_path,
     broadcast_from_0,
+    describe_failure,
     flatten,
     group,
     rank_of,
     single_process_quiet,
+    timeout,
 )
+from fshard.checkpoint._verify import check_written
+from fshard.mesh import teardown
 
-__all__ = ["save", "wait", "PendingSave"]
+__all__ = ["PendingSave", "drain", "save", "wait"]
 
 
 class PendingSave:
@@ -100,6 +107,91 @@ def wait() -> None:
         handle.wait()
 
 
+def drain(timeout_s: float | None = None, *, why: str = "fs.shutdown()") -> None:
+    """Waits for every background save of this process, at most ``timeout_s`` in all.
+
+    ``fs.shutdown()`` runs it before it destroys the process groups a background save
+    runs on (registered with :func:`fshard.mesh.teardown.register_before_shutdown`):
+    destroying them under the save would lose the checkpoint without a word. It says on
+    stderr what it waits for.
+
+    Args:
+      timeout_s: default the groups' timeout (``fs.init(timeout=)``, ``FSHARD_TIMEOUT_S``).
+      why: the caller, for the messages.
+
+    Raises:
+      CheckpointError: a save failed, or still runs after ``timeout_s`` (it is abandoned;
+        its path keeps the previous checkpoint); the message names the path. The first
+        such error; the others are added as notes.
+    """
+    with _LOCK:
+        pending = list(_PENDING)
+    if not pending:
+        return
+    limit = timeout().total_seconds() if timeout_s is None else timeout_s
+    running = [h.path for h in pending if not h.done()]
+    if running:
+        print(f"fshard: {why} waits up to {limit:.0f} s for {len(running)} checkpoint save(s) still "
+              f"running: {', '.join(running)}", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + limit
+    errors = [e for h in pending if (e := _outcome(h, deadline, limit, why)) is not None]
+    if errors:
+        for e in errors[1:]:
+            errors[0].add_note(f"also: {e}")
+        raise errors[0]
+
+
+def _outcome(handle: PendingSave, deadline: float, limit: float, why: str) -> CheckpointError | None:
+    """The error of one pending save once it ends (or the deadline passes); None if it committed."""
+    try:
+        handle.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return None
+    except TimeoutError:
+        return CheckpointError(
+            f"{why}: the checkpoint save to '{handle.path}' is still running after {limit:.0f} s "
+            f"(the process groups' timeout); it is abandoned, and '{handle.path}' keeps its previous "
+            f"checkpoint, if any.")
+    except CheckpointError as e:
+        return e
+    except Exception as e:  # a collective of the save failed outside DCP (a peer is gone)
+        return CheckpointError(f"{why}: the checkpoint save to '{handle.path}' failed: "
+                               f"{type(e).__name__}: {e}. No checkpoint was committed there.")
+
+
+def _report_at_exit() -> None:
+    """At interpreter exit: a background save nobody waited for that failed ends the process with 1.
+
+    By then the interpreter has joined the save's thread (it is no daemon), so every save
+    has ended; without this, a failed one would exit 0 with no checkpoint and no word.
+    Registered at the first background save, after ``fs.init()``'s teardown hook, so it
+    runs before that hook (atexit runs the last registered first).
+    """
+    try:
+        drain(timeout().total_seconds(), why="the exit")
+    except CheckpointError as e:
+        stream = sys.stderr or sys.__stderr__
+        print(f"fshard: error at exit: {e}", file=stream, flush=True)
+        for s in (sys.stdout, stream):
+            try:
+                s.flush()
+            except Exception:
+                pass
+        os._exit(1)  # atexit cannot change the exit status otherwise
+
+
+_AT_EXIT_REGISTERED = [False]
+
+
+def _register_at_exit() -> None:
+    with _LOCK:
+        if not _AT_EXIT_REGISTERED[0]:
+            _AT_EXIT_REGISTERED[0] = True
+            atexit.register(_report_at_exit)
+
+
+teardown.register_before_shutdown(drain)
+
+
 def _executor() -> cf.ThreadPoolExecutor:
     global _EXECUTOR
     with _LOCK:
@@ -163,55 +255,115 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> Pendin
     keys, leaves, _ = flatten(tree, what="fs.checkpoint.save", path=path)
     g = group()
     rank = rank_of(g)
-    tmp, error = None, None
-    if rank == 0:
-        try:
-            _dirs.prepare_target(path)
-            tmp = _dirs.temp_dir_for(path)
-        except (OSError, CheckpointError) as e:
-            error = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot save to '{path}': {e}")
+    agree_on_path(path, g, "fs.checkpoint.save")
+    needed = _space.estimate_bytes(leaves)
+    lock, tmp, error = _begin(path, needed) if rank == 0 else (None, None, None)
     error, tmp = broadcast_from_0((error, tmp), g)
     if error is not None:
         raise error
     state_dict = dict(zip(keys, leaves))
     if blocking:
-        _write_and_commit(state_dict, tmp, path, g, rank)
+        _write_and_commit(state_dict, tmp, path, g, rank, lock, needed)
         done: cf.Future = cf.Future()
         done.set_result(None)
         return PendingSave(path, done)
-    staged = {k: _stage(v) for k, v in state_dict.items()}
-    handle = PendingSave(path, _executor().submit(_write_and_commit, staged, tmp, path, g, rank))
+    try:
+        staged = {k: _stage(v) for k, v in state_dict.items()}
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    _register_at_exit()
+    handle = PendingSave(path, _executor().submit(_write_and_commit, staged, tmp, path, g, rank, lock, needed))
     with _LOCK:
         _PENDING.append(handle)
     return handle
 
 
-def _write_and_commit(state_dict: dict[str, Any], tmp: str, path: str, g: Any, rank: int) -> None:
+def _begin(path: str, needed: int) -> tuple[Any, str | None, CheckpointError | None]:
+    """Rank 0: takes the path's save lock, prepares the target, checks the free space.
+
+    Returns:
+      ``(lock, temporary directory, None)``, or ``(None, None, error)`` with nothing held.
+    """
+    lock = None
+    try:
+        lock = _lock.acquire(path)
+        _dirs.prepare_target(path, lock.token)
+        free = _space.free_bytes(os.path.dirname(path))
+        if free is not None and free < needed:  # it would fail midway; say so now
+            raise CheckpointError(_space.no_space_message("saving the checkpoint", path, needed))
+        return lock, _dirs.temp_dir_for(path, lock.token), None
+    except (OSError, CheckpointError) as e:
+        if lock is not None:
+            lock.release()
+        if isinstance(e, CheckpointError):
+            return None, None, e
+        return None, None, CheckpointError(f"cannot save to '{path}': {e}")
+
+
+def _write_and_commit(state_dict: dict[str, Any], tmp: str, path: str, g: Any, rank: int,
+                      lock: Any, needed: int) -> None:
+    """Every rank writes its part into ``tmp``; rank 0 checks it and commits it; the lock goes last."""
+    try:
+        writer = _write(state_dict, tmp, path, g, rank, needed)
+        checksums = _all_ranks(writer.checksums, g)
+        error = _commit(tmp, path, checksums, lock, needed) if rank == 0 else None
+        agree(error, g)  # every rank returns only once the rename is done
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _write(state_dict: dict[str, Any], tmp: str, path: str, g: Any, rank: int, needed: int) -> ChecksumWriter:
+    """DCP's write of every rank's part; raises on every rank when any rank's write failed."""
     try:
         # DCP gathers every rank's write errors and raises on all of them, and returns
         # only after rank 0 has written the metadata, that is, after every rank's data.
         writer = ChecksumWriter(tmp)
         with single_process_quiet(g):
             dcp.save(state_dict, storage_writer=writer, process_group=g, no_dist=g is None)
+        return writer
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if _space.is_no_space(e, os.path.dirname(path), needed):
+            msg = _space.no_space_message("saving the checkpoint", path, needed)
+            raise CheckpointError(f"{msg} ({describe_failure(e)})") from e
         raise CheckpointError(
             f"saving the checkpoint '{path}' failed: {describe_failure(e)}. The previous checkpoint "
             f"at '{path}', if any, is unchanged."
         ) from e
-    checksums = _all_ranks(writer.checksums, g)
-    error = None
-    if rank == 0:
-        try:
-            write_checksums(tmp, checksums)
-            _dirs.commit(tmp, path)
-        except OSError as e:
-            error = CheckpointError(
-                f"the checkpoint '{path}' was written to '{tmp}' but could not be moved into "
-                f"place: {e}. The previous checkpoint at '{path}', if any, is unchanged."
-            )
-    agree(error, g)  # every rank returns only once the rename is done
+
+
+def _commit(tmp: str, path: str, checksums: list[Any], lock: Any, needed: int) -> CheckpointError | None:
+    """Rank 0: checks that ``tmp`` is whole and still ours, then renames it to ``path``.
+
+    Returns:
+      None, or the error (``tmp`` removed; ``path`` unchanged).
+    """
+    try:
+        merged = write_checksums(tmp, checksums)
+        check_written(tmp, merged, path)
+        if lock is not None and not lock.held():
+            raise CheckpointError(
+                f"the save to '{path}' is not committed: its lock '{lock.path}' was removed or taken "
+                f"by another process while it wrote, so another job may be saving there. The previous "
+                f"checkpoint at '{path}', if any, is unchanged.")
+        write_manifest(tmp)
+        _dirs.commit(tmp, path)
+        return None
+    except CheckpointError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return e
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _space.is_no_space(e, os.path.dirname(path), needed):
+            return CheckpointError(_space.no_space_message("saving the checkpoint", path, needed))
+        return CheckpointError(
+            f"the checkpoint '{path}' was written to '{tmp}' but could not be moved into "
+            f"place: {e}. The previous checkpoint at '{path}', if any, is unchanged."
+        )
 
 
 def _all_ranks(value: Any, g: Any) -> list[Any]:

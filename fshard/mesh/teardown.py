@@ -33,16 +33,29 @@ import faulthandler
 import gc
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
-__all__ = ["shutdown", "install_at_exit", "at_exit_enabled", "release_groups"]
+__all__ = ["shutdown", "install_at_exit", "at_exit_enabled", "register_before_shutdown", "release_groups"]
 
 # owned: fshard started the default group (fs.init or the one-rank group), so the hook
 # may destroy it; failed: an uncaught exception reached sys.excepthook.
 _STATE: dict[str, bool] = {"owned": False, "installed": False, "failed": False}
 TIMEOUT_S = float(os.environ.get("FSHARD_TEARDOWN_TIMEOUT_S", "60"))
+# Work that must end before the groups go, registered by the packages that own it (the
+# checkpoint's background saves); mesh/ does not import them, they import mesh/.
+_BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def register_before_shutdown(fn: Callable[[], None]) -> None:
+    """Makes :func:`shutdown` call ``fn()`` first, before any group is destroyed (once per ``fn``).
+
+    ``fn`` must bound its own wait and raise to report a failure: :func:`shutdown` then
+    destroys the groups anyway and raises that error.
+    """
+    if fn not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(fn)
 
 
 def at_exit_enabled() -> bool:
@@ -58,13 +71,20 @@ def shutdown() -> None:
     collectives. Idempotent; a no-op without torch.distributed. Meshes made before it
     cannot be used after it.
 
+    Waits first for what registered itself with :func:`register_before_shutdown`: the
+    checkpoint's background saves (bounded by the groups' timeout, with a message).
+
     Raises:
       RuntimeError: a collective in flight failed (e.g. a peer is gone); the groups are
         destroyed and fshard's references dropped anyway.
+      fshard.checkpoint.CheckpointError: a background save failed or did not finish in
+        time; the groups are destroyed anyway.
     """
     if not dist.is_available():
         return
     try:
+        for fn in list(_BEFORE_SHUTDOWN):  # e.g. background checkpoint saves, on these groups
+            fn()
         _complete_in_flight()
     finally:
         if dist.is_initialized():
