@@ -80,7 +80,12 @@ Consequences (JAX's rules):
   structure of the arguments, and for each tensor leaf its shape, stride, dtype, device,
   DTensor mesh, placements and local shape; non-tensor leaves by value (they must be
   hashable). ``FSHARD_LOG_RECOMPILES=1`` logs (logger ``fshard.jit``) why a call
-  compiles again: the leaves whose signature changed.
+  compiles again: the leaves whose signature changed. A function traces at most
+  ``recompile_limit`` signatures (default 8, or ``FSHARD_JIT_RECOMPILE_LIMIT``); its first
+  recompile warns (:class:`JitRecompileWarning`, naming the argument that changed: a Python
+  float learning rate compiles once per value), and a call past the limit raises
+  :class:`JitRecompileLimitError` or, with ``on_recompile_limit="eager"``, runs eagerly
+  (``fshard/_jit_recompile.py``).
 - ``fs.comm_log`` counts the collectives of a compiled call exactly as in eager: they
   are recorded while tracing and replayed into the active logs on every call.
 
@@ -171,10 +176,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fshard import _jit_p2p, comm
+from fshard import _jit_aliases, _jit_p2p, comm
 from fshard import tree as tree_util
+from fshard._jit_recompile import JitRecompileLimitError, JitRecompileWarning, Recompiles, check_options
 
-__all__ = ["jit", "Jitted", "JitCaptureError", "DonatedTensorError"]
+__all__ = ["jit", "Jitted", "JitCaptureError", "DonatedTensorError", "JitRecompileLimitError",
+           "JitRecompileWarning"]
 
 log = logging.getLogger("fshard.jit")
 
@@ -198,7 +205,8 @@ class _Entry:
 def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None = "inductor",
         on_capture_error: str = "raise", options: dict | None = None,
         donate_argnums: int | Sequence[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None) -> Any:
+        donate_argnames: str | Iterable[str] | None = None, recompile_limit: int | None = None,
+        on_recompile_limit: str = "raise") -> Any:
     """Compiles ``f`` (a function of pytrees of tensors / DTensors) into one graph per signature.
 
     Args:
@@ -264,6 +272,18 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
         whether it is passed by position or by keyword; when both are given, each applies
         as given (positions to positional arguments, names to keyword arguments).
       donate_argnames: the arguments (by name) to donate; see ``donate_argnums``.
+      recompile_limit: the most signatures ``f`` traces and compiles (an int >= 1; default
+        ``None``: the environment variable ``FSHARD_JIT_RECOMPILE_LIMIT``, else 8, as
+        ``torch.compile``'s ``recompile_limit``). A non-tensor argument is part of the
+        signature by value, so a Python float that changes every call (a learning rate
+        passed as ``0.1``) compiles every call: pass it as a tensor. The first recompile
+        (the second signature) warns once per function with :class:`JitRecompileWarning`,
+        naming each argument that changed (its path and parameter name) and how.
+      on_recompile_limit: what a call that needs one signature more than the limit does:
+        ``"raise"`` (default) raises :class:`JitRecompileLimitError` naming the function, the
+        limit and the argument that changed; ``"eager"`` runs ``f`` eagerly (uncompiled,
+        not cached, and without donation: the arguments keep their values), warning once.
+        Signatures traced before the limit keep running compiled either way.
 
     Returns:
       A :class:`Jitted` with ``f``'s signature and results (DTensors laid out as eager).
@@ -278,6 +298,7 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
     """
     if on_capture_error not in ("raise", "eager"):
         raise ValueError(f"fs.jit: on_capture_error={on_capture_error!r}; use 'raise' or 'eager'.")
+    check_options(recompile_limit, on_recompile_limit)
     nums = None if donate_argnums is None else (
         (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums))
     if nums is not None and any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in nums):
@@ -291,16 +312,17 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
                          f"whose tensors the call may overwrite.")
     if f is None:
         return functools.partial(jit, backend=backend, on_capture_error=on_capture_error, options=options,
-                                 donate_argnums=nums, donate_argnames=names)
-    return Jitted(f, backend, on_capture_error, options, nums, names)
+                                 donate_argnums=nums, donate_argnames=names, recompile_limit=recompile_limit,
+                                 on_recompile_limit=on_recompile_limit)
+    return Jitted(f, backend, on_capture_error, options, nums, names, recompile_limit, on_recompile_limit)
 
 
 class Jitted:
     """A jitted function: ``__call__`` as ``f``; ``cache_size``, ``graph(*args)`` to inspect."""
 
     def __init__(self, f: Callable[..., Any], backend, on_capture_error: str, options: dict | None,
-                 donate_argnums: tuple[int, ...] | None = None, donate_argnames: tuple[str, ...] | None = None
-                 ) -> None:
+                 donate_argnums: tuple[int, ...] | None = None, donate_argnames: tuple[str, ...] | None = None,
+                 recompile_limit: int | None = None, on_recompile_limit: str = "raise") -> None:
         functools.update_wrapper(self, f)
         self._f, self._backend, self._on_error, self._options = f, backend, on_capture_error, options
         self._donate_nums, self._donate_names = _resolve_donation(f, donate_argnums, donate_argnames)
@@ -308,6 +330,7 @@ class Jitted:
         self._donate_given = (donate_argnums, donate_argnames)  # as the user wrote them, for messages
         self._donated_at: dict[Any, frozenset[int]] = {}  # call structure -> donated leaf indices
         self._cache: dict[tuple, _Entry] = {}
+        self._recompiles = Recompiles(self.__name__, f, recompile_limit, on_recompile_limit)
 
     @property
     def cache_size(self) -> int:
@@ -326,6 +349,7 @@ class Jitted:
         # The local tensors themselves, not ``to_local()``'s views: no argument requires
         # grad (refused above), so the autograd node per leaf would only cost host time.
         locals_ = [x._local_tensor if isinstance(x, DTensor) else x for x in leaves if isinstance(x, torch.Tensor)]
+        kept = self._keep_aliased_donations(entry, leaves, locals_) if self._donate else {}
         # Dynamo compiles no frame while a dispatch mode (comm_log's) is active: the graph
         # runs without them, and its collectives are replayed into the logs instead.
         try:
@@ -353,7 +377,9 @@ class Jitted:
                 flat.append(meta)
                 continue
             if kind == "donated":  # computed into this argument's tensor: the result takes its memory
-                flat.append(_consume(leaves[meta[0]], self.__name__, meta[1]))
+                j = meta[0]
+                flat.append(_consume(leaves[j], self.__name__, meta[1]) if j not in kept else
+                            _rewrap(leaves[j], kept[j]))  # into a copy: the argument keeps its value
                 continue
             t = out[k]
             k += 1
@@ -364,6 +390,38 @@ class Jitted:
                 t = DTensor(t, meta, requires_grad=t.requires_grad)
             flat.append(t)
         return tree_util.tree_unflatten(entry.out_tree, flat)
+
+    def _keep_aliased_donations(self, entry: _Entry, leaves: list, locals_: list) -> dict[int, torch.Tensor]:
+        """JAX's rule for a donated buffer with a live alias (a view, a ``.numpy()`` array,
+        ``.data``, a DLPack capsule: :mod:`fshard._jit_aliases`): it is not donated at this
+        call. Its position in ``locals_`` gets a copy of the same layout, which the graph
+        computes the result into, and the argument keeps its value (and stays usable), as
+        its aliases do. Returns leaf index -> that copy; warns naming each argument."""
+        donated = [meta for kind, meta in entry.out_leaves if kind == "donated"]
+        if not donated:
+            return {}
+        pos = None
+        kept: dict[int, torch.Tensor] = {}
+        given = list(locals_)  # the call's own tensors, before a copy replaces one of them
+        for j, path in donated:
+            x = leaves[j]
+            local = x._local_tensor if isinstance(x, DTensor) else x
+            n = _jit_aliases.foreign_users(local, given)
+            if not n:
+                continue
+            if pos is None:
+                pos = {i: k for k, i in enumerate(i for i, y in enumerate(leaves) if isinstance(y, torch.Tensor))}
+            copy = torch.empty_strided(local.size(), local.stride(), dtype=local.dtype, device=local.device)
+            copy.copy_(local)  # same strides: the compiled graph assumes its inputs' layout
+            locals_[pos[j]] = kept[j] = copy
+            warnings.warn(
+                f"fs.jit({self.__name__}): donated {path} (shape {tuple(x.shape)}, {x.dtype}) is not donated at "
+                f"this call: {n} other tensor(s) or NumPy array(s) share its memory (a view, .numpy(), .data or "
+                f"a DLPack capsule taken before the call) and would show the result's values. Its result goes "
+                f"to new memory and {path} keeps its value and stays usable, as jax.jit does for a buffer with "
+                f"an external reference. Drop those aliases, or take copies (.clone(), .numpy().copy()), to "
+                f"donate it.", UserWarning, stacklevel=3)
+        return kept
 
     # --- signature and cache -----------------------------------------------------------
     def _signature(self, args: tuple, kwargs: dict):
@@ -458,6 +516,8 @@ class Jitted:
     def _entry(self, key, call_args, leaves, treedef) -> _Entry:
         entry = self._cache.get(key)
         if entry is None:
+            if not self._recompiles.admit(key, list(self._cache), lambda: _paths(*call_args)):
+                return _PAST_LIMIT  # on_recompile_limit="eager": not cached, or the cache would grow per value
             if self._cache and os.environ.get("FSHARD_LOG_RECOMPILES"):
                 log.warning("fs.jit(%s) recompiles: %s", self.__name__,
                             _why(key, _paths(*call_args), list(self._cache)))
@@ -584,6 +644,10 @@ class Jitted:
         warnings.warn(msg + "\nfs.jit runs this signature eagerly (on_capture_error='eager').",
                       RuntimeWarning, stacklevel=3)
         return _Entry(None, None, (), (), None, eager=True)
+
+
+# A signature past the recompile limit under on_recompile_limit="eager": run f eagerly.
+_PAST_LIMIT = _Entry(None, None, (), (), None, eager=True)
 
 
 class _Compiled:
@@ -972,7 +1036,14 @@ def _consume(arg: torch.Tensor, fn_name: str, leaf: str) -> torch.Tensor:
         arg._local_tensor = local.new_empty(0)
         arg.__class__ = _DonatedDTensor
     else:
-        out = arg.detach()  # a new tensor on the same memory, no view of arg
+        if arg._base is not None:
+            # A view of the same memory whose _base is arg's: the buffer's owner (a flat
+            # parameter buffer) stays the result's base, so the next call, donating the
+            # result, accounts for it (fshard/_jit_aliases.py) as it did for arg.
+            with torch.no_grad():
+                out = arg._base.as_strided(arg.size(), arg.stride(), arg.storage_offset())
+        else:
+            out = arg.detach()  # a new tensor on the same memory, no view of arg
         # No memory left either: torch's own C++ code (autograd accumulating into a donated
         # .grad) does not go through __torch_function__, and must not write into the result.
         try:
@@ -982,6 +1053,12 @@ def _consume(arg: torch.Tensor, fn_name: str, leaf: str) -> torch.Tensor:
             pass
         arg.__class__ = _DonatedTensor
     return out
+
+
+def _rewrap(arg: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The result computed into ``local``, a copy of donated ``arg``'s local tensor that
+    was kept from donation (:meth:`Jitted._keep_aliased_donations`), typed as ``arg``."""
+    return DTensor(local, arg._spec, requires_grad=False) if isinstance(arg, DTensor) else local
 
 
 def _take_donor(o: Any, free: list, memory: "_Memory") -> int | None:
