@@ -12,10 +12,12 @@ from fshard.mesh.sharding import (
     spec_of as spec_of,
 )
 from fshard.mesh.local import run_local as run_local, WorkerPool as WorkerPool, RankTimeoutError as RankTimeoutError
+from fshard.mesh.local import RankExitError as RankExitError, UnpicklableResultError as UnpicklableResultError
 
 __all__ = [
     "P", "PartitionSpec", "Mesh", "make_mesh", "current_mesh", "init", "shutdown", "NamedSharding",
     "gather", "reshard", "shard", "spec_of", "run_local", "WorkerPool", "RankTimeoutError",
+    "RankExitError", "UnpicklableResultError",
 ]
 
 from fshard.mesh.sharded_init import init_sharded as init_sharded

@@ -28,6 +28,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import torch
@@ -35,7 +36,8 @@ import torch.distributed as dist
 
 from fshard.mesh.failure import PEER_LOST
 
-__all__ = ["run_local", "WorkerPool", "RankTimeoutError", "RemoteTraceback"]
+__all__ = ["run_local", "WorkerPool", "RankTimeoutError", "RemoteTraceback", "RankExitError",
+           "UnpicklableResultError"]
 
 _INHERITED: dict[str, Any] = {}
 
@@ -60,6 +62,7 @@ _GO = "go"  # the message that lets a started rank connect to the store
 
 def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeout_s: float,
                  finalizes: bool = False) -> None:
+    _IN_RANK.update(rank=rank, world=world)  # a rank cannot start ranks: _refuse_nested
     torch.set_num_threads(1)
     # What the rank inherited (torch, fshard and the test harness's preloads: some 380k
     # objects) is never garbage: out of the collector's reach, a full collection (the
@@ -114,6 +117,7 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
             break
         if msg is None:
             break
+        fn = None
         try:
             fn, args, kwargs = _INHERITED["task"] if msg == "inherited" else msg
             before = _in_flight()
@@ -123,7 +127,7 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
                     f"{getattr(fn, '__qualname__', fn)} returned with {_in_flight() - before} "
                     f"functional collective(s) started and never waited (a dropped fs.comm "
                     f"Handle): their buffers stay in use by the backend")
-            conn.send(("ok", result))
+            _send_result(conn, result, rank, world, fn)
         except BaseException as e:
             # run_local kills a rank as soon as its error arrives: what it printed must be
             # out of its buffers first.
@@ -132,7 +136,7 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
                     stream.flush()
                 except Exception:
                     pass
-            conn.send(("err", _pack_exc(e)))
+            conn.send(("err", _pack_exc(_rank_error(e, rank, world, fn))))
     try:
         if finalizes:
             # A spawned rank exits through the interpreter's finalization, where a gloo
@@ -148,6 +152,82 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
 
 
 _LEAKED: list[Any] = []
+_IN_RANK: dict[str, int] = {}  # set in a rank process: {"rank": r, "world": n}
+
+
+class RankExitError(RuntimeError):
+    """A rank called ``sys.exit()`` (or raised ``SystemExit``) instead of returning."""
+
+
+class UnpicklableResultError(TypeError):
+    """A rank's result cannot be pickled, so it cannot be sent back to the caller."""
+
+
+def _task_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _rank_error(e: BaseException, rank: int, world: int, fn: Any) -> BaseException:
+    """The error to send for a task that ended with ``e``: ``SystemExit`` becomes a
+    :class:`RankExitError`. Sent as it was, the caller would re-raise ``SystemExit`` and its
+    process would exit with the rank's code and no word of why (``sys.exit(0)``: exit 0,
+    as if all went well)."""
+    if not isinstance(e, SystemExit):
+        return e
+    err = RankExitError(
+        f"rank {rank} of {world} called sys.exit({e.code!r}) in {_task_name(fn)} instead of returning "
+        f"(exit code {e.code!r}): a rank has no process of its own to exit, and the caller gets no result "
+        f"from it. Return a value, or raise an exception to fail the call."
+    )
+    err.__cause__ = None
+    return err
+
+
+def _send_result(conn: Any, result: Any, rank: int, world: int, fn: Any) -> None:
+    """Sends ``("ok", result)``; an unpicklable result raises an error naming this rank, the
+    first part of the result that cannot be pickled (its path and type), and the fix."""
+    try:  # what Connection.send does, in two steps: the pickling error is ours to explain
+        payload = ForkingPickler.dumps(("ok", result))
+    except Exception as e:
+        path, bad = _unpicklable_part(result)
+        raise UnpicklableResultError(
+            f"rank {rank} of {world}: the result of {_task_name(fn)} cannot be sent back to the caller: "
+            f"{path} is a {type(bad).__module__}.{type(bad).__qualname__}, which cannot be pickled "
+            f"({type(e).__name__}: {e}). Return only picklable values (tensors, numbers, strings, and "
+            f"lists/tuples/dicts of them): leave {path} out, or convert it (e.g. .tolist(), str())."
+        ) from None
+    conn.send_bytes(payload)
+
+
+def _unpicklable_part(value: Any, path: str = "result") -> tuple[str, Any]:
+    """The path (``result['a'][1]``) and value of the first leaf of ``value`` that cannot be
+    pickled; ``value`` itself when no part of it is to blame on its own."""
+    if isinstance(value, dict):
+        items = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        items = [(f"{path}.{k}", v) for k, v in vars(value).items()]
+    else:
+        items = []
+    for sub_path, sub in items:
+        try:
+            ForkingPickler.dumps(sub)
+        except Exception:
+            return _unpicklable_part(sub, sub_path)
+    return path, value
+
+
+def _refuse_nested(entry: str) -> None:
+    """Raises a clear error when a rank of a run_local/WorkerPool tries to start ranks."""
+    if not _IN_RANK:
+        return
+    raise RuntimeError(
+        f"{entry} was called inside a rank (rank {_IN_RANK['rank']} of {_IN_RANK['world']}) of another "
+        f"fs.run_local or WorkerPool: a rank cannot start ranks of its own. Inside a rank the process "
+        f"group already exists: call the inner function directly (fs.make_mesh works there), or call "
+        f"{entry} from the top-level process."
+    )
 
 
 def _in_flight() -> int:
@@ -196,8 +276,9 @@ class WorkerPool:
 
     def __init__(self, world_size: int, *, start_method: str = "spawn",
                  timeout_s: float = 120.0, grace_s: float = 5.0, name: str = "fshard-rank") -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}.")
+        _refuse_nested("WorkerPool")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
         self.world_size, self.timeout_s, self.grace_s = world_size, timeout_s, grace_s
         ctx = mp.get_context(start_method)
         self._store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
@@ -297,6 +378,7 @@ class WorkerPool:
                     if alive_at_kill is not None and r in alive_at_kill:
                         late_deaths.add(r)
         stuck = sorted(pending)
+        stopped = _stopped_note([r for r in stuck if _is_stopped(self._procs[r].pid)])
         stacks = self._dump_stacks(stuck) if stuck else ""
         if stuck:
             self.shutdown(kill=True)
@@ -314,7 +396,7 @@ class WorkerPool:
                     if crash:
                         note += f"\n--- rank {k} stack at exit ---\n{crash}"
             if stuck:
-                note += f"\nranks {stuck} were still blocked and were killed:\n{stacks}"
+                note += f"\nranks {stuck} were still blocked and were killed{stopped}:\n{stacks}"
             if exc is None:
                 crash = self._read_stack(r) if "died" in tb else ""
                 exc = RuntimeError(f"{note}\n{tb}" + (f"\n--- rank {r} stack at exit ---\n{crash}" if crash else ""))
@@ -323,9 +405,10 @@ class WorkerPool:
             raise exc from RemoteTraceback(tb)
         if stuck:
             raise RankTimeoutError(
-                f"{what}: ranks {stuck} of {self.world_size} made no progress in {timeout_s:.0f} s "
-                f"(a deadlock: mismatched collectives, or a collective some ranks skip). "
-                f"Where each was stuck:\n{stacks}"
+                f"{what}: ranks {stuck} of {self.world_size} made no progress in {timeout_s:.0f} s"
+                + (": " + stopped.lstrip("; ") + ". " if stopped else
+                   " (a deadlock: mismatched collectives, or a collective some ranks skip). ")
+                + f"Where each was stuck:\n{stacks}"
             )
         return [results[r] for r in range(self.world_size)]
 
@@ -350,6 +433,9 @@ class WorkerPool:
                     text = f.read().strip()
             except OSError:
                 text = ""
+            if not text and _is_stopped(self._procs[r].pid):
+                text = (f"(no stack: rank {r} is stopped (SIGSTOP/SIGTSTP, or a debugger) and cannot run; "
+                        f"the ranks in a collective with it wait for it)")
             out.append(f"--- rank {r} ---\n{_trim_stack(text) or '(no stack)'}")
         return "\n".join(out)
 
@@ -410,6 +496,28 @@ def _death(r: int, proc: Any, what: str) -> str:
     return f"rank {r} died (exit code {code}) during {what}"
 
 
+def _stopped_note(ranks: list[int]) -> str:
+    if not ranks:
+        return ""
+    who = f"rank {ranks[0]} was" if len(ranks) == 1 else f"ranks {ranks} were"
+    return (f"; {who} stopped (SIGSTOP/SIGTSTP, or a debugger), the likely cause: "
+            f"the other ranks waited for {'it' if len(ranks) == 1 else 'them'}")
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (Linux ``/proc``: state T or t); False elsewhere.
+
+    A stopped rank cannot answer the SIGUSR1 that asks for its stack, so without this its
+    entry would read "(no stack)" and hide the likely cause of the hang.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
 def _trim_stack(text: str) -> str:
     # faulthandler prints innermost frame first; keep the frames a reader needs.
     lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -441,7 +549,13 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
         stopped at once: the ranks in a collective with it fail too (a lost peer, listed
         in the notes) instead of waiting out the grace period.
       RankTimeoutError: no result in time; the message shows each stuck rank's stack.
+      RankExitError: a rank called ``sys.exit()`` instead of returning; names the rank and
+        the exit code.
+      UnpicklableResultError: a rank's result cannot be pickled; names the rank and the
+        part of the result (path and type) to blame.
+      RuntimeError: called inside a rank of another ``run_local`` (ranks cannot nest).
     """
+    _refuse_nested("fs.run_local")
     _INHERITED["task"] = (fn, args, kwargs)
     # Children must never collect the parent's objects: a store or process group from an
     # earlier call (kept alive by a traceback cycle) would run a destructor that waits on
