@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fshard import _contract
+
 __all__ = ["CommLog", "Event", "comm_log", "mark", "record", "all_reduce", "all_gather", "reduce_scatter",
            "all_to_all", "permute", "permute_async", "Handle", "all_gather_async", "reduce_scatter_async",
            "backend_of", "via_host", "one_at_a_time"]
@@ -265,6 +267,7 @@ def all_reduce_async(x: torch.Tensor, group, op: str = "sum", *, axes: Sequence[
     fault per 4 KiB page on first write, every step.
     """
     one_at_a_time(group)
+    _contract.enter(group, _REDUCE_KINDS.get(op, op), x, axes, op=op)
     wire, back = _stage(group, x, into=x if inplace else None)
     with _named(axes):
         if inplace and back is None:
@@ -308,8 +311,10 @@ def _is_gloo(group, device_type: str) -> bool:
 
 
 def forget_groups() -> None:
-    """Drops the cached backend of every group (``fs.shutdown()`` destroys the groups)."""
+    """Drops the cached backend and the collective numbering of every group
+    (``fs.shutdown()`` destroys the groups)."""
     _IS_GLOO.clear()
+    _contract.forget_groups()
 
 
 def one_at_a_time(group) -> None:
@@ -346,7 +351,12 @@ class Handle:
 
     def _complete(self) -> None:
         if not self._done:
-            self._tensor = _F.wait_tensor(self._tensor)
+            try:
+                self._tensor = _F.wait_tensor(self._tensor)
+            except RuntimeError as e:  # a timeout: say which collective each rank is in
+                _contract.explain_timeout(e, self._group)
+                raise
+            _contract.done()
             self._done = True
             # Done: a handle the program keeps must not keep its group (and gloo's worker
             # threads) alive into the interpreter's finalization (fshard.mesh.teardown).
@@ -386,6 +396,7 @@ def all_reduce(x: torch.Tensor, group, op: str, *, axes: Sequence[str]) -> torch
 def all_gather_async(x: torch.Tensor, group, n: int, *, axes: Sequence[str] = ()) -> Handle:
     """Starts an all-gather along dim 0 (result ``(n * x.shape[0], ...)``, group rank order)."""
     one_at_a_time(group)
+    _contract.enter(group, "all_gather", x, axes, n=n)
     wire, back = _stage(group, x)
     with _named(axes):
         return Handle(_F.all_gather_into_tensor(wire, n, group.group_name), back, group=group)
@@ -406,6 +417,7 @@ def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *,
     Other backends use their reduce-scatter.
     """
     one_at_a_time(group)
+    _contract.enter(group, "psum_scatter", x, axes, op=op, n=n)
     if n > 1 and backend_of(group, x.device.type) == "gloo":
         rows = [x.shape[0] // n] * n
         wire, back = _stage(group, x)
@@ -447,6 +459,7 @@ def all_to_all(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.
     """Splits dim 0 into ``n`` chunks, sends chunk j to group rank j, concatenates received chunks."""
     split = [x.shape[0] // n] * n
     one_at_a_time(group)
+    _contract.enter(group, "all_to_all", x, axes, n=n)
     wire, back = _stage(group, x)
     with _named(axes):
         return Handle(_F.all_to_all_single(wire, split, split, group.group_name), back, group=group).wait()
@@ -578,6 +591,7 @@ def permute_async(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: 
     send_to = [numel if r == dst != me else 0 for r in range(n)]
     recv_from = [numel if r == src != me else 0 for r in range(n)]
     one_at_a_time(group)
+    _contract.enter(group, "ppermute", x, axes, extra=tuple(v for pair in sends for v in pair))
     flat = x.view(-1)
     wire, back = _stage(group, flat if dst not in (None, me) else flat[:0])
     with _named(axes, "ppermute"):

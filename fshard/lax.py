@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 import torch
 
-from fshard import comm
+from fshard import _contract, comm
 from fshard import meta as _meta
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh
@@ -340,6 +340,7 @@ def _map(what: str, x: Any, axis_name, one, *, to_varying: bool | None, all_or_n
     body, ax = _axes(what, axis_name)
     names = frozenset(ax.names)
     token = _IN_LAX.set(True)
+    wtoken = _contract.WHAT.set(what)  # the header names fs.lax's op (pmean and psum differ)
     try:
         def leaf(t):
             if not isinstance(t, torch.Tensor):
@@ -355,6 +356,7 @@ def _map(what: str, x: Any, axis_name, one, *, to_varying: bool | None, all_or_n
             return out
         return tree_util.tree_map(leaf, x)
     finally:
+        _contract.WHAT.reset(wtoken)
         _IN_LAX.reset(token)
 
 
