@@ -12,8 +12,14 @@ global indices and any other layout can read them back. ``load`` takes the layou
 the template: DTensors on any mesh and world size, plain tensors for full values.
 
 Failure semantics: a save goes to a temporary directory next to ``path`` that is
-renamed to ``path`` only when every rank has finished, so a crash during a save
-leaves the previous checkpoint loadable. ``load`` checks the checkpoint and template
+renamed to ``path`` only when every rank has finished and every file it lists is
+checked present and whole, so a crash during a save leaves the previous checkpoint
+loadable. One save at a time per path: rank 0 holds a lock file next to it
+(``.<name>.lock``) for the whole save, so a second job saving to the same path is
+refused (:class:`CheckpointLockedError`, naming the holder) instead of deleting the
+first one's files; a dead holder's lock is taken over. Every rank must pass the same
+path (checked). ``fs.shutdown()`` waits for background saves (bounded by the groups'
+timeout), and a background save that failed unwaited makes the process exit 1. ``load`` checks the checkpoint and template
 before reading, and a missing, partial or corrupt checkpoint, missing keys or a
 shape mismatch raise on every rank with the path and keys in the message.
 
@@ -32,6 +38,8 @@ rank reads only its slices).
 """
 
 from fshard.checkpoint._common import CheckpointError as CheckpointError
+from fshard.checkpoint._common import CheckpointLockedError as CheckpointLockedError
+from fshard.checkpoint._common import CheckpointMismatchError as CheckpointMismatchError
 from fshard.checkpoint._common import CheckpointNotFoundError as CheckpointNotFoundError
 from fshard.checkpoint._interop import (
     export_state_dict as export_state_dict,
@@ -44,6 +52,8 @@ from fshard.checkpoint._save import PendingSave as PendingSave, save as save, wa
 
 __all__ = [
     "CheckpointError",
+    "CheckpointLockedError",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "PendingSave",
     "export_state_dict",
