@@ -67,7 +67,10 @@ compute results into the donated arguments' buffers, JAX's buffer donation, by J
 (see :func:`jit`; ``tests/conformance/test_donation_jax.py`` runs the same steps through
 ``jax.jit`` on CPU, which implements donation, and pins where fshard differs). As in
 JAX, a donated input that a result took is unusable afterwards (using it raises
-:class:`DonatedTensorError`).
+:class:`DonatedTensorError`; JAX raises on a deleted array). A donated tensor with a live
+alias at the call (a view, a ``.numpy()`` array, ``.data``) is not donated at that call, as
+JAX does not donate a buffer with an external reference, so the alias never shows the
+result (``fshard/_jit_aliases.py``).
 
 Consequences (JAX's rules):
 
@@ -263,6 +266,25 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
           (JAX refuses a donated buffer passed twice). Disjoint views of one buffer (e.g.
           parameters in one flat buffer) may be donated; strided views are compared by the
           span of memory between their first and last element.
+        - A donated tensor with a live alias at the call is not donated at that call: a
+          view of it (``x[1:]``, ``x.view(...)``), a NumPy array from ``x.numpy()``,
+          ``x.data``, ``x.detach()``, a DLPack capsule, any other user of its storage that
+          the call does not pass (counted with the storage's use count). Its result goes
+          to new memory (one copy of the argument, made before the graph runs), the
+          argument keeps its value and stays usable, the aliases keep showing the
+          argument's values, and a warning names the argument. Why not raise: it is JAX's
+          behaviour (jax 0.10.2 on CPU, checked: after ``np.asarray(x)`` a donating call
+          leaves ``x`` undeleted, its NumPy array unchanged, the output in new memory; JAX
+          says nothing), the values are right either way, and only the memory donation
+          would save is lost, which the warning says. The tensor a donated view was taken
+          from (its ``_base``, e.g. a flat buffer holding the parameters) is the buffer's
+          owner, not an alias: it receives the results, as it would from an in-place
+          update of the view, and the results stay views of it. Aliases count per storage:
+          a view of any part of a flat buffer keeps every donated view of that buffer from
+          donation. Not seen: memory that torch does not own (a tensor from
+          ``torch.from_numpy``, whose NumPy array is no user of the storage), and a
+          DTensor's local tensor object itself, held since ``to_local()`` under
+          ``no_grad`` (which returns it, not a view).
         - A graph with donation that fails to compile raises even with
           ``on_capture_error="eager"`` (its first run may have written into the arguments
           already).
