@@ -212,3 +212,36 @@ def test_a_view_of_a_donated_view_base_is_an_alias_but_the_base_is_its_owner():
     assert all("1 other tensor(s)" in str(w.message) for w in caught), [str(w.message) for w in caught]
     assert torch.equal(peek, before[1:2])  # the caller's view does not change under it
     assert torch.equal(a2, before[:3] * 2) and torch.equal(b2, before[3:] + 1)
+
+
+def _dtensor_alias_body():
+    """A donated DTensor whose local shard has a live view (to_local() in grad mode is a
+    view): that call keeps it; without the view the next call donates it."""
+    from fshard import P
+
+    mesh = fs.make_mesh({"x": torch.distributed.get_world_size()})
+    f = fs.jit(_double, backend=None, donate_argnums=0)
+    d = fs.shard(torch.arange(8, dtype=F64), P("x"), mesh)
+    view = d.to_local()
+    first = view.clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = f(d)
+    out = {"warned": [str(w.message) for w in caught],
+           "view_kept": torch.equal(view, first), "arg_kept": torch.equal(d.to_local(), first),
+           "new_memory": y.to_local().data_ptr() != d.to_local().data_ptr(),
+           "result": torch.equal(y.full_tensor(), torch.arange(8, dtype=F64) * 2)}
+    del view
+    ptr = d._local_tensor.data_ptr()
+    y = f(d)
+    out["donated_after"] = y.to_local().data_ptr() == ptr
+    return out
+
+
+@TIMEOUT
+def test_a_donated_dtensor_with_a_live_view_of_its_shard_is_not_donated():
+    from fshard.testing import run_on_ranks
+
+    for r in run_on_ranks(_dtensor_alias_body, world_size=2):
+        assert len(r["warned"]) == 1 and "donated args[0] (shape (8,), torch.float64) is not donated" in r["warned"][0]
+        assert r["view_kept"] and r["arg_kept"] and r["new_memory"] and r["result"] and r["donated_after"], r
