@@ -234,7 +234,11 @@ def save_hf(path: str | os.PathLike, params: Any, *, config: Any = None, max_sha
 
     Raises:
       CheckpointError: ``path`` is a file, or a directory with other files (they would be
-        lost), or the write failed (on every rank).
+        lost); the ranks passed different paths; another save to ``path`` is in progress
+        (:class:`~fshard.checkpoint.CheckpointLockedError`, the lock of
+        :func:`fshard.checkpoint.save`); or the write failed. Every rank raises it,
+        whatever rank 0's writer raised (a full disk says "no space left", with the
+        bytes needed), and the temporary directory is removed.
     """
     st = _safetensors()
     path = os.path.abspath(os.fspath(path))

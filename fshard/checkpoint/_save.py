@@ -225,14 +225,20 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> Pendin
     written once; values that differ per rank must be DTensors to keep each rank's.
 
     The checkpoint is written to a temporary directory next to ``path``; when every rank
-    has finished, rank 0 renames it to ``path`` (swapping it with the previous
-    checkpoint atomically where the file system allows). A save that crashes or is
-    killed leaves the previous checkpoint at ``path`` intact; the next save clears its
-    leftovers.
+    has finished and rank 0 has checked that every file the metadata lists is there and
+    whole, rank 0 renames it to ``path`` (swapping it with the previous checkpoint
+    atomically where the file system allows). A save that crashes or is killed leaves
+    the previous checkpoint at ``path`` intact; the next save clears its leftovers.
 
-    Collective: every rank of the job calls it, with the same ``path`` and a tree of
-    the same structure (pipeline ranks may hold different keys). ``path`` must be on a
-    file system that every rank sees.
+    One save at a time per path, across jobs: rank 0 holds the lock file
+    ``.<name>.lock`` next to ``path`` from the start of the save to its commit. A save
+    to a path whose lock a live process holds is refused; a lock whose holder died
+    (same host: no process with its pid and start time) is taken over, and only then
+    are the dead save's temporary files deleted.
+
+    Collective: every rank of the job calls it, with the same ``path`` (checked: a
+    mismatch raises on every rank) and a tree of the same structure (pipeline ranks may
+    hold different keys). ``path`` must be on a file system that every rank sees.
 
     Args:
       path: the checkpoint directory.
@@ -246,8 +252,11 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> Pendin
       A :class:`PendingSave`; already done when ``blocking``.
 
     Raises:
-      CheckpointError: the save failed on some rank (every rank raises it); or ``path``
-        exists and is not a checkpoint directory.
+      CheckpointLockedError: another save to ``path`` is in progress; the message names
+        the lock file and its holder (host, pid, since when). Nothing was written.
+      CheckpointError: the save failed on some rank (every rank raises it; a full disk
+        says "no space left", with the path and the bytes needed); the ranks passed
+        different paths; or ``path`` exists and is not a checkpoint directory.
       ValueError: two leaves have the same key, or a DTensor is ``Partial``.
     """
     path = os.path.abspath(os.fspath(path))
@@ -269,12 +278,13 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> Pendin
         return PendingSave(path, done)
     try:
         staged = {k: _stage(v) for k, v in state_dict.items()}
+        _register_at_exit()
+        future = _executor().submit(_write_and_commit, staged, tmp, path, g, rank, lock, needed)
     except BaseException:
-        if lock is not None:
+        if lock is not None:  # the worker never got it: a kept lock would refuse every later save
             lock.release()
         raise
-    _register_at_exit()
-    handle = PendingSave(path, _executor().submit(_write_and_commit, staged, tmp, path, g, rank, lock, needed))
+    handle = PendingSave(path, future)
     with _LOCK:
         _PENDING.append(handle)
     return handle
