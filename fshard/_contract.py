@@ -189,7 +189,7 @@ def enter(group, kind: str, x: torch.Tensor, axes: Sequence[str], *, op: str | N
     _watch(group, header, full)
     if full or state.seq % state.recent.maxlen == 0:
         try:
-            _agree(group, x, state, header, full)
+            _outside_modes(lambda: _agree(group, x, state, header, full))
         except CollectiveMismatchError:
             if full:  # it never ran, on any rank: the group stays in step for what follows
                 state.seq, state.rolling = state.seq - 1, before
@@ -205,7 +205,7 @@ def _agree(group, x: torch.Tensor, state: _Group, header: _Header, full: bool) -
     size = group.size()
     every = torch.empty(size * 3, dtype=torch.int64, device=device)
     try:
-        _outside_modes(lambda: _all_gather(every, mine, group))
+        _all_gather(every, mine, group)
     except RuntimeError as e:
         explain_timeout(e, group)
         raise
@@ -217,7 +217,7 @@ def _agree(group, x: torch.Tensor, state: _Group, header: _Header, full: bool) -
         return
     texts = [None] * size
     recent = [h.text() for h in state.recent] if not full else [header.text()]
-    _outside_modes(lambda: dist.all_gather_object(texts, (dist.get_rank(), recent), group=group))
+    dist.all_gather_object(texts, (dist.get_rank(), recent), group=group)
     raise CollectiveMismatchError(_mismatch_message(texts, full))
 
 
@@ -234,7 +234,8 @@ def _gloo(group, device_type: str) -> bool:
 
 def _outside_modes(fn):
     """Runs ``fn`` with no dispatch mode active: comm_log must not count the header
-    exchange, and a checkpoint policy must not serve it from a cache on recomputation."""
+    exchange, and a checkpoint policy must neither record its ops in the forward nor
+    serve them from a cache on recomputation."""
     if not torch._C._len_torch_dispatch_stack():
         return fn()
     from torch.utils._python_dispatch import _disable_current_modes

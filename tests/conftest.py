@@ -7,6 +7,9 @@ import random
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Rank workers fail a test body that returns with a functional collective never waited.
 os.environ.setdefault("FSHARD_CHECK_LEAKS", "1")
+# Every fshard collective first agrees on its header across the ranks (fshard._contract):
+# a test whose ranks diverge fails with both sides named instead of a crash or a wrong value.
+os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
