@@ -47,15 +47,21 @@ def _boot_id() -> str | None:
         return None
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22)."""
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from field 3 (the state) on; None without /proc or the process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    return stat.rsplit(")", 1)[1].split()[19]
+    return stat.rsplit(")", 1)[1].split()
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22)."""
+    fields = _stat(pid)
+    return fields[19] if fields else None
 
 
 def _me(token: str) -> dict[str, Any]:
@@ -80,11 +86,13 @@ def _alive(owner: dict[str, Any]) -> bool | None:
         return False
     except PermissionError:
         pass  # another user's process: it exists
+    fields = _stat(pid)
+    if fields and fields[0] in ("Z", "X"):
+        return False  # killed and not yet reaped by its parent: it will never release the lock
     start = owner.get("start")
-    now = _start_time(pid)
-    if start is not None and now is not None and now != start:
-        return False  # the pid was reused by a later process
-    return True
+    now = fields[19] if fields else None
+    # A different start time: the pid was reused by a later process.
+    return start is None or now is None or now == start
 
 
 def _describe(owner: dict[str, Any] | None) -> str:

@@ -123,11 +123,17 @@ def test_stale_temp_dirs_are_deleted_only_when_their_owner_is_dead(tmp_path):
         with pytest.raises(ckpt.CheckpointError, match=rf"held by pid {live.pid} on host"):
             ckpt.save(path, {"v": torch.zeros(4), "step": 2})
         assert ".ck.tmp-aaaaaaaaaaaa" in _entries(tmp_path)  # a live owner's save is left alone
+        # The same lock, its owner killed and not yet reaped (a zombie, as a killed rank is
+        # until its parent collects it): dead, so taken over, and its temp dir deleted.
+        live.kill()
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{live.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ckpt.save(path, {"v": torch.zeros(4), "step": 2})
     finally:
         live.kill()
         live.wait()
-    # The same lock, its owner now dead (the pid is gone): taken over, its temp dir deleted.
-    ckpt.save(path, {"v": torch.zeros(4), "step": 2})
     assert _entries(tmp_path) == ["ck"]
     assert ckpt.load(path, like={"step": 0})["step"] == 2
 
