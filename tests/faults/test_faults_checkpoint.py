@@ -534,3 +534,25 @@ def test_a_dtype_mismatch_on_resume_is_one_line_and_a_checkpoint_error(tmp_path)
     assert isinstance(info.value, ValueError) and "\n" not in msg
     assert f"the checkpoint '{path}' was saved in another dtype: 2 keys hold torch.float64 where the template " \
            f"has torch.float32" in msg
+
+
+def _train_lm(argv: list[str]) -> list[dict]:
+    examples = os.path.join(ROOT, "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import train_lm
+
+    return train_lm.main(argv)
+
+
+@TIMEOUT
+def test_train_lm_resume_in_another_dtype_is_a_checkpoint_error(tmp_path):
+    """What ``examples/train_lm.py`` prints in one line (it catches CheckpointError), not a
+    traceback per rank."""
+    ck = str(tmp_path / "ck")
+    tiny = ["--dim", "16", "--layers", "2", "--heads", "4", "--seq-len", "16", "--batch-size", "8", "--quiet",
+            "--steps", "4", "--mesh", "fsdp=1", "--checkpoint-dir", ck]
+    run_on_ranks(_train_lm, tiny + ["--dtype", "float64", "--stop-at", "2"], world_size=1, timeout_s=200)
+    with pytest.raises(ckpt.CheckpointError, match=r"was saved in another dtype: \d+ keys hold torch.float64 "
+                                                   r"where the template has torch.float32"):
+        run_on_ranks(_train_lm, tiny + ["--dtype", "float32", "--resume"], world_size=1, timeout_s=200)
