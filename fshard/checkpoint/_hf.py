@@ -250,8 +250,9 @@ def save_hf(path: str | os.PathLike, params: Any, *, config: Any = None, max_sha
     lock, tmp, error = _begin_hf(path) if rank == 0 else (None, None, None)
     try:
         agree(error, g)
-        files = _gather(keys, leaves, rank, max_shard_size)
-        error = _write_hf(st, tmp, path, files, config, needed) if rank == 0 else None
+        files, error = _gather(keys, leaves, rank, max_shard_size)
+        if rank == 0 and error is None:
+            error = _write_hf(st, tmp, path, files, config, needed)
         agree(error, g)  # every rank raises rank 0's error: none is left waiting
     finally:
         if lock is not None:
@@ -274,24 +275,38 @@ def _begin_hf(path: str) -> tuple[Any, str | None, CheckpointError | None]:
     return None, None, error
 
 
-def _gather(keys: list[str], leaves: list[Any], rank: int, max_shard_size: int) -> list[dict[str, torch.Tensor]]:
-    """Every tensor gathered in turn (collective); rank 0 keeps them, cut into files."""
+def _gather(keys: list[str], leaves: list[Any], rank: int,
+            max_shard_size: int) -> tuple[list[dict[str, torch.Tensor]], CheckpointError | None]:
+    """Every tensor gathered in turn (collective); rank 0 keeps them, cut into files.
+
+    Returns:
+      ``(files, error)``: rank 0's error copying a tensor (it takes part in the remaining
+      gathers anyway, so that no rank is left waiting in one), to be agreed on.
+
+    Raises:
+      CheckpointError: a leaf is not a tensor (on every rank alike: the trees match).
+    """
     files: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    size, error = 0, None
     for k, x in zip(keys, leaves):
         if not isinstance(x, torch.Tensor):
             raise CheckpointError(f"save_hf: '{k}' is a {type(x).__name__}; a safetensors file holds tensors only.")
         full = x.full_tensor() if isinstance(x, DTensor) else x
-        if rank != 0:
+        if rank != 0 or error is not None:
             continue
-        t = full.detach().to("cpu").contiguous()
+        try:
+            t = full.detach().to("cpu").contiguous()
+        except Exception as e:  # e.g. out of host memory
+            error = CheckpointError(f"save_hf: '{k}' could not be copied to CPU memory on rank 0: "
+                                    f"{type(e).__name__}: {e}. Nothing was written.")
+            continue
         nbytes = t.numel() * t.element_size()
         if files[-1] and size + nbytes > max_shard_size:
             files.append({})
             size = 0
         files[-1][k] = t
         size += nbytes
-    return files
+    return files, error
 
 
 def _write_hf(st: Any, tmp: str, path: str, files: list[dict[str, torch.Tensor]], config: Any,
