@@ -10,7 +10,6 @@ that is an error.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from datetime import timedelta
 from typing import Any, Iterator, Sequence
@@ -145,14 +144,11 @@ def group() -> Any | None:
     return g
 
 
-def timeout() -> Any:
-    """The timeout of fshard's groups (``fshard.mesh.process.group_timeout``) as a timedelta."""
-    from fshard.mesh import process
+def timeout() -> timedelta:
+    """The timeout of fshard's groups (``fshard.mesh.process.group_timeout``: the world's)."""
+    from fshard.mesh.process import group_timeout  # here: process imports teardown, not us
 
-    getter = getattr(process, "group_timeout", None)
-    if getter is not None:
-        return getter()
-    return timedelta(seconds=float(os.environ.get("FSHARD_TIMEOUT_S", "300")))
+    return group_timeout()
 
 
 def forget_groups() -> None:
