@@ -514,6 +514,7 @@ def test_a_deleted_checksum_file_is_detected(tmp_path):
         ckpt.load(path, like={"w": torch.zeros(64), "step": 0})
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_checkpoint_from_before_the_manifest_still_loads(tmp_path):
     path = str(tmp_path / "old")
     dcp.save({"w": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
