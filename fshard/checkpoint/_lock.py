@@ -158,7 +158,13 @@ def _take_over(path: str, record: dict[str, Any]) -> bool:
     except FileNotFoundError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # serializes the processes taking over this same file
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # serializes the processes taking over this same file
+        except OSError as e:  # a file system without flock (some NFS mounts): no safe take-over
+            raise CheckpointLockedError(
+                f"the save lock '{path}' was left by a process that is gone, and this file system "
+                f"cannot lock it for a safe take-over ({e}). Remove '{path}' by hand, once no other "
+                f"job saves to this path.") from e
         try:
             if os.stat(path).st_ino != os.fstat(fd).st_ino:
                 return False  # another process took it over first
