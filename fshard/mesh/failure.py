@@ -16,7 +16,7 @@ thread that bumps a counter in the store every ``FSHARD_HEARTBEAT_S`` seconds (d
 a tenth of the group timeout, between 0.5 and 5 s). A rank blocked in a collective
 releases the GIL, so its heartbeat goes on; a stopped or frozen process's does not. The
 timed-out rank reads every counter twice, a few periods apart, and names the ranks whose
-counters did not move and that did not exit cleanly. Counters, not clocks: the hosts'
+counters did not move and that did not exit through the interpreter. Counters, not clocks: the hosts'
 clocks need not agree.
 
 Only uncaught exceptions take this path (``sys.excepthook``); :func:`install` is called
@@ -144,9 +144,14 @@ def _beat(store: Any, key: str, period: float, stop: threading.Event) -> None:
 
 
 def _stop_heartbeat() -> None:
-    stop = _HEARTBEAT.get("stop")
+    stop, thread = _HEARTBEAT.get("stop"), _HEARTBEAT.get("thread")
     if stop is not None:
         stop.set()
+    # Joined, not left to die with the interpreter: a daemon thread that comes back from
+    # the store call into a finalizing interpreter is ended inside C++ code, and the process
+    # aborts (fshard.mesh.teardown explains the same hazard for gloo's threads).
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=5)
 
 
 def _mark_exited() -> None:
@@ -162,7 +167,8 @@ def _mark_exited() -> None:
 
 def unresponsive_ranks(store: Any, rank: int, world_size: int, period: float) -> list[int]:
     """The other ranks whose heartbeat did not advance over 2.5 periods and that did not
-    exit cleanly: stopped (SIGSTOP), frozen, killed, or holding the GIL in native code."""
+    exit through the interpreter (which marks them, done or failed): stopped (SIGSTOP),
+    frozen, killed, or holding the GIL in native code."""
     others = [r for r in range(world_size) if r != rank]
     before = {r: store.add(_BEAT.format(r), 0) for r in others}
     time.sleep(2.5 * period)
