@@ -216,15 +216,11 @@ def _checked_axes(axes: Any) -> dict[str, int]:
     example = "e.g. make_mesh({'dp': 2, 'fsdp': 2})"
     if isinstance(axes, Mapping):
         pairs = list(axes.items())
-    else:
-        try:
-            pairs = [tuple(p) for p in axes]
-        except TypeError:
-            raise ValueError(f"make_mesh: axes must be a dict {{name: size}}, got {type(axes).__name__} "
-                             f"{axes!r}; {example}.") from None
-        if any(len(p) != 2 for p in pairs):
-            raise ValueError(f"make_mesh: axes must be a dict {{name: size}} or (name, size) pairs, "
-                             f"got {axes!r}; {example}.")
+    elif isinstance(axes, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in axes):
+        pairs = [tuple(p) for p in axes]
+    else:  # a string, a number, a list of names: no size to read
+        raise ValueError(f"make_mesh: axes must be a dict {{name: size}} or (name, size) pairs, got "
+                         f"{type(axes).__name__} {axes!r}; {example}.")
     if not pairs:
         raise ValueError(f"make_mesh needs at least one axis, {example} or make_mesh({{'fsdp': 1}}).")
     out: dict[str, int] = {}

@@ -36,8 +36,10 @@ def no_group(monkeypatch):
     ({"my-axis": 2}, r"axis name 'my-axis' \(str\) must be an identifier string"),
     ([("dp", 2), ("dp", 2)], r"axis 'dp' is given twice"),
     ({}, r"make_mesh needs at least one axis"),
-    ([2, 2], r"axes must be a dict \{name: size\}"),
-    (4, r"axes must be a dict \{name: size\}, got int 4"),
+    ([2, 2], r"axes must be a dict \{name: size\} or \(name, size\) pairs, got list \[2, 2\]"),
+    (["dp", "tp"], r"axes must be a dict \{name: size\} or \(name, size\) pairs, got list \['dp', 'tp'\]"),
+    ("dp", r"axes must be a dict \{name: size\} or \(name, size\) pairs, got str 'dp'"),
+    (4, r"axes must be a dict \{name: size\} or \(name, size\) pairs, got int 4"),
 ])
 def test_bad_axes_are_refused_naming_the_axis_and_value(no_group, axes, match):
     with pytest.raises(ValueError, match=match):

@@ -142,6 +142,15 @@ _STOP_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _kill_left_behind(pid_dir: Path) -> None:
+    """SIGKILLs any rank still there (a stopped one ignores everything else); none should be."""
+    for f in pid_dir.glob("rank*.pid"):
+        try:
+            os.kill(int(f.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def _wait_until_gone(pids: list[int], deadline: float) -> float | None:
     """The time at which every process in ``pids`` had exited, or None at ``deadline``."""
     while time.time() < deadline:
@@ -179,6 +188,7 @@ def test_a_sigstopped_rank_on_a_2d_mesh_fails_the_others_within_the_timeout_and_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        _kill_left_behind(tmp_path)
     out = "".join(output)
     assert proc.returncode != 0
     assert "Timed out waiting" in out, out[-5000:]
