@@ -142,12 +142,15 @@ _STOP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _kill_left_behind(pid_dir: Path) -> None:
-    """SIGKILLs any rank still there (a stopped one ignores everything else); none should be."""
+def _kill_left_behind(pid_dir: Path, script: Path) -> None:
+    """SIGKILLs any rank of ``script`` still there (a stopped one ignores everything else);
+    none should be. The command line is checked: a finished rank's pid may be reused."""
     for f in pid_dir.glob("rank*.pid"):
         try:
-            os.kill(int(f.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
+            p = psutil.Process(int(f.read_text()))
+            if str(script) in p.cmdline():
+                p.kill()
+        except (psutil.Error, ValueError):
             pass
 
 
@@ -188,7 +191,7 @@ def test_a_sigstopped_rank_on_a_2d_mesh_fails_the_others_within_the_timeout_and_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        _kill_left_behind(tmp_path)
+        _kill_left_behind(tmp_path, script)
     out = "".join(output)
     assert proc.returncode != 0
     assert "Timed out waiting" in out, out[-5000:]
