@@ -157,6 +157,8 @@ def _tracing(x: torch.Tensor) -> bool:
     """Under make_fx / torch.compile: no real communication may be issued, nor counted."""
     if torch.compiler.is_compiling() or type(x) not in (torch.Tensor, torch.nn.Parameter):
         return True
+    if not torch._C._len_torch_dispatch_stack():  # the common case: no mode at all
+        return False
     key = torch._C._TorchDispatchModeKey
     return any(torch._C._get_dispatch_mode(k) is not None for k in (key.PROXY, key.FAKE, key.FUNCTIONAL))
 

@@ -23,6 +23,11 @@ for gloo's native ``reduce_scatter_tensor`` the all-reduce it really runs. On gl
 :func:`reduce_scatter_async` is lowered to ``all_to_all_single`` plus a local sum
 (``(n-1)/n`` of the input on the wire instead of ``2(n-1)/n``); it is still logged as
 ``psum_scatter``.
+
+Every collective here first calls :func:`fshard._contract.enter`: numbered on its group
+and, with ``FSHARD_CHECK_COLLECTIVES=1``, agreed across the group's ranks before it starts
+(a rank that differs in kind, axes, shape, dtype or op makes every rank raise
+``CollectiveMismatchError``); a wait that times out says which collective each rank is in.
 """
 
 from __future__ import annotations

@@ -38,9 +38,13 @@ def _env_timeout() -> timedelta:
     if raw is None:
         return timedelta(seconds=_FALLBACK_TIMEOUT_S)
     try:
-        return _checked_timeout(float(raw), what="FSHARD_TIMEOUT_S")
-    except ValueError as e:
-        raise ValueError(f"{e} (FSHARD_TIMEOUT_S={raw!r} in the environment)") from None
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")  # refused below, with the text as it was given
+    if not seconds > 0:
+        raise ValueError(f"FSHARD_TIMEOUT_S must be a positive number of seconds, got {raw!r} in the "
+                         f"environment. Set it to e.g. 300, or unset it for the default (300 s).")
+    return timedelta(seconds=seconds)
 
 
 def _checked_timeout(seconds: float, *, what: str) -> timedelta:
@@ -49,8 +53,16 @@ def _checked_timeout(seconds: float, *, what: str) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def _import_time_timeout() -> timedelta:
+    # A bad FSHARD_TIMEOUT_S must not break `import fshard`: fs.init reports it when used.
+    try:
+        return _env_timeout()
+    except ValueError:
+        return timedelta(seconds=_FALLBACK_TIMEOUT_S)
+
+
 # The timeout at import, kept for callers that read it; fshard itself asks group_timeout().
-DEFAULT_TIMEOUT = _env_timeout()
+DEFAULT_TIMEOUT = _import_time_timeout()
 
 
 def _default_backend() -> str:

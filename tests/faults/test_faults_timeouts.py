@@ -113,9 +113,10 @@ def test_fs_init_timeout_and_env_reach_every_group(how, seconds, tmp_path):
 def test_a_non_positive_timeout_is_refused_naming_the_value(monkeypatch):
     with pytest.raises(ValueError, match=r"fs.init\(timeout=...\) must be a positive number of seconds, got -1.0"):
         process._timeout(-1)
-    monkeypatch.setenv("FSHARD_TIMEOUT_S", "0")
-    with pytest.raises(ValueError, match=r"FSHARD_TIMEOUT_S must be a positive number.*FSHARD_TIMEOUT_S='0'"):
-        process._env_timeout()
+    for bad in ("0", "-5", "abc", "nan"):
+        monkeypatch.setenv("FSHARD_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match=rf"FSHARD_TIMEOUT_S must be a positive number of seconds, got '{bad}'"):
+            process._env_timeout()
 
 
 # --- a SIGSTOPped rank on a 2-D mesh -----------------------------------------------
