@@ -29,6 +29,11 @@ from fshard import P
 from fshard import tree as tree_util
 
 
+# Time what a torchrun job runs: run_local's ranks would otherwise agree on every collective's
+# header first (FSHARD_CHECK_COLLECTIVES=1, their default). Set it to 1 to time that instead.
+os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "0")
+
+
 def _tree(mb: int) -> dict:
     n_layers = 8
     per = mb * 2**20 // 4 // (n_layers + 1)

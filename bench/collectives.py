@@ -20,6 +20,7 @@ Each compiled call's result is checked against the eager call of the same functi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -33,6 +34,11 @@ from fshard import P
 # torch 2.13 renamed these; take whichever this torch has.
 _ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# Time what a torchrun job runs: run_local's ranks would otherwise agree on every collective's
+# header first (FSHARD_CHECK_COLLECTIVES=1, their default). Set it to 1 to time that instead.
+os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "0")
 
 
 def _time(fn, iters):

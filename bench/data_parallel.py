@@ -34,6 +34,7 @@ the ``torch.compile`` backend (``aot_eager``: no code generation, a quick check)
 from __future__ import annotations
 
 import argparse
+import os
 import functools
 import statistics
 import time
@@ -48,6 +49,11 @@ from fshard import P
 from fshard.models import TransformerConfig, TransformerModule, block, embed, head, transformer_init
 
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
+
+
+# Time what a torchrun job runs: run_local's ranks would otherwise agree on every collective's
+# header first (FSHARD_CHECK_COLLECTIVES=1, their default). Set it to 1 to time that instead.
+os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "0")
 
 
 def _native_step(mode: str, cfg: TransformerConfig, *, compiled: bool = False, backend: str = "inductor"):

@@ -34,6 +34,7 @@ that the function closes over. There is no native side (no torch FSDP of this mo
 from __future__ import annotations
 
 import argparse
+import os
 import gc
 
 import torch
@@ -43,6 +44,11 @@ import torch.nn.functional as F
 import fshard as fs
 from fshard import P
 from fshard.plan.probe import StorageWatch
+
+
+# Time what a torchrun job runs: run_local's ranks would otherwise agree on every collective's
+# header first (FSHARD_CHECK_COLLECTIVES=1, their default). Set it to 1 to time that instead.
+os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "0")
 
 
 def _model(layers: int, dim: int):

@@ -41,6 +41,7 @@ where it overlaps the peak, which depends on timing).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -60,6 +61,11 @@ _JIT = {"jit": {}, "jit donated": dict(donate_argnums=(0, 1)),
         "jit cat in place": dict(options={"post_grad_custom_pre_pass": None}), "jit aot_eager": dict(backend="aot_eager")}
 NATIVE = ("native", "native compiled")
 SIDES = ("eager", "eager pure", *_JIT, *NATIVE)
+
+
+# Time what a torchrun job runs: run_local's ranks would otherwise agree on every collective's
+# header first (FSHARD_CHECK_COLLECTIVES=1, their default). Set it to 1 to time that instead.
+os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "0")
 
 
 def _make(side: str, mode: str, backend: str = "inductor", cfg: dict | None = None):

@@ -51,6 +51,11 @@ _JIT_OPTIONS = {"on": lambda: None, "off": without_collective_passes,
                 "reorder": lambda: without_collective_passes(reorder=True)}
 
 
+# Time what a torchrun job runs: run_local's ranks would otherwise agree on every collective's
+# header first (FSHARD_CHECK_COLLECTIVES=1, their default). Set it to 1 to time that instead.
+os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "0")
+
+
 def per_rank(mode, steps, backend, cfg=None, variants=("on",), bucket_mb=None, profile_steps=0):
     from data_parallel import _native_step, timed_rounds  # bench/ is the working directory's sibling: run from the repo root
 

@@ -73,6 +73,11 @@ LAYOUTS = [
 ]
 
 
+# Time what a torchrun job runs: run_local's ranks would otherwise agree on every collective's
+# header first (FSHARD_CHECK_COLLECTIVES=1, their default). Set it to 1 to time that instead.
+os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "0")
+
+
 def simulated_bubble(machine: plan.Machine, layout: plan.Layout, model: plan.ModelDesc,
                      costs: list[tuple[float, float, float]], est: plan.Estimate) -> float:
     """The bubble the simulator gives with the F, I, W per microbatch each pp rank measured

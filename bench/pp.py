@@ -38,6 +38,7 @@ checked against torch 1F1B's with the others.
 from __future__ import annotations
 
 import argparse
+import os
 import functools
 import statistics
 import time
@@ -52,6 +53,11 @@ from fshard.models import TransformerConfig, TransformerModule, block, embed, he
 
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
 NAMES = ("gpipe", "1f1b", "zb-h1")
+
+
+# Time what a torchrun job runs: run_local's ranks would otherwise agree on every collective's
+# header first (FSHARD_CHECK_COLLECTIVES=1, their default). Set it to 1 to time that instead.
+os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "0")
 
 
 class _Stage(nn.Module):

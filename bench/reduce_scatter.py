@@ -19,6 +19,7 @@ per-round ratios to ``gloo``. The results are checked against each other.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -30,6 +31,11 @@ from fshard import comm
 
 _F = torch.ops._c10d_functional
 MIB = 2**20
+
+
+# Time what a torchrun job runs: run_local's ranks would otherwise agree on every collective's
+# header first (FSHARD_CHECK_COLLECTIVES=1, their default). Set it to 1 to time that instead.
+os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "0")
 
 
 def _gloo(x, group, n):

@@ -55,6 +55,11 @@ _KINDS = {_F.all_reduce.default: "all_reduce", _F.all_gather_into_tensor.default
           _F.reduce_scatter_tensor.default: "reduce_scatter"}
 
 
+# Time what a torchrun job runs: run_local's ranks would otherwise agree on every collective's
+# header first (FSHARD_CHECK_COLLECTIVES=1, their default). Set it to 1 to time that instead.
+os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "0")
+
+
 class _Wire(TorchDispatchMode):
     """Counts functional collectives and their input bytes, after DTensor has lowered its ops."""
 

@@ -169,3 +169,29 @@ def test_timeout_names_each_ranks_collective(stuck):
         assert msgs[1] is not None and "rank 0 is in all_gather #1" in msgs[1], msgs[1]
     else:
         assert "rank 1: no report of an fshard collective" in msg, msg
+
+
+def _mismatch_in_run_local():
+    """Shapes differ on an all_gather, with whatever flag run_local's ranks were given."""
+    r = dist.get_rank()
+    try:
+        comm.all_gather(torch.ones(1 + r, 2), dist.group.WORLD, 2, axes=("fsdp",))
+    except CollectiveMismatchError as e:
+        return os.environ.get("FSHARD_CHECK_COLLECTIVES"), str(e)
+    return os.environ.get("FSHARD_CHECK_COLLECTIVES"), None
+
+
+def test_run_local_checks_collectives_by_default(monkeypatch):
+    monkeypatch.delenv("FSHARD_CHECK_COLLECTIVES", raising=False)
+    for flag, msg in fs.run_local(_mismatch_in_run_local, world_size=2, timeout_s=60):
+        assert flag == "1" and msg and "shape (1, 2)" in msg and "shape (2, 2)" in msg, (flag, msg)
+    assert "FSHARD_CHECK_COLLECTIVES" not in os.environ  # the caller's environment is untouched
+
+
+def _flag_in_rank():
+    return os.environ.get("FSHARD_CHECK_COLLECTIVES")
+
+
+def test_run_local_keeps_an_explicit_off(monkeypatch):
+    monkeypatch.setenv("FSHARD_CHECK_COLLECTIVES", "0")
+    assert fs.run_local(_flag_in_rank, world_size=2, timeout_s=60) == ["0", "0"]
