@@ -1195,7 +1195,7 @@ if __name__ == "__main__":
         # Under torchrun, the error file puts this traceback in its report (what @record
         # does). Not for a rank that only lost a peer: torchrun stops such ranks with
         # SIGTERM, and a file cut short by it crashes torchrun's report.
-        if not fs.mesh.failure.is_peer_lost(e):
+        if not fs.runtime.failure.is_peer_lost(e):
             get_error_handler().record_exception(e)
         raise
     # Only after a clean run: after an error, other ranks may be gone, and this rank must

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 import zlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -228,10 +228,17 @@ def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
     gather(out, mine, group=group)
 
 
-def _gloo(group, device_type: str) -> bool:
-    from fshard.comm import _is_gloo
+def _not_known(group, device_type: str) -> bool:
+    return False
 
-    return _is_gloo(group, device_type)
+
+# Whether a group runs on gloo for a device type: fshard.comm (which imports this module and
+# issues every collective that reaches enter()) sets it to its cached backend lookup.
+is_gloo: Callable[[Any, str], bool] = _not_known
+
+
+def _gloo(group, device_type: str) -> bool:
+    return is_gloo(group, device_type)
 
 
 def _outside_modes(fn):

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fshard import _contract
+from fshard.runtime import teardown
 
 __all__ = ["CommLog", "Event", "comm_log", "mark", "record", "all_reduce", "all_gather", "reduce_scatter",
            "all_to_all", "permute", "permute_async", "Handle", "all_gather_async", "reduce_scatter_async",
@@ -315,6 +316,9 @@ def _is_gloo(group, device_type: str) -> bool:
     return known
 
 
+_contract.is_gloo = _is_gloo
+
+
 def forget_groups() -> None:
     """Drops the cached backend and the collective numbering of every group
     (``fs.shutdown()`` destroys the groups)."""
@@ -364,7 +368,7 @@ class Handle:
             _contract.done()
             self._done = True
             # Done: a handle the program keeps must not keep its group (and gloo's worker
-            # threads) alive into the interpreter's finalization (fshard.mesh.teardown).
+            # threads) alive into the interpreter's finalization (fshard.runtime.teardown).
             self._group = None
 
     def wait(self) -> torch.Tensor:
@@ -618,3 +622,21 @@ class _Received:
         if self.keep == "recv":
             return received.view(self.x.shape)
         return self.x.clone() if self.keep == "copy" else torch.zeros_like(self.x)
+
+
+def _drain() -> None:
+    errors = complete_in_flight()
+    if errors:
+        raise RuntimeError(f"fs.shutdown(): {len(errors)} collective(s) in flight failed; "
+                           f"the first: {errors[0]}") from errors[0]
+
+
+def _detach_after_fork() -> tuple[dict, dict]:
+    kept = dict(_LAST), dict(_IS_GLOO)
+    _LAST.clear()
+    forget_groups()
+    return kept
+
+
+teardown.register_group_owner(teardown.GroupOwner(
+    "fshard.comm", forget=forget_groups, drain=_drain, after_fork=_detach_after_fork))

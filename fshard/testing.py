@@ -1,6 +1,6 @@
 """Multi-rank test harness: run a test body on 1, 2 or 4 real gloo ranks (8 for tiny 3-D meshes).
 
-One persistent :class:`~fshard.mesh.local.WorkerPool` per world size serves every
+One persistent :class:`~fshard.runtime.local.WorkerPool` per world size serves every
 test (starting ranks costs seconds; a test costs milliseconds). The ranks are forked
 from a ``forkserver`` that has imported torch and fshard once: spawning each rank
 imports them again, about 4 s of CPU per rank (32 s for an 8-rank pool on 2 cores,
@@ -35,13 +35,13 @@ from typing import Any, Callable, Iterator
 import torch
 
 from fshard._ports import free_port  # noqa: F401 - re-exported: tests and tools use it here
-from fshard.mesh.local import WorkerPool
+from fshard.runtime.local import WorkerPool
 
 __all__ = ["run_on_ranks", "shutdown_pools", "release_pool_groups", "assert_close", "local_block_diff", "free_port",
            "MESH_SHAPES", "transformer_train_step", "collective_calls", "inductor_output_code"]
 
 # What the test pools' forkserver imports once for every rank it forks (see _pool).
-FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "fshard", "fshard.mesh.local")
+FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "fshard", "fshard.runtime.local")
 _POOLS: dict[int, WorkerPool] = {}
 DEFAULT_TIMEOUT_S = float(os.environ.get("FSHARD_TEST_TIMEOUT_S", "120"))
 
@@ -104,14 +104,14 @@ atexit.register(shutdown_pools)
 
 
 def _release_groups() -> None:
-    from fshard.mesh.teardown import release_groups
+    from fshard.runtime.teardown import release_groups
 
     release_groups()
 
 
 def release_pool_groups() -> None:
     """Destroys, on every live pool's ranks, the process groups of the meshes their tests
-    made (``fshard.mesh.teardown.release_groups``), keeping each pool's default group.
+    made (``fshard.runtime.teardown.release_groups``), keeping each pool's default group.
 
     The suite calls it after each test module: a gloo group's transport thread wakes every
     10 ms for as long as it lives, and a pool that kept every mesh of the suite ended up

@@ -14,7 +14,6 @@ PKG = ROOT / "fshard"
 
 KNOWN_CYCLES = {
     frozenset({"fshard.sched._text", "fshard.sched.ir"}),  # tolerated by DESIGN.md
-    frozenset({"fshard.mesh.mesh", "fshard.mesh.process", "fshard.mesh.teardown"}),  # issue 30: runtime/
     frozenset({"fshard", "fshard.plan", "fshard.plan.calibrate"}),  # calibrate uses `import fshard as fs`
 }
 KNOWN_OPTIM_TO_PARALLEL = {("fshard.optim.base", "fshard.parallel.accumulate")}  # issue 30
@@ -109,3 +108,19 @@ def test_optim_imports_no_parallel():
 def test_the_cycle_finder_finds_a_cycle_and_ignores_a_chain():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
     assert _cycles({"a": {"b"}, "b": set()}) == set()
+
+
+def test_no_module_reaches_into_another_through_sys_modules():
+    """DESIGN.md: group owners register with fshard.runtime.teardown instead."""
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in PKG.rglob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if "sys.modules" in line]
+    assert not found, found
+
+
+def test_every_group_owner_registers_with_the_runtime():
+    import fshard  # noqa: F401 - imports every owner
+    from fshard.runtime import teardown
+
+    names = {o.name for o in teardown.group_owners()}
+    assert {"fshard.mesh", "fshard.comm", "fshard.checkpoint", "fshard.mesh.host_meshes"} <= names, names
+    assert not [m for m in _graph()["fshard.runtime.teardown"] if m.startswith("fshard")]

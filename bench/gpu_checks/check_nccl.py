@@ -187,7 +187,7 @@ def check_step(ck: Checker, mesh: fs.Mesh) -> None:
 def run(ck: Checker, args: argparse.Namespace) -> None:
     backend = one_rank_group()
     ck.figure(backend=backend)
-    from fshard.mesh.process import _default_backend
+    from fshard.runtime.process import _default_backend
 
     ck.require("fs.init() picks the backend of this machine", backend == _default_backend(), backend)
     ck.require_on_device("fs.init() picks nccl on CUDA", lambda: (backend == "nccl", backend))

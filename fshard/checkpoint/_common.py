@@ -20,6 +20,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Partial
 
+from fshard.runtime import teardown
+from fshard.runtime.process import group_timeout
+
 
 __all__ = [
     "CheckpointError",
@@ -145,9 +148,7 @@ def group() -> Any | None:
 
 
 def timeout() -> timedelta:
-    """The timeout of fshard's groups (``fshard.mesh.process.group_timeout``: the world's)."""
-    from fshard.mesh.process import group_timeout  # here: process imports teardown, not us
-
+    """The timeout of fshard's groups (``fshard.runtime.process.group_timeout``: the world's)."""
     return group_timeout()
 
 
@@ -247,3 +248,13 @@ def single_process_quiet(g: Any | None) -> Iterator[None]:
 def is_tensor(x: Any) -> bool:
     """Tensors and DTensors (DTensor is a tensor subclass)."""
     return isinstance(x, torch.Tensor)
+
+
+def _detach_after_fork() -> dict[int, Any]:
+    kept = dict(_GROUPS)
+    _GROUPS.clear()
+    return kept
+
+
+teardown.register_group_owner(teardown.GroupOwner(
+    "fshard.checkpoint", groups=lambda: list(_GROUPS.values()), forget=forget_groups, after_fork=_detach_after_fork))

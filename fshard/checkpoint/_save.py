@@ -33,7 +33,7 @@ from fshard.checkpoint._common import (
     timeout,
 )
 from fshard.checkpoint._verify import check_written
-from fshard.mesh import teardown
+from fshard.runtime import teardown
 
 __all__ = ["PendingSave", "drain", "save", "wait"]
 
@@ -111,7 +111,7 @@ def drain(timeout_s: float | None = None, *, why: str = "fs.shutdown()") -> None
     """Waits for every background save of this process, at most ``timeout_s`` in all.
 
     ``fs.shutdown()`` runs it before it destroys the process groups a background save
-    runs on (registered with :func:`fshard.mesh.teardown.register_before_shutdown`):
+    runs on (registered with :func:`fshard.runtime.teardown.register_before_shutdown`):
     destroying them under the save would lose the checkpoint without a word. It says on
     stderr what it waits for.
 

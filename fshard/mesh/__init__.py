@@ -1,9 +1,10 @@
-"""Meshes, partition specs, sharded values, sharded init and process start."""
+"""Meshes, partition specs, sharded values and sharded init (process start: ``fshard.runtime``,
+re-exported here)."""
 
 from fshard.mesh.spec import P as P, PartitionSpec as PartitionSpec
 from fshard.mesh.mesh import Mesh as Mesh, make_mesh as make_mesh, current_mesh as current_mesh
-from fshard.mesh.process import init as init
-from fshard.mesh.teardown import shutdown as shutdown
+from fshard.runtime.process import init as init
+from fshard.runtime.teardown import shutdown as shutdown
 from fshard.mesh.sharding import (
     NamedSharding as NamedSharding,
     gather as gather,
@@ -11,8 +12,8 @@ from fshard.mesh.sharding import (
     shard as shard,
     spec_of as spec_of,
 )
-from fshard.mesh.local import run_local as run_local, WorkerPool as WorkerPool, RankTimeoutError as RankTimeoutError
-from fshard.mesh.local import RankExitError as RankExitError, UnpicklableResultError as UnpicklableResultError
+from fshard.runtime.local import run_local as run_local, WorkerPool as WorkerPool, RankTimeoutError as RankTimeoutError
+from fshard.runtime.local import RankExitError as RankExitError, UnpicklableResultError as UnpicklableResultError
 
 __all__ = [
     "P", "PartitionSpec", "Mesh", "make_mesh", "current_mesh", "init", "shutdown", "NamedSharding",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fshard.mesh import process
+from fshard.runtime import process, teardown
 
 __all__ = ["Mesh", "make_mesh", "current_mesh", "get_mesh"]
 
@@ -165,7 +165,7 @@ def make_mesh(
       The :class:`Mesh`.
 
     Every group the mesh holds (one per axis, one per set of axes) waits at most
-    :func:`fshard.mesh.process.group_timeout` in a collective: the world's timeout, not
+    :func:`fshard.runtime.process.group_timeout` in a collective: the world's timeout, not
     torch's 30-minute default for new groups.
 
     Raises:
@@ -287,7 +287,7 @@ def _forget_device_mesh_groups(dm: DeviceMesh) -> None:
     # The one place fshard reads torch's private DeviceMesh state, because torch offers no
     # public way: torch 2.13's DeviceMesh keeps its groups by name in its root mesh's
     # _pg_registry, which outlives destroy_process_group() and would keep the groups (and
-    # their gloo worker threads) alive into interpreter finalization (fshard.mesh.teardown).
+    # their gloo worker threads) alive into interpreter finalization (fshard.runtime.teardown).
     # Missing attributes (another torch) leave nothing to clear.
     root = getattr(dm, "_root_mesh", None) or dm
     for d in (dm, root):
@@ -313,3 +313,22 @@ def get_mesh(mesh: Mesh | None, *, what: str) -> Mesh:
             f"{what} needs a mesh: pass mesh=... or call it inside `with fs.make_mesh({{...}}):`."
         )
     return cur
+
+
+def _mesh_groups() -> list[Any]:
+    """Every process group the cached meshes hold: one per axis, one per set of axes."""
+    out = []
+    for m in _MESH_CACHE.values():
+        out.extend(m.device_mesh.get_group(a) for a in m.axis_names)
+        out.extend(m._groups.values())
+    return out
+
+
+def _detach_after_fork() -> dict[tuple[Any, ...], Mesh]:
+    kept = dict(_MESH_CACHE)
+    _MESH_CACHE.clear()
+    return kept
+
+
+teardown.register_group_owner(teardown.GroupOwner(
+    "fshard.mesh", groups=_mesh_groups, forget=forget_meshes, after_fork=_detach_after_fork))

@@ -25,6 +25,7 @@ from fshard.mesh.placement import (
     spec_to_placements,
 )
 from fshard.mesh.spec import PartitionSpec, is_spec
+from fshard.runtime import teardown
 
 __all__ = ["NamedSharding", "shard", "gather", "reshard", "spec_of", "make_dtensor"]
 
@@ -211,3 +212,6 @@ def _mesh_of(x: DTensor) -> Mesh:
         if m.device_mesh is x.device_mesh or m.device_mesh == x.device_mesh:
             return m
     return Mesh(x.device_mesh, names)
+
+
+teardown.register_group_owner(teardown.GroupOwner("fshard.mesh.host_meshes", forget=_HOST_MESHES.clear))

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import fshard as fs
-from fshard.mesh import mesh as mesh_mod, process
+from fshard.mesh import mesh as mesh_mod
+from fshard.runtime import process
 from fshard.testing import run_on_ranks
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 import fshard as fs
-from fshard.mesh import local
+from fshard.runtime import local
 
 ROOT = Path(__file__).resolve().parents[2]
 

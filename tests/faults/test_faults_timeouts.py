@@ -4,9 +4,9 @@ Before: ``FSHARD_TIMEOUT_S``, ``fs.init(timeout=)`` and ``run_local(timeout_s=)`
 only the world group; every mesh sub-group (one per axis, one per set of axes) and the
 checkpoint group kept torch's 30-minute default, so a SIGSTOPped rank on a
 ``dp=2,fsdp=2`` mesh with ``FSHARD_TIMEOUT_S=20`` still hung the others at 300 s. Now each
-group is made with ``fshard.mesh.process.group_timeout()`` (the world's timeout), and a
+group is made with ``fshard.runtime.process.group_timeout()`` (the world's timeout), and a
 rank whose collective times out names the ranks that stopped responding (heartbeats in
-the job's store, ``fshard.mesh.failure``).
+the job's store, ``fshard.runtime.failure``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import fshard as fs
-from fshard.mesh import failure, process
+from fshard.runtime import failure, process
 from fshard.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ STOP_TIMEOUT_S = 10  # the short timeout of the SIGSTOP tests
 
 
 def _timeout_of(group) -> timedelta:
-    # Read here, not through fshard.mesh.process.read_group_timeout: the code under test
+    # Read here, not through fshard.runtime.process.read_group_timeout: the code under test
     # must not also be the measuring tool. torch 2.13 has no public getter.
     return group._get_backend(torch.device("cpu")).options._timeout
 
@@ -76,7 +76,7 @@ _INIT_SCRIPT = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     import fshard as fs
-    from fshard.mesh import process
+    from fshard.runtime import process
     from fshard.checkpoint import _common
 
     if sys.argv[1] == "arg":

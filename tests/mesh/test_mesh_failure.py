@@ -1,4 +1,4 @@
-"""fshard.mesh.failure: what an uncaught error on a torchrun rank says (cause or casualty).
+"""fshard.runtime.failure: what an uncaught error on a torchrun rank says (cause or casualty).
 
 The end-to-end check, under torchrun, is tests/test_faults.py; here the hook runs in this
 process against an in-memory store, so each branch is seen deterministically.
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from fshard.mesh import failure
+from fshard.runtime import failure
 
 
 def _gloo_error() -> RuntimeError:

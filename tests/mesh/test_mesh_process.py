@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import fshard as fs
-from fshard.mesh.local import RankTimeoutError
+from fshard.runtime.local import RankTimeoutError
 from fshard.testing import run_on_ranks
 
 
@@ -139,7 +139,7 @@ def test_run_local_blames_the_raiser_not_a_peer_that_aborts_when_its_connection_
 
 
 def test_cause_ranks_deaths_raises_late_deaths_and_lost_peers():
-    from fshard.mesh.local import _cause
+    from fshard.runtime.local import _cause
 
     died = (None, "rank 0 died (killed by SIGSEGV, exit code -11) during f")
     raised = (ValueError("x"), "Traceback ...\nValueError: x")
@@ -187,7 +187,7 @@ def test_one_process_group_uses_the_machines_backend(monkeypatch, cuda, expected
     # A plain `python script.py` on a GPU machine must compute on the GPU, as the same
     # script under `torchrun --nproc-per-node 1` does (fs.init picks nccl there). This
     # machine has no GPU, so CUDA's presence is faked and the group start is recorded.
-    from fshard.mesh import process
+    from fshard.runtime import process
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -256,7 +256,7 @@ def test_a_started_rank_waits_for_the_pool_before_it_connects(tmp_path):
     # connects only after the pool released it; here it is not released.
     import multiprocessing as mp
 
-    from fshard.mesh import local
+    from fshard.runtime import local
 
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe()

@@ -209,7 +209,7 @@ def _meshes_then_release():
 
     import fshard as fs
     from fshard import P
-    from fshard.mesh.teardown import release_groups
+    from fshard.runtime.teardown import release_groups
 
     release_groups()  # what earlier tests of this pool left
     base = _gloo_threads()

@@ -149,7 +149,7 @@ def _stop_heartbeat() -> None:
         stop.set()
     # Joined, not left to die with the interpreter: a daemon thread that comes back from
     # the store call into a finalizing interpreter is ended inside C++ code, and the process
-    # aborts (fshard.mesh.teardown explains the same hazard for gloo's threads).
+    # aborts (fshard.runtime.teardown explains the same hazard for gloo's threads).
     if thread is not None and thread is not threading.current_thread():
         thread.join(timeout=5)
 

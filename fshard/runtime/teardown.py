@@ -33,11 +33,13 @@ import faulthandler
 import gc
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
+import attrs
 import torch.distributed as dist
 
-__all__ = ["shutdown", "install_at_exit", "at_exit_enabled", "register_before_shutdown", "release_groups"]
+__all__ = ["shutdown", "install_at_exit", "at_exit_enabled", "register_before_shutdown", "release_groups",
+           "GroupOwner", "register_group_owner", "group_owners"]
 
 # owned: fshard started the default group (fs.init or the one-rank group), so the hook
 # may destroy it; failed: an uncaught exception reached sys.excepthook.
@@ -46,6 +48,52 @@ TIMEOUT_S = float(os.environ.get("FSHARD_TEARDOWN_TIMEOUT_S", "60"))
 # Work that must end before the groups go, registered by the packages that own it (the
 # checkpoint's background saves); mesh/ does not import them, they import mesh/.
 _BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def _nothing() -> None:
+    return None
+
+
+def _no_groups() -> Iterable[Any]:
+    return ()
+
+
+@attrs.frozen
+class GroupOwner:
+    """A module that keeps process groups (or work on them), as teardown sees it.
+
+    Attributes:
+      name: the owner, for messages (``"fshard.comm"``).
+      groups: the groups it made, destroyed by :func:`release_groups`.
+      forget: drops every reference it keeps to a group (after they are destroyed).
+      drain: completes its work still in flight on the groups, before any is destroyed;
+        raises if that work failed.
+      after_fork: in a forked child (``fs.run_local``'s ranks): returns what the parent's
+        objects were (kept alive forever: their destructors would join threads that did not
+        survive the fork) and leaves the owner empty.
+    """
+
+    name: str
+    groups: Callable[[], Iterable[Any]] = _no_groups
+    forget: Callable[[], None] = _nothing
+    drain: Callable[[], Any] = _nothing
+    after_fork: Callable[[], Any] = _nothing
+
+
+# Registered by the owners when they are imported (mesh, comm, checkpoint); teardown imports
+# none of them, so a module that was never imported made no group and is not asked.
+_OWNERS: dict[str, GroupOwner] = {}
+
+
+def register_group_owner(owner: GroupOwner) -> None:
+    """Makes :func:`shutdown`, :func:`release_groups` and ``fs.run_local``'s ranks ask
+    ``owner`` for its groups (once per name; a module imported again replaces its entry)."""
+    _OWNERS[owner.name] = owner
+
+
+def group_owners() -> tuple[GroupOwner, ...]:
+    """The registered owners, in registration order."""
+    return tuple(_OWNERS.values())
 
 
 def register_before_shutdown(fn: Callable[[], None]) -> None:
@@ -83,9 +131,7 @@ def shutdown() -> None:
     if not dist.is_available():
         return
     try:
-        for fn in list(_BEFORE_SHUTDOWN):  # e.g. background checkpoint saves, on these groups
-            fn()
-        _complete_in_flight()
+        _drain()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -95,16 +141,15 @@ def shutdown() -> None:
         gc.collect()
 
 
-def _complete_in_flight() -> None:
-    """Waits for the one collective fshard may have in flight per gloo group."""
-    comm = sys.modules.get("fshard.comm")
-    if comm is None:
-        return
-    # At most one per gloo group: every earlier one completed when the next one started.
-    errors = comm.complete_in_flight()
-    if errors:
-        raise RuntimeError(f"fs.shutdown(): {len(errors)} collective(s) in flight failed; "
-                           f"the first: {errors[0]}") from errors[0]
+def _drain() -> None:
+    """Completes the work still in flight on fshard's groups: first what registered with
+    :func:`register_before_shutdown` (the checkpoint's background saves, bounded), then each
+    owner's ``drain`` (fshard.comm: at most one collective per gloo group). Raises the first
+    failure."""
+    for fn in list(_BEFORE_SHUTDOWN):
+        fn()
+    for owner in group_owners():
+        owner.drain()
 
 
 def release_groups() -> None:
@@ -122,25 +167,12 @@ def release_groups() -> None:
     """
     if not dist.is_available() or not dist.is_initialized():
         return
-    from fshard.mesh import mesh as _mesh
-
     try:
-        _complete_in_flight()
-        save = sys.modules.get("fshard.checkpoint._save")
-        if save is not None:  # a background save runs its collectives on the checkpoint group
-            save.wait()
-        groups: dict[int, Any] = {}
-        for m in _mesh._MESH_CACHE.values():
-            for a in m.axis_names:
-                g = m.device_mesh.get_group(a)
-                groups[id(g)] = g
-            groups.update((id(g), g) for g in m._groups.values())
-        ckpt = sys.modules.get("fshard.checkpoint._common")
-        if ckpt is not None:
-            groups.update((id(g), g) for g in ckpt._GROUPS.values() if g is not None)
+        _drain()
+        groups = {id(g): g for owner in group_owners() for g in owner.groups() if g is not None}
         world = dist.GroupMember.WORLD
         for g in groups.values():
-            if g is None or g is world:
+            if g is world:
                 continue
             try:
                 dist.destroy_process_group(g)
@@ -153,18 +185,8 @@ def release_groups() -> None:
 
 def _forget_groups() -> None:
     """Drops every reference fshard keeps to a process group."""
-    from fshard.mesh.mesh import forget_meshes
-
-    forget_meshes()  # the mesh cache, each mesh's sub-groups, torch's DeviceMesh registries
-    ckpt = sys.modules.get("fshard.checkpoint._common")
-    if ckpt is not None:  # never imported: it made no group
-        ckpt.forget_groups()
-    comm = sys.modules.get("fshard.comm")
-    if comm is not None:
-        comm.forget_groups()  # a completed Handle drops its group itself (fshard.comm.Handle)
-    sharding = sys.modules.get("fshard.mesh.sharding")
-    if sharding is not None:  # the host views of device meshes (full_tensor of GPU DTensors)
-        sharding._HOST_MESHES.clear()
+    for owner in group_owners():
+        owner.forget()
 
 
 def install_at_exit(*, owned: bool) -> None:

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fshard.mesh import failure, teardown
+from fshard.runtime import failure, teardown
 
 __all__ = ["init", "ensure_initialized", "enable_fault_stacks", "group_timeout", "DEFAULT_TIMEOUT"]
 
@@ -77,7 +77,7 @@ def init(*, backend: str | None = None, timeout: timedelta | float | None = None
     :func:`enable_fault_stacks`, so that a rank killed by a fatal signal prints every
     thread's Python stack on stderr instead of vanishing without a word. Registers
     :func:`fshard.shutdown` to run at exit (after a clean end of the program; see
-    :mod:`fshard.mesh.teardown`): it completes fshard's collectives still in flight,
+    :mod:`fshard.runtime.teardown`): it completes fshard's collectives still in flight,
     destroys the process groups and joins gloo's threads before the interpreter
     finalizes, where a late gloo worker would abort the process.
 

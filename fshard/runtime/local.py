@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fshard.mesh.failure import PEER_LOST
+from fshard.runtime.failure import PEER_LOST
 
 __all__ = ["run_local", "WorkerPool", "RankTimeoutError", "RemoteTraceback", "RankExitError",
            "UnpicklableResultError"]
@@ -82,13 +82,13 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
         torch._C._set_print_stack_traces_on_fatal_signal(True)
     if dist.is_initialized():
         _forget_inherited_groups()
-    from fshard.mesh import mesh as _mesh
+    from fshard.runtime import teardown
 
-    # The parent's meshes hold its process groups (perhaps destroyed there, so no longer in
-    # the world forgotten above): dropping the last reference here would run a group's
-    # destructor, which joins gloo threads that did not survive the fork, and hang.
-    _LEAKED.append(dict(_mesh._MESH_CACHE))
-    _mesh._MESH_CACHE.clear()
+    # The parent's meshes (and checkpoint group, collectives in flight) hold its process
+    # groups (perhaps destroyed there, so no longer in the world forgotten above): dropping
+    # the last reference here would run a group's destructor, which joins gloo threads that
+    # did not survive the fork, and hang.
+    _LEAKED.extend(owner.after_fork() for owner in teardown.group_owners())
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -147,9 +147,9 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
     try:
         if finalizes:
             # A spawned rank exits through the interpreter's finalization, where a gloo
-            # worker still alive could abort it (fshard.mesh.teardown); a forked one
+            # worker still alive could abort it (fshard.runtime.teardown); a forked one
             # leaves with os._exit and never finalizes.
-            from fshard.mesh import teardown
+            from fshard.runtime import teardown
 
             teardown.shutdown()
         else:

@@ -1,0 +1,18 @@
+"""Process lifecycle: start (``fs.init``), teardown (``fs.shutdown``), failure attribution, local runs.
+
+The modules that own process groups (mesh, comm, checkpoint) register with
+:func:`fshard.runtime.teardown.register_group_owner`; nothing here imports them.
+"""
+
+from fshard.runtime.process import init as init
+from fshard.runtime.teardown import shutdown as shutdown
+from fshard.runtime.local import (
+    RankExitError as RankExitError,
+    RankTimeoutError as RankTimeoutError,
+    UnpicklableResultError as UnpicklableResultError,
+    WorkerPool as WorkerPool,
+    run_local as run_local,
+)
+
+__all__ = ["init", "shutdown", "run_local", "WorkerPool", "RankTimeoutError", "RankExitError",
+           "UnpicklableResultError"]
