@@ -138,6 +138,18 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init_fn, update_fn)
 
 
+# Checks that must pass before parameters are updated, registered by the layers that can
+# leave a step unfinished (fshard.parallel's GradAccumulator); optim imports none of them.
+_BEFORE_APPLY: list[Callable[[str], None]] = []
+
+
+def register_before_apply(check: Callable[[str], None]) -> None:
+    """Makes :func:`apply_updates` call ``check("fs.optim.apply_updates")`` first (once per
+    ``check``); ``check`` raises to refuse the update, naming what is unfinished."""
+    if check not in _BEFORE_APPLY:
+        _BEFORE_APPLY.append(check)
+
+
 def apply_updates(params: Params, updates: Updates) -> Params:
     """Returns ``params + updates``, leaf by leaf, in each parameter's dtype.
 
@@ -168,9 +180,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
       >>> updates, state = opt.update(grads, state, params)  # doctest: +SKIP
       >>> params = fs.optim.apply_updates(params, updates)  # doctest: +SKIP
     """
-    from fshard.parallel.accumulate import check_no_pending
-
-    check_no_pending("fs.optim.apply_updates")
+    for check in _BEFORE_APPLY:
+        check("fs.optim.apply_updates")
     p, u, treedef = flatten_matching("apply_updates", ("params", params), ("updates", updates))
     with torch.no_grad():
         pl, ul = to_locals(p), to_locals(u)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from fshard.optim.base import register_before_apply
+
 __all__ = ["GradAccumulator", "check_no_pending"]
 
 _PENDING: "weakref.WeakSet[GradAccumulator]" = weakref.WeakSet()
@@ -67,3 +69,6 @@ def check_no_pending(what: str) -> None:
             f"that were never reduced, so the gradients in hand are partial. Run the last "
             f"microbatch with sync=True (or call GradAccumulator.clear() to drop them)."
         )
+
+
+register_before_apply(check_no_pending)
