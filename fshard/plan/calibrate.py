@@ -456,8 +456,8 @@ def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: flo
     """
     import optree
 
-    import fshard as fs
     from fshard.mesh.spec import PartitionSpec as P
+    from fshard.transforms import shard_map, value_and_grad
     from fshard.models import transformer_init
     from fshard.models.transformer import block as block_fn
     from fshard.plan.model import describe_transformer
@@ -482,8 +482,8 @@ def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: flo
             return x.sum()
         return body
 
-    grads = {n: fs.value_and_grad(fs.shard_map(blocks(n), mesh=mesh, in_specs=(P(), P()), out_specs=P()),
-                                  argnums=(0, 1)) for n in (1, 2, 4)}
+    grads = {n: value_and_grad(shard_map(blocks(n), mesh=mesh, in_specs=(P(), P()), out_specs=P()),
+                               argnums=(0, 1)) for n in (1, 2, 4)}
     # Up to 4 blocks per call: the per-layer cost is the small difference of per-block
     # times, which 1 and 2 blocks left to noise (three calibrations minutes apart fitted
     # 5.2, 10.3 and 9.6 ms per layer call, 9.2, 0 and 2.0 ms per step-body call). At most
