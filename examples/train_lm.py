@@ -54,7 +54,7 @@ import torch.nn.functional as F
 import fshard as fs
 from fshard import P
 from fshard.models import TransformerConfig, block, embed, head, transformer_apply, transformer_init
-from fshard.sched.__main__ import build_schedule, resolve_name
+from fshard.sched.registry import build_schedule, resolve_name
 
 DATA = Path(__file__).resolve().parent / "data" / "kjv_shakespeare.txt"
 

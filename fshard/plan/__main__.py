@@ -78,7 +78,7 @@ def _positive_float(text: str) -> float:
 
 
 def _schedule_name(text: str) -> str:
-    from fshard.sched.__main__ import resolve_name
+    from fshard.sched.registry import resolve_name
 
     try:
         resolve_name(text)
@@ -90,7 +90,7 @@ def _schedule_name(text: str) -> str:
 def _schedule_list(text: str) -> list[str]:
     """Comma-separated schedule names, every one known to ``fs.sched`` (an unknown one was
     once only a "rejected" count in the table, and the run exited 0)."""
-    from fshard.sched.__main__ import _choices, resolve_name
+    from fshard.sched.registry import choices, resolve_name
 
     names = [n.strip() for n in text.split(",")]
     if any(not n for n in names):
@@ -103,7 +103,7 @@ def _schedule_list(text: str) -> list[str]:
             unknown.append(n)
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown schedule(s) {', '.join(map(repr, unknown))}; "
-                                         f"known: {_choices()}")
+                                         f"known: {choices()}")
     return names
 
 

@@ -32,7 +32,7 @@ DATA_AXES = ("dp", "fsdp", "ep")
 
 @functools.lru_cache(maxsize=512)
 def _schedule(name: str, pp: int, m: int, virtual: int | None) -> Any:
-    from fshard.sched.__main__ import build_schedule
+    from fshard.sched.registry import build_schedule
 
     return build_schedule(name, pp, m, n_virtual=virtual)
 

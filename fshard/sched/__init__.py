@@ -27,6 +27,8 @@ from fshard.sched.lower import add_reduce_grad as add_reduce_grad
 from fshard.sched.lower import add_unshard_reshard as add_unshard_reshard
 from fshard.sched.lower import lower as lower
 from fshard.sched.plot import plot as plot
+from fshard.sched.registry import build_schedule as build_schedule
+from fshard.sched.registry import resolve_name as resolve_name
 from fshard.sched.simulate import SimReport as SimReport
 from fshard.sched.simulate import Span as Span
 from fshard.sched.simulate import simulate as simulate
@@ -47,6 +49,7 @@ __all__ = [
     "StepStats",
     "add_reduce_grad",
     "add_unshard_reshard",
+    "build_schedule",
     "dualpipev",
     "gpipe",
     "interleaved_1f1b",
@@ -55,6 +58,7 @@ __all__ = [
     "one_f_one_b",
     "pipeline_step",
     "plot",
+    "resolve_name",
     "simulate",
     "stage_to_rank",
     "timeline",

@@ -8,106 +8,22 @@
     python -m fshard.sched --list
 
 It prints the per-rank grid of actions, then the simulated makespan, the bubble and the
-peak activation memory per rank. The name table :data:`GENERATORS` and
-:func:`build_schedule` are importable, so scripts take the same names as this command
-(``examples/train_lm.py --schedule 1f1b``).
+peak activation memory per rank. The names are :mod:`fshard.sched.registry`'s, so scripts
+take the same names as this command (``examples/train_lm.py --schedule 1f1b``).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
-from fshard.sched.generators import (
-    dualpipev,
-    gpipe,
-    interleaved_1f1b,
-    looped_bfs,
-    one_f_one_b,
-    zbv,
-    zero_bubble,
-)
-from fshard.sched.greedy import zb_h2
 from fshard.sched.ir import Schedule
 from fshard.sched.lower import lower
+from fshard.sched.registry import ALIASES, GENERATORS, build_schedule, choices, resolve_name
 from fshard.sched.simulate import simulate
 
 __all__ = ["ALIASES", "GENERATORS", "build_schedule", "main", "resolve_name"]
-
-# Canonical name -> generator ``(n_ranks, n_microbatches, *, n_virtual) -> Schedule``.
-GENERATORS: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "one_f_one_b": one_f_one_b,
-    "interleaved_1f1b": interleaved_1f1b,
-    "looped_bfs": looped_bfs,
-    "zero_bubble": zero_bubble,
-    "zb_h2": zb_h2,
-    "zbv": zbv,
-    "dualpipev": dualpipev,
-}
-
-# Short names people type (and the names the generators print in their grids).
-ALIASES: dict[str, str] = {
-    "1f1b": "one_f_one_b",
-    "pipedream": "one_f_one_b",
-    "interleaved": "interleaved_1f1b",
-    "i1f1b": "interleaved_1f1b",
-    "bfs": "looped_bfs",
-    "zb": "zero_bubble",
-    "zbh1": "zero_bubble",
-    "zb_h1": "zero_bubble",
-    "interleaved_zb": "zero_bubble",
-    "zbh2": "zb_h2",
-    "dualpipe": "dualpipev",
-}
-
-# An alias that names a variant also fixes its default stages per rank.
-_ALIAS_VIRTUAL: dict[str, int] = {"interleaved_zb": 2}
-
-
-def resolve_name(name: str) -> str:
-    """Returns the canonical generator name for ``name`` (case, ``-`` and ``_`` ignored).
-
-    Raises:
-      ValueError: an unknown name; the message lists every accepted name.
-    """
-    return ALIASES.get(_known(name), _known(name))
-
-
-def _known(name: str) -> str:
-    key = name.strip().lower().replace("-", "_")
-    for known in [*GENERATORS, *ALIASES]:
-        if key == known or key.replace("_", "") == known.replace("_", ""):
-            return known
-    raise ValueError(f"unknown schedule {name!r}; choose one of {_choices()}")
-
-
-def _choices() -> str:
-    return ", ".join(sorted(GENERATORS) + sorted(ALIASES))
-
-
-def build_schedule(name: str, n_ranks: int, n_microbatches: int, *,
-                   n_virtual: int | None = None) -> Schedule:
-    """Builds schedule ``name`` (any name or alias of :data:`GENERATORS`).
-
-    Args:
-      name: e.g. ``"1f1b"``, ``"interleaved"``, ``"zbv"``.
-      n_ranks: pipeline ranks.
-      n_microbatches: microbatches per step.
-      n_virtual: stages per rank; ``None`` keeps the generator's default (1 for gpipe,
-        1f1b and zero_bubble, 2 for the interleaved and V schedules).
-
-    Returns:
-      The compute-only :class:`~fshard.sched.Schedule`.
-
-    Raises:
-      ValueError: unknown name, or sizes the generator rejects (its message says why).
-    """
-    gen = GENERATORS[resolve_name(name)]
-    n_virtual = n_virtual if n_virtual is not None else _ALIAS_VIRTUAL.get(_known(name))
-    kwargs = {} if n_virtual is None else {"n_virtual": n_virtual}
-    return gen(n_ranks, n_microbatches, **kwargs)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m fshard.sched",
         description="Print a pipeline schedule's per-rank grid, its simulated makespan, "
                     "bubble and peak activation memory; optionally plot its timeline.",
-        epilog=f"schedules: {_choices()}")
+        epilog=f"schedules: {choices()}")
     p.add_argument("schedule", nargs="?", help="schedule name or alias, e.g. 1f1b, gpipe, interleaved, zb, zbv, dualpipev")
     p.add_argument("--ranks", "-p", type=int, default=4, help="pipeline ranks (default 4)")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default 8)")
@@ -165,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.schedule is None:
         parser.print_usage(sys.stderr)
-        print(f"{parser.prog}: error: name a schedule: {_choices()}", file=sys.stderr)
+        print(f"{parser.prog}: error: name a schedule: {choices()}", file=sys.stderr)
         return 2
     try:
         schedule = build_schedule(args.schedule, args.ranks, args.microbatches, n_virtual=args.virtual)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fshard.sched.__main__ import ALIASES, GENERATORS, build_schedule, main, resolve_name
+from fshard.sched.__main__ import main
+from fshard.sched.registry import ALIASES, GENERATORS, build_schedule, resolve_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
