@@ -86,7 +86,7 @@ def simulated_bubble(machine: plan.Machine, layout: plan.Layout, model: plan.Mod
     I (:func:`fshard.plan.estimate.pipeline_transfer`); the time outside the schedule as
     the planner predicts it."""
     p2p, post = pipeline_transfer(machine, layout, model)
-    ops = p2p_counts(layout.build_schedule())
+    ops = p2p_counts(plan.layout_schedule(layout))
     host = [(ops[r][0] + ops[r][1]) * post / layout.microbatches for r in range(layout.pp)]
     with_host = [(f + h / 2, i + h / 2, w) for (f, i, w), h in zip(costs, host)]
     makespan, _ = simulate_pipeline(layout, with_host, p2p)
@@ -151,7 +151,7 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
 def _measured_costs(stats_by_rank: list[list], warmup: int, layout: plan.Layout, mesh_pp_rank: list[int]):
     """Per pp rank, (F, I, W) seconds per microbatch over its stages, from the stage spans;
     and the measured bubble (mean over ranks of the median over steps of 1 - busy / wall)."""
-    sch = layout.build_schedule()
+    sch = plan.layout_schedule(layout)
     v = sch.n_virtual
     per_pp: dict[int, list[tuple[float, float, float]]] = {}
     bubbles = []

@@ -30,8 +30,10 @@ only on ``--seed`` and ``s``, and every mesh starts from the same initial values
 loss curve is the same on every mesh (to rounding: ``--dtype float64`` agrees to 1e-9),
 and a checkpoint written on one mesh resumes exactly on any other.
 
-Top to bottom: command line, data, layout (the "plan"), the model per device, the train
-step, the pipeline step, checkpoints, sampling, output, and ``main``.
+The step itself is the library's (``fshard.recipes``: the layout's roles, the Transformer
+as a ``LayeredModel``, the train, pipeline and ``fs.jit`` steps); this file is the command
+line around it. Top to bottom: command line, data, optimizer, checkpoints, sampling,
+output, the planner, and ``main``.
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ from typing import Any, Callable, Sequence
 import attrs
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import fshard as fs
-from fshard import P
-from fshard.models import TransformerConfig, block, embed, head, transformer_apply, transformer_init
-from fshard.sched.registry import build_schedule, resolve_name
+from fshard.models import TransformerConfig, transformer_apply, transformer_init
+from fshard.parallel.layout import Layout, LayoutError
+from fshard.recipes import Injection, LayeredModel, NonFiniteError, Pipeline, Roles, TrainStep
+from fshard.recipes.roles import check_batch
+from fshard.recipes.step import init_params, make_jit_train_step, make_pipeline_step, make_train_step, param_order
+from fshard.sched.registry import resolve_name
 
 DATA = Path(__file__).resolve().parent / "data" / "kjv_shakespeare.txt"
 
@@ -65,8 +69,9 @@ AXES = ("pp", "dp", "fsdp", "tp")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-class ConfigError(ValueError):
-    """Flags that do not fit together (or this world size); reported without a traceback."""
+class ConfigError(LayoutError):
+    """Flags that do not fit together (or this world size); reported without a traceback, as
+    the recipes' own ``LayoutError`` is."""
 
 
 # ---------------------------------------------------------------------------
@@ -174,21 +179,15 @@ def parse_mesh(text: str | None, world_size: int) -> dict[str, int]:
     """
     if not text:
         return {"fsdp": world_size}
-    shape: dict[str, int] = {}
-    for item in text.split(","):
-        name, sep, size = item.strip().partition("=")
-        if not sep or not size.strip().isdigit() or int(size) < 1:
-            raise ConfigError(f"--mesh {text!r}: expected axis=size items like 'dp=2,fsdp=2', got {item!r}")
-        if name not in AXES:
-            raise ConfigError(f"--mesh {text!r}: unknown axis {name!r}; axes are {', '.join(AXES)}")
-        if name in shape:
-            raise ConfigError(f"--mesh {text!r}: axis {name!r} given twice")
-        shape[name] = int(size)
+    try:
+        shape = fs.parallel.layout.parse_mesh(text, AXES)
+    except LayoutError as e:
+        raise ConfigError(f"--mesh {e}") from None
     if math.prod(shape.values()) != world_size:
         n = math.prod(shape.values())
         raise ConfigError(f"--mesh {text}: the sizes multiply to {n}, but {world_size} rank(s) run this; "
                           f"launch {n} with `torchrun --nproc-per-node {n} examples/train_lm.py --mesh {text}`")
-    return {a: shape[a] for a in AXES if a in shape}
+    return shape
 
 
 # ---------------------------------------------------------------------------
@@ -248,279 +247,7 @@ def padded_vocab(n_chars: int, multiple: int = 64) -> int:
 
 
 # ---------------------------------------------------------------------------
-# Layout: which mesh axis does what
-# ---------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Plan:
-    """How the parameters and the batch are laid out on the mesh.
-
-    Attributes:
-      mesh: the named mesh.
-      shard_axis: the axis parameters are sharded over (FSDP), or None.
-      replicate_axis: the axis parameters are replicated over with gradients all-reduced
-        (DDP; with ``shard_axis`` that is HSDP), or None.
-      tp_axis: the tensor-parallel axis (Megatron: heads, MLP width and vocabulary split),
-        or None.
-      pp_axis: the pipeline axis (blocks split into stages), or None.
-      sequence_parallel: between TP regions, split activations over the sequence too.
-      data_axes: the axes the batch's rows are split over.
-      master_dtype: the dtype of the parameters and the optimizer state.
-      policy: mixed precision for the gathers and the compute (None: compute in master_dtype).
-      remat: recompute blocks in backward instead of keeping their activations.
-    """
-
-    mesh: fs.Mesh
-    shard_axis: str | None
-    replicate_axis: str | None
-    tp_axis: str | None
-    pp_axis: str | None
-    sequence_parallel: bool
-    data_axes: tuple[str, ...]
-    master_dtype: torch.dtype
-    policy: fs.Policy | None
-    remat: bool
-
-    @classmethod
-    def for_mesh(cls, mesh: fs.Mesh, *, compute_dtype: torch.dtype, master_dtype: torch.dtype,
-                 remat: bool, sequence_parallel: bool) -> "Plan":
-        axes = mesh.axis_names
-        # Only dp: parameters replicated (DDP). fsdp, alone or with dp (HSDP): sharded.
-        shard = "fsdp" if "fsdp" in axes else None
-        replicate = "dp" if "dp" in axes else None
-        tp = "tp" if "tp" in axes else None
-        pp = "pp" if "pp" in axes else None
-        if sequence_parallel and tp is None:
-            raise ConfigError("--sequence-parallel needs a tp axis in --mesh")
-        data = tuple(a for a in ("dp", "fsdp") if a in axes)  # tp ranks share their rows
-        policy = None
-        if compute_dtype != master_dtype:
-            # Gather and compute in bf16, reduce gradients in the masters' precision.
-            policy = fs.Policy(param_dtype=compute_dtype, reduce_dtype=master_dtype)
-        return cls(mesh, shard, replicate, tp, pp, sequence_parallel, data, master_dtype, policy, remat)
-
-    def group_axes(self, acc: fs.parallel.GradAccumulator | None = None, sync: bool = True) -> dict[str, Any]:
-        """The keyword arguments of ``gather_params`` and ``scan_layers``."""
-        return dict(axis=self.shard_axis, replicate_axis=self.replicate_axis, policy=self.policy,
-                    accumulate=acc, sync=sync)
-
-    def param_specs(self, params: Any) -> Any:
-        """One ``P`` per parameter.
-
-        FSDP shards dim 0 (uneven sizes are padded); DDP replicates; TP splits the
-        Megatron way (wq/wk/wv/w1 by rows, wo/w2 by columns, embeddings by vocabulary),
-        with FSDP on dim 0 as the minor split.
-        """
-        if self.tp_axis is not None:
-            return fs.parallel.tp_specs(params, fs.parallel.TRANSFORMER_TP_PLAN, self.tp_axis,
-                                        fsdp_axis=self.shard_axis)
-        if self.shard_axis is not None:
-            return fs.parallel.fsdp_specs(params, self.shard_axis)
-        return fs.parallel.replicate_specs(params)
-
-    @property
-    def batch_spec(self) -> fs.PartitionSpec:
-        """Rows of the batch split over every data axis."""
-        return P(self.data_axes)
-
-
-def check_batch(batch_size: int, microbatches: int, mesh: fs.Mesh, plan: Plan) -> None:
-    """Every microbatch must split evenly over the data-parallel ranks.
-
-    Raises:
-      ConfigError: naming the batch, the microbatches and the data ranks.
-    """
-    n_data = mesh.axis_size(plan.data_axes) if plan.data_axes else 1
-    if batch_size % (microbatches * n_data):
-        raise ConfigError(
-            f"--batch-size {batch_size} must be a multiple of {microbatches} microbatches "
-            f"x {n_data} data-parallel ranks ({' x '.join(plan.data_axes) or 'none'})")
-
-
-def init_params(cfg: TransformerConfig, plan: Plan, seed: int,
-                pipe: "Pipeline | None" = None) -> tuple[Any, Any]:
-    """The parameters of ``transformer_init(cfg, seed)``, built directly as shards.
-
-    With a pipeline, only this rank's stages are built.
-
-    Returns:
-      ``(params, specs)``: a pytree of DTensors equal, on every mesh, to the one-process
-      init; and their specs.
-    """
-    def init_fn(s: int) -> Any:
-        params = transformer_init(cfg, s, dtype=plan.master_dtype)
-        return params if pipe is None else pipe.keep_held(params)
-
-    with torch.device("meta"):  # shapes only, for the spec rules: no memory, no RNG
-        shapes = init_fn(seed)
-    specs = plan.param_specs(shapes)
-    return fs.init_sharded(init_fn, specs, plan.mesh, seed, uneven=True), specs
-
-
-# ---------------------------------------------------------------------------
-# The model on this layout, per device
-# ---------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Model:
-    """The Transformer's three pieces as this layout runs them on local shards.
-
-    Without tp they are ``fshard.models``' own ``embed``/``block``/``head``; with tp,
-    their Megatron versions from ``fshard.parallel``, which call the collectives over
-    tp by hand (an all-reduce after attention and after the MLP; the logits stay split
-    over the vocabulary and the loss is computed without gathering them).
-    """
-
-    cfg: TransformerConfig
-    tp_axis: str | None = None
-    sequence_parallel: bool = False
-
-    def embed(self, root: Any, tokens: torch.Tensor) -> torch.Tensor:
-        if self.tp_axis is None:
-            return embed(root, tokens, self.cfg)                                              # (b, T, D)
-        return fs.parallel.tp_embed(root, tokens, self.cfg, self.tp_axis, self.sequence_parallel)
-
-    def block(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_axis is None:
-            return block(layer, x, self.cfg)                                                  # (b, T, D)
-        return fs.parallel.tp_transformer_block(layer, x, self.cfg, self.tp_axis, self.sequence_parallel)
-
-    def logits(self, root: Any, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_axis is None:
-            return head(root, x, self.cfg)                                                    # (b, T, V)
-        return fs.parallel.tp_logits(root, x, self.cfg, self.tp_axis, self.sequence_parallel)  # (b, T, V/tp)
-
-    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean over this rank's rows, the softmax in at least fp32."""
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if self.tp_axis is None:
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return fs.parallel.vocab_parallel_cross_entropy(logits, targets, self.tp_axis,
-                                                        vocab_size=self.cfg.vocab_size)
-
-
-def per_device_loss(params: Any, tokens: torch.Tensor, targets: torch.Tensor,
-                    acc: fs.parallel.GradAccumulator | None, sync: bool, *,
-                    model: Model, plan: Plan) -> torch.Tensor:
-    """Mean next-character loss of the global batch, computed from this rank's rows.
-
-    Runs inside ``shard_map``: ``params`` are local shards and ``tokens``/``targets``
-    this rank's rows. The embeddings and head (the "root" group) are gathered once and
-    kept; each block is gathered just before use with the next one prefetched, and its
-    gradients are reduce-scattered as soon as backward produces them (or, with
-    ``sync=False``, summed into ``acc`` for one reduction at the last microbatch).
-    """
-    axes = plan.group_axes(acc, sync)
-    root = fs.parallel.gather_params({k: v for k, v in params.items() if k != "layers"}, **axes)
-    x = model.embed(root, tokens)                                                     # (b, T, D)
-    x = fs.parallel.scan_layers(model.block, params["layers"], x, remat=plan.remat, **axes)
-    loss = model.cross_entropy(model.logits(root, x), targets)
-    if not plan.data_axes:  # e.g. tp only: every rank holds the whole batch
-        return loss
-    return fs.lax.pmean(loss, plan.data_axes)  # every data rank holds the same number of rows
-
-
-# ---------------------------------------------------------------------------
-# Non-finite steps: a NaN or inf loss or gradient stops the run, or skips the step
-# ---------------------------------------------------------------------------
-
-
-class NonFiniteError(RuntimeError):
-    """A step's loss or gradients were NaN or infinite (and --skip-nonfinite was not given)."""
-
-
-@attrs.frozen
-class NonFinite:
-    """What was not finite in one step.
-
-    Attributes:
-      loss: the step's loss.
-      grad_norm: the global norm of its gradients.
-      leaf: the path of the first non-finite gradient in the parameter tree's order
-        (``layers.1.feed_forward.w2.weight``), or None when every gradient is finite.
-      rank: the lowest rank holding a non-finite part of that gradient.
-    """
-
-    loss: float
-    grad_norm: float
-    leaf: str | None
-    rank: int | None
-
-    def __str__(self) -> str:
-        finite = math.isfinite(self.loss)
-        text = f"the loss is finite ({self.loss:.4f})" if finite else f"the loss is {self.loss:g}"
-        if self.leaf is None:
-            return f"{text} and every gradient is finite (global norm {self.grad_norm:g})"
-        return f"{text} and the first non-finite gradient is '{self.leaf}' (on rank {self.rank})"
-
-
-def first_nonfinite(grads: Any, order: dict[str, int]) -> tuple[str | None, int | None]:
-    """The first gradient (in ``order``) with a NaN or inf on any rank, and the lowest such rank.
-
-    Collective over every rank: each looks at its own shards. Returns ``(None, None)``
-    when every gradient is finite.
-    """
-    paths, leaves, _ = fs.tree.zip_with_path(grads)
-    local_of = lambda g: g.to_local() if hasattr(g, "to_local") else g  # noqa: E731 (this rank's shard)
-    mine = [p for p, g in zip(paths, leaves) if isinstance(g, torch.Tensor) and not bool(torch.isfinite(local_of(g)).all())]
-    local = min(mine, key=lambda p: order.get(p, len(order))) if mine else None
-    found = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, local)
-    hits = sorted((order.get(p, len(order)), r, p) for r, p in enumerate(found) if p is not None)
-    return (hits[0][2], hits[0][1]) if hits else (None, None)
-
-
-@attrs.define
-class Injection:
-    """Testing aid (``--inject-nonfinite STEP[:WHERE[:VALUE]]``): a NaN or inf at one step.
-
-    ``where`` is ``"loss"`` (the loss is multiplied by the value before backward, so the
-    gradients follow) or a parameter path (one element of that gradient is set, on every
-    rank that holds part of it). ``current`` is set by the train loop to the step being
-    computed (counted from 1, as printed).
-    """
-
-    step: int = 0
-    where: str = "loss"
-    value: float = math.nan
-    current: int = 0
-
-    @classmethod
-    def parse(cls, text: str | None) -> "Injection":
-        """``"3"``, ``"3:loss:inf"``, ``"3:layers.0.attention.wq.weight"``; None: never."""
-        if text is None:
-            return cls()
-        step, _, rest = text.partition(":")
-        where, _, value = rest.partition(":")
-        if not step.isdigit() or int(step) < 1:
-            raise ValueError(f"{text!r}: STEP must be a step number >= 1")
-        if value not in ("", "nan", "inf", "-inf"):
-            raise ValueError(f"{text!r}: VALUE must be nan, inf or -inf")
-        return cls(int(step), where or "loss", float(value or "nan"))
-
-    @property
-    def active(self) -> bool:
-        return self.step > 0 and self.current == self.step
-
-    def loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.value if self.active and self.where == "loss" else loss
-
-    def grads(self, grads: Any) -> Any:
-        if self.active and self.where != "loss":
-            for path, g in zip(*fs.tree.zip_with_path(grads)[:2]):
-                local = g.to_local() if hasattr(g, "to_local") else g
-                if path == self.where and local.numel():
-                    with torch.no_grad():
-                        local[(0,) * local.dim()] = self.value
-        return grads
-
-
-# ---------------------------------------------------------------------------
-# Optimizer and train step
+# Optimizer
 # ---------------------------------------------------------------------------
 
 
@@ -534,299 +261,6 @@ def lr_schedule(args: argparse.Namespace) -> fs.optim.Schedule:
 def make_optimizer(args: argparse.Namespace) -> fs.optim.GradientTransformation:
     """AdamW on the schedule above; its state is sharded exactly like the parameters."""
     return fs.optim.adamw(lr_schedule(args), b1=0.9, b2=0.95, weight_decay=args.weight_decay)
-
-
-def global_norm(grads: Any, plan: Plan) -> float:
-    """The norm of all gradients, as if every DTensor were gathered (the same on every rank).
-
-    With a pipeline each pp rank holds other layers, so their squared norms are added
-    over pp (``sum_over``).
-    """
-    return float(fs.optim.global_norm(grads, sum_over=plan.pp_axis or ()))
-
-
-def clip_by_global_norm(grads: Any, max_norm: float, norm: float) -> Any:
-    """Scales the gradients by ``min(1, max_norm / (norm + 1e-6))``.
-
-    ``fs.optim.chain(fs.optim.clip_by_global_norm(max_norm, sum_over=...), adamw)`` does
-    the same inside the optimizer; here the norm is also wanted for the log and the
-    finiteness check. ``max_norm <= 0`` leaves them as they are.
-    """
-    if max_norm <= 0 or norm + 1e-6 <= max_norm:
-        return grads
-    coef = max_norm / (norm + 1e-6)
-    return fs.tree.tree_map(lambda g: g * coef, grads)
-
-
-# step(params, opt_state, tokens, targets) -> (params, opt_state, loss, grad_norm, non-finite report or None)
-TrainStep = Callable[[Any, Any, torch.Tensor, torch.Tensor],
-                     tuple[Any, Any, torch.Tensor, float, "NonFinite | None"]]
-
-
-def apply_gradients(params: Any, opt_state: Any, grads: Any, loss: torch.Tensor,
-                    opt: fs.optim.GradientTransformation, plan: Plan, max_norm: float,
-                    order: dict[str, int]) -> tuple[Any, Any, float, NonFinite | None]:
-    """Clip, then one optimizer step; nothing at all when the loss or a gradient is not finite.
-
-    The loss and the global norm are the same on every rank, so every rank takes the same
-    branch (a NaN or inf anywhere makes the norm non-finite).
-
-    Returns:
-      ``(params, opt_state, grad_norm, report)``: the report is None after an update; else
-      the params and state are the ones given, unchanged, and the report says what was
-      not finite.
-    """
-    norm = global_norm(grads, plan)
-    loss_value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
-    if not (math.isfinite(norm) and math.isfinite(loss_value)):
-        leaf, rank = first_nonfinite(grads, order)
-        return params, opt_state, norm, NonFinite(loss_value, norm, leaf, rank)
-    grads = clip_by_global_norm(grads, max_norm, norm)
-    with fs.optim.donate():  # the old params and state are not used again: update in place
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = fs.optim.apply_updates(params, updates)
-    return params, opt_state, norm, None
-
-
-def make_grad_fn(model: Model, plan: Plan, specs: Any,
-                 wrap_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[..., Any]:
-    """``grad_fn(params, tokens, targets, acc, sync) -> (loss, grads)`` on global values.
-
-    Args:
-      wrap_loss: applied to each rank's loss inside the body (the eager step's fault
-        injection); None: the loss as it is.
-    """
-    def loss_fn(params, tokens, targets, acc, sync):
-        loss = per_device_loss(params, tokens, targets, acc, sync, model=model, plan=plan)
-        return loss if wrap_loss is None else wrap_loss(loss)
-
-    # None in in_specs: the accumulator and the sync flag pass through as they are.
-    return fs.value_and_grad(fs.shard_map(
-        loss_fn, mesh=plan.mesh, in_specs=(specs, plan.batch_spec, plan.batch_spec, None, None), out_specs=P()))
-
-
-def microbatch_grads(grad_fn: Callable[..., Any], params: Any, tokens: torch.Tensor, targets: torch.Tensor,
-                     microbatches: int) -> tuple[torch.Tensor, Any]:
-    """The mean loss and gradients of the global batch ``(B, T)``, cut into ``microbatches`` slices.
-
-    The slices are the same on every mesh; their gradients are accumulated and only the
-    last slice reduces them, once, as FSDP2's ``set_requires_gradient_sync(False)`` would.
-    The eager step runs this loop as it is; ``fs.jit`` unrolls it into one graph.
-
-    Returns:
-      ``(loss, grads)``: the mean over the microbatches of each.
-    """
-    acc = fs.parallel.GradAccumulator() if microbatches > 1 else None
-    losses = []
-    for k, (tok, tgt) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
-        loss, grads = grad_fn(params, tok, tgt, acc, k == microbatches - 1)
-        losses.append(loss)
-    if microbatches > 1:  # the last call's gradients are the sum over the microbatches
-        grads = fs.tree.tree_map(lambda g: g / microbatches, grads)
-    return sum(losses) / microbatches, grads
-
-
-def make_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.GradientTransformation,
-                    microbatches: int, max_norm: float, inject: Injection, order: dict[str, int]) -> TrainStep:
-    """The train step on global values (DTensor params, the whole batch on every rank).
-
-    With ``microbatches > 1`` the gradients are accumulated over that many slices of the
-    batch (:func:`microbatch_grads`).
-    """
-    grad_fn = make_grad_fn(model, plan, specs, inject.loss)
-
-    def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = microbatch_grads(grad_fn, params, tokens, targets, microbatches)
-        params, opt_state, norm, bad = apply_gradients(params, opt_state, inject.grads(grads), loss, opt, plan,
-                                                       max_norm, order)
-        return params, opt_state, loss, norm, bad
-
-    return step
-
-
-def make_jit_train_step(model: Model, plan: Plan, specs: Any, opt: fs.optim.GradientTransformation,
-                        microbatches: int, max_norm: float, inject: Injection, order: dict[str, int],
-                        backend: str, pipe: Pipeline | None = None) -> TrainStep:
-    """``--jit``: :func:`make_train_step`'s step (with ``pipe``, :func:`make_pipeline_step`'s)
-    as one graph compiled by ``fs.jit``. A pipeline's point-to-point transfers run eagerly
-    in program order between compiled regions (``fshard/_jit_p2p.py``).
-
-    ``fs.jit`` traces without values, so what the eager step decides on the host moves:
-
-    - clipping multiplies by ``min(1, max_norm / (norm + 1e-6))`` computed in float64
-      tensors (the eager step's Python floats, so the same values), also when it is 1;
-    - the graph always updates; the host then reads the loss and the norm it returned,
-      and for a non-finite step keeps the params and state it had and runs that step
-      eagerly, which reports the first non-finite gradient (and does not update);
-    - a step with an injected fault (``--inject-nonfinite``, host-side Python) runs eagerly.
-
-    The graph does not update in place (no ``fs.optim.donate()``): the old params must
-    survive a non-finite step.
-
-    Gradient accumulation (``microbatches > 1``) is the eager step's loop, unrolled in the
-    graph: one trace holds every microbatch's forward and backward and the one reduction.
-    """
-    if pipe is not None:
-        eager = make_pipeline_step(model, plan, pipe, opt, max_norm, inject, order)
-        grads_of = make_pipeline_grads(model, plan, pipe, Injection())  # a fault step runs eagerly
-    else:
-        eager = make_train_step(model, plan, specs, opt, microbatches, max_norm, inject, order)
-        grad_fn = make_grad_fn(model, plan, specs)
-
-        def grads_of(params, tokens, targets):
-            return microbatch_grads(grad_fn, params, tokens, targets, microbatches)
-
-    def compiled(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = grads_of(params, tokens, targets)
-        # With a pipeline each pp rank holds other layers: their squared norms add over pp.
-        norm = fs.optim.global_norm(grads, sum_over=plan.pp_axis or ())
-        if max_norm > 0:
-            # Float64 tensors, and max_norm divided (not multiplied by a reciprocal, as
-            # `float / tensor` would): the eager step's Python arithmetic, bit for bit.
-            wide = norm.to(torch.float64)
-            coef = torch.clamp(torch.full((), max_norm, dtype=torch.float64).div(wide + 1e-6), max=1.0)
-            grads = fs.tree.tree_map(lambda g: g * coef, grads)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return fs.optim.apply_updates(params, updates), opt_state, loss, norm
-
-    jitted = fs.jit(compiled, backend=None if backend == "none" else backend)
-
-    def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        if inject.active:
-            return eager(params, opt_state, tokens, targets)
-        new_params, new_state, loss, norm = jitted(params, opt_state, tokens, targets)
-        norm_value = float(norm)
-        loss_value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
-        if not (math.isfinite(norm_value) and math.isfinite(loss_value)):
-            return eager(params, opt_state, tokens, targets)  # no update, and the report
-        return new_params, new_state, loss, norm_value, None
-
-    return step
-
-
-# ---------------------------------------------------------------------------
-# Pipeline parallelism: the layers cut into stages, run by a schedule
-# ---------------------------------------------------------------------------
-
-EMBED_KEYS = ("tok_embeddings", "pos_embeddings")  # the first stage's root parameters
-HEAD_KEYS = ("norm", "output")                      # the last stage's
-
-
-@attrs.frozen
-class Pipeline:
-    """Which blocks each pipeline stage holds, and the schedule that runs the stages.
-
-    Attributes:
-      schedule: an ``fs.sched`` schedule for the pp ranks and ``--microbatches``.
-      layers: per stage, the global indices of its blocks (contiguous, as even as possible).
-      rank: this rank's index on the pp axis.
-    """
-
-    schedule: fs.sched.Schedule
-    layers: tuple[tuple[int, ...], ...]
-    rank: int
-
-    @classmethod
-    def build(cls, name: str, mesh: fs.Mesh, n_layers: int, microbatches: int,
-              n_virtual: int | None) -> "Pipeline":
-        """Raises ConfigError: an unknown schedule, sizes it rejects, or fewer blocks than stages."""
-        try:
-            schedule = build_schedule(name, mesh.shape["pp"], microbatches, n_virtual=n_virtual)
-        except ValueError as e:  # the generator's message names the rule
-            raise ConfigError(f"--schedule {name}: {e}") from None
-        n = schedule.n_stages
-        if n_layers < n:
-            raise ConfigError(f"--schedule {name} on pp={mesh.shape['pp']} has {n} stages "
-                             f"({schedule.n_virtual} per rank) but the model has --layers {n_layers}; "
-                             f"give it at least {n} layers")
-        cuts = [s * n_layers // n for s in range(n + 1)]
-        return cls(schedule, tuple(tuple(range(cuts[s], cuts[s + 1])) for s in range(n)),
-                   mesh.axis_index("pp"))
-
-    def root_keys(self, stage: int) -> tuple[str, ...]:
-        last = self.schedule.n_stages - 1
-        return (EMBED_KEYS if stage == 0 else ()) + (HEAD_KEYS if stage == last else ())
-
-    def keep_held(self, params: Any) -> dict[str, Any]:
-        """This rank's part of the model's tree: the blocks and root groups of its stages.
-
-        Blocks keep their global index as key (``layers.5``), so a checkpoint written on a
-        pipeline has the same names as one written without, and either loads the other.
-        """
-        held = self.schedule.stages_of(self.rank)
-        out: dict[str, Any] = {k: params[k] for s in held for k in self.root_keys(s)}
-        out["layers"] = {str(i): params["layers"][i] for s in held for i in self.layers[s]}
-        return out
-
-    def split(self, held: dict[str, Any]) -> list[Any]:
-        """The held tree as ``pipeline_step``'s ``stage_params``: one entry per stage, None elsewhere."""
-        mine = self.schedule.stages_of(self.rank)
-        return [{**{k: held[k] for k in self.root_keys(s)},
-                 "layers": {str(i): held["layers"][str(i)] for i in self.layers[s]}} if s in mine else None
-                for s in range(self.schedule.n_stages)]
-
-    def merge(self, per_stage: Sequence[Any]) -> dict[str, Any]:
-        """The inverse of :meth:`split` (e.g. for the gradients ``pipeline_step`` returns)."""
-        out: dict[str, Any] = {"layers": {}}
-        for entry in per_stage:
-            if entry is not None:
-                out.update({k: v for k, v in entry.items() if k != "layers"})
-                out["layers"].update(entry["layers"])
-        return out
-
-
-def make_pipeline_step(model: Model, plan: Plan, pipe: Pipeline, opt: fs.optim.GradientTransformation,
-                       max_norm: float, inject: Injection, order: dict[str, int]) -> TrainStep:
-    """The train step with the layers spread over the pp axis: ``fs.sched.pipeline_step``.
-
-    Every rank runs its row of the schedule: forward and backward of its stages for each
-    microbatch, activations and their gradients sent to the neighbouring stages. Inside
-    a stage the blocks run as without a pipeline (TP collectives included). FSDP is the
-    executor's (``fsdp=StageFSDP``): each stage's shards are gathered in one flat
-    all-gather per step, kept over the microbatches, and their gradients reduce-scattered
-    once per step (then all-reduced over dp for HSDP).
-    """
-    pipeline_grads = make_pipeline_grads(model, plan, pipe, inject)
-
-    def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = pipeline_grads(params, tokens, targets)
-        params, opt_state, norm, bad = apply_gradients(params, opt_state, inject.grads(grads), loss,
-                                                       opt, plan, max_norm, order)
-        return params, opt_state, loss, norm, bad
-
-    return step
-
-
-def make_pipeline_grads(model: Model, plan: Plan, pipe: Pipeline,
-                        inject: Injection) -> Callable[..., tuple[torch.Tensor, Any]]:
-    """``pipeline_grads(params, tokens, targets) -> (loss, grads)``: this rank's held tree in,
-    its gradients (the same tree) out, through ``fs.sched.pipeline_step``."""
-    last = pipe.schedule.n_stages - 1
-    fsdp = None if plan.shard_axis is None else fs.sched.StageFSDP(plan.shard_axis, policy=plan.policy)
-    dtype = None if plan.policy is None else plan.policy.param_dtype
-
-    def stage_fn(params: Any, x: torch.Tensor, stage: int) -> torch.Tensor:
-        if dtype is not None:  # gathered leaves already are; replicated ones (no fsdp) not
-            params = fs.tree.tree_map(lambda t: t.to(dtype), params)
-        if stage == 0:  # x: token ids
-            x = model.embed(params, x)                                                      # (b, T, D)
-        block_fn = fs.remat(model.block) if plan.remat else model.block
-        for i in pipe.layers[stage]:
-            x = block_fn(params["layers"][str(i)], x)                                       # (b, T, D)
-        if stage == last:
-            x = model.logits(params, x)                                                     # (b, T, V[/tp])
-        return x
-
-    def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return inject.loss(model.cross_entropy(output, targets))
-
-    def pipeline_grads(params: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = fs.sched.pipeline_step(stage_fn, loss_fn, pipe.split(params),
-                                             (tokens, targets), schedule=pipe.schedule, mesh=plan.mesh,
-                                             axis="pp", data_axes=plan.data_axes, fsdp=fsdp)
-        return loss, pipe.merge(grads)
-
-    return pipeline_grads
 
 
 # ---------------------------------------------------------------------------
@@ -985,10 +419,10 @@ def plan_machine(args: argparse.Namespace, world: int, cfg: TransformerConfig | 
     return machine
 
 
-def plan_layout(args: argparse.Namespace, shape: dict[str, int], microbatches: int) -> fs.plan.Layout:
-    return fs.plan.Layout(shape, batch=args.batch_size, microbatches=microbatches, schedule=args.schedule,
-                          virtual=args.virtual, remat=args.remat, sequence_parallel=args.sequence_parallel,
-                          dtype=args.dtype)
+def plan_layout(args: argparse.Namespace, shape: dict[str, int], microbatches: int) -> Layout:
+    """The flags as an ``fs.parallel.Layout`` (the recipes', the planner's)."""
+    return Layout(shape, batch=args.batch_size, microbatches=microbatches, schedule=args.schedule,
+                  virtual=args.virtual, remat=args.remat, sequence_parallel=args.sequence_parallel, dtype=args.dtype)
 
 
 def choose_layout(args: argparse.Namespace, world: int, corpus: CharCorpus) -> None:
@@ -1001,7 +435,7 @@ def choose_layout(args: argparse.Namespace, world: int, corpus: CharCorpus) -> N
         raise ConfigError(f"--mesh auto: no layout of {world} rank(s) fits --batch-size {args.batch_size} "
                           f"in {machine.memory_bytes / 2**30:.1f} GiB per rank")
     lay = found.best.layout
-    args.mesh = ",".join(f"{a}={n}" for a, n in lay.mesh.items() if a in AXES)
+    args.mesh = ",".join(f"{a}={n}" for a, n in lay.shape.items() if a in AXES)
     args.microbatches, args.remat, args.sequence_parallel = lay.microbatches, lay.remat, lay.sequence_parallel
     args.schedule, args.virtual = lay.schedule, lay.virtual
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -1086,23 +520,22 @@ def model_config(args: argparse.Namespace, corpus: CharCorpus) -> TransformerCon
 
 
 def configure(args: argparse.Namespace, mesh: fs.Mesh,
-              corpus: CharCorpus) -> tuple[TransformerConfig, Plan, Model, Pipeline | None, int]:
-    """The model's shapes and this run's layout: ``(cfg, plan, model, pipeline or None, microbatches)``.
+              corpus: CharCorpus) -> tuple[TransformerConfig, Roles, LayeredModel, Pipeline | None, int]:
+    """The model's shapes and this run's layout: ``(cfg, roles, model, pipeline or None, microbatches)``.
 
     Raises:
-      ConfigError: flags that do not fit together or this mesh.
+      LayoutError: flags that do not fit together or this mesh.
     """
     cfg = model_config(args, corpus)
-    compute_dtype = DTYPES[args.dtype]
-    master_dtype = torch.float32 if compute_dtype == torch.bfloat16 else compute_dtype  # bf16: fp32 masters
-    plan = Plan.for_mesh(mesh, compute_dtype=compute_dtype, master_dtype=master_dtype, remat=args.remat,
-                         sequence_parallel=args.sequence_parallel)
-    if plan.tp_axis and cfg.n_heads % mesh.shape["tp"]:
-        raise ConfigError(f"--heads {cfg.n_heads} must be divisible by tp={mesh.shape['tp']} (whole heads per rank)")
-    microbatches = args.microbatches or (2 * mesh.shape["pp"] if plan.pp_axis else 1)
-    check_batch(args.batch_size, microbatches, mesh, plan)
-    pipe = Pipeline.build(args.schedule, mesh, cfg.n_layers, microbatches, args.virtual) if plan.pp_axis else None
-    return cfg, plan, Model(cfg, plan.tp_axis, plan.sequence_parallel), pipe, microbatches
+    microbatches = args.microbatches or (2 * mesh.shape["pp"] if "pp" in mesh.shape else 1)
+    layout = plan_layout(args, dict(mesh.shape), microbatches)
+    layout.validate()
+    roles = Roles.of(layout, mesh)  # the mesh keeps size-1 axes (--mesh fsdp=1,tp=2): their roles too
+    model = fs.recipes.transformer(cfg)(roles)
+    check_batch(args.batch_size, microbatches, mesh, roles)
+    pipe = (Pipeline.build(args.schedule, mesh, cfg.n_layers, microbatches, args.virtual, model)
+            if roles.pp_axis else None)
+    return cfg, roles, model, pipe, microbatches
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -1121,9 +554,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     say = print if rank0 and not args.quiet else (lambda *a, **k: None)
 
     corpus = CharCorpus.load(args.data)
-    cfg, plan, model, pipe, microbatches = configure(args, mesh, corpus)
+    cfg, roles, model, pipe, microbatches = configure(args, mesh, corpus)
 
-    params, specs = init_params(cfg, plan, args.seed, pipe)
+    params, specs = init_params(model, roles, args.seed, pipe)
     opt = make_optimizer(args)
     opt_state = opt.init(params)
     start = 0
@@ -1132,10 +565,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         say(f"resumed from {args.checkpoint_dir} at step {start}")
     elif args.resume:
         say(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
+    order = param_order(model)  # "the first" non-finite gradient: in this order
+    paths = list(order)
     with torch.device("meta"):
-        paths, shapes, _ = fs.tree.zip_with_path(transformer_init(cfg, 0))
-    n_params = sum(x.numel() for x in shapes)
-    order = {p: i for i, p in enumerate(paths)}  # "the first" non-finite gradient: in this order
+        n_params = sum(x.numel() for x in fs.tree.leaves(transformer_init(cfg, 0)))
     inject = args.inject_nonfinite
     if inject.where != "loss" and inject.where not in order:
         raise ConfigError(f"--inject-nonfinite: no parameter {inject.where!r}; parameters are e.g. "
@@ -1143,15 +576,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     say(f"mesh {dict(mesh.shape)} on {world} rank(s), {args.dtype}; {n_params:,} parameters; "
         f"{len(corpus.ids):,} characters, vocabulary {corpus.vocab_size}")
     if args.jit:
-        step_fn = make_jit_train_step(model, plan, specs, opt, microbatches, args.grad_clip, inject, order,
+        step_fn = make_jit_train_step(model, roles, specs, opt, microbatches, args.grad_clip, inject, order,
                                       args.jit, pipe)
         say(f"fs.jit (backend {args.jit}): the first step traces and compiles the train step")
     elif pipe is not None:
         say(f"pipeline: schedule {pipe.schedule.name!r}, {pipe.schedule.n_stages} stages, "
             f"{microbatches} microbatches; blocks per stage {[list(b) for b in pipe.layers]}")
-        step_fn = make_pipeline_step(model, plan, pipe, opt, args.grad_clip, inject, order)
+        step_fn = make_pipeline_step(model, roles, pipe, opt, args.grad_clip, inject, order)
     else:
-        step_fn = make_train_step(model, plan, specs, opt, microbatches, args.grad_clip, inject, order)
+        step_fn = make_train_step(model, roles, specs, opt, microbatches, args.grad_clip, inject, order)
     probe = fs.plan.StepProbe(warmup=min(2, args.steps // 3)) if (args.log_json or auto) else None
     step_fn = probe.wrap(step_fn) if probe is not None else step_fn  # one step's peak memory, profiled
     end = min(args.steps, args.stop_at) if args.stop_at is not None else args.steps
@@ -1185,12 +618,12 @@ if __name__ == "__main__":
 
     try:
         main()
-    except (ConfigError, NonFiniteError, fs.checkpoint.CheckpointError) as e:
+    except (LayoutError, NonFiniteError, fs.checkpoint.CheckpointError) as e:
         # Every rank raises these alike (the checkpoint's checks agree across ranks), so
         # one line from rank 0 says it all.
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"train_lm.py: error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, ConfigError) else 1)
+        sys.exit(2 if isinstance(e, LayoutError) else 1)
     except Exception as e:
         # Under torchrun, the error file puts this traceback in its report (what @record
         # does). Not for a rank that only lost a peer: torchrun stops such ranks with

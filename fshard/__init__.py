@@ -31,6 +31,7 @@ from fshard import nn as nn
 from fshard import optim as optim
 from fshard import parallel as parallel
 from fshard import plan as plan
+from fshard import recipes as recipes
 from fshard import runtime as runtime
 from fshard import sched as sched
 from fshard.comm import comm_log as comm_log

@@ -124,7 +124,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{SCEN}::test_scenario14_fsdp_accumulation_reduces_once",),
         "the sync=True microbatch reduces only its own gradient, not the accumulated ones"),
     Mutation(
-        "uneven_rows_rounded_down", "fshard/parallel/layout.py",
+        "uneven_rows_rounded_down", "fshard/parallel/flat.py",
         "if span else -(-shape[d] // n) if shape else 1", "if span else shape[d] // n if shape else 1",
         (f"{B}::test_fsdp_on_dim_1_and_uneven_dims", f"{SCEN}::test_scenario1_uneven_mlp_shards"),
         "uneven shards are not padded to ceil(N / n) rows in the flat buffer"),

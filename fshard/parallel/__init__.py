@@ -27,3 +27,5 @@ __all__ += ["FSDPApply", "fsdp_apply"]
 from fshard.parallel.module_tp import HF_GPT2_TP_PLAN as HF_GPT2_TP_PLAN, HF_LLAMA_TP_PLAN as HF_LLAMA_TP_PLAN
 from fshard.parallel.module_tp import TPApply as TPApply, tp_apply as tp_apply
 __all__ += ["HF_GPT2_TP_PLAN", "HF_LLAMA_TP_PLAN", "TPApply", "tp_apply"]
+from fshard.parallel.layout import Layout as Layout, LayoutError as LayoutError
+__all__ += ["Layout", "LayoutError"]

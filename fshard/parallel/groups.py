@@ -10,7 +10,7 @@ backward : full grads -> ``reduce_dtype`` -> pad -> one reduce-scatter over the 
            axis (sum) -> one all-reduce over the replicate axis (HSDP/DDP) -> shards
 
 The transpose is the one ``fs.lax.all_gather`` has (psum_scatter), just flattened over
-many tensors and padded for uneven shards (the flat layout: :mod:`fshard.parallel.layout`).
+many tensors and padded for uneven shards (the flat layout: :mod:`fshard.parallel.flat`).
 With no shard axis the forward is the identity and backward only all-reduces
 (replicate / DDP).
 
@@ -40,8 +40,8 @@ import attrs
 import torch
 
 from fshard import comm, lax
-from fshard.parallel import layout
-from fshard.parallel.layout import GroupLayout
+from fshard.parallel import flat as layout
+from fshard.parallel.flat import GroupLayout
 from fshard.transforms.policy import Policy
 
 __all__ = ["GroupLayout", "Groups"]

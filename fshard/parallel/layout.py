@@ -1,246 +1,230 @@
-"""The flat buffer of a parameter group: its layout, and packing and unpacking it.
+"""``Layout``: the one description of how a training step uses the devices.
 
-One group's leaves travel as one flat buffer. Per leaf, this rank's shard is moved so
-that its sharded dim is first, padded to ``ceil(N / n)`` rows (uneven ``torch.chunk``
-shards, as FSDP2 and DTensor cut them; over several axes, the blocks ``fs.shard`` cuts
-per axis: see :attr:`GroupLayout.spans`), cast, flattened and concatenated; the
-all-gather of those buffers, rank-major, unflattens into the full parameters, and full
-gradients flatten the same way for the reduce-scatter. :mod:`fshard.parallel.groups`
-runs the collectives; this module only computes.
+A layout names the mesh's axes by role and size (``pp``, ``dp``, ``fsdp``, ``ep``, ``tp``),
+the global batch, the microbatches (pipeline microbatches with ``pp``, else gradient
+accumulation), the pipeline schedule, remat, FSDP's reshard-after-forward, prefetch and
+offload, sequence parallelism and the compute dtype. ``fs.plan`` searches over layouts and
+returns them, ``examples/train_lm.py`` builds one from its flags (:meth:`Layout.parse`
+reads ``--mesh``), and :meth:`Layout.mesh` makes the mesh it runs on.
+
+Roles are fshard's: ``fsdp`` shards parameters (``fs.parallel.scan_layers`` per block plus
+one root group, or ``fs.sched.StageFSDP`` per pipeline stage), ``dp`` replicates them (DDP,
+or HSDP with ``fsdp``), ``tp`` is Megatron's tensor parallelism, ``ep`` holds experts, ``pp``
+cuts the blocks into contiguous stages run by ``fs.sched.pipeline_step``; the batch's rows
+split over ``dp``, ``fsdp`` and ``ep``. A new parallelism adds its axis to :data:`AXES` (at
+its place in the rank order) and, if it splits the batch's rows, to :data:`DATA_AXES`.
+
+What needs a model or a schedule (heads that ``tp`` must divide, stages per block) is
+checked by ``fs.plan.check_layout``: this module imports neither.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
-from typing import Sequence
+import math
+from typing import Any, Mapping, Sequence
 
 import attrs
-import torch
 
-from fshard.transforms.shard_map import global_shape, input_spec
+__all__ = ["AXES", "DATA_AXES", "DTYPES", "Layout", "LayoutError", "parse_mesh"]
 
-__all__ = ["GroupLayout", "flatten", "flatten_grads", "gathered_shape", "grad_parts", "layout",
-           "to_compute", "to_host", "unflatten_full", "unflatten_shards"]
+# Outermost first: inner axes get the closest ranks (one node), where traffic is highest.
+AXES = ("pp", "dp", "fsdp", "ep", "tp")
+DATA_AXES = ("dp", "fsdp", "ep")
+# Compute dtypes; bfloat16 and float16 keep float32 masters.
+DTYPES = ("float32", "bfloat16", "float16", "float64", "float8")
+
+
+class LayoutError(ValueError):
+    """A layout that does not fit the model, the batch or the device count (the field is named)."""
+
+
+def parse_mesh(text: str, axes: Sequence[str] = AXES) -> dict[str, int]:
+    """``"tp=2,pp=2"`` -> ``{"pp": 2, "tp": 2}``: every axis among ``axes``, once, with an
+    integer size >= 1, in ``axes``' order (size-1 axes kept: a mesh may have them).
+
+    Raises:
+      LayoutError: quoting the text, naming the axis and the value, and what is allowed.
+    """
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        name, eq, size = (part.strip() for part in item.partition("="))
+        if not eq or not name:
+            raise LayoutError(f"{text!r}: expected axis=size items separated by commas (e.g. fsdp=4,tp=2), "
+                              f"got {item!r}")
+        if name not in axes:
+            raise LayoutError(f"{text!r}: unknown axis {name!r}; axes are {', '.join(axes)}")
+        if name in out:
+            raise LayoutError(f"{text!r}: axis {name!r} is given twice")
+        try:
+            value = int(size)
+        except ValueError:
+            raise LayoutError(f"{text!r}: axis {name!r} has size {size!r}; a size is an integer >= 1") from None
+        if value < 1:
+            raise LayoutError(f"{text!r}: axis {name!r} has size {value}; a size is an integer >= 1 "
+                              f"(1 leaves the axis out)")
+        out[name] = value
+    return {a: out[a] for a in axes if a in out}
+
+
+def _shape(value: Mapping[str, int]) -> dict[str, int]:
+    if not isinstance(value, Mapping):
+        raise LayoutError(f"Layout.mesh must be a mapping of axis -> size, got {value!r}")
+    for axis, size in value.items():
+        if axis not in AXES:
+            raise LayoutError(f"Layout.mesh: unknown axis {axis!r}; axes are {', '.join(AXES)}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise LayoutError(f"Layout.mesh[{axis!r}] must be an int >= 1, got {size!r}")
+    return {a: value[a] for a in AXES if a in value and value[a] > 1} or {"fsdp": 1}
 
 
 @attrs.frozen
-class GroupLayout:
-    """Static layout of one group's flat buffer on this rank.
+class Layout:
+    """One training step's use of the devices.
 
     Attributes:
-      shapes: global shape per leaf.
-      dims: the sharded dim per leaf.
-      rows: padded rows per rank per leaf (``ceil(N / n)``), along the sharded dim.
-      row_numel: elements per row (product of the other dims).
-      local_rows: rows this rank holds (may be fewer, even zero, for uneven shards).
-      spans: per leaf, ``None`` when rank ``g`` of the gather holds rows
-        ``[g * rows, (g + 1) * rows)`` (one ``torch.chunk``, the usual case), else the
-        ``(first row, row count)`` each rank of the gather holds, in the gather's rank
-        order: an uneven dim cut over several axes is cut once per axis (nested
-        ``torch.chunk``: 33 rows over 2 x 2 is 9, 8, 8, 8, not 9, 9, 9, 6), and a spec
-        whose axes are not in mesh order puts the blocks in another order.
+      shape: axis -> size (given as ``mesh=``, the first argument), axes among :data:`AXES`;
+        size-1 axes are dropped and the order is always :data:`AXES`'s.
+      batch: global batch, in samples (sequences).
+      microbatches: pipeline microbatches (with pp) or gradient-accumulation slices.
+      schedule: pipeline schedule name (``fs.sched``'s names; used with pp only).
+      virtual: pipeline stages per rank (None: the schedule's default).
+      remat: recompute each block in backward.
+      reshard: FSDP frees gathered parameters after forward and regathers in backward
+        (None: fshard's default, True for ``scan_layers``, False for pipeline stages).
+      sequence_parallel: with tp, split activations between TP regions over the sequence.
+      dtype: compute dtype (``"bfloat16"`` computes and gathers in bf16 over fp32 masters).
+      prefetch: FSDP gathers in flight ahead of the layer that runs.
+      offload: FSDP keeps the shards and the optimizer state in CPU memory.
     """
 
-    shapes: tuple[tuple[int, ...], ...]
-    dims: tuple[int, ...]
-    rows: tuple[int, ...]
-    row_numel: tuple[int, ...]
-    local_rows: tuple[int, ...]
-    spans: tuple[tuple[tuple[int, int], ...] | None, ...] = ()
+    shape: Mapping[str, int] = attrs.field(converter=_shape, alias="mesh")
+    batch: int
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual: int | None = None
+    remat: bool = False
+    reshard: bool | None = None
+    sequence_parallel: bool = False
+    dtype: str = "float32"
+    prefetch: int = 1
+    offload: bool = False
 
-    def span(self, k: int) -> tuple[tuple[int, int], ...] | None:
-        return self.spans[k] if self.spans else None
+    @classmethod
+    def parse(cls, text: str, **options: Any) -> "Layout":
+        """``Layout.parse("pp=2,fsdp=2", batch=16, ...)``: the mesh from :func:`parse_mesh`.
+
+        Raises:
+          LayoutError: as :func:`parse_mesh`, or a field the options give wrong.
+        """
+        return cls(parse_mesh(text), **options)
+
+    def mesh(self) -> Any:
+        """The ``fs.Mesh`` of :attr:`shape`, axes in :data:`AXES` order (collective: every rank calls it)."""
+        from fshard.mesh import make_mesh
+
+        return make_mesh(dict(self.shape))
+
+    def size(self, axis: str) -> int:
+        return self.shape.get(axis, 1)
 
     @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(r * e for r, e in zip(self.rows, self.row_numel))
+    def n_devices(self) -> int:
+        return math.prod(self.shape.values())
 
+    @property
+    def pp(self) -> int:
+        return self.size("pp")
 
-def gathered_shape(x: torch.Tensor, shard_axes: tuple[str, ...], mesh) -> tuple[int, ...] | None:
-    """The shape of ``x`` once gathered over ``shard_axes`` only (other axes stay split).
+    @property
+    def tp(self) -> int:
+        return self.size("tp")
 
-    With no ``shard_axes`` (replicate), that is ``x``'s local shape under the other axes
-    (e.g. a tensor-parallel shard).
+    @property
+    def fsdp(self) -> int:
+        return self.size("fsdp")
 
-    Raises:
-      ValueError: a dim splits over the shard axes and then over another axis: the
-        gathered rows would not be one block (put the FSDP axis last on that dim).
-    """
-    shape, spec = global_shape(x), input_spec(x)
-    if shape is None:
-        return None
-    if spec is None:
-        return tuple(shape)
-    out, coord = list(shape), mesh.coordinate()
-    for d in range(len(spec)):
-        # Size-1 axes split nothing, so their place in the order does not matter (and
-        # DTensor placements do not keep it).
-        axes = tuple(a for a in spec.dim_axes(d) if mesh.shape[a] > 1)
-        others = [a for a in axes if a not in shard_axes]
-        if tuple(axes[:len(others)]) != tuple(others):  # the gathered axes are not the minor ones
-            raise ValueError(
-                f"fs.parallel: dim {d} of a parameter with spec {spec} splits over {axes}; the "
-                f"gathered axes {shard_axes} must come last (minor) on that dim, e.g. "
-                f"P(({', '.join(repr(a) for a in others + list(shard_axes))},))."
-            )
-        for a in others:  # this rank's torch.chunk block, major to minor (as fs.shard cuts it)
-            c = -(-out[d] // mesh.shape[a])
-            lo = min(coord[a] * c, out[d])
-            out[d] = min(lo + c, out[d]) - lo
-    return tuple(out)
+    @property
+    def dp(self) -> int:
+        return self.size("dp")
 
+    @property
+    def ep(self) -> int:
+        return self.size("ep")
 
-def _spans(x: torch.Tensor, d: int, length: int, shard_axes: tuple[str, ...], mesh) -> tuple[tuple[int, int], ...] | None:
-    """The rows of dim ``d`` each rank of the gather over ``shard_axes`` holds (see
-    :attr:`GroupLayout.spans`); ``None`` when that is the plain ``torch.chunk`` layout."""
-    spec = input_spec(x)
-    # Size-1 axes cut nothing (and DTensor placements may drop them from the spec).
-    cutting = {a for a in shard_axes if mesh is not None and mesh.shape[a] > 1}
-    if spec is None or len(cutting) < 2 or d >= len(spec):
-        return None  # one cutting axis: always the plain torch.chunk layout
-    split = [a for a in spec.dim_axes(d) if a in cutting]  # major to minor, as fs.shard cuts
-    if set(split) != cutting:
-        return None
-    order = mesh.sub_axes_in_mesh_order(shard_axes)  # the gather's rank order (mesh.group)
-    spans = []
-    for coords in itertools.product(*(range(mesh.shape[a]) for a in order)):
-        at = dict(zip(order, coords))
-        lo, size = 0, length
-        for a in split:  # this rank's torch.chunk block of the block above it
-            c = -(-size // mesh.shape[a])
-            start = min(at[a] * c, size)
-            lo, size = lo + start, min(start + c, size) - start
-        spans.append((lo, size))
-    r = max(size for _, size in spans)
-    if all(lo == g * r and size == max(0, min(r, length - g * r)) for g, (lo, size) in enumerate(spans)):
-        return None
-    return tuple(spans)
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in DATA_AXES if a in self.shape)
 
+    @property
+    def n_data(self) -> int:
+        return math.prod(self.size(a) for a in DATA_AXES)
 
-def layout(leaves: Sequence[torch.Tensor], n: int, dims: Sequence[int], shard_axes=(), mesh=None) -> GroupLayout:
-    shapes, rows, numel, local_rows, spans = [], [], [], [], []
-    for x, d in zip(leaves, dims):
-        shape = gathered_shape(x, shard_axes, mesh) if mesh is not None else global_shape(x)
-        if shape is None and n == 1:
-            shape = tuple(x.shape)
-        if shape is None:
-            raise ValueError(
-                "fs.parallel: a group leaf is not a shard_map input, so its global shape is "
-                "unknown; pass parameters into the shard_map body as DTensors (fs.shard)."
-            )
-        shapes.append(tuple(shape))
-        span = _spans(x, d, shape[d], tuple(shard_axes), mesh) if shape and n > 1 else None
-        spans.append(span)
-        rows.append(max(size for _, size in span) if span else -(-shape[d] // n) if shape else 1)
-        numel.append(int(torch.Size(shape[:d] + shape[d + 1:]).numel()) if shape else 1)
-        local_rows.append(x.shape[d] if x.dim() else 1)
-    return GroupLayout(tuple(shapes), tuple(dims), tuple(rows), tuple(numel), tuple(local_rows), tuple(spans))
+    @property
+    def microbatch_size(self) -> int:
+        """Samples per microbatch on one data rank."""
+        return self.batch // (self.n_data * self.microbatches)
 
+    @property
+    def master_dtype(self) -> str:
+        return "float32" if self.dtype in ("bfloat16", "float16") else self.dtype
 
-def flatten(leaves: Sequence[torch.Tensor], lay: GroupLayout, dtype: torch.dtype | None,
-             pin: bool = False) -> torch.Tensor:
-    """Local shards -> one flat buffer (cast, padded to ``lay.rows``); pinned if ``pin``."""
-    parts = []
-    for x, d, r in zip(leaves, lay.dims, lay.rows):
-        x = x.detach()
-        if dtype is not None and x.is_floating_point():
-            x = x.to(dtype)
-        x = x.movedim(d, 0) if x.dim() else x.reshape(1)
-        if x.shape[0] < r:  # uneven shard: pad to the common row count
-            x = torch.cat([x, x.new_zeros(r - x.shape[0], *x.shape[1:])])
-        parts.append(x.reshape(-1))
-    if pin:
-        # Built straight into page-locked memory: only a copy from pinned memory to the GPU
-        # is asynchronous; from pageable memory the host would stall on a staging copy.
-        out_dtype = functools.reduce(torch.promote_types, (p.dtype for p in parts))
-        out = torch.empty(sum(p.numel() for p in parts), dtype=out_dtype, pin_memory=True)
-        return torch.cat(parts, out=out) if len(parts) > 1 else out.copy_(parts[0])
-    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+    @property
+    def resharding(self) -> bool:
+        """Whether gathered parameters are freed after forward (the default resolved)."""
+        if self.reshard is not None:
+            return self.reshard
+        return self.pp == 1
 
+    def stride(self, axis: str) -> int:
+        """Rank distance between neighbours on ``axis`` (product of the inner axes' sizes)."""
+        inner = AXES[AXES.index(axis) + 1:]
+        return math.prod(self.size(a) for a in inner)
 
-def to_compute(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An offloaded flat buffer -> the compute device (returned as is when already there).
+    def validate(self, n_devices: int | None = None) -> None:
+        """Checks what the layout alone decides (``fs.plan.check_layout`` adds a model's checks).
 
-    ``non_blocking``: from pinned memory the copy is queued on the current stream and the
-    host moves on; the all-gather issued next on that stream is ordered after it.
-    """
-    if flat.device == device:
-        return flat
-    return flat.to(device, non_blocking=True)
+        Raises:
+          LayoutError: naming the field and the sizes that do not fit.
+        """
+        if n_devices is not None and self.n_devices != n_devices:
+            raise LayoutError(f"Layout.mesh {dict(self.shape)} has {self.n_devices} devices, not {n_devices}")
+        if not isinstance(self.batch, int) or isinstance(self.batch, bool) or self.batch < 1:
+            raise LayoutError(f"Layout.batch must be an int >= 1, got {self.batch!r}")
+        if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:
+            raise LayoutError(f"Layout.microbatches must be an int >= 1, got {self.microbatches!r}")
+        if self.batch % (self.n_data * self.microbatches):
+            raise LayoutError(
+                f"Layout.batch {self.batch} must be a multiple of microbatches {self.microbatches} x "
+                f"data-parallel ranks {self.n_data} ({' x '.join(f'{a}={self.size(a)}' for a in DATA_AXES)})")
+        if self.dtype not in DTYPES:
+            raise LayoutError(f"Layout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError("Layout.sequence_parallel needs tp > 1")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise LayoutError(f"Layout.prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.virtual is not None and (not isinstance(self.virtual, int) or self.virtual < 1):
+            raise LayoutError(f"Layout.virtual must be an int >= 1 or None, got {self.virtual!r}")
 
+    def label(self) -> str:
+        """Short text: ``pp=2,fsdp=2 1f1b m=4 remat``."""
+        parts = [",".join(f"{a}={n}" for a, n in self.shape.items())]
+        if self.pp > 1:
+            v = f" v={self.virtual}" if self.virtual else ""
+            parts.append(f"{self.schedule}{v}")
+        if self.microbatches > 1:
+            parts.append(f"m={self.microbatches}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.remat:
+            parts.append("remat")
+        if self.reshard is not None and self.reshard != (self.pp == 1) and self.fsdp > 1:
+            parts.append("reshard" if self.reshard else "no-reshard")
+        if self.offload:
+            parts.append("offload")
+        if self.dtype != "float32":
+            parts.append(self.dtype)
+        return " ".join(parts)
 
-def to_host(flat: torch.Tensor) -> torch.Tensor:
-    """A reduced gradient buffer -> the CPU (pinned; the caller synchronizes before use).
-
-    The copy is queued without blocking so that every group's copy is in flight at once;
-    :meth:`Groups.collect_all` waits once for all of them before the host reads any.
-    """
-    if flat.device.type == "cpu":
-        return flat
-    out = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.device.type == "cuda")
-    return out.copy_(flat, non_blocking=True)
-
-
-def unflatten_full(out: torch.Tensor, n: int, lay: GroupLayout) -> list[torch.Tensor]:
-    """``out``: (n * F,) gathered buffer -> full tensors (global shapes)."""
-    out = out.view(n, -1)
-    fulls, off = [], 0
-    for k, (shape, d, r, e, size) in enumerate(zip(lay.shapes, lay.dims, lay.rows, lay.row_numel, lay.sizes)):
-        moved = (shape[d],) + shape[:d] + shape[d + 1:] if shape else (1,)
-        span = lay.span(k)
-        if span is None:
-            block = out[:, off:off + size].reshape(n * r, *moved[1:])[: moved[0]]
-        else:  # each rank's valid rows, put back in row order
-            blocks = out[:, off:off + size].reshape(n, r, *moved[1:])
-            block = torch.cat([blocks[g, :cnt] for g, (_, cnt) in sorted(enumerate(span), key=lambda t: t[1][0])])
-        full = block.movedim(0, d) if shape else block.reshape(())
-        fulls.append(full.contiguous() if not full.is_contiguous() else full)
-        off += size
-    return fulls
-
-
-def grad_parts(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout,
-                dtype: torch.dtype, device: torch.device | None = None) -> list[torch.Tensor]:
-    """Full grads -> per-leaf (n, rows * row_numel) blocks, padded, in ``dtype``.
-
-    A missing gradient becomes zeros on ``device`` (default: that of the other grads).
-    """
-    if device is None:
-        device = next((g.device for g in grads if g is not None), None)
-    parts = []
-    for k, (g, shape, d, r, e) in enumerate(zip(grads, lay.shapes, lay.dims, lay.rows, lay.row_numel)):
-        if g is None:
-            parts.append(torch.zeros(n, r * e, dtype=dtype, device=device))
-            continue
-        g = g.to(dtype)
-        g = g.movedim(d, 0) if g.dim() else g.reshape(1)
-        span = lay.span(k)
-        if span is not None:  # rank g's rows, each padded to r, in the gather's rank order
-            blocks = g.new_zeros(n, r, *g.shape[1:])
-            for rank, (lo, cnt) in enumerate(span):
-                blocks[rank, :cnt] = g[lo:lo + cnt]
-            parts.append(blocks.reshape(n, r * e))
-            continue
-        if g.shape[0] < n * r:
-            g = torch.cat([g, g.new_zeros(n * r - g.shape[0], *g.shape[1:])])
-        parts.append(g.reshape(n, r * e))
-    return parts
-
-
-def flatten_grads(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout,
-                   dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
-    """Full grads -> (n * F,) in rank-major order, padded, ready for reduce-scatter."""
-    parts = grad_parts(grads, n, lay, dtype, device)
-    return torch.cat(parts, dim=1).reshape(-1) if len(parts) > 1 else parts[0].reshape(-1)
-
-
-def unflatten_shards(flat: torch.Tensor, lay: GroupLayout, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, off = [], 0
-    for x, d, r, e, size, lr in zip(like, lay.dims, lay.rows, lay.row_numel, lay.sizes, lay.local_rows):
-        moved_shape = (x.shape[d],) + tuple(x.shape[:d]) + tuple(x.shape[d + 1:]) if x.dim() else (1,)
-        g = flat[off:off + size].view(r, *moved_shape[1:])[:lr]
-        g = g.movedim(0, d) if x.dim() else g.reshape(())
-        out.append(g.to(x.dtype).contiguous())
-        off += size
-    return out
+    def mesh_text(self) -> str:
+        """``"pp=2,fsdp=2"``: :attr:`shape` as :meth:`parse` reads it."""
+        return ",".join(f"{a}={n}" for a, n in self.shape.items())

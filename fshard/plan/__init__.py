@@ -26,6 +26,8 @@ from fshard.plan.estimate import pipeline_speedup as pipeline_speedup
 from fshard.plan.layout import AXES as AXES
 from fshard.plan.layout import Layout as Layout
 from fshard.plan.layout import LayoutError as LayoutError
+from fshard.plan.layout import check_layout as check_layout
+from fshard.plan.layout import layout_schedule as layout_schedule
 from fshard.plan.machine import MACHINES as MACHINES
 from fshard.plan.machine import Link as Link
 from fshard.plan.machine import Machine as Machine
@@ -48,7 +50,7 @@ from fshard.plan.search import search as search
 from fshard.plan.trace import Work as Work
 from fshard.plan.trace import trace_layer as trace_layer
 
-__all__ = ["AXES", "Collective", "DescriptionError", "Estimate", "LayerDesc", "Layout", "LayoutError", "Link",
+__all__ = ["AXES", "Collective", "DescriptionError", "Estimate", "LayerDesc", "Layout", "LayoutError", "Link", "check_layout", "layout_schedule",
            "MACHINES", "Machine", "ModelDesc", "PRESETS", "SearchResult", "StepProbe", "Work", "calibrate",
            "collective_time", "default_machine_path",
            "describe_llama", "describe_transformer", "estimate", "get_machine", "get_model", "load_machine",

@@ -20,6 +20,7 @@ import sys
 from typing import Sequence
 
 from fshard.plan.estimate import estimate
+from fshard.parallel.layout import parse_mesh
 from fshard.plan.layout import AXES, Layout, LayoutError
 from fshard.plan.machine import MACHINES, get_machine
 from fshard.plan.model import PRESETS, DescriptionError, get_model
@@ -108,27 +109,11 @@ def _schedule_list(text: str) -> list[str]:
 
 
 def _mesh(text: str) -> dict[str, int]:
-    """``--layout``'s ``axis=size,...``: every axis known, once, with an integer size >= 1."""
-    out: dict[str, int] = {}
-    for item in text.split(","):
-        name, eq, size = (s.strip() for s in item.partition("="))
-        if not eq or not name:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected axis=size items separated by commas "
-                                             f"(e.g. fsdp=4,tp=2), got {item!r}")
-        if name not in AXES:
-            raise argparse.ArgumentTypeError(f"{text!r}: unknown axis {name!r}; axes are {', '.join(AXES)}")
-        if name in out:
-            raise argparse.ArgumentTypeError(f"{text!r}: axis {name!r} is given twice")
-        try:
-            value = int(size)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: axis {name!r} has size {size!r}; a size is an "
-                                             f"integer >= 1") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{text!r}: axis {name!r} has size {value}; a size is an "
-                                             f"integer >= 1 (1 leaves the axis out)")
-        out[name] = value
-    return out
+    """``--layout``'s ``axis=size,...`` (:func:`fshard.parallel.layout.parse_mesh`)."""
+    try:
+        return parse_mesh(text)
+    except LayoutError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from typing import Iterable
 
 import attrs
 
-from fshard.plan.layout import Layout
+from fshard.plan.layout import Layout, layout_schedule
 from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, ModelDesc
 from fshard.plan.shards import layer_shards, stage_layers, stage_shards
@@ -231,7 +231,7 @@ def _buckets(layer_bytes: int, n_layers: int) -> list[int]:
 def _pipeline_collectives(model: ModelDesc, layout: Layout, pp_rank: int) -> list[Collective]:
     """``fs.sched.pipeline_step`` with ``StageFSDP`` (one gather per stage and step by
     default), TP inside each stage's body, and the lowered schedule's sends and receives."""
-    sch = layout.build_schedule()
+    sch = layout_schedule(layout)
     stages = stage_layers(model, sch.n_stages)
     held = sch.stages_of(pp_rank)
     fsdp, dp = layout.fsdp, layout.dp
@@ -280,7 +280,7 @@ def p2p_counts(schedule: object) -> tuple[tuple[int, int], ...]:
     SEND_F / SEND_B and RECV_F / RECV_B (cached per schedule object).
 
     Args:
-      schedule: an ``fs.sched`` schedule (e.g. ``Layout.build_schedule()``).
+      schedule: an ``fs.sched`` schedule (e.g. ``fs.plan.layout_schedule(layout)``).
 
     Returns:
       One ``(sends, receives)`` pair per pipeline rank.

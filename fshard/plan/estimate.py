@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import attrs
 
 from fshard.plan.comm import Collective, collective_time, p2p_counts, pipeline_payload, step_collectives
-from fshard.plan.layout import Layout
+from fshard.plan.layout import Layout, check_layout, layout_schedule
 from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
 from fshard.plan.shards import layer_shards, stage_layers, stage_shards
@@ -243,7 +243,7 @@ def estimate(model: ModelDesc, machine: Machine, layout: Layout, *, memory_limit
       LayoutError: the layout does not fit the model (the field is named).
       DescriptionError: the machine lacks a figure the layout needs (e.g. its dtype).
     """
-    layout.validate(model)
+    check_layout(layout, model)
     limit = memory_limit if memory_limit is not None else machine.memory_bytes - machine.reserved_bytes
     if layout.pp > 1:
         return _estimate_pipeline(model, machine, layout, limit, time_unfit)
@@ -459,7 +459,7 @@ def simulate_pipeline(layout: Layout, costs: list[tuple[float, float, float]], p
 
 def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit: float,
                        time_unfit: bool) -> Estimate:
-    sch = layout.build_schedule()
+    sch = layout_schedule(layout)
     pp, m = layout.pp, layout.microbatches
     stages = stage_layers(model, sch.n_stages)
     b = layout.microbatch_size

@@ -479,7 +479,7 @@ def test_fsdp_on_dim_1_and_uneven_dims(shape, axis, how, hidden, dims):
 
 def _offload_body(shape, axis, offload, policy_dtype):
     from fshard.parallel import groups as groups_mod
-    from fshard.parallel import layout as layout_mod
+    from fshard.parallel import flat as layout_mod
 
     mesh = fs.make_mesh(shape)
     n = mesh.axis_size(axis)

@@ -113,7 +113,7 @@ def _local(t):
 def _train_detailed(*args, **kwargs):
     """``_train(..., detailed=True)`` (adds per-step comm_log.by_axis and whether params,
     grads and optimizer state stayed on the CPU) plus the ``layout.to_compute`` calls made."""
-    from fshard.parallel import layout as layout_mod
+    from fshard.parallel import flat as layout_mod
 
     calls = []
     original = layout_mod.to_compute

@@ -28,14 +28,15 @@ def traced_step(argv: list[str]) -> dict:
     args = T.parse_args(argv)
     mesh = fs.make_mesh(T.parse_mesh(args.mesh, dist.get_world_size()))
     corpus = T.CharCorpus.load(args.data)
-    cfg, plan, model, pipe, microbatches = T.configure(args, mesh, corpus)
-    params, specs = T.init_params(cfg, plan, args.seed, pipe)
+    cfg, roles, model, pipe, microbatches = T.configure(args, mesh, corpus)
+    params, specs = fs.recipes.step.init_params(model, roles, args.seed, pipe)
     opt = T.make_optimizer(args)
     state = opt.init(params)
     order = {p: i for i, p in enumerate(fs.tree.zip_with_path(params)[0])}
     inject = args.inject_nonfinite  # none: the flag is not given
-    step = (T.make_pipeline_step(model, plan, pipe, opt, args.grad_clip, inject, order) if pipe is not None else
-            T.make_train_step(model, plan, specs, opt, microbatches, args.grad_clip, inject, order))
+    recipe = fs.recipes.step
+    step = (recipe.make_pipeline_step(model, roles, pipe, opt, args.grad_clip, inject, order) if pipe is not None else
+            recipe.make_train_step(model, roles, specs, opt, microbatches, args.grad_clip, inject, order))
     tokens, targets = corpus.batch(0, args.batch_size, args.seq_len, args.seed)
     params, state = step(params, state, tokens, targets)[:2]
     with fs.comm_log() as log:

@@ -138,7 +138,7 @@ def test_unknown_preset_lists_the_presets():
 def test_bad_layout_names_the_field(layout, field):
     model = plan.get_model("llama3-8b", seq_len=1024)
     with pytest.raises(plan.LayoutError, match=field):
-        plan.Layout(**layout).validate(model)
+        plan.check_layout(plan.Layout(**layout), model)
 
 
 def test_layout_mesh_errors():

@@ -109,7 +109,7 @@ def test_pipeline_goes_through_the_simulator(model):
     est = plan.estimate(model, m, lay)
     f, i, w = (max(c[j] for c in est.stage_costs) for j in range(3))
     p2p = plan.collective_time(m, lay, Collective("send", ("pp",), plan.comm.pipeline_payload(model, lay)))
-    rep = __import__("fshard").sched.simulate(lay.build_schedule(), f=f, b=i, w=w, comm=p2p)
+    rep = __import__("fshard").sched.simulate(plan.layout_schedule(lay), f=f, b=i, w=w, comm=p2p)
     makespan = est.breakdown["compute"] + est.breakdown["bubble"]
     assert makespan == pytest.approx(float(rep.makespan), rel=2e-3)
     assert 0 < est.bubble_fraction < 1
@@ -395,7 +395,7 @@ def test_the_pipeline_is_simulated_at_its_slowest_ranks_costs_not_each_kinds_lar
 
     def sim(lay, f, i, w, comm=0.0):
         unit = f / E.RESOLUTION
-        return float(simulate(lay.build_schedule(), E.RESOLUTION, max(1, round(i / unit)), round(w / unit),
+        return float(simulate(plan.layout_schedule(lay), E.RESOLUTION, max(1, round(i / unit)), round(w / unit),
                               round(comm / unit)).makespan) * unit
 
     lay = plan.Layout({"pp": 2}, batch=16, microbatches=8, schedule="zb")
@@ -460,7 +460,7 @@ def test_each_posted_transfer_costs_its_rank_host_time_outside_the_busy_time(mod
     for schedule in ("1f1b", "interleaved"):
         lay = plan.Layout({"pp": 2, "fsdp": 2}, batch=16, microbatches=4, schedule=schedule)
         a, b = plan.estimate(model, slow, lay), plan.estimate(model, free, lay)
-        ops = p2p_counts(lay.build_schedule())
+        ops = p2p_counts(plan.layout_schedule(lay))
         for r in range(2):
             host = (ops[r][0] + ops[r][1]) * lat / 4
             assert a.stage_costs[r][0] == pytest.approx(b.stage_costs[r][0] + host / 2)
@@ -468,6 +468,6 @@ def test_each_posted_transfer_costs_its_rank_host_time_outside_the_busy_time(mod
             assert a.stage_costs[r][2] == pytest.approx(b.stage_costs[r][2])
         assert a.breakdown["compute"] == pytest.approx(b.breakdown["compute"])  # busy leaves it out
         gap[schedule] = a.bubble_fraction - b.bubble_fraction
-    assert sum(p2p_counts(plan.Layout({"pp": 2, "fsdp": 2}, batch=16, microbatches=4,
-                                       schedule="interleaved").build_schedule())[0]) == 24
+    assert sum(p2p_counts(plan.layout_schedule(plan.Layout({"pp": 2, "fsdp": 2}, batch=16, microbatches=4,
+                                                           schedule="interleaved")))[0]) == 24
     assert gap["interleaved"] > gap["1f1b"] > 0

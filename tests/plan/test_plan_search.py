@@ -21,7 +21,7 @@ def test_search_returns_only_layouts_that_validate_and_fit(llama):
     times = [e.step_s for e in res]
     assert times == sorted(times)
     for est in res:
-        est.layout.validate(llama, 8)  # raises if not
+        plan.check_layout(est.layout, llama, 8)  # raises if not
         assert est.layout.n_devices == 8 and est.layout.batch == 32
         assert est.fits and est.peak_bytes <= limit
         assert est.layout.tp in (1, 2, 4, 8)
@@ -37,7 +37,7 @@ def test_nothing_fits_a_tiny_limit(llama):
 
 def test_search_respects_the_axes_it_is_given(llama):
     res = plan.search(llama, plan.get_machine("h100"), 8, 16, axes=("fsdp", "tp"), max_microbatch_choices=2)
-    assert len(res) and all(set(e.layout.mesh) <= {"fsdp", "tp"} for e in res)
+    assert len(res) and all(set(e.layout.shape) <= {"fsdp", "tp"} for e in res)
 
 
 def test_cli_prints_a_table_and_the_best(capsys):

@@ -116,7 +116,7 @@ def test_zero_bubble_estimate_counts_the_captured_gradients():
     machine = _machine()
     zb = plan.Layout({"pp": 2, "tp": 2}, batch=16, microbatches=8, schedule="zb")
     est = plan.estimate(model, machine, zb)
-    sch = zb.build_schedule()
+    sch = plan.layout_schedule(zb)
     stages = stage_layers(model, sch.n_stages)
     b = zb.microbatch_size
 

@@ -1,0 +1,135 @@
+"""``LayeredModel``: a model as the recipes run it, and fshard's Transformer as one.
+
+A layered model's parameters are one pytree ``{"layers": [block_0, block_1, ...], **root}``:
+root parameters (embeddings, a head) around a stack of blocks of one structure. That is what
+per-block FSDP (one gather group per block, ``fs.parallel.scan_layers``), pipelines (blocks
+cut into stages) and remat need to know; everything else is the model's own functions, run
+per device on local shards inside ``shard_map``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from fshard.models.transformer import TransformerConfig, block, embed, head, transformer_init
+from fshard.parallel.layout import LayoutError
+from fshard.parallel.tp import (
+    TRANSFORMER_TP_PLAN,
+    tp_embed,
+    tp_logits,
+    tp_transformer_block,
+    vocab_parallel_cross_entropy,
+)
+from fshard.recipes.roles import Roles
+
+__all__ = ["LayeredModel", "resolve_model", "transformer"]
+
+Tensor = torch.Tensor
+
+
+@attrs.frozen
+class LayeredModel:
+    """A model as pure functions of its parameters, per device.
+
+    Attributes:
+      init: ``init(seed, dtype) -> params``, the one-process values; called on the meta
+        device for shapes, and by ``fs.init_sharded`` for each shard's values.
+      embed: ``embed(root, inputs) -> x`` (``root``: every entry but ``layers``).
+      block: ``block(layer, x) -> x``, one block of the stack.
+      head: ``head(root, x) -> outputs``.
+      loss: ``loss(outputs, targets) -> scalar``, the mean over this rank's rows.
+      embed_keys: root entries the first pipeline stage holds (those ``embed`` reads).
+      head_keys: root entries the last pipeline stage holds (those ``head`` reads).
+      tp_plan: ``fs.parallel.tp_specs`` rules for a tp axis; None: the model runs no TP
+        (a layout with tp is refused, naming the model).
+      name: for messages.
+    """
+
+    init: Callable[[int, torch.dtype], Any]
+    embed: Callable[[Any, Tensor], Tensor]
+    block: Callable[[Any, Tensor], Tensor]
+    head: Callable[[Any, Tensor], Tensor]
+    loss: Callable[[Tensor, Tensor], Tensor]
+    embed_keys: tuple[str, ...] = ()
+    head_keys: tuple[str, ...] = ()
+    tp_plan: Any = None
+    name: str = "model"
+
+    def specs(self, params: Any, roles: Roles) -> Any:
+        """One ``P`` per parameter for ``roles`` (``Roles.param_specs`` with :attr:`tp_plan`)."""
+        return roles.param_specs(params, self.tp_plan)
+
+
+ModelLike = LayeredModel | Callable[[Roles], LayeredModel]
+
+
+def resolve_model(model: ModelLike, roles: Roles) -> LayeredModel:
+    """``model`` itself, or ``model(roles)`` for a model built per layout (its TP pieces)."""
+    return model if isinstance(model, LayeredModel) else model(roles)
+
+
+EMBED_KEYS = ("tok_embeddings", "pos_embeddings")  # the first stage's root parameters
+HEAD_KEYS = ("norm", "output")                      # the last stage's
+
+
+@attrs.frozen
+class _Transformer:
+    """The Transformer's pieces as one layout runs them on local shards.
+
+    Without tp they are ``fshard.models``' own ``embed``/``block``/``head``; with tp,
+    their Megatron versions from ``fshard.parallel``, which call the collectives over
+    tp by hand (an all-reduce after attention and after the MLP; the logits stay split
+    over the vocabulary and the loss is computed without gathering them).
+    """
+
+    cfg: TransformerConfig
+    tp_axis: str | None = None
+    sequence_parallel: bool = False
+
+    def init(self, seed: int, dtype: torch.dtype) -> Any:
+        return transformer_init(self.cfg, seed, dtype=dtype)
+
+    def embed(self, root: Any, tokens: Tensor) -> Tensor:
+        if self.tp_axis is None:
+            return embed(root, tokens, self.cfg)                                              # (b, T, D)
+        return tp_embed(root, tokens, self.cfg, self.tp_axis, self.sequence_parallel)
+
+    def block(self, layer: Any, x: Tensor) -> Tensor:
+        if self.tp_axis is None:
+            return block(layer, x, self.cfg)                                                  # (b, T, D)
+        return tp_transformer_block(layer, x, self.cfg, self.tp_axis, self.sequence_parallel)
+
+    def logits(self, root: Any, x: Tensor) -> Tensor:
+        if self.tp_axis is None:
+            return head(root, x, self.cfg)                                                    # (b, T, V)
+        return tp_logits(root, x, self.cfg, self.tp_axis, self.sequence_parallel)             # (b, T, V/tp)
+
+    def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean over this rank's rows, the softmax in at least fp32."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.tp_axis is None:
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_axis, vocab_size=self.cfg.vocab_size)
+
+
+def transformer(cfg: TransformerConfig) -> Callable[[Roles], LayeredModel]:
+    """fshard's Transformer (``fshard.models``) as a :class:`LayeredModel` for any roles:
+    Megatron TP (``fs.parallel.TRANSFORMER_TP_PLAN``) and sequence parallelism with a tp axis.
+
+    Raises (when called with the roles):
+      LayoutError: ``cfg.n_heads`` is not divisible by the tp axis (whole heads per rank).
+    """
+    def build(roles: Roles) -> LayeredModel:
+        if roles.tp_axis is not None and cfg.n_heads % roles.mesh.shape[roles.tp_axis]:
+            raise LayoutError(f"the Transformer's n_heads {cfg.n_heads} must be divisible by "
+                              f"tp={roles.mesh.shape[roles.tp_axis]} (whole heads per rank)")
+        t = _Transformer(cfg, roles.tp_axis, roles.sequence_parallel)
+        return LayeredModel(init=t.init, embed=t.embed, block=t.block, head=t.logits, loss=t.cross_entropy,
+                            embed_keys=EMBED_KEYS, head_keys=HEAD_KEYS, tp_plan=TRANSFORMER_TP_PLAN,
+                            name="transformer")
+
+    return build
