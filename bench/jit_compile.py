@@ -79,8 +79,9 @@ def per_rank(target: str, steps: int, profile: str | None) -> dict:
         logging.getLogger(name).setLevel(logging.INFO)
     prof = cProfile.Profile() if (profile and rank == 0) else None
     if target == "example":
-        sys.path.insert(0, str(ROOT / "examples"))
-        import train_lm
+        from _examples import example
+
+        train_lm = example("train_lm")
 
         argv = ["--mesh", f"fsdp={world}", "--jit", "--steps", str(steps), "--quiet", "--sample-chars", "0"]
         if prof is not None:  # the first step only: wrap the jitted step's first call

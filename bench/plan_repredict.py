@@ -23,13 +23,15 @@ import attrs
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-import plan_validate  # noqa: E402  (puts examples/ on sys.path)
+import plan_validate  # noqa: E402
 import fshard as fs  # noqa: E402
 
 
 def predict(machine: fs.plan.Machine, name: str) -> fs.plan.Estimate:
     """The estimate train_lm.py makes for plan_validate's layout ``name`` on ``machine``."""
-    import train_lm
+    from _examples import example
+
+    train_lm = example("train_lm")
 
     flags = dict(plan_validate.LAYOUTS)[name]
     args = train_lm.parse_args(plan_validate.MODEL + flags)

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import fshard as fs  # noqa: E402
 import fshard.plan as plan  # noqa: E402
@@ -110,7 +110,9 @@ def memory_machine() -> plan.Machine:
 
 def _run(argv: list[str]) -> dict:
     """One train_lm run on this rank; pipeline steps' StepStats recorded."""
-    import train_lm
+    from _examples import example
+
+    train_lm = example("train_lm")
 
     stats: list = []
     original = fs.sched.pipeline_step
@@ -231,7 +233,9 @@ def main() -> None:
                    **{k: last[k] for k in ("predicted_step_s", "measured_step_s", "predicted_peak_mib",
                                             "measured_peak_mib", "predicted_breakdown_s")}}
             if "--mesh" in flags and flags[flags.index("--mesh") + 1].startswith("pp="):
-                import train_lm
+                from _examples import example
+
+                train_lm = example("train_lm")
 
                 targs = train_lm.parse_args(argv)
                 shape = train_lm.parse_mesh(targs.mesh, 4)

@@ -31,8 +31,10 @@ class InjectedFault(RuntimeError):
 
 
 def arm(kind: str, victim: int, at_call: int, pid_dir: str) -> None:
-    """Wraps ``fs.parallel.scan_layers`` so that the ``at_call``-th block call on ``victim`` faults."""
+    """Wraps ``fs.parallel.scan_layers`` (and the name ``fs.recipes.step`` calls it by) so that the
+    ``at_call``-th block call on ``victim`` faults."""
     import fshard.parallel as par
+    import fshard.recipes.step as recipe_step
 
     if kind not in ("kill", "raise"):
         raise ValueError(f"fault kind {kind!r}: expected kill or raise")
@@ -53,7 +55,7 @@ def arm(kind: str, victim: int, at_call: int, pid_dir: str) -> None:
 
         return real(counted, *args, **kwargs)
 
-    par.scan_layers = scan_layers
+    par.scan_layers = recipe_step.scan_layers = scan_layers
 
 
 if __name__ == "__main__":

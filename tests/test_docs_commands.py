@@ -36,14 +36,14 @@ from pathlib import Path
 
 import pytest
 
+from _examples import example
 from _procs import run_together
 from fshard.testing import free_port, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXAMPLES = ROOT / "examples"
-if str(EXAMPLES) not in sys.path:  # a rank's error may be train_lm's ConfigError: unpickled here
-    sys.path.insert(0, str(EXAMPLES))
+example("train_lm")  # a rank's error may be train_lm's ConfigError: unpickled here
 SHORT = ["--steps", "2"]  # appended to every command that trains (argparse: the last value wins)
 
 # Inline spans that are fragments or templates, not commands.
@@ -62,7 +62,7 @@ NOT_RUN_HERE = {
                                    "tests/test_mutations_table.py checks its table)",
     # docs/reliability.md: the crash hunt's long runs, rerunnable by hand.
     r"ulimit -c unlimited": "a shell builtin: core files for the hunts that follow it in the same shell",
-    r"(GLIBC_TUNABLES=\S+ LD_PRELOAD=\S+ PYTHONMALLOC=debug |taskset -c 0 )?nice -n (10|19) "
+    r"(GLIBC_TUNABLES=\S+ LD_PRELOAD=\S+ PYTHONMALLOC=debug |taskset -c 0 )?(nice -n (10|19) )?"
     r"python tools/soak\.py --minutes \d+ .*": "a soak of 30 minutes to hours; tests/test_soak.py runs "
                                               "tools/soak.py end to end on a tiny run",
     r"PYTHONPATH=\. nice -n 10 python tools/stress_(overlap|micro)\.py .*": "a stress hunt of hours; the "
@@ -227,11 +227,7 @@ def _argv(step: str) -> list[str]:
 
 
 def _train(argv: list[str]) -> list[dict]:
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import train_lm
-
-    return train_lm.main(argv)
+    return example("train_lm").main(argv)
 
 
 LAUNCH_TIMEOUT_S = 240

@@ -20,6 +20,7 @@ import pytest
 from fshard.testing import free_port, run_on_ranks
 
 import _zygote
+from _examples import example
 from _procs import run_together
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,11 +51,7 @@ MESHES = {
 
 def _train(argv: list[str]) -> list[dict]:
     """Runs the example's main on this rank (module level: the worker pools import it)."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import train_lm
-
-    return train_lm.main(argv)
+    return example("train_lm").main(argv)
 
 
 def _losses(records: list[dict]) -> list[float]:
@@ -191,11 +188,7 @@ def test_jit_flag_with_gradient_accumulation_gives_the_eager_curve():
 
 
 def test_bad_flags_are_config_errors_naming_the_fix():
-    import importlib
-
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    train_lm = importlib.import_module("train_lm")
+    train_lm = example("train_lm")
     with pytest.raises(train_lm.ConfigError, match=r"torchrun --nproc-per-node 4 examples/train_lm.py --mesh dp=2,tp=2"):
         train_lm.parse_mesh("dp=2,tp=2", 1)
     with pytest.raises(train_lm.ConfigError, match=r"unknown axis 'ep'"):
@@ -264,10 +257,7 @@ def _train_wire(argv: list[str]) -> dict:
 
     import fshard as fs
 
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import train_lm
-
+    train_lm = example("train_lm")
     with fs.comm_log() as log:
         records = train_lm.main(argv)
     args = train_lm.parse_args(argv)
@@ -302,3 +292,17 @@ def test_fsdp_step_moves_the_minimum_bytes_on_the_wire(n):
         scattered = [nb for k, nb, _ in events if k == "psum_scatter"]
         assert sum(scattered) == 8 * r["n_params"], (scattered, r["n_params"])
         assert {n * nb for k, nb, _ in events if k == "all_gather"} == set(scattered), events
+
+
+def _train_custom(argv: list[str]) -> list[float]:
+    return example("train_custom").main(argv)
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=2", "dp=2", "pp=2"])
+def test_train_custom_gives_the_one_process_curve_on_every_layout(mesh):
+    """examples/train_custom.py: a model the user writes, through fs.recipes.build_train_step."""
+    argv = ["--steps", "4", "--dtype", "float64", "--layers", "2", "--microbatches", "2"]
+    (want,) = run_on_ranks(_train_custom, argv + ["--mesh", "fsdp=1"], world_size=1)
+    for got in run_on_ranks(_train_custom, argv + ["--mesh", mesh], world_size=2):
+        assert got == pytest.approx(want, rel=1e-12, abs=0), mesh
+    assert len((EXAMPLES / "train_custom.py").read_text().splitlines()) < 100

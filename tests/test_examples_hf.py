@@ -8,7 +8,6 @@ the same script on one process.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,11 +22,9 @@ TINY = ["--steps", "3", "--dtype", "float64", "--dim", "16", "--layers", "2", "-
 
 
 def _run(argv: list[str]) -> dict:
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import finetune_hf
+    from _examples import example
 
-    return finetune_hf.main(argv)
+    return example("finetune_hf").main(argv)
 
 
 @pytest.mark.parametrize("model, mesh", [("gpt2", "fsdp=2"), ("llama", "tp=2")])

@@ -57,10 +57,9 @@ def _left_behind(pid_dir: Path) -> list[int]:
 
 def _faulty_train(argv: list[str], kind: str, pid_dir: str) -> list[dict]:
     """One rank of fs.run_local: arm the fault, then the example's main."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import train_lm
+    from _examples import example
 
+    train_lm = example("train_lm")
     _faults.arm(kind, VICTIM, AT_CALL, pid_dir)
     return train_lm.main(argv)
 

@@ -123,3 +123,18 @@ def test_every_group_owner_registers_with_the_runtime():
     names = {o.name for o in teardown.group_owners()}
     assert {"fshard.mesh", "fshard.comm", "fshard.checkpoint", "fshard.mesh.host_meshes"} <= names, names
     assert not [m for m in _graph()["fshard.runtime.teardown"] if m.startswith("fshard")]
+
+
+def test_nothing_imports_the_examples_or_puts_them_on_sys_path():
+    """Issue 30: the main job is a library call; tests and bench load an example from its file
+    (tests/_examples.py, bench/_examples.py), never as a module on sys.path."""
+    found = []
+    for folder in ("fshard", "tests", "bench", "tools"):
+        for p in (ROOT / folder).rglob("*.py"):
+            if "results" in p.parts or p == Path(__file__).resolve():  # bench/results: old one-off scripts
+                continue
+            for i, line in enumerate(p.read_text().splitlines(), 1):
+                if ("sys.path" in line and "examples" in line) or line.strip().startswith(("import train_lm",
+                                                                                          "from train_lm")):
+                    found.append(f"{p.relative_to(ROOT)}:{i}")
+    assert not found, found

@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,12 +25,11 @@ import fshard as fs
 from fshard.testing import run_on_ranks
 
 import _zygote
+from _examples import example
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-if str(EXAMPLES) not in sys.path:  # ranks' errors are train_lm's classes: unpickled here
-    sys.path.insert(0, str(EXAMPLES))
-import train_lm  # noqa: E402
+train_lm = example("train_lm")  # ranks' errors are train_lm's classes: unpickled here
 
 TINY = ["--dtype", "float64", "--dim", "16", "--layers", "4", "--heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--quiet"]
@@ -40,11 +38,7 @@ RTOL = 1e-9
 
 
 def _train(argv: list[str]) -> list[dict]:
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import train_lm
-
-    return train_lm.main(argv)
+    return example("train_lm").main(argv)
 
 
 def _hashes(directory: Path) -> dict[str, str]:

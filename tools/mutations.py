@@ -262,8 +262,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "Adam's step count is huge, so 1 - b^t = 1: no bias correction"),
     Mutation(
         "checkpoint_rename_skipped", "fshard/checkpoint/_save.py",
-        "            _dirs.commit(tmp, path)\n",
-        "            _dirs.commit(tmp, path) if not os.path.lexists(path) else None\n",
+        "        _dirs.commit(tmp, path)\n",
+        "        _dirs.commit(tmp, path) if not os.path.lexists(path) else None\n",
         ("tests/test_checkpoint.py::test_save_replaces_checkpoint_and_refuses_foreign_directories",),
         "a save over an existing checkpoint writes its temporary directory but never renames it into place"),
     Mutation(

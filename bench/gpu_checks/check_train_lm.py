@@ -40,12 +40,11 @@ TINY = ["--dim", "16", "--layers", "2", "--heads", "2", "--seq-len", "16", "--ba
 
 
 def _train(argv: list[str]) -> list[dict]:
-    examples = str(REPO / "examples")
-    if examples not in sys.path:
-        sys.path.insert(0, examples)
-    import train_lm
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    from _examples import example  # examples/train_lm.py loaded from its file
 
-    return train_lm.main(argv)
+    return example("train_lm").main(argv)
 
 
 def _summary(records: list[dict], w: int) -> dict:

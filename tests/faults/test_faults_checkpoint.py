@@ -538,12 +538,9 @@ def test_a_dtype_mismatch_on_resume_is_one_line_and_a_checkpoint_error(tmp_path)
 
 
 def _train_lm(argv: list[str]) -> list[dict]:
-    examples = os.path.join(ROOT, "examples")
-    if examples not in sys.path:
-        sys.path.insert(0, examples)
-    import train_lm
+    from _examples import example
 
-    return train_lm.main(argv)
+    return example("train_lm").main(argv)
 
 
 @TIMEOUT

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def train_lm():
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import train_lm as module
+    from _examples import example
 
-    return module
+    return example("train_lm")
 
 
 def traced_step(argv: list[str]) -> dict:
