@@ -103,7 +103,7 @@ def _code(value: Any) -> int:
 def _caller() -> str:
     """``file:line in function`` of the first frame outside fshard, torch, optree and the
     standard library (the user's code that issued the collective)."""
-    f = sys._getframe(2)
+    f: Any = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
         if not (name.startswith(_SKIP) or name.startswith("<")):
@@ -189,7 +189,7 @@ def enter(group, kind: str, x: torch.Tensor, axes: Sequence[str], *, op: str | N
     state.rolling = hash((state.rolling, header.key)) & 0x7FFFFFFFFFFFFFFF
     state.recent.append(header)
     _watch(group, header, full)
-    if full or state.seq % state.recent.maxlen == 0:
+    if full or state.seq % (state.recent.maxlen or 1) == 0:
         try:
             _outside_modes(lambda: _agree(group, x, state, header, full))
         except CollectiveMismatchError:
@@ -371,7 +371,8 @@ def explain_timeout(exc: BaseException, group) -> None:
         reports = _collect(store, rank, world)
     except Exception:  # noqa: BLE001 - the store is gone: say what this rank knows
         reports = {rank: json.loads(_report("in"))}
-    raise CollectiveTimeoutError(_timeout_message(rank, world, reports) + f"\n(the backend said: {text[:300]})") from exc
+    said = f"\n(the backend said: {text[:300]})"
+    raise CollectiveTimeoutError(_timeout_message(rank, world, reports) + said) from exc
 
 
 def _collect(store, rank: int, world: int, wait_s: float | None = None) -> dict[int, dict]:

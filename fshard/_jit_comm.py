@@ -181,7 +181,8 @@ _IN_FLIGHT = object()  # an in-flight bucket's wait point: found when it is merg
 
 def _kind(node: torch.fx.Node) -> tuple | None:
     """``(kind, group, dtype, ...)`` of a collective this pass can merge, else ``None``."""
-    if node.op != "call_function" or len(node.users) != 1 or next(iter(node.users)).target is not _C10D.wait_tensor.default:
+    if (node.op != "call_function" or len(node.users) != 1
+            or next(iter(node.users)).target is not _C10D.wait_tensor.default):
         return None  # the merge rewrites a collective whose one user is its wait
     from torch._inductor.fx_passes.bucketing import _resolve_group_name
 

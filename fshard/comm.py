@@ -387,7 +387,7 @@ def complete_in_flight() -> list[BaseException]:
     """
     pending = list(_LAST.values())
     _LAST.clear()
-    errors = []
+    errors: list[BaseException] = []
     for handle in pending:
         try:
             handle._complete()

@@ -129,9 +129,10 @@ once-per-host compile), regions of equal code and input layouts compiled once (a
 step: the microbatches' forwards, the later backwards). Tested against eager under
 Inductor (float64, 1e-12): 1F1B m=4 and ZB-H1 on pp=2, 1F1B on dp=2 x pp=2 (opt-in:
 ``FSHARD_TEST_INDUCTOR_STEP=1``). Compile time
-of a 1F1B m=4 pp=2 step with AdamW (the tests' MLP; the Inductor pipeline tests now use SGD): 9 and 7 regions (ranks 0, 1), 5 distinct
-on each; first call 48 s cold (load 5; 52 s when every region compiled as the call reached
-it, a rank waiting at its receives for its peer's compiles), 2.6 s warm. The bench
+of a 1F1B m=4 pp=2 step with AdamW (the tests' MLP; the Inductor pipeline tests now use SGD):
+9 and 7 regions (ranks 0, 1), 5 distinct on each; first call 48 s cold (load 5; 52 s when
+every region compiled as the call reached it, a rank waiting at its receives for its peer's
+compiles), 2.6 s warm. The bench
 Transformer's: see ``bench/README.md``, "Pipeline". Every region compiles before the first
 transfer (on the traced fake tensors: their layouts and overlaps are the real inputs'), and
 the ranks then agree on the outcome (one ``all_gather_object``): a compile that fails on one
@@ -1181,7 +1182,7 @@ def _why(key: tuple, paths: list[str], old: list[tuple]) -> str:
     same_tree = [k for k in old if k[0] == treedef]
     if not same_tree:
         return "the argument structure changed (new pytree: %s)" % (treedef,)
-    best, best_diff = None, None
+    best_diff = None
     for k in same_tree:
         diff = []
         if k[2] != grad:
@@ -1198,7 +1199,7 @@ def _why(key: tuple, paths: list[str], old: list[tuple]) -> str:
                 if u != v:
                     diff.append(f"{path}: {name} {u} -> {v}")
         if best_diff is None or len(diff) < len(best_diff):
-            best, best_diff = k, diff
+            best_diff = diff
     return "; ".join(best_diff) or "no difference found (equal signature, unhashable equality?)"
 
 

@@ -19,8 +19,8 @@ loadable. One save at a time per path: rank 0 holds a lock file next to it
 refused (:class:`CheckpointLockedError`, naming the holder) instead of deleting the
 first one's files; a dead holder's lock is taken over. Every rank must pass the same
 path (checked). ``fs.shutdown()`` waits for background saves (bounded by the groups'
-timeout), and a background save that failed unwaited makes the process exit 1. ``load`` checks the checkpoint and template
-before reading, and a missing, partial or corrupt checkpoint, missing keys or a
+timeout), and a background save that failed unwaited makes the process exit 1. ``load``
+checks the checkpoint and template before reading, and a missing, partial or corrupt checkpoint, missing keys or a
 shape mismatch raise on every rank with the path and keys in the message.
 
 ``save(..., blocking=False)`` copies the tensors to CPU memory and writes on a
@@ -41,14 +41,22 @@ from fshard.checkpoint._common import CheckpointError as CheckpointError
 from fshard.checkpoint._common import CheckpointLockedError as CheckpointLockedError
 from fshard.checkpoint._common import CheckpointMismatchError as CheckpointMismatchError
 from fshard.checkpoint._common import CheckpointNotFoundError as CheckpointNotFoundError
+from fshard.checkpoint._hf import load_hf as load_hf
+from fshard.checkpoint._hf import save_hf as save_hf
 from fshard.checkpoint._interop import (
     export_state_dict as export_state_dict,
+)
+from fshard.checkpoint._interop import (
     import_state_dict as import_state_dict,
+)
+from fshard.checkpoint._interop import (
     to_torch_save as to_torch_save,
 )
-from fshard.checkpoint._hf import load_hf as load_hf, save_hf as save_hf
-from fshard.checkpoint._load import load as load, read_metadata as read_metadata
-from fshard.checkpoint._save import PendingSave as PendingSave, save as save, wait as wait
+from fshard.checkpoint._load import load as load
+from fshard.checkpoint._load import read_metadata as read_metadata
+from fshard.checkpoint._save import PendingSave as PendingSave
+from fshard.checkpoint._save import save as save
+from fshard.checkpoint._save import wait as wait
 
 __all__ = [
     "CheckpointError",

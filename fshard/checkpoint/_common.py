@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor, Partial
 from fshard.runtime import teardown
 from fshard.runtime.process import group_timeout
 
-
 __all__ = [
     "CheckpointError",
     "CheckpointException",

@@ -317,7 +317,7 @@ def get_mesh(mesh: Mesh | None, *, what: str) -> Mesh:
 
 def _mesh_groups() -> list[Any]:
     """Every process group the cached meshes hold: one per axis, one per set of axes."""
-    out = []
+    out: list[Any] = []
     for m in _MESH_CACHE.values():
         out.extend(m.device_mesh.get_group(a) for a in m.axis_names)
         out.extend(m._groups.values())

@@ -78,7 +78,8 @@ def _axes_text(axes: Sequence[str], mesh: Mesh) -> str:
     return " x ".join(f"{a}({mesh.shape[a]})" for a in axes)
 
 
-def raise_spec_errors(what: str, mesh: Mesh, bad: list[tuple[str, object, Sequence[int], list[str]]], remedy: str) -> None:
+def raise_spec_errors(what: str, mesh: Mesh, bad: list[tuple[str, object, Sequence[int], list[str]]],
+                      remedy: str) -> None:
     """Raises one ValueError (TypeError when every problem is a wrong kind) listing every bad leaf.
 
     Args:

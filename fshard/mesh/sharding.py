@@ -19,10 +19,10 @@ from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.placement import (
     local_block,
     placements_to_spec,
-    uneven_problems,
     raise_spec_errors,
     spec_problems,
     spec_to_placements,
+    uneven_problems,
 )
 from fshard.mesh.spec import PartitionSpec, is_spec
 from fshard.runtime import teardown

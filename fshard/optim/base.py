@@ -249,9 +249,9 @@ def check_hparam(what: str, name: str, value: Any, lo: float, hi: float = math.i
 # one else, so the next transform may overwrite them instead of allocating new tensors.
 # On CPU, fresh allocations of this size cost more than the arithmetic (page faults:
 # measured 5.8 ms vs 0.35 ms for a 14 MB add), so this saves AdamW two of the five
-# fresh trees a pure step would otherwise allocate, without giving up purity. The scope maps id -> tensor and holds the tensors, so an
-# id is never reused while the scope lives; it ends when the outermost chain returns,
-# so nothing handed back to the caller is ever overwritten.
+# fresh trees a pure step would otherwise allocate, without giving up purity. The scope maps
+# id -> tensor and holds the tensors, so an id is never reused while the scope lives; it ends
+# when the outermost chain returns, so nothing handed back to the caller is ever overwritten.
 _PRIVATE: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
     "fshard_optim_private", default=None)
 

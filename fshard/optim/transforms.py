@@ -242,7 +242,8 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
             if nesterov and not all_private(gl):
                 gl = [x.clone() for x in gl]  # the kernel adds decay * b into the grads in place
             bl = state_for_kernel(to_locals(b))
-            out = _zeros_like_each(gl, bool(gl) and torch._guards.detect_fake_mode(gl[0]) is not None)  # receives 0 - lr * step with lr = -1
+            # receives 0 - lr * step with lr = -1
+            out = _zeros_like_each(gl, bool(gl) and torch._guards.detect_fake_mode(gl[0]) is not None)
             mark_private(out)
             if gl:
                 _torch_sgd(out, gl, bl, foreach=True, weight_decay=0.0, momentum=decay,

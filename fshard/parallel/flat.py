@@ -91,7 +91,8 @@ def gathered_shape(x: torch.Tensor, shard_axes: tuple[str, ...], mesh) -> tuple[
     return tuple(out)
 
 
-def _spans(x: torch.Tensor, d: int, length: int, shard_axes: tuple[str, ...], mesh) -> tuple[tuple[int, int], ...] | None:
+def _spans(x: torch.Tensor, d: int, length: int, shard_axes: tuple[str, ...],
+           mesh) -> tuple[tuple[int, int], ...] | None:
     """The rows of dim ``d`` each rank of the gather over ``shard_axes`` holds (see
     :attr:`GroupLayout.spans`); ``None`` when that is the plain ``torch.chunk`` layout."""
     spec = input_spec(x)
@@ -186,7 +187,7 @@ def unflatten_full(out: torch.Tensor, n: int, lay: GroupLayout) -> list[torch.Te
     """``out``: (n * F,) gathered buffer -> full tensors (global shapes)."""
     out = out.view(n, -1)
     fulls, off = [], 0
-    for k, (shape, d, r, e, size) in enumerate(zip(lay.shapes, lay.dims, lay.rows, lay.row_numel, lay.sizes)):
+    for k, (shape, d, r, _e, size) in enumerate(zip(lay.shapes, lay.dims, lay.rows, lay.row_numel, lay.sizes)):
         moved = (shape[d],) + shape[:d] + shape[d + 1:] if shape else (1,)
         span = lay.span(k)
         if span is None:
@@ -209,7 +210,7 @@ def grad_parts(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout,
     if device is None:
         device = next((g.device for g in grads if g is not None), None)
     parts = []
-    for k, (g, shape, d, r, e) in enumerate(zip(grads, lay.shapes, lay.dims, lay.rows, lay.row_numel)):
+    for k, (g, _shape, d, r, e) in enumerate(zip(grads, lay.shapes, lay.dims, lay.rows, lay.row_numel)):
         if g is None:
             parts.append(torch.zeros(n, r * e, dtype=dtype, device=device))
             continue
@@ -237,7 +238,7 @@ def flatten_grads(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout
 
 def unflatten_shards(flat: torch.Tensor, lay: GroupLayout, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     out, off = [], 0
-    for x, d, r, e, size, lr in zip(like, lay.dims, lay.rows, lay.row_numel, lay.sizes, lay.local_rows):
+    for x, d, r, _e, size, lr in zip(like, lay.dims, lay.rows, lay.row_numel, lay.sizes, lay.local_rows):
         moved_shape = (x.shape[d],) + tuple(x.shape[:d]) + tuple(x.shape[d + 1:]) if x.dim() else (1,)
         g = flat[off:off + size].view(r, *moved_shape[1:])[:lr]
         g = g.movedim(0, d) if x.dim() else g.reshape(())

@@ -50,7 +50,8 @@ from fshard.plan.search import search as search
 from fshard.plan.trace import Work as Work
 from fshard.plan.trace import trace_layer as trace_layer
 
-__all__ = ["AXES", "Collective", "DescriptionError", "Estimate", "LayerDesc", "Layout", "LayoutError", "Link", "check_layout", "layout_schedule",
+__all__ = ["AXES", "Collective", "DescriptionError", "Estimate", "LayerDesc", "Layout", "LayoutError", "Link",
+           "check_layout", "layout_schedule",
            "MACHINES", "Machine", "ModelDesc", "PRESETS", "SearchResult", "StepProbe", "Work", "calibrate",
            "collective_time", "default_machine_path",
            "describe_llama", "describe_transformer", "estimate", "get_machine", "get_model", "load_machine",

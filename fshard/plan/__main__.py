@@ -19,8 +19,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from fshard.plan.estimate import estimate
 from fshard.parallel.layout import parse_mesh
+from fshard.plan.estimate import estimate
 from fshard.plan.layout import AXES, Layout, LayoutError
 from fshard.plan.machine import MACHINES, get_machine
 from fshard.plan.model import PRESETS, DescriptionError, get_model

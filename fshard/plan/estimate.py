@@ -483,7 +483,8 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
             layer = model.layers[i]
             f = _phase_time(machine, layout, model, layer, "fwd", b)
             F += k * f
-            I += k * (_phase_time(machine, layout, model, layer, "bwd_input", b) + (f if layout.remat and i == rep else 0))
+            recompute = f if layout.remat and i == rep else 0
+            I += k * (_phase_time(machine, layout, model, layer, "bwd_input", b) + recompute)
             W += k * _phase_time(machine, layout, model, layer, "bwd_weight", b)
         return F, I, W
 

@@ -36,7 +36,8 @@ COLLECTIVE_KINDS = ("all_gather", "psum_scatter", "psum", "ppermute")
 def _positive(where: str, value: Any, *, allow_zero: bool = False) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise DescriptionError(f"{where} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+        sign = "non-negative" if allow_zero else "positive"
+        raise DescriptionError(f"{where} must be a {sign} number, got {value!r}")
     return float(value)
 
 

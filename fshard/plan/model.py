@@ -197,12 +197,14 @@ class ModelDesc:
         _num(f"model {self.name!r}: seq_len", self.seq_len, minimum=1, integer=True)
         _num(f"model {self.name!r}: hidden", self.hidden, minimum=1, integer=True)
         if self.dtype not in DTYPE_BYTES:
-            raise DescriptionError(f"model {self.name!r}: dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+            raise DescriptionError(f"model {self.name!r}: dtype must be one of {sorted(DTYPE_BYTES)}, "
+                                   f"got {self.dtype!r}")
         if not self.layers:
             raise DescriptionError(f"model {self.name!r}: layers must not be empty")
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, LayerDesc):
-                raise DescriptionError(f"model {self.name!r}: layers[{i}] must be a LayerDesc, got {type(layer).__name__}")
+                raise DescriptionError(f"model {self.name!r}: layers[{i}] must be a LayerDesc, "
+                                       f"got {type(layer).__name__}")
             layer.check(f"model {self.name!r}: layers[{i}] ({layer.name})")
         for i, d in enumerate(self.tp_divides):
             _num(f"model {self.name!r}: tp_divides[{i}]", d, minimum=1, integer=True)
@@ -283,10 +285,10 @@ def describe_transformer(cfg: Any, *, seq_len: int | None = None, dtype: str = "
     Raises:
       DescriptionError: an unknown dtype.
     """
+    import torch.nn.functional as F
+
     from fshard.models.transformer import block, embed, head, transformer_init
     from fshard.parallel.tp import TRANSFORMER_TP_PLAN
-
-    import torch.nn.functional as F
 
     if dtype not in ("float32", "bfloat16", "float64"):
         raise DescriptionError(f"describe_transformer: dtype must be float32, bfloat16 or float64, got {dtype!r}")
@@ -453,7 +455,8 @@ def describe_llama(*, name: str, dim: int, n_layers: int, n_heads: int, n_kv_hea
                      fwd=Work(2 * D * V * T, s * T * 2 * D + 4 * 3 * T * V, 8),
                      bwd_input=Work(2 * D * V * T, s * T * 2 * D + 4 * 2 * T * V, 8),
                      bwd_weight=Work(2 * D * V * T, 0.0, 2),
-                     fwd_split=Work(2 * D * V * T, 4 * 3 * T * V, 0), bwd_input_split=Work(2 * D * V * T, 4 * 2 * T * V, 0),
+                     fwd_split=Work(2 * D * V * T, 4 * 3 * T * V, 0),
+                     bwd_input_split=Work(2 * D * V * T, 4 * 2 * T * V, 0),
                      bwd_weight_split=Work(2 * D * V * T, 0.0, 0),
                      # the norm's input and output, and the fp32 logits for the loss's backward
                      act_bytes=2 * s * T * D + 4 * T * V, act_split=4 * T * V, out_bytes=4.0,
@@ -535,7 +538,7 @@ def model_from_dict(data: Mapping[str, Any]) -> ModelDesc:
             if key not in kw:
                 raise DescriptionError(f"{where}: missing field {key!r}")
         try:
-            for j, entry in enumerate(kw["params"]):
+            for j, entry in enumerate(kw["params"]):  # noqa: B007 - j names the entry in the error
                 path, shape = entry
                 [int(d) for d in shape]
         except (TypeError, ValueError):

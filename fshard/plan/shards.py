@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+
 import attrs
 import torch
 

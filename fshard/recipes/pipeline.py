@@ -117,7 +117,7 @@ def make_pipeline_grads(model: LayeredModel, roles: Roles, pipe: Pipeline,
     def pipeline_grads(params: Any, tokens: torch.Tensor, targets: torch.Tensor):
         loss, grads = pipeline_step(stage_fn, loss_fn, pipe.split(params),
                                     (tokens, targets), schedule=pipe.schedule, mesh=roles.mesh,
-                                    axis="pp", data_axes=roles.data_axes, fsdp=fsdp)
+                                    axis="pp", data_axes=roles.data_axes, fsdp=fsdp)[:2]
         return loss, pipe.merge(grads)
 
     return pipeline_grads

@@ -4,15 +4,23 @@ The modules that own process groups (mesh, comm, checkpoint) register with
 :func:`fshard.runtime.teardown.register_group_owner`; nothing here imports them.
 """
 
-from fshard.runtime.process import init as init
-from fshard.runtime.teardown import shutdown as shutdown
 from fshard.runtime.local import (
     RankExitError as RankExitError,
+)
+from fshard.runtime.local import (
     RankTimeoutError as RankTimeoutError,
+)
+from fshard.runtime.local import (
     UnpicklableResultError as UnpicklableResultError,
+)
+from fshard.runtime.local import (
     WorkerPool as WorkerPool,
+)
+from fshard.runtime.local import (
     run_local as run_local,
 )
+from fshard.runtime.process import init as init
+from fshard.runtime.teardown import shutdown as shutdown
 
 __all__ = ["init", "shutdown", "run_local", "WorkerPool", "RankTimeoutError", "RankExitError",
            "UnpicklableResultError"]

@@ -49,7 +49,7 @@ _EXITED = "fshard/exited/{}"
 WAIT_S = float(os.environ.get("FSHARD_PEER_LOSS_WAIT_S", "10"))
 
 
-def is_peer_lost(exc: BaseException) -> bool:
+def is_peer_lost(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or an exception it chains) says that a peer process is gone."""
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -60,7 +60,7 @@ def is_peer_lost(exc: BaseException) -> bool:
     return False
 
 
-def is_timeout(exc: BaseException) -> bool:
+def is_timeout(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or an exception it chains) says that a wait ran out of time."""
     seen = set()
     while exc is not None and id(exc) not in seen:

@@ -141,10 +141,10 @@ def enable_fault_stacks(file=None) -> bool:
         return True
     stream = file if file is not None else (sys.stderr or sys.__stderr__)
     try:
-        faulthandler.enable(file=stream, all_threads=True)
+        faulthandler.enable(file=stream, all_threads=True)  # type: ignore[arg-type]
     except (AttributeError, ValueError, OSError, RuntimeError):  # no real file descriptor (a notebook's
         try:                                                      # stream): fall back to fd 2
-            faulthandler.enable(file=sys.__stderr__, all_threads=True)
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)  # type: ignore[arg-type]
         except (AttributeError, ValueError, OSError, RuntimeError):
             return False
     return True

@@ -20,8 +20,8 @@ mesh's sub-groups, fshard's caches).
 So the teardown, while the interpreter is still whole: completes the collectives fshard
 still has in flight, destroys every process group, drops fshard's own references to
 groups (the mesh cache and each mesh's sub-groups, the checkpoint group, the in-flight
-records, the handles of finished collectives) and collects them, which destroys the groups' C++ objects; their destructors
-join the gloo workers (without the GIL, so a worker that needs it can finish). After
+records, the handles of finished collectives) and collects them, which destroys the groups'
+C++ objects; their destructors join the gloo workers (without the GIL, so a worker that needs it can finish). After
 it, no gloo worker is left to run into the finalizing interpreter, unless user code
 still holds a group of its own (``dist.new_group()``).
 """
@@ -219,7 +219,7 @@ def _at_exit() -> None:
         return
     stream = sys.stderr or sys.__stderr__
     try:
-        faulthandler.dump_traceback_later(TIMEOUT_S, exit=True, file=stream)
+        faulthandler.dump_traceback_later(TIMEOUT_S, exit=True, file=stream)  # type: ignore[arg-type]
         armed = True
     except (AttributeError, ValueError, OSError, RuntimeError):  # no file descriptor to write to
         armed = False

@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Print a pipeline schedule's per-rank grid, its simulated makespan, "
                     "bubble and peak activation memory; optionally plot its timeline.",
         epilog=f"schedules: {choices()}")
-    p.add_argument("schedule", nargs="?", help="schedule name or alias, e.g. 1f1b, gpipe, interleaved, zb, zbv, dualpipev")
+    p.add_argument("schedule", nargs="?",
+                   help="schedule name or alias, e.g. 1f1b, gpipe, interleaved, zb, zbv, dualpipev")
     p.add_argument("--ranks", "-p", type=int, default=4, help="pipeline ranks (default 4)")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default 8)")
     p.add_argument("--virtual", "-v", type=int, default=None,

@@ -8,6 +8,7 @@ hooks. Each pass is a pure function Schedule -> Schedule.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+
 import attrs
 
 from fshard.sched.ir import Action, Kind, Schedule, ScheduleError

@@ -28,8 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fshard import comm
-from fshard import lax
+from fshard import comm, lax
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.sharding import spec_of

@@ -61,7 +61,8 @@ def resolve_policy(policy: str | Callable[[Any], bool] | None) -> Callable[[Any]
     """
     if isinstance(policy, str):
         if policy not in checkpoint_policies:
-            raise ValueError(f"remat: unknown policy {policy!r}; choose one of {sorted(checkpoint_policies)} or pass op -> bool.")
+            raise ValueError(f"remat: unknown policy {policy!r}; choose one of {sorted(checkpoint_policies)} "
+                             f"or pass op -> bool.")
         return checkpoint_policies[policy]
     return policy
 

@@ -1,0 +1,35 @@
+"""The package's lint and type-check configuration (``.ci/run`` runs ``ruff check fshard`` and
+``mypy``): ruff is clean here too, and mypy's list of modules with type debt only shrinks."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBT_AT_MOST = 49  # modules whose mypy errors are not reported (2026-12-01); lower it as they are fixed
+
+
+def test_mypy_debt_list_only_shrinks():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    (override,) = [o for o in config["overrides"] if o.get("ignore_errors")]
+    modules = override["module"]
+    assert len(modules) <= DEBT_AT_MOST, f"{len(modules)} modules with ignored type errors, at most {DEBT_AT_MOST}"
+    assert len(set(modules)) == len(modules)
+    for m in modules:  # a listed module that no longer exists is stale
+        path = ROOT / (m.replace(".", "/") + ".py")
+        assert path.exists() or (ROOT / m.replace(".", "/") / "__init__.py").exists(), m
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(),
+                    reason="ruff is not installed (the [test] extra has it)")
+def test_ruff_is_clean_on_the_package():
+    ruff = str(Path(sys.executable).parent / "ruff") if (Path(sys.executable).parent / "ruff").exists() \
+        else shutil.which("ruff")
+    run = subprocess.run([ruff, "check", "fshard"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:]
