@@ -33,3 +33,25 @@ def test_ruff_is_clean_on_the_package():
         else shutil.which("ruff")
     run = subprocess.run([ruff, "check", "fshard"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:]
+
+
+# The files CONTRIBUTING.md's toy-parallelism walkthrough says to touch (new ones marked).
+TOY_PARALLELISM_FILES = {
+    "fshard/parallel/layout.py", "fshard/parallel/toy.py (new)", "fshard/parallel/__init__.py",
+    "fshard/recipes/roles.py", "fshard/recipes/step.py", "fshard/plan/shards.py", "fshard/plan/comm.py",
+    "fshard/plan/estimate.py", "tests/parallel/", "tests/recipes/test_recipes_step.py", "tests/plan/",
+    "docs/concepts.md", "docs/<name>.md (new)",
+}
+
+
+def test_contributing_walkthrough_names_the_files_a_parallelism_touches():
+    import re
+
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    section = text.split("## Adding a parallelism")[1].split("\n## ")[0]
+    named = {p for p in re.findall(r"`([\w./<>-]+/[\w./<>-]*)`", section)}
+    want = {f.split(" ")[0] for f in TOY_PARALLELISM_FILES}
+    assert named == want, (sorted(named - want), sorted(want - named))
+    for f in TOY_PARALLELISM_FILES:
+        if not f.endswith("(new)"):
+            assert (ROOT / f).exists(), f
