@@ -32,17 +32,16 @@ and a checkpoint written on one mesh resumes exactly on any other.
 
 The step itself is the library's (``fshard.recipes``: the layout's roles, the Transformer
 as a ``LayeredModel``, the train, pipeline and ``fs.jit`` steps); this file is the command
-line around it. Top to bottom: command line, data, optimizer, checkpoints, sampling,
-output, the planner, and ``main``.
+line around it (the corpus, the progress bar and the gathering of a sharded model for
+sampling are ``fshard.recipes``' too). Top to bottom: command line, optimizer, checkpoints,
+sampling, the planner, and ``main``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -56,6 +55,9 @@ import fshard as fs
 from fshard.models import TransformerConfig, transformer_apply, transformer_init
 from fshard.parallel.layout import Layout, LayoutError
 from fshard.recipes import Injection, LayeredModel, NonFiniteError, Pipeline, Roles, TrainStep
+from fshard.recipes.data import CharCorpus, DataError, padded_vocab
+from fshard.recipes.pipeline import gather_full
+from fshard.recipes.progress import Progress, write_log
 from fshard.recipes.roles import check_batch
 from fshard.recipes.step import init_params, make_jit_train_step, make_pipeline_step, make_train_step, param_order
 from fshard.sched.registry import resolve_name
@@ -191,62 +193,6 @@ def parse_mesh(text: str | None, world_size: int) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------
-# Data: characters of one text file, batches that do not depend on the mesh
-# ---------------------------------------------------------------------------
-
-
-@attrs.frozen
-class CharCorpus:
-    """A text as a 1-d tensor of character ids; the vocabulary is its sorted characters."""
-
-    ids: torch.Tensor
-    chars: str
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "CharCorpus":
-        text = Path(path).read_text(encoding="utf-8")
-        chars = "".join(sorted(set(text)))
-        lookup = {c: i for i, c in enumerate(chars)}
-        return cls(torch.tensor([lookup[c] for c in text], dtype=torch.int64), chars)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars)
-
-    def encode(self, text: str) -> list[int]:
-        # Characters the corpus lacks are dropped rather than mapped to a fake id.
-        return [self.chars.index(c) for c in text if c in self.chars]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
-
-    def batch(self, step: int, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global batch of ``step``: ``batch_size`` random windows and their next characters.
-
-        The windows come from a generator seeded with ``(seed, step)`` alone, so every rank
-        draws the same global batch on every mesh, and a resumed run continues exactly
-        where the interrupted one would have gone. shard_map then gives each data-parallel
-        rank its rows.
-        """
-        if len(self.ids) <= seq_len:
-            raise ConfigError(f"the corpus has {len(self.ids)} characters; --seq-len {seq_len} needs more")
-        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.ids) - seq_len, (batch_size,), generator=g)
-        windows = torch.stack([self.ids[s:s + seq_len + 1] for s in starts.tolist()])  # (B, T + 1)
-        return windows[:, :-1], windows[:, 1:]
-
-
-def padded_vocab(n_chars: int, multiple: int = 64) -> int:
-    """The model's vocabulary: the characters, rounded up to a multiple of 64.
-
-    The padding ids never occur in the data. Padding makes the embedding and output
-    tables split evenly over any tp x fsdp grid up to 64 ranks, and it is the same on
-    every mesh, so the model (and its loss) does not depend on the layout.
-    """
-    return -(-n_chars // multiple) * multiple
-
-
-# ---------------------------------------------------------------------------
 # Optimizer
 # ---------------------------------------------------------------------------
 
@@ -314,25 +260,6 @@ def has_checkpoint(path: str) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def gather_model(params: Any, cfg: TransformerConfig, pipe: Pipeline | None) -> Any:
-    """The whole model as plain tensors on every rank (collective), for sampling.
-
-    ``fs.gather`` puts each stage's shards together among the ranks that hold it; with a
-    pipeline the stages then travel to every rank as Python objects (fine for a small
-    model: a large one would sample through the pipeline instead).
-    """
-    # torch warns that a strided (FSDP x TP) layout takes two all-gathers; here that is fine.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    full = fs.tree.tree_map(lambda t: t.cpu(), fs.gather(params))
-    if pipe is None:
-        return full
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, full)
-    merged = pipe.merge(parts)
-    merged["layers"] = [merged["layers"][str(i)] for i in range(cfg.n_layers)]
-    return merged
-
-
 @torch.no_grad()
 def generate(params: Any, cfg: TransformerConfig, prompt: list[int], n_new: int, *,
              seed: int, n_real: int, temperature: float = 0.8) -> list[int]:
@@ -348,49 +275,6 @@ def generate(params: Any, cfg: TransformerConfig, prompt: list[int], n_new: int,
         probs = torch.softmax(logits / temperature, dim=-1)
         ids.append(int(torch.multinomial(probs, 1, generator=g)))
     return ids
-
-
-# ---------------------------------------------------------------------------
-# Output on rank 0
-# ---------------------------------------------------------------------------
-
-
-class Progress:
-    """A tqdm bar with loss and throughput if tqdm is installed, else a line every few steps."""
-
-    def __init__(self, start: int, total: int, enabled: bool, every: int) -> None:
-        self.enabled, self.every, self.total = enabled, max(1, every), total
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                pass
-            else:
-                self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-
-    def update(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
-            self.bar.update(1)
-        elif record["step"] % self.every == 0 or record["step"] == self.total:
-            print(f"step {record['step']:>5}/{self.total}  loss {record['loss']:.4f}  "
-                  f"{record['tokens_per_s']:,.0f} tokens/s  lr {record['lr']:.2e}", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def write_log(path: str, records: list[dict[str, Any]]) -> None:
-    """Writes the records as one JSON list, atomically (a reader never sees half a file)."""
-    tmp = f"{path}.tmp"
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "w") as f:
-        json.dump(records, f, indent=1)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------
@@ -605,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         say(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over steps "
             f"{records[0]['step']}-{records[-1]['step']}")
     if args.sample_chars and not args.quiet:
-        full = gather_model(params, cfg, pipe)  # collective: every rank takes part, rank 0 samples
+        full = gather_full(params, pipe)  # collective: every rank takes part, rank 0 samples
         if rank0:
             ids = generate(full, cfg, corpus.encode(args.prompt), args.sample_chars, seed=args.seed,
                            n_real=corpus.vocab_size)
@@ -618,12 +502,12 @@ if __name__ == "__main__":
 
     try:
         main()
-    except (LayoutError, NonFiniteError, fs.checkpoint.CheckpointError) as e:
+    except (LayoutError, DataError, NonFiniteError, fs.checkpoint.CheckpointError) as e:
         # Every rank raises these alike (the checkpoint's checks agree across ranks), so
         # one line from rank 0 says it all.
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"train_lm.py: error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, LayoutError) else 1)
+        sys.exit(2 if isinstance(e, (LayoutError, DataError)) else 1)
     except Exception as e:
         # Under torchrun, the error file puts this traceback in its report (what @record
         # does). Not for a rank that only lost a peer: torchrun stops such ranks with

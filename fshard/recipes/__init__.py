@@ -5,7 +5,9 @@
 ``init``/``embed``/``block``/``head``/``loss``) on any ``fs.parallel.Layout``. The pieces it
 composes (:mod:`~fshard.recipes.roles`, :mod:`~fshard.recipes.model`,
 :mod:`~fshard.recipes.step`, :mod:`~fshard.recipes.pipeline`, :mod:`~fshard.recipes.faults`)
-are importable for a step of your own; ``examples/train_lm.py`` is a command line over them.
+are importable for a step of your own, beside what a training script needs around it
+(:mod:`~fshard.recipes.data`, :mod:`~fshard.recipes.progress`); ``examples/train_lm.py`` is a
+command line over them.
 """
 
 from fshard.recipes.faults import Injection as Injection

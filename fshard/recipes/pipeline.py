@@ -3,13 +3,16 @@ into stages, run by an ``fs.sched`` schedule."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh
+from fshard.mesh.sharding import gather
 from fshard.parallel.layout import LayoutError
 from fshard.recipes.faults import Injection
 from fshard.recipes.model import LayeredModel
@@ -20,7 +23,7 @@ from fshard.sched.stage_fsdp import StageFSDP
 from fshard.sched.step import pipeline_step
 from fshard.transforms import remat
 
-__all__ = ["Pipeline", "make_pipeline_grads"]
+__all__ = ["Pipeline", "gather_full", "make_pipeline_grads"]
 
 
 @attrs.frozen
@@ -121,3 +124,24 @@ def make_pipeline_grads(model: LayeredModel, roles: Roles, pipe: Pipeline,
         return loss, pipe.merge(grads)
 
     return pipeline_grads
+
+
+def gather_full(params: Any, pipe: Pipeline | None) -> Any:
+    """The whole model as plain CPU tensors on every rank (collective), e.g. for sampling.
+
+    ``fs.gather`` puts each stage's shards together among the ranks that hold it; with a
+    pipeline the stages then travel to every rank as Python objects (fine for a small
+    model: a large one would sample through the pipeline instead), and ``layers`` is a list
+    again, in block order.
+    """
+    # torch warns that a strided (FSDP x TP) layout takes two all-gathers; here that is fine.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    full = tree_util.tree_map(lambda t: t.cpu(), gather(params))
+    if pipe is None:
+        return full
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, full)
+    merged = pipe.merge(parts)
+    merged["layers"] = [merged["layers"][str(i)] for i in range(len(merged["layers"]))]
+    return merged
+

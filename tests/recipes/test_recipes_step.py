@@ -54,16 +54,12 @@ def _train(model, mesh_text: str, options: dict, inputs=None) -> tuple[list[floa
         params, state, loss, _, bad = step(params, state, x, y)
         assert bad is None
         losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
-    full = fs.tree.tree_map(lambda t: t.cpu(), fs.gather(params))
-    if "pp" in layout.shape:  # each pp rank holds its stages: put the tree together
-        parts = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(parts, full)
-        merged = {"layers": {}}
-        for part in parts:
-            merged.update({k: v for k, v in part.items() if k != "layers"})
-            merged["layers"].update(part["layers"])
-        full = {**merged, "layers": [merged["layers"][str(i)] for i in range(len(merged["layers"]))]}
-    return losses, full
+    pipe = None
+    if "pp" in layout.shape:  # each pp rank holds its stages: gather_full puts the tree together
+        mesh = layout.mesh()
+        pipe = fs.recipes.Pipeline.build(layout.schedule, mesh, LAYERS, layout.microbatches, layout.virtual,
+                                         fs.recipes.model.resolve_model(model, fs.recipes.Roles.of(layout, mesh)))
+    return losses, fs.recipes.pipeline.gather_full(params, pipe)
 
 
 def _custom(mesh_text, options):
