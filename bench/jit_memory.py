@@ -12,9 +12,9 @@ during it. Sides:
   eager pure      the pure step that fs.jit compiles, run eagerly (no donation)
   jit             ``fs.jit`` (Inductor, fshard's settings)
   jit donated     ``fs.jit(donate_argnums=(0, 1))``
-  jit no overlap  ``fs.jit`` without fshard's overlap scheduling (``fshard/_jit_overlap.py``)
+  jit no overlap  ``fs.jit`` without fshard's overlap scheduling (``fshard/jit/passes/overlap.py``)
   jit locality    ``fs.jit`` with Inductor's ``reorder_for_locality`` back on (its default)
-  jit cat in place  ``fs.jit`` without ``fshard._jit_memory.LateConcat``: Inductor writes
+  jit cat in place  ``fs.jit`` without ``fshard.jit.passes.memory.LateConcat``: Inductor writes
                   the producers of a collective's flat buffer into it in place (its default)
   jit aot_eager   ``fs.jit(backend="aot_eager")``: the captured graph in program order
   native          torch's eager step (``bench/data_parallel.py``'s ``_native_step``:
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 import fshard as fs
-from fshard._jit_comm import without_collective_passes
+from fshard.jit.passes.bucket import without_collective_passes
 from fshard.models import TransformerConfig
 from fshard.testing import transformer_train_step
 

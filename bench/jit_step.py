@@ -18,8 +18,8 @@ is reported: set ``TORCHINDUCTOR_CACHE_DIR`` to an empty directory for a cold co
 to fshard's eager step with ``fs.optim.donate()`` (this script's eager side is the pure
 step that fs.jit compiles) and add peak memory.
 ``--comm-passes on,off`` (also ``bucket``, ``overlap``, ``reorder``) runs one fs.jit side per
-setting of fs.jit's collective passes (``fshard/_jit_comm.py``: bucketing, fshard's overlap
-scheduling ``fshard/_jit_overlap.py``, torch's overlap scheduling), interleaved, and gives
+setting of fs.jit's collective passes (``fshard/jit/passes/bucket.py``: bucketing, fshard's overlap
+scheduling ``fshard/jit/passes/overlap.py``, torch's overlap scheduling), interleaved, and gives
 each one's ratio to the others; ``on,bucket`` compares with and without fshard's overlap
 scheduling (the FSDP step has nothing to bucket).
 """
@@ -36,13 +36,13 @@ import torch
 import torch.distributed as dist
 
 import fshard as fs
-from fshard._jit_comm import without_collective_passes
+from fshard.jit.passes.bucket import without_collective_passes
 from fshard.models import TransformerConfig
 from fshard.testing import collective_calls, inductor_output_code, transformer_train_step
 
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
 
-# --comm-passes: fs.jit sides by which of its collective passes (fshard/_jit_comm.py) run.
+# --comm-passes: fs.jit sides by which of its collective passes (fshard/jit/passes/bucket.py) run.
 _JIT_SIDE = {"on": "jit", "off": "jit, comm passes off", "bucket": "jit, bucketing only",
              "overlap": "jit, overlap only", "reorder": "jit, torch reordering only"}
 _JIT_OPTIONS = {"on": lambda: None, "off": without_collective_passes,
@@ -139,7 +139,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--comm-passes", default="on",
-                    help="comma-separated fs.jit sides by collective passes (fshard/_jit_comm.py): on (the default "
+                    help="comma-separated fs.jit sides by collective passes (fshard/jit/passes/bucket.py): on (the default "
                          "passes: bucketing, then fshard's overlap scheduling), off, bucket (bucketing only), overlap "
                          "(fshard's overlap scheduling only), reorder (torch's overlap scheduling only); e.g. on,bucket")
     ap.add_argument("--bucket-mb", type=float, default=None,

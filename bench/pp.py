@@ -26,7 +26,7 @@ measured (a full B split 1:1).
 ``--compiled`` (``--backend``, default ``inductor``) adds two sides per schedule, interleaved
 with the others: fshard's ``pipeline_step`` under ``fs.jit`` (each rank's whole step one
 captured graph; under Inductor the compute between the point-to-point transfers is compiled
-region by region and the transfers run eagerly in program order, see ``fshard/_jit_p2p.py``),
+region by region and the transfers run eagerly in program order, see ``fshard/jit/p2p.py``),
 and torch's schedule over a copy of the stage whose blocks are each ``torch.compile``d
 (torchtitan's per-block recipe; not for ZB-H1: torch's zero-bubble schedules refuse a
 compiled stage module). Their ratios are medians of per-step ratios against torch's

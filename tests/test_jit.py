@@ -522,7 +522,7 @@ def test_jit_hoists_the_input_slices_of_inputs_the_graph_does_not_mutate():
     # its views inside (the compiled graph must see the aliasing).
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fshard.jit import _hoist_input_views
+    from fshard.jit.api import _hoist_input_views
 
     gm = make_fx(_slice_and_mutate)(torch.ones(6), torch.ones(6))
     prologue, main = _hoist_input_views(gm)
@@ -534,7 +534,7 @@ def test_jit_hoists_the_input_slices_of_inputs_the_graph_does_not_mutate():
     assert torch.equal(got, want) and torch.equal(b, b_eager)
 
 
-# --- collective bucketing under Inductor (fshard/_jit_comm.py) ------------------------------
+# --- collective bucketing under Inductor (fshard/jit/passes/bucket.py) ------------------------------
 def _bucket_pass(step, bucketed, args):
     """fs.jit's bucketing pass applied to ``bucketed``'s captured graph of ``step`` (a
     ``fs.jit(step, backend=None)``), which then runs uncompiled (the merged collectives run
@@ -543,7 +543,7 @@ def _bucket_pass(step, bucketed, args):
     from torch._inductor.pattern_matcher import stable_topological_sort
     from torch.distributed.tensor import DTensor
 
-    from fshard._jit_comm import BucketCollectives
+    from fshard.jit.passes.bucket import BucketCollectives
 
     gm = bucketed.graph(*args)
     before = collective_calls(gm.code)

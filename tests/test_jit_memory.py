@@ -2,7 +2,7 @@
 program order (eager's order), counted deterministically from the code's own variables
 (``fshard.testing.graph_peak_bytes``; no allocator statistics, no timing, no gloo buffers).
 
-The regression these guard against (``fshard/_jit_memory.py``): Inductor's in-place
+The regression these guard against (``fshard/jit/passes/memory.py``): Inductor's in-place
 concatenation allocated a collective's flat buffer (the DDP gradient bucket) where the
 first of its inputs was computed, before the backward, instead of where the graph
 concatenates; the replicate bench step's peak was 7 % above eager's.

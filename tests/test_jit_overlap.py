@@ -1,4 +1,4 @@
-"""fs.jit's overlap scheduling of gloo collectives (``fshard/_jit_overlap.py``): the pass
+"""fs.jit's overlap scheduling of gloo collectives (``fshard/jit/passes/overlap.py``): the pass
 moves collectives' starts and waits against compute, never the compute, keeps one
 collective in flight per group and the graph's order of collectives, and leaves values,
 comm_log counts and bytes as they were.
@@ -109,7 +109,7 @@ def _schedule_twice(gm):
     """The pass on a captured step graph: its structure (``_structure``) before and after,
     the node names in order, the pass's result, and whether a second run of the pass on
     its own result kept the order (a fixed point)."""
-    from fshard._jit_overlap import schedule
+    from fshard.jit.passes.overlap import schedule
 
     before = _structure(gm.graph)
     changed = schedule(gm.graph)
@@ -165,7 +165,7 @@ def _parity(order, steps=2, structure=False):
     graph (``_schedule_twice``), returned third."""
     from torch.distributed.tensor import DTensor
 
-    from fshard._jit_overlap import schedule
+    from fshard.jit.passes.overlap import schedule
 
     if order == "replicate":  # DDP: bucketed all-reduces (fshard.testing's step: loss, params, state)
         from fshard.testing import transformer_train_step
@@ -244,7 +244,7 @@ def test_overlap_leaves_a_graph_with_a_collective_it_cannot_move(second):
     # All or nothing: all-reduce A's wait would sink behind the matrix products (it does when
     # B is an ordinary CPU collective), but B is one the pass does not move (used before its
     # wait, waited twice, not on the CPU), so the graph stays as it is.
-    from fshard._jit_overlap import schedule
+    from fshard.jit.passes.overlap import schedule
 
     ok = _graph_with("plain")
     assert schedule(ok)
@@ -273,7 +273,7 @@ def test_overlap_moves_no_input_read_past_a_mutation():
     # x is cast for all-reduce B, then a copy_ writes into x, then B starts. Moving B (and the
     # cast that lays out its input) earlier is fine; moving the cast after the copy_ would
     # send the new x.
-    from fshard._jit_overlap import schedule
+    from fshard.jit.passes.overlap import schedule
 
     g, node, x, y = _tiny_graph()
     a = node(_C10D.all_reduce.default, (y, "sum", "0"))
@@ -293,7 +293,7 @@ def test_overlap_moves_no_input_read_past_a_mutation():
 def test_overlap_moves_no_random_op():
     # A dropout on an all-reduce's result: moved with the wait behind the matrix products, it
     # would draw another part of the random stream than eager. The wait stays before it.
-    from fshard._jit_overlap import schedule
+    from fshard.jit.passes.overlap import schedule
 
     g, node, x, y = _tiny_graph()
     a = node(_C10D.all_reduce.default, (y, "sum", "0"))
@@ -380,7 +380,7 @@ def test_overlap_order_survives_inductor_float64():
 def test_inductor_memory_reordering_is_off_only_with_the_overlap_pass():
     # Inductor's reorder_for_peak_memory runs after fshard's passes and moved each collective's
     # start back next to its wait: off with the overlap pass, back on for sides without it.
-    from fshard._jit_comm import collective_passes, without_collective_passes
+    from fshard.jit.passes.bucket import collective_passes, without_collective_passes
 
     assert collective_passes()["reorder_for_peak_memory"] is False
     assert without_collective_passes()["reorder_for_peak_memory"] is True

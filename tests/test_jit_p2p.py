@@ -1,7 +1,7 @@
 """fs.jit of point-to-point transfers: ``fs.lax.ppermute`` (an ``all_to_all_single`` in the
 graph) and ``fs.sched.pipeline_step`` (``fshard.p2p_batch`` nodes; under Inductor the graph is
 cut at the transfers and the compute between them compiled region by region,
-``fshard/_jit_p2p.py``), against eager and a single-process reference.
+``fshard/jit/p2p.py``), against eager and a single-process reference.
 
 Moved from tests/test_jit.py. Inductor pipeline steps (cold cache, 2026-11-27, load 5-7):
 1F1B 35-61 s and ZB-H1 2-6 s of wall time, the ZB-H1 one reusing most of 1F1B's compiled
@@ -392,14 +392,14 @@ def test_jit_pipeline_refuses_stats_and_whole_graph_backends_clearly():
 
 
 def test_jit_p2p_split_keeps_transfers_in_order_and_collectives_whole():
-    # fs.jit's Inductor path for graphs with transfers (fshard/_jit_p2p.py), on a hand-built
+    # fs.jit's Inductor path for graphs with transfers (fshard/jit/p2p.py), on a hand-built
     # graph (nothing runs): each transfer node is a segment of its own, in program order; the
     # compute between is one region; an all-reduce whose wait lies beyond a transfer runs
     # eagerly with its wait (a region returns no collective in flight); a receive's buffer
     # template and the detach of an input run on their own (so equal compute makes equal regions).
     import operator
 
-    from fshard import _jit_p2p
+    from fshard.jit import p2p as _jit_p2p
 
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     g = torch.fx.Graph()
@@ -443,9 +443,9 @@ def _jit_pipeline_first_call_body(mode):
     import sys
     import time
 
-    from fshard import _jit_p2p
+    from fshard.jit import p2p as _jit_p2p
 
-    fjit = sys.modules["fshard.jit"]  # (fshard.jit, the attribute, is the function)
+    fjit = sys.modules["fshard.jit.api"]  # (fshard.jit, the attribute, is the function)
 
     mesh = fs.make_mesh({"pp": 2})
     rank = mesh.axis_index("pp")
@@ -558,7 +558,7 @@ def test_jit_p2p_region_recompiles_when_its_inputs_overlap_differently_float64()
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fshard import _jit_p2p
+    from fshard.jit import p2p as _jit_p2p
 
     gm = make_fx(_mutate_first_read_second, tracing_mode="fake")(torch.zeros(4, dtype=F64),
                                                                  torch.zeros(4, dtype=F64))
@@ -592,7 +592,7 @@ def _spans_world_body():
     from torch.distributed._functional_collectives import all_reduce
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fshard import _jit_p2p
+    from fshard.jit import p2p as _jit_p2p
 
     world = dist.group.WORLD
     alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]

@@ -216,28 +216,28 @@ MUTATIONS: tuple[Mutation, ...] = (
          "tests/test_jit_p2p.py::test_jit_ppermute_values_grads_and_comm_log_equal_eager_float64"),
         "ppermute's all-to-all sends to the source and receives from the destination (a ring runs backwards)"),
     Mutation(
-        "jit_donation_copy_dropped", "fshard/jit.py",
+        "jit_donation_copy_dropped", "fshard/jit/api.py",
         "by_leaf[j].copy_(o.to_local() if isinstance(o, DTensor) else o)", "pass",
         ("tests/test_jit_donate.py::test_donated_results_equal_undonated_and_are_the_arguments",),
         "fs.jit(donate_argnums=...) returns the donated arguments without computing the results into them"),
     Mutation(
-        "jit_overlap_two_in_flight", "fshard/_jit_overlap.py",
+        "jit_overlap_two_in_flight", "fshard/jit/passes/overlap.py",
         "s = max(ready_fixed[k], last_start, last_wait.get(g, 0))", "s = max(ready_fixed[k], last_start)",
         ("tests/test_jit_overlap.py::test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward",),
         "fs.jit's overlap scheduling starts a collective before the previous one on its gloo group was waited"),
     Mutation(
-        "jit_overlap_waits_at_first_use", "fshard/_jit_overlap.py",
+        "jit_overlap_waits_at_first_use", "fshard/jit/passes/overlap.py",
         "        if upto == k:  # every later one is due after this one\n",
         "        if True:\n",
         ("tests/test_jit_overlap.py::test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward",),
         "fs.jit's overlap scheduling waits for each collective at its first use, leaving none for the next"),
     Mutation(
-        "jit_concat_in_place", "fshard/_jit_memory.py",
+        "jit_concat_in_place", "fshard/jit/passes/memory.py",
         '"post_grad_custom_pre_pass": LateConcat()', '"post_grad_custom_pre_pass": None',
         ("tests/test_jit_memory.py::test_jit_inductor_allocates_a_collectives_flat_buffer_where_the_graph_concatenates_float64",),
         "fs.jit lets Inductor allocate a collective's flat buffer (the DDP bucket) before the backward"),
     Mutation(
-        "jit_p2p_collective_split_from_wait", "fshard/_jit_p2p.py",
+        "jit_p2p_collective_split_from_wait", "fshard/jit/p2p.py",
         "if any(seg[f] != seg[n] for f in family):", "if False:",
         ("tests/test_jit_p2p.py::test_jit_p2p_split_keeps_transfers_in_order_and_collectives_whole",),
         "fs.jit's Inductor path for pipelines compiles a collective in one region and its wait in a later one"),

@@ -219,7 +219,7 @@ def make_jit_train_step(model: LayeredModel, roles: Roles, specs: Any, opt: Grad
                         backend: str, pipe: Pipeline | None = None) -> TrainStep:
     """``--jit``: :func:`make_train_step`'s step (with ``pipe``, :func:`make_pipeline_step`'s)
     as one graph compiled by ``fs.jit``. A pipeline's point-to-point transfers run eagerly
-    in program order between compiled regions (``fshard/_jit_p2p.py``).
+    in program order between compiled regions (``fshard/jit/p2p.py``).
 
     ``fs.jit`` traces without values, so what the eager step decides on the host moves:
 

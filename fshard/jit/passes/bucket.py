@@ -42,7 +42,7 @@ What runs (Inductor's post-grad passes; sources in ``torch/_inductor/fx_passes``
   the module rank 1 compiled gathers from offset 18, rank 1's slot, and rank 0 ran it from
   the cache; gloo's values were still right, but the graph is rank 1's). The merge here
   gathers a concatenation and takes each input's columns (rank-free).
-- :class:`fshard._jit_overlap.OverlapCollectives` (on), after bucketing, in the same
+- :class:`fshard.jit.passes.overlap.OverlapCollectives` (on), after bucketing, in the same
   ``post_grad_custom_post_pass`` list: fshard's own overlap scheduling of CPU (gloo)
   collectives. It keeps the compute's order and the collectives' order, one collective in
   flight per group, and moves each start as early and each wait as late as that allows,
@@ -78,6 +78,8 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from fshard.jit import fx
+
 __all__ = ["collective_passes", "without_collective_passes", "BucketCollectives", "BUCKET_MB"]
 
 # Per-bucket cap (MB of the larger of a collective's input and output), fs.parallel's DDP
@@ -97,7 +99,7 @@ def collective_passes(bucket_mb: float | None = BUCKET_MB, reorder: bool = False
         Off by default: it needs Triton (a CUDA build of torch) even on CPU graphs, and it
         is not tested on one yet (see the module docstring).
       overlap: whether to run fshard's own overlap scheduling of CPU (gloo) collectives
-        after bucketing (:class:`fshard._jit_overlap.OverlapCollectives`).
+        after bucketing (:class:`fshard.jit.passes.overlap.OverlapCollectives`).
 
     Returns:
       A dict for ``torch._inductor.config.patch`` (``fs.jit(options=...)``'s entries replace
@@ -131,7 +133,7 @@ def collective_passes(bucket_mb: float | None = BUCKET_MB, reorder: bool = False
 def _post_passes(bucket_mb: float | None, overlap: bool) -> Any:
     """The ``post_grad_custom_post_pass`` entry: bucketing, then overlap scheduling (of the
     merged collectives); ``None`` for neither."""
-    from fshard._jit_overlap import OverlapCollectives
+    from fshard.jit.passes.overlap import OverlapCollectives
 
     passes = ([BucketCollectives(bucket_mb)] if bucket_mb is not None else []) + (
         [OverlapCollectives()] if overlap else [])
@@ -175,7 +177,7 @@ class BucketCollectives(CustomGraphPass):
                 b.merge_all_reduce_bucket(graph, bucket, wait_insertion_point=wait_point)
 
 
-_SOURCE_HASH = get_hash_for_files((__file__,))
+_SOURCE_HASH = get_hash_for_files((__file__, fx.__file__))
 _IN_FLIGHT = object()  # an in-flight bucket's wait point: found when it is merged
 
 
@@ -201,20 +203,9 @@ def _kind(node: torch.fx.Node) -> tuple | None:
     return None
 
 
-def _is_c10d(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a functional collective (or its wait)."""
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional"
-
-
-def _nbytes(node: torch.fx.Node) -> int:
-    vals = (node.meta["val"], node.all_input_nodes[0].meta["val"])
-    return max(v.numel() * v.element_size() for v in vals)
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    import operator
-
-    return node.target is operator.getitem or (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
+_is_c10d = fx.is_c10d
+_nbytes = fx.result_or_input_bytes
+_is_view = fx.is_view
 
 
 def _feeds(node: torch.fx.Node, key: tuple) -> bool:

@@ -1,6 +1,6 @@
 """Overlap scheduling of ``fs.jit``'s collectives on gloo: a deterministic post-grad FX pass
 that moves each collective's start and wait against the step's compute, whose order it
-keeps (:class:`OverlapCollectives`, run by :func:`fshard._jit_comm.collective_passes`).
+keeps (:class:`OverlapCollectives`, run by :func:`fshard.jit.passes.bucket.collective_passes`).
 
 What the captured FSDP step looks like without it (``bench/jit_step.py``'s step, 2 ranks):
 fs.parallel's eager order, as traced. Forward: layer i+1's all-gather is issued before layer
@@ -59,11 +59,12 @@ cores per rank there is more to hide.
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from fshard.jit import fx
 
 __all__ = ["OverlapCollectives", "schedule"]
 
@@ -98,17 +99,11 @@ class OverlapCollectives(CustomGraphPass):
         schedule(graph)
 
 
-_SOURCE_HASH = get_hash_for_files((__file__,))
+_SOURCE_HASH = get_hash_for_files((__file__, fx.__file__))
 
 
-def _is_c10d(node: torch.fx.Node) -> bool:
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.namespace == "_c10d_functional")
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    return node.target is operator.getitem or (isinstance(node.target, torch._ops.OpOverload)
-                                               and node.target.is_view)
+_is_c10d = fx.is_c10d
+_is_view = fx.is_view
 
 
 def _is_random(node: torch.fx.Node) -> bool:
@@ -136,9 +131,7 @@ def _group(node: torch.fx.Node) -> str:
     return g.name if isinstance(g, torch.fx.Node) else str(g)
 
 
-def _nbytes(node: torch.fx.Node) -> int:
-    vals = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
-    return max((v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)), default=0)
+_nbytes = fx.largest_tensor_bytes
 
 
 def _cost(node: torch.fx.Node) -> float:

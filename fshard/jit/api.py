@@ -1,165 +1,12 @@
 """``fs.jit``: capture a whole step (forward, gradient, optimizer, collectives) as one graph
 and compile it with ``torch.compile(fullgraph=True)``.
 
-How, as JAX's ``jit`` does it: the function is *traced* once per input signature by running
-its Python on fake tensors (``make_fx(tracing_mode="fake")``). Everything that is Python
-(``shard_map``'s spec checks, the body context and the collectives' ContextVars, checked
-mode's metadata, autograd through ``fs.value_and_grad``, ``fs.optim`` kernels) runs at
-trace time and leaves only its tensor operations in an aten FX graph, the collectives as
-``torch.ops._c10d_functional`` ops. That graph is then compiled by Dynamo + a backend
-(``"inductor"`` by default, ``"aot_eager"`` to debug, or ``None`` to run the captured
-graph as it is). Nothing of Dynamo ever sees a ContextVar, and Dynamo never traces autograd
-(``trace_autograd_ops`` is not needed): the backward is traced by make_fx as aten ops.
-
-Reshard after forward needs no recompute tagging (SimpleFSDP's ``MUST_RECOMPUTE``): that
-tagging steers AOTAutograd's partitioner, which decides what a compiled forward saves for a
-compiled backward. Here no partitioner runs: the traced graph already holds the backward,
-with ``fs.parallel``'s regathers in it where the eager step does them (its saved-tensor hooks
-run at trace time), so the gathered weights are freed after forward as in eager, and
-Inductor keeps that order (tests/test_jit_overlap.py counts the regathers in the graph;
-tests/test_jit_memory.py holds the compiled step's peak to the graph's program order).
-
-Compile time (``bench/jit_compile.py``; ``bench/README.md``, "fs.jit"): Inductor compiles
-the aten graph directly (``torch._inductor.standalone_compile``), without Dynamo tracing
-it again, and the ranks of one host compile a graph once: the views that slice a rank's
-rows out of a global input (the only rank-dependent part of a data-parallel step) run
-before the compiled graph, so every rank has the same graph; the first process to reach
-it compiles it while the others wait on a file lock in the Inductor cache directory, then
-load it from the cache. The compiled graph is cached there (``TORCHINDUCTOR_CACHE_DIR``)
-across processes. The log (logger ``fshard.jit``, INFO) says how long each part took.
-
-Collectives under Inductor (``fshard/_jit_comm.py``; :func:`fshard._jit_comm.collective_passes`
-is the one place that chooses): collectives of one kind, process group and dtype that the
-graph issues back to back and waits for back to back are merged into one over a flat
-buffer (up to 25 MB; all-gathers, all-reduces, reduce-scatters, and the even all-to-alls
-that carry fshard's gloo reduce-scatter): per-leaf gathers and reductions become one call,
-and nothing else moves, so overlap and memory stay as they were (``fs.parallel``'s steps
-already use one flat buffer per layer: nothing to merge there). Then fshard's own overlap
-scheduling (``fshard/_jit_overlap.py``) moves the starts and waits of CPU (gloo)
-collectives against the compute, whose order it keeps, one collective in flight per group:
-in an FSDP step each layer's reduce-scatter runs behind the next layer's backward. Torch's
-compute/communication reordering (its overlap scheduling) is off: it needs Triton even
-for CPU graphs. Every decision depends on the graph only (order, kinds, groups, sizes; no
-timing, no collective while compiling) and no rank is baked into the compiled graph, so
-every rank issues the same collectives in the same order and one compile serves the
-ranks of a host. The bytes on the wire are eager's, and ``fs.comm_log`` still reports
-eager's collectives (the logical ones, before merging). ``options`` replaces these
-entries: ``{"post_grad_custom_post_pass": None}`` turns merging and fshard's overlap
-scheduling off (``fshard._jit_comm.without_collective_passes()``, which can keep either).
-
-Memory (``fshard/_jit_memory.py``, :func:`fshard._jit_memory.memory_passes`; ``options``
-replaces its entries): the compiled step holds no more than eager. Two Inductor choices,
-made for a kernel's locality, had moved allocations across a whole step: its reordering for
-locality (off: it moved kernels across forward, backward and optimizer and kept buffers
-alive meanwhile; ``{"reorder_for_locality": True}`` restores it), and its in-place
-concatenation, which allocated a collective's flat buffer (the DDP gradient bucket) where
-its first input was computed, before the backward, instead of where the graph concatenates
-(:class:`fshard._jit_memory.LateConcat` makes that concatenation one opaque call;
-``{"post_grad_custom_pre_pass": None}`` undoes it). Measured (``bench/jit_memory.py``, the
-bench Transformer, 2 gloo ranks, MiB per rank): replicate eager 111.7, fs.jit 109.1 (was
-119.3); FSDP, counted from the graph code's own variables (``--count graph``: the profiler's
-FSDP numbers move by a few MiB from run to run with gloo's threads), the graph in program
-order 96.92, fs.jit 97.04 (Inductor keeps the gathered embedding table, 1.13 MiB, to
-recompute the embedding in the backward instead of its 1 MiB output). CPU time per step
-unchanged within this machine's noise (about 1 %). ``tests/test_jit_memory.py`` checks it.
-``donate_argnums`` / ``donate_argnames``
-compute results into the donated arguments' buffers, JAX's buffer donation, by JAX's rules
-(see :func:`jit`; ``tests/conformance/test_donation_jax.py`` runs the same steps through
-``jax.jit`` on CPU, which implements donation, and pins where fshard differs). As in
-JAX, a donated input that a result took is unusable afterwards (using it raises
-:class:`DonatedTensorError`; JAX raises on a deleted array). A donated tensor with a live
-alias at the call (a view, a ``.numpy()`` array, ``.data``) is not donated at that call, as
-JAX does not donate a buffer with an external reference, so the alias never shows the
-result (``fshard/_jit_aliases.py``).
-
-Consequences (JAX's rules):
-
-- Python side effects and values read from tensors happen once, at trace time. Reading a
-  tensor value (``.item()``, ``bool(t)``, data-dependent control flow) cannot be traced:
-  it raises :class:`JitCaptureError` naming the line, or, with
-  ``on_capture_error="eager"``, warns and runs that signature eagerly.
-- Non-tensor results are trace-time constants.
-- Each call with a new signature traces and compiles again. The signature is the pytree
-  structure of the arguments, and for each tensor leaf its shape, stride, dtype, device,
-  DTensor mesh, placements and local shape; non-tensor leaves by value (they must be
-  hashable). ``FSHARD_LOG_RECOMPILES=1`` logs (logger ``fshard.jit``) why a call
-  compiles again: the leaves whose signature changed. A function traces at most
-  ``recompile_limit`` signatures (default 8, or ``FSHARD_JIT_RECOMPILE_LIMIT``); its first
-  recompile warns (:class:`JitRecompileWarning`, naming the argument that changed: a Python
-  float learning rate compiles once per value), and a call past the limit raises
-  :class:`JitRecompileLimitError` or, with ``on_recompile_limit="eager"``, runs eagerly
-  (``fshard/_jit_recompile.py``).
-- ``fs.comm_log`` counts the collectives of a compiled call exactly as in eager: they
-  are recorded while tracing and replayed into the active logs on every call.
-
-Differentiate *inside* the jitted function (``fs.jit(fs.value_and_grad(...))`` or a
-shard_map'd ``value_and_grad``): a captured graph has no autograd of its own, so an
-argument that requires grad is refused.
-
-Captured and tested against eager: DP, FSDP (2 and 4 ranks), HSDP (2x2), Megatron TP,
-``fs.parallel``'s layer loop (FSDP and replicate), ``fs.optim`` with learning-rate
-schedules (tensor ops of the step count: one graph for every step) and
-``clip_by_global_norm`` (its norm's all-reduces become functional collectives), and
-gradient accumulation with ``fs.parallel.GradAccumulator`` (the microbatch loop unrolled:
-``examples/train_lm.py --jit --microbatches 2``).
-
-``fs.lax.ppermute`` (and its backward, the inverse perm) is captured as one
-``all_to_all_single`` whose split sizes send this rank's whole tensor to its destination
-and nothing to the other ranks: Python ints of the tracing rank, baked into its graph, so
-the ranks' graphs differ in them (their collectives still match one to one). Tested
-against eager: rings, partial perms (ranks that receive zeros or send nothing), a perm
-over one axis of a 2-D mesh, in both orders of ``shard_map`` and ``value_and_grad``.
-
-The pipeline step (``fs.sched.pipeline_step``, every schedule: GPipe, 1F1B, interleaved,
-zero-bubble, ...) is captured too: each run of SEND/RECV actions is one
-``torch.ops.fshard.p2p_batch`` node (a ``batch_isend_irecv``) and each wait a
-``wait_tensor``; the activation-shape headers and the loss dtype are exchanged for real
-while the ranks trace, so the shapes are Python ints of each rank's graph (every rank
-traces together; a rank whose stage output shape changes while its peer keeps its graph is
-not supported). Tested against eager with the optimizer update in the graph: losses,
-gradients and updated parameters (1e-12, float64), comm_log counts and bytes, on pp=2 and
-on dp=2 x pp=2 (data-parallel sum, stage-level FSDP). The transfers must run in program
-order: their pairing across ranks shows in no data dependency of one rank's graph, and
-Inductor, compiling such a graph whole, fused and reordered kernels across them (seen: a
-1F1B deadlock). So with ``"inductor"`` (``fshard/_jit_p2p.py``) the graph is cut at the
-transfers: each ``p2p_batch``, its results' getitems and their waits run eagerly at their
-place, and each run of compute between them is one region compiled by Inductor as the
-rest of fs.jit compiles (``_inductor_compile``: fshard's collective passes, the cache, the
-once-per-host compile), regions of equal code and input layouts compiled once (a 1F1B
-step: the microbatches' forwards, the later backwards). Tested against eager under
-Inductor (float64, 1e-12): 1F1B m=4 and ZB-H1 on pp=2, 1F1B on dp=2 x pp=2 (opt-in:
-``FSHARD_TEST_INDUCTOR_STEP=1``). Compile time
-of a 1F1B m=4 pp=2 step with AdamW (the tests' MLP; the Inductor pipeline tests now use SGD):
-9 and 7 regions (ranks 0, 1), 5 distinct on each; first call 48 s cold (load 5; 52 s when
-every region compiled as the call reached it, a rank waiting at its receives for its peer's
-compiles), 2.6 s warm. The bench
-Transformer's: see ``bench/README.md``, "Pipeline". Every region compiles before the first
-transfer (on the traced fake tensors: their layouts and overlaps are the real inputs'), and
-the ranks then agree on the outcome (one ``all_gather_object``): a compile that fails on one
-rank raises ``JitCaptureError`` on every rank at once, naming that rank and its error (or,
-with ``on_capture_error="eager"``, every rank runs eagerly), instead of its peers waiting at
-their first receive for the process group's timeout. The agreement is over the default
-group, so it runs only where the step spans the world (its process groups, or an input's
-mesh, cover every rank: ``make_mesh`` does); a step on a smaller mesh raises on the failing
-rank alone, its peers waiting for the timeout as before. Not covered: a capture (not
-compile) that fails on some ranks only, e.g. ``.item()`` in the last stage's loss, since the
-ranks exchange shape headers while they trace; with ``on_capture_error="eager"`` the ranks
-that captured would wait in the agreement for the one that fell back. A region that writes into an input is
-compiled for the overlaps of its inputs, which are checked at every call (AOTAutograd's code
-assumes them; Inductor checks shapes and strides only): other overlaps compile it again.
-``aot_eager`` and ``None`` run the whole graph in order; any other backend (which would
-compile the graph whole) is refused (a :class:`JitCaptureError`, or eager with
-``on_capture_error="eager"``). ``return_stats=True`` is refused (its timings are
-wall-clock ones of an eager run).
-
-Every ``fs.lax`` collective is tested against eager, values and gradients, in both orders
-of ``shard_map`` and ``value_and_grad``, on 2 ranks and over two axes of a 2x2 mesh
-(``tests/test_jit_collectives.py``). ``shard_map(check=True)`` verifies an ``out_specs``
-promise that the types do not prove (an ``all_gather``'s result under ``P()``) by reading
-the values at run time; traced, it cannot, and refuses with the output, spec and axes, as
-JAX refuses such a promise before running.
-
-Not yet capturable: anything that calls ``torch.distributed`` directly.
+The function is traced once per input signature by running its Python on fake tensors
+(``make_fx``): shard_map's checks, checked mode's metadata, autograd and the optimizer's
+kernels run at trace time and leave an aten graph with the collectives as
+``_c10d_functional`` ops, which Dynamo and a backend then compile. How the capture, the
+signatures, donation, the collective passes and the pipeline regions work, and what was
+measured: ``docs/jit.md``.
 """
 
 from __future__ import annotations
@@ -180,9 +27,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fshard import _jit_aliases, _jit_p2p, comm
+from fshard import comm
 from fshard import tree as tree_util
-from fshard._jit_recompile import JitRecompileLimitError, JitRecompileWarning, Recompiles, check_options
+from fshard.jit import donation as _jit_aliases
+from fshard.jit import fx
+from fshard.jit import p2p as _jit_p2p
+from fshard.jit.recompile import JitRecompileLimitError, JitRecompileWarning, Recompiles, check_options
 
 __all__ = ["jit", "Jitted", "JitCaptureError", "DonatedTensorError", "JitRecompileLimitError",
            "JitRecompileWarning"]
@@ -233,7 +83,7 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
         fail after transfers were posted).
       options: Inductor config for this compilation (``torch.compile(options=...)``); with
         ``"inductor"`` it is applied over fshard's collective passes
-        (``fshard._jit_comm.collective_passes()``: merging back-to-back collectives), whose
+        (``fshard.jit.passes.bucket.collective_passes()``: merging back-to-back collectives), whose
         entries it may replace.
       donate_argnums: the arguments (by position) whose tensors the call may overwrite with
         its results, JAX's buffer donation; the rules are JAX's
@@ -416,7 +266,7 @@ class Jitted:
 
     def _keep_aliased_donations(self, entry: _Entry, leaves: list, locals_: list) -> dict[int, torch.Tensor]:
         """JAX's rule for a donated buffer with a live alias (a view, a ``.numpy()`` array,
-        ``.data``, a DLPack capsule: :mod:`fshard._jit_aliases`): it is not donated at this
+        ``.data``, a DLPack capsule: :mod:`fshard.jit.donation`): it is not donated at this
         call. Its position in ``locals_`` gets a copy of the same layout, which the graph
         computes the result into, and the argument keeps its value (and stays usable), as
         its aliases do. Returns leaf index -> that copy; warns naming each argument."""
@@ -717,7 +567,7 @@ class _Compiled:
 
     def _first_p2p_call(self, args: tuple):
         """Compiles a graph with point-to-point transfers region by region
-        (``fshard/_jit_p2p.py``), has the ranks agree that every one compiled, then runs it.
+        (``fshard/jit/p2p.py``), has the ranks agree that every one compiled, then runs it.
         Only the compile is reported as a compile failure: an error of the run (a peer that
         died, a transfer's timeout) propagates as it is."""
         owner = self._owner
@@ -772,11 +622,11 @@ class _Compiled:
 def _inductor_compile(gm, args: tuple, options: dict | None, bucketing: bool = True):
     """Inductor's compiled callable for ``gm`` on inputs like ``args`` (static shapes),
     with fshard's collective bucketing (unless ``bucketing`` is False) and reordering
-    (:func:`fshard._jit_comm.collective_passes`) unless ``options`` replaces them."""
+    (:func:`fshard.jit.passes.bucket.collective_passes`) unless ``options`` replaces them."""
     from torch._inductor import standalone_compile
 
-    from fshard._jit_comm import collective_passes
-    from fshard._jit_memory import memory_passes
+    from fshard.jit.passes.bucket import collective_passes
+    from fshard.jit.passes.memory import memory_passes
 
     # Inductor config, for this compilation only; the caller's options win.
     passes = collective_passes() if bucketing else collective_passes(bucket_mb=None)
@@ -892,10 +742,7 @@ _SLICES = frozenset({_ATEN.slice.Tensor, _ATEN.select.int, _ATEN.narrow.default,
                      _ATEN.split_with_sizes.default, _ATEN.unbind.int, _ATEN.chunk.default})
 
 
-def _is_view(node) -> bool:
-    if node.target is _GETITEM:
-        return True
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+_is_view = fx.is_view
 
 
 def _reaches(node, targets: set) -> bool:
@@ -941,7 +788,7 @@ _C10D = torch.ops._c10d_functional
 
 # Point-to-point transfers (fs.sched's pipeline) pair up across ranks in program order, which no
 # data dependency of one rank's graph shows: backends that run the graph in its order keep them,
-# and "inductor" compiles the compute between them (fshard/_jit_p2p.py); any other is refused.
+# and "inductor" compiles the compute between them (fshard/jit/p2p.py); any other is refused.
 _ORDER_KEEPING_BACKENDS = (None, "aot_eager", "eager", "inductor")
 # Backends that run the captured graph as it is (see jit()'s ``backend``).
 _UNCOMPILED_BACKENDS = (None, "eager")
@@ -1062,7 +909,7 @@ def _consume(arg: torch.Tensor, fn_name: str, leaf: str) -> torch.Tensor:
         if arg._base is not None:
             # A view of the same memory whose _base is arg's: the buffer's owner (a flat
             # parameter buffer) stays the result's base, so the next call, donating the
-            # result, accounts for it (fshard/_jit_aliases.py) as it did for arg.
+            # result, accounts for it (fshard/jit/donation.py) as it did for arg.
             with torch.no_grad():
                 out = arg._base.as_strided(arg.size(), arg.stride(), arg.storage_offset())
         else:
@@ -1214,7 +1061,8 @@ def _replay(timeline: tuple) -> None:
             comm._append(ev)
 
 
-_OUR_DIR = os.path.dirname(os.path.abspath(__file__))
+_JIT_DIR = os.path.dirname(os.path.abspath(__file__))  # fshard/jit
+_OUR_DIR = os.path.dirname(_JIT_DIR)  # fshard
 # Frames in these are not "the user's line": torch, installed packages, the standard library.
 _LIB_DIRS = tuple({os.path.dirname(os.path.abspath(torch.__file__))} |
                   {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")})
@@ -1224,7 +1072,7 @@ def _capture_message(name: str, stage: str, e: BaseException) -> str:
     """Names the cause and the innermost line of user code (else of fshard) it came from."""
     frames = traceback.extract_tb(e.__traceback__)
     user = [fr for fr in frames if not fr.filename.startswith(_LIB_DIRS + (_OUR_DIR,)) and "<" not in fr.filename]
-    ours = [fr for fr in frames if fr.filename.startswith(_OUR_DIR) and not fr.filename.endswith("jit.py")]
+    ours = [fr for fr in frames if fr.filename.startswith(_OUR_DIR) and not fr.filename.startswith(_JIT_DIR)]
     where = user[-1] if user else (ours[-1] if ours else None)
     line = f"{where.filename}:{where.lineno}: {where.line}" if where else "(no Python line found)"
     lines = [ln for ln in str(e).strip().splitlines() if ln.strip()][:3]

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from fshard.jit import fx
+
 __all__ = ["memory_passes", "LateConcat"]
 
 
@@ -86,13 +88,10 @@ class LateConcat(CustomGraphPass):
             graph.erase_node(node)
 
 
-_SOURCE_HASH = get_hash_for_files((__file__,))
+_SOURCE_HASH = get_hash_for_files((__file__, fx.__file__))
 
 
-def _is_view(node: torch.fx.Node) -> bool:
-    import operator
-
-    return node.target is operator.getitem or (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
+_is_view = fx.is_view
 
 
 def _is_input(node: Any) -> bool:

@@ -22,7 +22,7 @@ A collective of another kind (a data-parallel gradient all-reduce, the loss broa
 stays in its region when its wait is in the same region; one whose wait lies beyond a
 transfer is run eagerly too, with its wait, at their places (a compiled region returns
 no collective in flight). Within a region the collectives keep the order that fshard's
-Inductor passes give every compile (``fshard/_jit_comm.py``), and ranks holding the same
+Inductor passes give every compile (``fshard/jit/passes/bucket.py``), and ranks holding the same
 stage compile the same regions.
 
 Compile time: regions whose code, input layouts and input overlaps are equal (the forward
