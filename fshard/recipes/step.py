@@ -306,7 +306,9 @@ def build_train_step(model: ModelLike, layout: Layout, optimizer: GradientTransf
       and the optimizer state; ``step(params, opt_state, inputs, targets) -> (params,
       opt_state, loss, grad_norm, report)`` on global values (the whole batch on every
       rank); ``report`` is None, or the :class:`~fshard.recipes.faults.NonFinite` of a step
-      that was not finite and was not applied.
+      that was not finite and was not applied. The eager step updates the parameters and
+      the optimizer state in place (``fs.optim.donate()``): use the ones it returns, not the
+      ones passed in; a step that was not finite leaves both as they were.
 
     Raises:
       LayoutError: the layout does not fit the mesh, the model or the batch; the message
