@@ -88,8 +88,16 @@ def _package_dir(name: str) -> str | None:
 
 # Frames in these are not "the caller": fshard itself, torch (autograd, checkpointing),
 # optree (fshard.tree maps over pytrees with it) and the standard library (contextlib).
-_SKIP = tuple(d for d in (os.path.dirname(os.path.abspath(__file__)) + os.sep, _package_dir("torch"),
-                          _package_dir("optree"), os.path.dirname(os.path.abspath(os.__file__)) + os.sep) if d)
+_SKIP = tuple(
+    d
+    for d in (
+        os.path.dirname(os.path.abspath(__file__)) + os.sep,
+        _package_dir("torch"),
+        _package_dir("optree"),
+        os.path.dirname(os.path.abspath(os.__file__)) + os.sep,
+    )
+    if d
+)
 _CODES: dict[Any, int] = {}  # stable codes of strings and dtypes (Python's str hash is salted per process)
 
 
@@ -128,8 +136,10 @@ class _Header:
         extra = f", {self.extra_text()}" if self.extra else ""
         where = f" ({self.line})" if self.line else ""
         axes = repr(self.axes[0]) if len(self.axes) == 1 else repr(self.axes)
-        return (f"{self.kind} #{self.seq} over {axes}{where}: shape {tuple(self.shape)}, "
-                f"{str(self.dtype).removeprefix('torch.')}{op}{extra}")
+        return (
+            f"{self.kind} #{self.seq} over {axes}{where}: shape {tuple(self.shape)}, "
+            f"{str(self.dtype).removeprefix('torch.')}{op}{extra}"
+        )
 
     def extra_text(self) -> str:
         return f"pairs {list(self.extra)}" if self.kind == "ppermute" else f"{self.extra}"
@@ -163,8 +173,9 @@ def _tracing(x: torch.Tensor) -> bool:
     return any(torch._C._get_dispatch_mode(k) is not None for k in (key.PROXY, key.FAKE, key.FUNCTIONAL))
 
 
-def enter(group, kind: str, x: torch.Tensor, axes: Sequence[str], *, op: str | None = None,
-          n: int = 0, extra: tuple = ()) -> None:
+def enter(
+    group, kind: str, x: torch.Tensor, axes: Sequence[str], *, op: str | None = None, n: int = 0, extra: tuple = ()
+) -> None:
     """Numbers and checks the collective about to run on ``group`` (see the module docstring).
 
     Args:
@@ -183,8 +194,17 @@ def enter(group, kind: str, x: torch.Tensor, axes: Sequence[str], *, op: str | N
         state = _GROUPS[(id(group), group.group_name)] = _Group()
     state.seq += 1
     full = checking()
-    header = _Header(WHAT.get() or kind, tuple(axes), tuple(x.shape), x.dtype, op, n, tuple(extra), state.seq,
-                     _caller() if full else None)
+    header = _Header(
+        WHAT.get() or kind,
+        tuple(axes),
+        tuple(x.shape),
+        x.dtype,
+        op,
+        n,
+        tuple(extra),
+        state.seq,
+        _caller() if full else None,
+    )
     before = state.rolling
     state.rolling = hash((state.rolling, header.key)) & 0x7FFFFFFFFFFFFFFF
     state.recent.append(header)
@@ -257,14 +277,18 @@ def _mismatch_message(texts: list, full: bool) -> str:
     """Every rank's header, grouped by header (``ranks 0-2: ...``)."""
     if full:
         lines = _grouped({rank: recent[-1] for rank, recent in texts})
-        return ("fshard: the ranks of one group called different collectives (" + ENV + "=1 caught it before "
-                "it ran):\n" + lines + "\nEvery rank of a group must issue the same collectives in the same "
-                "order, with the same shapes, dtypes and ops.")
+        return (
+            "fshard: the ranks of one group called different collectives (" + ENV + "=1 caught it before "
+            "it ran):\n" + lines + "\nEvery rank of a group must issue the same collectives in the same "
+            "order, with the same shapes, dtypes and ops."
+        )
     first = _first_difference([recent for _, recent in texts])
     where = {rank: recent[first] if first < len(recent) else "(none)" for rank, recent in texts}
-    return (f"fshard: the ranks of one group issued different collectives (the every-{_every()} check of "
-            f"{EVERY_ENV}; run with {ENV}=1 to stop at the first one with the callers' lines). The first that "
-            f"differs:\n" + _grouped(where))
+    return (
+        f"fshard: the ranks of one group issued different collectives (the every-{_every()} check of "
+        f"{EVERY_ENV}; run with {ENV}=1 to stop at the first one with the callers' lines). The first that "
+        f"differs:\n" + _grouped(where)
+    )
 
 
 def _first_difference(seqs: list[list[str]]) -> int:
@@ -319,8 +343,9 @@ def done() -> None:
 
 def _report(state: str) -> str:
     h = _Now.header
-    return json.dumps({"t": time.time(), "state": state, "group": _Now.group,
-                       "text": h.text() if h is not None else None})
+    return json.dumps(
+        {"t": time.time(), "state": state, "group": _Now.group, "text": h.text() if h is not None else None}
+    )
 
 
 def _store():
@@ -338,8 +363,9 @@ def _start_watchdog() -> None:
     if _WATCHDOG.get("pid") == os.getpid() or not dist.is_initialized():
         return
     _WATCHDOG["pid"] = os.getpid()
-    threading.Thread(target=_watchdog, args=(_store(), dist.get_rank()), daemon=True,
-                     name="fshard-collective-watchdog").start()
+    threading.Thread(
+        target=_watchdog, args=(_store(), dist.get_rank()), daemon=True, name="fshard-collective-watchdog"
+    ).start()
 
 
 def _watchdog(store, rank: int) -> None:
@@ -401,6 +427,8 @@ def _timeout_message(rank: int, world: int, reports: dict[int, dict]) -> str:
     parts = [f"{_ranks(rs)} {'is' if len(rs) == 1 else 'are'} in {text}" for text, rs in where.items()]
     missing = [r for r in range(world) if not any(r in rs for rs in where.values())]
     if missing:
-        parts.append(f"{_ranks(missing)}: no report of an fshard collective (computing, stopped, dead, or in "
-                     f"a collective outside fshard)")
+        parts.append(
+            f"{_ranks(missing)}: no report of an fshard collective (computing, stopped, dead, or in "
+            f"a collective outside fshard)"
+        )
     return f"fshard: rank {rank}: a collective timed out. Where each rank is:\n  " + ";\n  ".join(parts)

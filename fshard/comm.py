@@ -46,9 +46,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fshard import _contract
 from fshard.runtime import teardown
 
-__all__ = ["CommLog", "Event", "comm_log", "mark", "record", "all_reduce", "all_gather", "reduce_scatter",
-           "all_to_all", "permute", "permute_async", "Handle", "all_gather_async", "reduce_scatter_async",
-           "backend_of", "via_host", "one_at_a_time"]
+__all__ = [
+    "CommLog",
+    "Event",
+    "comm_log",
+    "mark",
+    "record",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "permute",
+    "permute_async",
+    "Handle",
+    "all_gather_async",
+    "reduce_scatter_async",
+    "backend_of",
+    "via_host",
+    "one_at_a_time",
+]
 
 _F = torch.ops._c10d_functional
 _LOGS: contextvars.ContextVar[tuple["CommLog", ...]] = contextvars.ContextVar("fshard_comm_logs", default=())
@@ -107,8 +123,10 @@ class CommLog:
         return sum(self.counts.values())
 
     def __str__(self) -> str:
-        rows = [f"{k:>14} {tuple(a)!s:<18} x{n:<5} {self.bytes_by_axis[(k, a)] / 1e6:10.3f} MB"
-                for (k, a), n in sorted(self.by_axis.items())]
+        rows = [
+            f"{k:>14} {tuple(a)!s:<18} x{n:<5} {self.bytes_by_axis[(k, a)] / 1e6:10.3f} MB"
+            for (k, a), n in sorted(self.by_axis.items())
+        ]
         return "\n".join(["comm_log:"] + rows) if rows else "comm_log: no collectives"
 
 
@@ -181,6 +199,7 @@ def _wire_bytes(func, args) -> int:
 
 def _resolve_group(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
+
     return _resolve_process_group(name)
 
 
@@ -264,8 +283,9 @@ def _named(axes: Sequence[str], kind: str | None = None):
         _CALL_AXES.reset(token)
 
 
-def all_reduce_async(x: torch.Tensor, group, op: str = "sum", *, axes: Sequence[str] = (),
-                     inplace: bool = False) -> Handle:
+def all_reduce_async(
+    x: torch.Tensor, group, op: str = "sum", *, axes: Sequence[str] = (), inplace: bool = False
+) -> Handle:
     """Starts an all-reduce of ``x`` over ``group``.
 
     ``inplace``: reduce into ``x`` itself (contiguous, owned by the caller, not read before
@@ -416,8 +436,7 @@ def all_gather(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.
     return all_gather_async(x, group, n, axes=axes).wait()
 
 
-def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *,
-                         axes: Sequence[str] = ()) -> Handle:
+def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *, axes: Sequence[str] = ()) -> Handle:
     """Starts a reduce-scatter along dim 0 (``x.shape[0]`` divisible by ``n``).
 
     On gloo it runs as ``all_to_all_single`` (chunk j to group rank j) and the received
@@ -508,8 +527,9 @@ class _Staged:
 
     __slots__ = ("device", "post", "into", "dtype")
 
-    def __init__(self, device: torch.device, post=None, into: torch.Tensor | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, device: torch.device, post=None, into: torch.Tensor | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         self.device, self.post, self.into, self.dtype = device, post, into, dtype
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
@@ -542,8 +562,7 @@ def _restaged(x: torch.Tensor, post, back):
     return post if back is None else _Staged(x.device, post, dtype=x.dtype)
 
 
-def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *,
-            axes: Sequence[str]) -> torch.Tensor:
+def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *, axes: Sequence[str]) -> torch.Tensor:
     """Point-to-point exchange: for each ``(src, dst)`` group ranks, src's ``x`` goes to dst.
 
     Ranks that receive nothing get zeros (as ``jax.lax.ppermute``). The result is on
@@ -553,8 +572,7 @@ def permute(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *
     return permute_async(x, group, sends, me, axes=axes).wait()
 
 
-def permute_async(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *,
-                  axes: Sequence[str]) -> Handle:
+def permute_async(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: int, *, axes: Sequence[str]) -> Handle:
     """Starts the exchange of :func:`permute`; every rank of ``group`` must call it.
 
     It runs as one functional ``all_to_all_single`` over ``x`` flattened to 1-D, with
@@ -586,8 +604,10 @@ def permute_async(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: 
     """
     srcs, dsts = [s for s, _ in sends], [d for _, d in sends]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-        raise ValueError(f"fs.comm.permute over {tuple(axes)}: sends={list(sends)} must have unique sources and "
-                         f"unique destinations (a permutation).")
+        raise ValueError(
+            f"fs.comm.permute over {tuple(axes)}: sends={list(sends)} must have unique sources and "
+            f"unique destinations (a permutation)."
+        )
     x = x.contiguous()
     dst = next((d for s, d in sends if s == me), None)
     src = next((s for s, d in sends if d == me), None)
@@ -627,8 +647,9 @@ class _Received:
 def _drain() -> None:
     errors = complete_in_flight()
     if errors:
-        raise RuntimeError(f"fs.shutdown(): {len(errors)} collective(s) in flight failed; "
-                           f"the first: {errors[0]}") from errors[0]
+        raise RuntimeError(
+            f"fs.shutdown(): {len(errors)} collective(s) in flight failed; the first: {errors[0]}"
+        ) from errors[0]
 
 
 def _detach_after_fork() -> tuple[dict, dict]:
@@ -638,5 +659,6 @@ def _detach_after_fork() -> tuple[dict, dict]:
     return kept
 
 
-teardown.register_group_owner(teardown.GroupOwner(
-    "fshard.comm", forget=forget_groups, drain=_drain, after_fork=_detach_after_fork))
+teardown.register_group_owner(
+    teardown.GroupOwner("fshard.comm", forget=forget_groups, drain=_drain, after_fork=_detach_after_fork)
+)

@@ -40,8 +40,19 @@ from fshard import meta as _meta
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh
 
-__all__ = ["all_gather", "all_to_all", "axis_index", "axis_size", "pmax", "pmean", "pmin", "ppermute",
-           "psum", "psum_scatter", "pvary"]
+__all__ = [
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+    "pvary",
+]
 
 _MSG_OUTSIDE = (
     "fs.lax.{what} was called outside a shard_map body. Collectives need the mesh and "
@@ -70,10 +81,10 @@ def set_vma(x: torch.Tensor, axes: frozenset) -> torch.Tensor:
 # --- axis groups ----------------------------------------------------------------------
 @attrs.frozen
 class _Axes:
-    names: tuple[str, ...]      # user order, major to minor
+    names: tuple[str, ...]  # user order, major to minor
     n: int
     group: Any
-    me: int                     # this rank's index in user order
+    me: int  # this rank's index in user order
     g_of_u: tuple[int, ...] | None  # group rank of user index u (None: identity)
     u_of_g: tuple[int, ...] | None
 
@@ -125,8 +136,8 @@ def _psum_raw(x, ax: _Axes, op: str = "sum"):
 def _gather_raw(x, ax: _Axes, axis: int, tiled: bool):
     if tiled:
         xt = x.movedim(axis, 0)
-        out = comm.all_gather(xt, ax.group, ax.n, axes=ax.names)          # (n*s, ...)
-        out = _reorder(out.view(ax.n, *xt.shape), ax.g_of_u)               # (n, s, ...), user order
+        out = comm.all_gather(xt, ax.group, ax.n, axes=ax.names)  # (n*s, ...)
+        out = _reorder(out.view(ax.n, *xt.shape), ax.g_of_u)  # (n, s, ...), user order
         return out.reshape(ax.n * xt.shape[0], *xt.shape[1:]).movedim(0, axis)
     out = comm.all_gather(x.unsqueeze(0), ax.group, ax.n, axes=ax.names)  # (n, *x.shape)
     return _reorder(out, ax.g_of_u).movedim(0, axis)
@@ -135,8 +146,8 @@ def _gather_raw(x, ax: _Axes, axis: int, tiled: bool):
 def _scatter_raw(x, ax: _Axes, dim: int, tiled: bool):
     xt = x.movedim(dim, 0)
     if tiled:
-        chunks = xt.reshape(ax.n, xt.shape[0] // ax.n, *xt.shape[1:])     # (n, s/n, ...)
-        chunks = _reorder(chunks, ax.u_of_g)                               # group order
+        chunks = xt.reshape(ax.n, xt.shape[0] // ax.n, *xt.shape[1:])  # (n, s/n, ...)
+        chunks = _reorder(chunks, ax.u_of_g)  # group order
         out = comm.reduce_scatter(chunks.reshape(xt.shape), ax.group, ax.n, axes=ax.names)
         return out.movedim(0, dim)
     out = comm.reduce_scatter(_reorder(xt, ax.u_of_g), ax.group, ax.n, axes=ax.names)  # (1, ...)
@@ -145,16 +156,15 @@ def _scatter_raw(x, ax: _Axes, dim: int, tiled: bool):
 
 def _all_to_all_raw(x, ax: _Axes, split_axis: int, concat_axis: int, tiled: bool):
     xt = x.movedim(split_axis, 0)
-    chunks = xt.reshape(ax.n, xt.shape[0] // ax.n, *xt.shape[1:])          # (n, s/n, ...) by dest
+    chunks = xt.reshape(ax.n, xt.shape[0] // ax.n, *xt.shape[1:])  # (n, s/n, ...) by dest
     chunks = _reorder(chunks, ax.u_of_g)
     got = comm.all_to_all(chunks.reshape(xt.shape), ax.group, ax.n, axes=ax.names)
-    got = _reorder(got.view(chunks.shape), ax.g_of_u)                       # (n, s/n, ...) by source
-    got = got.movedim(1, split_axis + 1)                                    # (n, *chunk shape)
+    got = _reorder(got.view(chunks.shape), ax.g_of_u)  # (n, s/n, ...) by source
+    got = got.movedim(1, split_axis + 1)  # (n, *chunk shape)
     if tiled:
-        got = got.movedim(0, concat_axis)                                   # n just before concat dim
+        got = got.movedim(0, concat_axis)  # n just before concat dim
         shape = list(got.shape)
-        return got.reshape(*shape[:concat_axis], shape[concat_axis] * shape[concat_axis + 1],
-                           *shape[concat_axis + 2:])
+        return got.reshape(*shape[:concat_axis], shape[concat_axis] * shape[concat_axis + 1], *shape[concat_axis + 2 :])
     return got.squeeze(split_axis + 1).movedim(0, concat_axis)
 
 
@@ -182,11 +192,13 @@ def _batched(fn: type[torch.autograd.Function], shift: tuple[int, ...]):
     """A ``vmap`` rule: the batch dim moves to the front and the collective runs once on the
     stacked values (each is elementwise over the leading dims, or takes a dim argument,
     shifted by one). ``shift`` = the positions of ``fn``'s dim arguments."""
+
     def vmap(info, in_dims, x, *args):
         if in_dims[0] is None:
             return fn.apply(x, *args), None
         args = tuple(a + 1 if i in shift else a for i, a in enumerate(args, start=1))
         return fn.apply(x.movedim(in_dims[0], 0), *args), 0
+
     return staticmethod(vmap)
 
 
@@ -321,8 +333,15 @@ class _Ppermute(torch.autograd.Function):
         return _apply(_Ppermute, t, ctx.ax, ctx.perm)
 
 
-for _fn, _dims in ((_Psum, ()), (_Pvary, ()), (_PReduceNoGrad, ()), (_AllGather, (2,)), (_PsumScatter, (2,)),
-                   (_AllToAll, (2, 3)), (_Ppermute, ())):
+for _fn, _dims in (
+    (_Psum, ()),
+    (_Pvary, ()),
+    (_PReduceNoGrad, ()),
+    (_AllGather, (2,)),
+    (_PsumScatter, (2,)),
+    (_AllToAll, (2, 3)),
+    (_Ppermute, ()),
+):
     _fn.vmap = _batched(_fn, _dims)
 
 
@@ -342,6 +361,7 @@ def _map(what: str, x: Any, axis_name, one, *, to_varying: bool | None, all_or_n
     token = _IN_LAX.set(True)
     wtoken = _contract.WHAT.set(what)  # the header names fs.lax's op (pmean and psum differ)
     try:
+
         def leaf(t):
             if not isinstance(t, torch.Tensor):
                 return t
@@ -354,6 +374,7 @@ def _map(what: str, x: Any, axis_name, one, *, to_varying: bool | None, all_or_n
                 base = vma(t)
                 set_vma(out, base | names if to_varying else (base - names if to_varying is False else base))
             return out
+
         return tree_util.tree_map(leaf, x)
     finally:
         _contract.WHAT.reset(wtoken)
@@ -369,7 +390,7 @@ _MSG_MIXED = (
 # The fix each all-or-none collective suggests (JAX refuses the same calls, see docs/jax.md).
 _FIX_MIXED = {
     "psum": "make it varying over the rest first, fs.lax.{what}(fs.lax.pvary(x, {invariant}), {axes}) "
-            "(every rank's copy then counts), or reduce over {varying} only.",
+    "(every rank's copy then counts), or reduce over {varying} only.",
     "pvary": "pvary over the axes it does not vary over yet: fs.lax.pvary(x, {invariant}).",
 }
 _FIX_MIXED["pmean"] = _FIX_MIXED["psum_scatter"] = _FIX_MIXED["psum"]
@@ -387,8 +408,12 @@ def _check_all_or_none(what: str, t: torch.Tensor, names: tuple[str, ...]) -> No
     varying = tuple(a for a in names if a in v)
     if not varying or len(varying) == len(names):
         return
-    parts = {"what": what, "axes": _axes_repr(names), "varying": _axes_repr(varying),
-             "invariant": _axes_repr(tuple(a for a in names if a not in v))}
+    parts = {
+        "what": what,
+        "axes": _axes_repr(names),
+        "varying": _axes_repr(varying),
+        "invariant": _axes_repr(tuple(a for a in names if a not in v)),
+    }
     raise ValueError(_MSG_MIXED.format(**parts, fix=_FIX_MIXED[what].format(**parts)))
 
 
@@ -472,16 +497,12 @@ def pmean(x: Any, axis_name: str | Sequence[str]) -> Any:
 
 def pmax(x: Any, axis_name: str | Sequence[str]) -> Any:
     """All-reduce max. Not differentiable: its backward raises (detach the input)."""
-    return _map("pmax", x, axis_name,
-                lambda t, ax: _apply(_PReduceNoGrad, t, ax, "max"),
-                to_varying=False)
+    return _map("pmax", x, axis_name, lambda t, ax: _apply(_PReduceNoGrad, t, ax, "max"), to_varying=False)
 
 
 def pmin(x: Any, axis_name: str | Sequence[str]) -> Any:
     """All-reduce min. Not differentiable: its backward raises (detach the input)."""
-    return _map("pmin", x, axis_name,
-                lambda t, ax: _apply(_PReduceNoGrad, t, ax, "min"),
-                to_varying=False)
+    return _map("pmin", x, axis_name, lambda t, ax: _apply(_PReduceNoGrad, t, ax, "min"), to_varying=False)
 
 
 def pvary(x: Any, axis_name: str | Sequence[str]) -> Any:
@@ -496,6 +517,7 @@ def pvary(x: Any, axis_name: str | Sequence[str]) -> Any:
     Raises:
       ValueError: (checked mode) the value varies over some of the axes only.
     """
+
     def one(t, ax):
         return _apply(_Pvary, t, ax) if ax.n > 1 else t.view_as(t)
 
@@ -528,6 +550,7 @@ def all_gather(x: Any, axis_name: str | Sequence[str], *, axis: int = 0, tiled: 
       ValueError: ``axis`` is not a dim of the value (tiled) or of the result (untiled):
         a 0-d value cannot be gathered tiled (JAX refuses it too); use ``tiled=False``.
     """
+
     def one(t, ax):
         a = _dim("all_gather", t, axis, ax, "axis", tiled=tiled, extra=0 if tiled else 1)
         if ax.n == 1:
@@ -537,8 +560,7 @@ def all_gather(x: Any, axis_name: str | Sequence[str], *, axis: int = 0, tiled: 
     return _map("all_gather", x, axis_name, one, to_varying=True)
 
 
-def psum_scatter(x: Any, axis_name: str | Sequence[str], *, scatter_dimension: int = 0,
-                 tiled: bool = False) -> Any:
+def psum_scatter(x: Any, axis_name: str | Sequence[str], *, scatter_dimension: int = 0, tiled: bool = False) -> Any:
     """Sums over ``axis_name`` and keeps this rank's slice of ``scatter_dimension``.
 
     Shapes (n = axis size): ``tiled=False`` needs ``x.shape[d] == n`` and removes dim d;
@@ -554,12 +576,14 @@ def psum_scatter(x: Any, axis_name: str | Sequence[str], *, scatter_dimension: i
         the value (a 0-d value has none; JAX refuses it too); (checked mode) the value
         varies over some of the axes only.
     """
+
     def one(t, ax):
         if t.dtype == torch.bool:
             raise TypeError(
                 f"fs.lax.psum_scatter over {_axes_repr(ax.names)}: the value is bool (shape {tuple(t.shape)}); "
-                f"as in JAX (\"add does not accept dtype bool\"), bool values are not summed and scattered. "
-                f"Cast first, e.g. fs.lax.psum_scatter(x.to(torch.int32), ...) to count.")
+                f'as in JAX ("add does not accept dtype bool"), bool values are not summed and scattered. '
+                f"Cast first, e.g. fs.lax.psum_scatter(x.to(torch.int32), ...) to count."
+            )
         d = _dim("psum_scatter", t, scatter_dimension, ax, "scatter_dimension", tiled=tiled)
         _check_split("psum_scatter", t, d, ax, exact=not tiled)
         if ax.n == 1:
@@ -569,8 +593,9 @@ def psum_scatter(x: Any, axis_name: str | Sequence[str], *, scatter_dimension: i
     return _map("psum_scatter", x, axis_name, one, to_varying=True, all_or_none=True)
 
 
-def all_to_all(x: Any, axis_name: str | Sequence[str], split_axis: int, concat_axis: int, *,
-               tiled: bool = False) -> Any:
+def all_to_all(
+    x: Any, axis_name: str | Sequence[str], split_axis: int, concat_axis: int, *, tiled: bool = False
+) -> Any:
     """Splits ``split_axis`` into n chunks, sends chunk j to axis index j, concatenates on ``concat_axis``.
 
     Shapes: ``tiled=True``: split dim / n, concat dim * n. ``tiled=False``: needs
@@ -581,6 +606,7 @@ def all_to_all(x: Any, axis_name: str | Sequence[str], split_axis: int, concat_a
       ValueError: the split dim does not fit the axis size, or an axis is not a dim of
         the value (a 0-d value has none; JAX refuses it too).
     """
+
     def one(t, ax):
         s = _dim("all_to_all", t, split_axis, ax, "split_axis", tiled=tiled)
         c = _dim("all_to_all", t, concat_axis, ax, "concat_axis", tiled=tiled)
@@ -610,10 +636,15 @@ def ppermute(x: Any, axis_name: str | Sequence[str], perm: Sequence[tuple[int, i
             f"sources and unique destinations in [0, {ax.n}); "
             + (f"out of range: {bad}" if bad else "duplicates found")
         )
-    return _map("ppermute", x, axis_name,
-                lambda t, a: _apply(_Ppermute, t, a, perm) if a.n > 1 else
-                (t.view_as(t) if (0, 0) in perm else torch.zeros_like(t)),
-                to_varying=True)
+    return _map(
+        "ppermute",
+        x,
+        axis_name,
+        lambda t, a: (
+            _apply(_Ppermute, t, a, perm) if a.n > 1 else (t.view_as(t) if (0, 0) in perm else torch.zeros_like(t))
+        ),
+        to_varying=True,
+    )
 
 
 def axis_index(axis_name: str | Sequence[str]) -> torch.Tensor:
@@ -644,9 +675,9 @@ def _check_split(what: str, t: torch.Tensor, d: int, ax: _Axes, *, exact: bool) 
         raise ValueError(
             f"fs.lax.{what}: dim {d} of the local value (shape {tuple(t.shape)}) has size {size}, "
             f"which must be {need}, the size of axis {ax.names}"
-            + (" (tiled=False)" if exact else " (tiled=True)") + "."
+            + (" (tiled=False)" if exact else " (tiled=True)")
+            + "."
         )
-
 
 
 def _dim(what: str, t: torch.Tensor, axis: int, ax: _Axes, arg: str, *, tiled: bool, extra: int = 0) -> int:
@@ -663,9 +694,17 @@ def _dim(what: str, t: torch.Tensor, axis: int, ax: _Axes, arg: str, *, tiled: b
         return axis % ndim
     hint = ""
     if t.dim() == 0:
-        hint = (" A 0-d value has no dim to " + ("tile" if what == "all_gather" else "split") + "; "
-                + ("use tiled=False (a new dim of size n) or x.reshape(1)." if what == "all_gather"
-                   else "give it one first (x.reshape(1)), or use psum."))
+        hint = (
+            " A 0-d value has no dim to "
+            + ("tile" if what == "all_gather" else "split")
+            + "; "
+            + (
+                "use tiled=False (a new dim of size n) or x.reshape(1)."
+                if what == "all_gather"
+                else "give it one first (x.reshape(1)), or use psum."
+            )
+        )
     raise ValueError(
         f"fs.lax.{what} over {_axes_repr(ax.names)}: {arg}={axis} is out of range for the local value of "
-        f"shape {tuple(t.shape)} ({t.dim()}-d, tiled={tiled}); it must be in [{-ndim}, {ndim}).{hint}")
+        f"shape {tuple(t.shape)} ({t.dim()}-d, tiled={tiled}); it must be in [{-ndim}, {ndim}).{hint}"
+    )

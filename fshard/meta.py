@@ -39,8 +39,18 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["Body", "BODY", "Meta", "EMPTY", "meta_of", "set_meta", "set_vma", "tag_fresh", "copy_meta",
-           "register_input"]
+__all__ = [
+    "Body",
+    "BODY",
+    "Meta",
+    "EMPTY",
+    "meta_of",
+    "set_meta",
+    "set_vma",
+    "tag_fresh",
+    "copy_meta",
+    "register_input",
+]
 
 
 @attrs.frozen
@@ -50,7 +60,7 @@ class Meta:
     vma: frozenset = frozenset()
     global_shape: tuple[int, ...] | None = None
     spec: Any = None  # a PartitionSpec, for a body input and its aliases
-    scope: int = 0    # serial of the body that wrote it (0: none); other bodies ignore it
+    scope: int = 0  # serial of the body that wrote it (0: none); other bodies ignore it
 
 
 EMPTY = Meta()

@@ -132,14 +132,11 @@ def from_state_dict(flat: Mapping[str, Any]) -> Tree:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 raise ValueError(
-                    f"from_state_dict: '{'.'.join(parts[: depth + 1])}' is a leaf, but "
-                    f"{name!r} puts entries below it."
+                    f"from_state_dict: '{'.'.join(parts[: depth + 1])}' is a leaf, but {name!r} puts entries below it."
                 )
             node = child
         if parts[-1] in node:
-            raise ValueError(
-                f"from_state_dict: {name!r} is a leaf, but other names put entries below it."
-            )
+            raise ValueError(f"from_state_dict: {name!r} is a leaf, but other names put entries below it.")
         node[parts[-1]] = leaf
     return _listify(root)
 
@@ -166,12 +163,19 @@ class ApplyFn(Protocol):
     """The type of ``apply`` from :func:`functionalize`."""
 
     @overload
-    def __call__(self, params: Tree, *args: Any, buffers: Tree | None = None,
-                 return_buffers: Literal[False] = False, **kwargs: Any) -> Any: ...
+    def __call__(
+        self,
+        params: Tree,
+        *args: Any,
+        buffers: Tree | None = None,
+        return_buffers: Literal[False] = False,
+        **kwargs: Any,
+    ) -> Any: ...
 
     @overload
-    def __call__(self, params: Tree, *args: Any, buffers: Tree | None = None,
-                 return_buffers: Literal[True], **kwargs: Any) -> tuple[Any, Tree]: ...
+    def __call__(
+        self, params: Tree, *args: Any, buffers: Tree | None = None, return_buffers: Literal[True], **kwargs: Any
+    ) -> tuple[Any, Tree]: ...
 
 
 class FunctionalModule:
@@ -221,8 +225,9 @@ class FunctionalModule:
     def __repr__(self) -> str:
         return f"FunctionalModule({type(self.module).__name__}, {len(self._param_names)} params)"
 
-    def __call__(self, params: Tree, *args: Any, buffers: Tree | None = None,
-                 return_buffers: bool = False, **kwargs: Any) -> Any:
+    def __call__(
+        self, params: Tree, *args: Any, buffers: Tree | None = None, return_buffers: bool = False, **kwargs: Any
+    ) -> Any:
         flat_params = self._flat("params", params, self._param_names)
         given = self._default_buffers if buffers is None else buffers
         flat_buffers = self._flat("buffers", given, self._buffer_names)
@@ -236,13 +241,15 @@ class FunctionalModule:
                 bound[alias] = bound[canonical]
         # functional_call writes tensors the forward re-assigned back into `bound`.
         out = functional_call(self.module, bound, args, kwargs, tie_weights=False)
-        changed = [name for name, c in copies.items()
-                   if bound[name] is not c or _version(c) != versions[name]]
+        changed = [name for name, c in copies.items() if bound[name] is not c or _version(c) != versions[name]]
         if not return_buffers:
             if changed:
                 owners = sorted({n.rpartition(".")[0] or "<root>" for n in changed})
-                raise ValueError(_MSG_BUFFERS_UPDATED.format(
-                    module=type(self.module).__name__, owners=owners, names=", ".join(changed)))
+                raise ValueError(
+                    _MSG_BUFFERS_UPDATED.format(
+                        module=type(self.module).__name__, owners=owners, names=", ".join(changed)
+                    )
+                )
             return out
         # Every copy is returned, changed or not: some kernels (batch_norm's running
         # statistics) write without bumping the version counter, so "unchanged" is
@@ -257,8 +264,7 @@ class FunctionalModule:
             )
         flat = to_state_dict(tree)
         if flat.keys() != expected:
-            raise ValueError(_mismatch_message(
-                f"{type(self.module).__name__}: {what}", flat.keys(), expected))
+            raise ValueError(_mismatch_message(f"{type(self.module).__name__}: {what}", flat.keys(), expected))
         return flat
 
 
@@ -316,8 +322,7 @@ def functionalize(module: nn.Module) -> tuple[ApplyFn, Tree, Tree]:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"functionalize expects an nn.Module, got {type(module).__name__}.")
-    params = from_state_dict({n: p.detach().requires_grad_(p.requires_grad)
-                              for n, p in module.named_parameters()})
+    params = from_state_dict({n: p.detach().requires_grad_(p.requires_grad) for n, p in module.named_parameters()})
     buffers = from_state_dict({n: b.detach() for n, b in module.named_buffers()})
     return FunctionalModule(module, buffers), params, buffers
 
@@ -347,13 +352,16 @@ def load_state(module: nn.Module, params: Tree, buffers: Tree | None = None) -> 
     for what, tree, own in targets:
         flat = to_state_dict(tree)
         if flat.keys() != own.keys():
-            raise ValueError(_mismatch_message(
-                f"load_state({type(module).__name__}): {what}", flat.keys(), frozenset(own)))
-        bad = [f"  {n}: given {tuple(v.shape)}, module has {tuple(own[n].shape)}"
-               for n, v in flat.items() if tuple(v.shape) != tuple(own[n].shape)]
+            raise ValueError(
+                _mismatch_message(f"load_state({type(module).__name__}): {what}", flat.keys(), frozenset(own))
+            )
+        bad = [
+            f"  {n}: given {tuple(v.shape)}, module has {tuple(own[n].shape)}"
+            for n, v in flat.items()
+            if tuple(v.shape) != tuple(own[n].shape)
+        ]
         if bad:
-            raise ValueError(f"load_state({type(module).__name__}): {what} shapes differ:\n"
-                             + "\n".join(bad))
+            raise ValueError(f"load_state({type(module).__name__}): {what} shapes differ:\n" + "\n".join(bad))
         with torch.no_grad():
             for name, value in flat.items():
                 own[name].copy_(value)

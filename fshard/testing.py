@@ -37,8 +37,18 @@ import torch
 from fshard._ports import free_port  # noqa: F401 - re-exported: tests and tools use it here
 from fshard.runtime.local import WorkerPool
 
-__all__ = ["run_on_ranks", "shutdown_pools", "release_pool_groups", "assert_close", "local_block_diff", "free_port",
-           "MESH_SHAPES", "transformer_train_step", "collective_calls", "inductor_output_code"]
+__all__ = [
+    "run_on_ranks",
+    "shutdown_pools",
+    "release_pool_groups",
+    "assert_close",
+    "local_block_diff",
+    "free_port",
+    "MESH_SHAPES",
+    "transformer_train_step",
+    "collective_calls",
+    "inductor_output_code",
+]
 
 # What the test pools' forkserver imports once for every rank it forks (see _pool).
 FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "fshard", "fshard.runtime.local")
@@ -64,8 +74,14 @@ def _pool(world_size: int) -> WorkerPool:
     return pool
 
 
-def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int,
-                 timeout_s: float | None = None, grace_s: float | None = None, **kwargs: Any) -> list[Any]:
+def run_on_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int,
+    timeout_s: float | None = None,
+    grace_s: float | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` on ``world_size`` ranks of a shared pool.
 
     ``grace_s``: after one rank fails, how long the others get to finish before they are
@@ -125,8 +141,12 @@ def release_pool_groups() -> None:
         try:
             pool.run(_release_groups, timeout_s=60)
         except Exception as e:  # noqa: BLE001 - the next test gets a fresh pool; the others are released
-            warnings.warn(f"fshard.testing: releasing the process groups of the {world_size}-rank pool failed "
-                          f"({type(e).__name__}: {e}); the pool is replaced.", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"fshard.testing: releasing the process groups of the {world_size}-rank pool failed "
+                f"({type(e).__name__}: {e}); the pool is replaced.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             _drop(world_size, pool)
         else:
             if not pool.alive:
@@ -155,8 +175,7 @@ def local_block_diff(dist: Any, ref: Any, specs: Any, mesh: Any, *, uneven: bool
     return worst
 
 
-def assert_close(actual: Any, expected: Any, *, rtol: float = 1.3e-6, atol: float = 1e-5,
-                 what: str = "value") -> None:
+def assert_close(actual: Any, expected: Any, *, rtol: float = 1.3e-6, atol: float = 1e-5, what: str = "value") -> None:
     """``torch.testing.assert_close`` over pytrees, naming the first differing path."""
     from fshard import tree as tree_util
 
@@ -166,8 +185,7 @@ def assert_close(actual: Any, expected: Any, *, rtol: float = 1.3e-6, atol: floa
         raise AssertionError(f"{what}: structures differ:\n  actual   {a_def}\n  expected {e_def}")
     for path, a, e in zip(a_paths, a_leaves, e_leaves):
         if isinstance(a, torch.Tensor) or isinstance(e, torch.Tensor):
-            torch.testing.assert_close(a, e, rtol=rtol, atol=atol,
-                                       msg=lambda m, p=path: f"{what} at '{p}': {m}")
+            torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m, p=path: f"{what} at '{p}': {m}")
         elif isinstance(a, float) and isinstance(e, float):
             if not math.isclose(a, e, rel_tol=rtol, abs_tol=atol):
                 raise AssertionError(f"{what} at '{path}': {a} != {e}")
@@ -175,9 +193,17 @@ def assert_close(actual: Any, expected: Any, *, rtol: float = 1.3e-6, atol: floa
             raise AssertionError(f"{what} at '{path}': {a!r} != {e!r}")
 
 
-def transformer_train_step(mode: str, cfg: Any, mesh: Any, *, axis: str = "d", dtype: torch.dtype = torch.float32,
-                           lr: float = 1e-3, weight_decay: float = 0.01,
-                           bucket_bytes: int | None = None) -> tuple[Callable[..., Any], Any, Any]:
+def transformer_train_step(
+    mode: str,
+    cfg: Any,
+    mesh: Any,
+    *,
+    axis: str = "d",
+    dtype: torch.dtype = torch.float32,
+    lr: float = 1e-3,
+    weight_decay: float = 0.01,
+    bucket_bytes: int | None = None,
+) -> tuple[Callable[..., Any], Any, Any]:
     """The data-parallel Transformer train step that fs.jit's tests and ``bench/jit_step.py``
     both run: ``fs.parallel``'s layer loop (``gather_params`` for the root parameters,
     ``scan_layers`` for the blocks) in ``value_and_grad(shard_map(...))``, then AdamW.
@@ -224,8 +250,9 @@ def transformer_train_step(mode: str, cfg: Any, mesh: Any, *, axis: str = "d", d
         x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], embed(root, tok, cfg), **loop)
         return fs.lax.pmean(F.cross_entropy(head(root, x, cfg).flatten(0, 1), tgt.flatten()), axis)
 
-    grad_fn = fs.value_and_grad(fs.shard_map(loss_fn, mesh=mesh, in_specs=(specs, P(axis), P(axis)),
-                                             out_specs=P(), check=False))
+    grad_fn = fs.value_and_grad(
+        fs.shard_map(loss_fn, mesh=mesh, in_specs=(specs, P(axis), P(axis)), out_specs=P(), check=False)
+    )
 
     def step(p, s, tok, tgt):
         loss, grads = grad_fn(p, tok, tgt)
@@ -300,7 +327,7 @@ def graph_peak_bytes() -> Iterator[dict[str, list[int]]]:
         """Variable name -> {storage data pointer: bytes} of the tensors it holds."""
         found: dict[str, dict[int, int]] = {}
         for name, v in list(frame.f_locals.items()):
-            for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            for t in v if isinstance(v, (list, tuple)) else (v,):
                 if isinstance(t, torch.Tensor) and not t.is_meta:
                     st = t.untyped_storage()
                     if st.nbytes():

@@ -75,8 +75,9 @@ def tree_map_with_path(fn: Callable[..., Any], tree: Tree, *rest: Tree, is_leaf=
     """Maps ``fn(path_str, leaf, *rest_leaves)`` over ``tree``; paths render as ``layers.0.wq``."""
     paths, leaves_, spec = zip_with_path(tree, is_leaf=is_leaf)
     others = [spec.flatten_up_to(r) for r in rest]
-    return optree.tree_unflatten(spec, [fn(p, x, *(o[i] for o in others))
-                                        for i, (p, x) in enumerate(zip(paths, leaves_))])
+    return optree.tree_unflatten(
+        spec, [fn(p, x, *(o[i] for o in others)) for i, (p, x) in enumerate(zip(paths, leaves_))]
+    )
 
 
 def leaves(tree: Tree, is_leaf=None) -> list[Any]:
@@ -163,23 +164,19 @@ def _broadcast(pre, val, path, out, is_prefix_leaf, name, full_name, full_is_lea
     if pre_leaf:
         mismatch = f"{name} has a non-spec leaf {pre!r} of type {type(pre).__name__}"
     elif val_leaf:
-        mismatch = (f"{name} has {pre!r} where {full_name} has a leaf of type "
-                    f"{type(val).__name__}; a leaf needs a single spec (e.g. P(...))")
+        mismatch = (
+            f"{name} has {pre!r} where {full_name} has a leaf of type "
+            f"{type(val).__name__}; a leaf needs a single spec (e.g. P(...))"
+        )
     else:
         p1 = optree.tree_flatten_one_level(pre)
         v1 = optree.tree_flatten_one_level(val, is_leaf=full_is_leaf)
         if type(pre) is not type(val) and not (
-            isinstance(pre, (list, tuple)) and isinstance(val, (list, tuple))
-            and _plain_seq(pre) and _plain_seq(val)
+            isinstance(pre, (list, tuple)) and isinstance(val, (list, tuple)) and _plain_seq(pre) and _plain_seq(val)
         ):
-            mismatch = (
-                f"node types differ: {name} has {type(pre).__name__}, "
-                f"{full_name} has {type(val).__name__}"
-            )
+            mismatch = f"node types differ: {name} has {type(pre).__name__}, {full_name} has {type(val).__name__}"
         elif tuple(p1.entries) != tuple(v1.entries):
-            mismatch = (
-                f"keys differ: {name} has {list(p1.entries)}, {full_name} has {list(v1.entries)}"
-            )
+            mismatch = f"keys differ: {name} has {list(p1.entries)}, {full_name} has {list(v1.entries)}"
         else:
             for key, pc, vc in zip(p1.entries, p1.children, v1.children):
                 _broadcast(pc, vc, path + (key,), out, is_prefix_leaf, name, full_name, full_is_leaf)

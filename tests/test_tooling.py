@@ -1,5 +1,5 @@
-"""The package's lint and type-check configuration (``.ci/run`` runs ``ruff check fshard`` and
-``mypy``): ruff is clean here too, and mypy's list of modules with type debt only shrinks."""
+"""The package's lint and type-check configuration (``.ci/run`` runs ``ruff check fshard``,
+``ruff format --check fshard`` and ``mypy``): ruff is clean here too, and mypy's list of modules with type debt only shrinks."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def test_ruff_is_clean_on_the_package():
         else shutil.which("ruff")
     run = subprocess.run([ruff, "check", "fshard"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:]
+    run = subprocess.run([ruff, "format", "--check", "fshard"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, "run `ruff format fshard`:\n" + run.stdout[-3000:]
 
 
 # The files CONTRIBUTING.md's toy-parallelism walkthrough says to touch (new ones marked).

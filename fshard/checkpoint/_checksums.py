@@ -30,8 +30,15 @@ import torch.distributed.checkpoint as dcp
 
 from fshard.checkpoint._common import CheckpointError
 
-__all__ = ["CHECKSUMS", "MANIFEST", "ChecksumWriter", "VerifyingReader", "read_checksums", "write_checksums",
-           "write_manifest"]
+__all__ = [
+    "CHECKSUMS",
+    "MANIFEST",
+    "ChecksumWriter",
+    "VerifyingReader",
+    "read_checksums",
+    "write_checksums",
+    "write_manifest",
+]
 
 CHECKSUMS = ".fshard-checksums.json"
 MANIFEST = ".fshard-manifest.json"
@@ -110,7 +117,8 @@ def _expects_checksums(directory: str, metadata: Any) -> bool:
         raise CheckpointError(
             f"'{directory}' is incomplete: its .metadata says the save wrote {MANIFEST} (the list of "
             f"its files and checksums), and that file is missing: files were deleted or not copied. "
-            f"Copy the whole directory again, or load another checkpoint.")
+            f"Copy the whole directory again, or load another checkpoint."
+        )
     return False
 
 
@@ -144,7 +152,8 @@ def read_checksums(directory: str, metadata: Any = None) -> dict[str, dict[str, 
             raise CheckpointError(
                 f"'{directory}' is incomplete: its {CHECKSUMS} is missing, and its {MANIFEST} says the "
                 f"save wrote it. Without it a corrupt byte would load unnoticed, so the checkpoint is "
-                f"not read. Copy the whole directory again, or load another checkpoint.")
+                f"not read. Copy the whole directory again, or load another checkpoint."
+            )
         return None
     try:
         with open(path) as f:
@@ -153,8 +162,9 @@ def read_checksums(directory: str, metadata: Any = None) -> dict[str, dict[str, 
             raise ValueError(f"unknown algorithm {data.get('algorithm')!r}")
         return {rel: {str(k): int(v) for k, v in items.items()} for rel, items in data["items"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"'{directory}' is corrupt: its {CHECKSUMS} cannot be read "
-                              f"({type(e).__name__}: {e}).") from e
+        raise CheckpointError(
+            f"'{directory}' is corrupt: its {CHECKSUMS} cannot be read ({type(e).__name__}: {e})."
+        ) from e
 
 
 class VerifyingReader(dcp.FileSystemReader):
@@ -174,8 +184,9 @@ class VerifyingReader(dcp.FileSystemReader):
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         # Which key each byte range holds, for the error message.
-        self._keys = {(info.relative_path, info.offset): index.fqn
-                      for index, info in (metadata.storage_data or {}).items()}
+        self._keys = {
+            (info.relative_path, info.offset): index.fqn for index, info in (metadata.storage_data or {}).items()
+        }
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
         view = super()._slice_file(file, sinfo)
@@ -187,7 +198,8 @@ class VerifyingReader(dcp.FileSystemReader):
             raise CheckpointError(
                 f"data file '{sinfo.relative_path}' of '{self._dir}': {CHECKSUMS} has no checksum "
                 f"for the item of key '{key}' at offset {sinfo.offset}: the metadata and the "
-                f"checksums come from different saves.")
+                f"checksums come from different saves."
+            )
         data = view.read(sinfo.length)
         got = zlib.crc32(data)
         if len(data) != sinfo.length or got != want:
@@ -195,5 +207,6 @@ class VerifyingReader(dcp.FileSystemReader):
             raise CheckpointError(
                 f"data file '{sinfo.relative_path}' of '{self._dir}' is corrupt: the bytes of key "
                 f"'{key}' (offset {sinfo.offset}, {sinfo.length} bytes) have CRC32 {got:#010x}, "
-                f"the save wrote {want:#010x}.")
+                f"the save wrote {want:#010x}."
+            )
         return io.BytesIO(data)

@@ -105,8 +105,9 @@ def flatten(tree: Any, *, what: str, path: str) -> tuple[list[str], list[Any], A
             f"{what}('{path}'): several leaves have the same key {short_list(sorted(set(dupes)))}; "
             f"a dict key that contains '.' renders like a nested path. Rename the keys."
         )
-    partial = [k for k, x in zip(keys, leaves)
-               if isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements)]
+    partial = [
+        k for k, x in zip(keys, leaves) if isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements)
+    ]
     if partial:
         raise ValueError(
             f"{what}('{path}'): leaves {short_list(partial)} are DTensors with a Partial placement "
@@ -204,12 +205,14 @@ def agree_on_path(path: str, g: Any | None, what: str) -> None:
     by_path: dict[str, list[int]] = {}
     for r, p in enumerate(paths):
         by_path.setdefault(p, []).append(r)
-    groups = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: '{p}'"
-                       for p, rs in by_path.items())
+    groups = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: '{p}'" for p, rs in by_path.items()
+    )
     raise CheckpointError(
         f"{what}: the ranks passed different paths ({groups}). Every rank must pass the same path, "
         f"on a file system every rank sees (a relative path resolves against each rank's working "
-        f"directory). Nothing was read or written.")
+        f"directory). Nothing was read or written."
+    )
 
 
 def broadcast_from_0(value: Any, g: Any | None) -> Any:
@@ -239,8 +242,7 @@ def single_process_quiet(g: Any | None) -> Iterator[None]:
         yield
         return
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent",
-                                category=UserWarning)
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent", category=UserWarning)
         yield
 
 
@@ -255,5 +257,8 @@ def _detach_after_fork() -> dict[int, Any]:
     return kept
 
 
-teardown.register_group_owner(teardown.GroupOwner(
-    "fshard.checkpoint", groups=lambda: list(_GROUPS.values()), forget=forget_groups, after_fork=_detach_after_fork))
+teardown.register_group_owner(
+    teardown.GroupOwner(
+        "fshard.checkpoint", groups=lambda: list(_GROUPS.values()), forget=forget_groups, after_fork=_detach_after_fork
+    )
+)

@@ -34,8 +34,10 @@ __all__ = ["temp_dir_for", "prepare_target", "commit", "resolve", "METADATA", "i
 METADATA = ".metadata"  # DCP writes it last, after every rank's data
 # What DCP (and fshard's checksums) put in a checkpoint directory; only such directories
 # are ever replaced, so that a save to a wrong path cannot delete a user's files.
-_DCP_ENTRY = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+\.metadata(\.tmp)?"
-                        r"|\.fshard-checksums\.json|\.fshard-manifest\.json)$")
+_DCP_ENTRY = re.compile(
+    r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+\.metadata(\.tmp)?"
+    r"|\.fshard-checksums\.json|\.fshard-manifest\.json)$"
+)
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2

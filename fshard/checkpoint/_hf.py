@@ -156,15 +156,22 @@ def load_hf(path_or_state_dict: Any, like: Any, *, strict: bool = True) -> Any:
     used = set(names.values())
     extra = [k for k in src.shapes if k not in used] if strict else []
     if missing:
-        problems.append(f"the template's {_first(missing)} {'is' if len(missing) == 1 else 'are'} missing "
-                        f"({len(missing)} of {len(keys)})")
+        problems.append(
+            f"the template's {_first(missing)} {'is' if len(missing) == 1 else 'are'} missing "
+            f"({len(missing)} of {len(keys)})"
+        )
     if extra:
-        problems.append(f"{_first(extra)} {'is' if len(extra) == 1 else 'are'} not in the template "
-                        f"({len(extra)} names; pass strict=False to skip them)")
+        problems.append(
+            f"{_first(extra)} {'is' if len(extra) == 1 else 'are'} not in the template "
+            f"({len(extra)} names; pass strict=False to skip them)"
+        )
     if problems:
         raise CheckpointError(f"load_hf: {src.what} does not match the template: {'; '.join(problems)}.")
-    bad = [f"'{k}': checkpoint {src.shapes[names[k]]}, template {tuple(x.shape)}"
-           for k, x in zip(keys, leaves) if isinstance(x, torch.Tensor) and src.shapes[names[k]] != tuple(x.shape)]
+    bad = [
+        f"'{k}': checkpoint {src.shapes[names[k]]}, template {tuple(x.shape)}"
+        for k, x in zip(keys, leaves)
+        if isinstance(x, torch.Tensor) and src.shapes[names[k]] != tuple(x.shape)
+    ]
     if bad:
         raise CheckpointError(f"load_hf: shapes in {src.what} differ from the template's: {_first(bad, 3)}.")
     out = []
@@ -176,7 +183,8 @@ def load_hf(path_or_state_dict: Any, like: Any, *, strict: bool = True) -> Any:
             if local.shape != x.to_local().shape:
                 raise CheckpointError(
                     f"load_hf: '{k}': this rank's block of {tuple(x.shape)} under {spec} is "
-                    f"{tuple(x.to_local().shape)}, but the slice read is {tuple(local.shape)}.")
+                    f"{tuple(x.to_local().shape)}, but the slice read is {tuple(local.shape)}."
+                )
             v = make_dtensor(local, spec, mesh, x.shape)
         elif isinstance(x, torch.Tensor):
             v = src.read(names[k], None).to(device=x.device, dtype=x.dtype, copy=True)
@@ -199,21 +207,27 @@ def _match_names(keys: list[str], available: Mapping[str, Any]) -> tuple[dict[st
       (each naming the template's name and the checkpoint's).
     """
     direct = {k: k for k in keys if k in available}
-    stripped = {k: parts for k in keys if k not in direct
-                and (parts := _split_first(k)) is not None and parts[1] in available}
+    stripped = {
+        k: parts for k in keys if k not in direct and (parts := _split_first(k)) is not None and parts[1] in available
+    }
     if direct:
-        problems = [f"the template's '{k}' is not in the checkpoint, and its '{rest}' would match it only "
-                    f"with the prefix '{head}.' dropped while other names match as they are: a guess, "
-                    f"so it is not made (rename one of them)" for k, (head, rest) in stripped.items()]
+        problems = [
+            f"the template's '{k}' is not in the checkpoint, and its '{rest}' would match it only "
+            f"with the prefix '{head}.' dropped while other names match as they are: a guess, "
+            f"so it is not made (rename one of them)"
+            for k, (head, rest) in stripped.items()
+        ]
         return direct, problems
     heads: dict[str, str] = {}
     for k, (head, _) in stripped.items():
         heads.setdefault(head, k)
     if len(heads) > 1:  # no one base-model prefix: which of these is the file's name for?
         shown = ", ".join(f"'{k}' -> '{stripped[k][1]}' (prefix '{h}.')" for h, k in list(heads.items())[:4])
-        return {}, [f"the template's names match the checkpoint only with different prefixes dropped "
-                    f"({shown}): a base-model checkpoint lacks one prefix for every name, so this is not "
-                    f"one (rename the template's names)"]
+        return {}, [
+            f"the template's names match the checkpoint only with different prefixes dropped "
+            f"({shown}): a base-model checkpoint lacks one prefix for every name, so this is not "
+            f"one (rename the template's names)"
+        ]
     return {k: rest for k, (_, rest) in stripped.items()}, []
 
 
@@ -275,8 +289,9 @@ def _begin_hf(path: str) -> tuple[Any, str | None, CheckpointError | None]:
     return None, None, error
 
 
-def _gather(keys: list[str], leaves: list[Any], rank: int,
-            max_shard_size: int) -> tuple[list[dict[str, torch.Tensor]], CheckpointError | None]:
+def _gather(
+    keys: list[str], leaves: list[Any], rank: int, max_shard_size: int
+) -> tuple[list[dict[str, torch.Tensor]], CheckpointError | None]:
     """Every tensor gathered in turn (collective); rank 0 keeps them, cut into files.
 
     Returns:
@@ -297,8 +312,10 @@ def _gather(keys: list[str], leaves: list[Any], rank: int,
         try:
             t = full.detach().to("cpu").contiguous()
         except Exception as e:  # e.g. out of host memory
-            error = CheckpointError(f"save_hf: '{k}' could not be copied to CPU memory on rank 0: "
-                                    f"{type(e).__name__}: {e}. Nothing was written.")
+            error = CheckpointError(
+                f"save_hf: '{k}' could not be copied to CPU memory on rank 0: "
+                f"{type(e).__name__}: {e}. Nothing was written."
+            )
             continue
         nbytes = t.numel() * t.element_size()
         if files[-1] and size + nbytes > max_shard_size:
@@ -309,8 +326,9 @@ def _gather(keys: list[str], leaves: list[Any], rank: int,
     return files, error
 
 
-def _write_hf(st: Any, tmp: str, path: str, files: list[dict[str, torch.Tensor]], config: Any,
-              needed: int) -> CheckpointError | None:
+def _write_hf(
+    st: Any, tmp: str, path: str, files: list[dict[str, torch.Tensor]], config: Any, needed: int
+) -> CheckpointError | None:
     """Rank 0: writes and commits; on any failure removes ``tmp`` and returns the error to agree on.
 
     Any exception, not only ``OSError``: safetensors reports a full disk as its own
@@ -326,10 +344,12 @@ def _write_hf(st: Any, tmp: str, path: str, files: list[dict[str, torch.Tensor]]
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if _space.is_no_space(e, os.path.dirname(path), needed):
-            return CheckpointError("save_hf: " + _space.no_space_message("writing", path, needed)
-                                   + f" ({type(e).__name__}: {e})")
-        return CheckpointError(f"save_hf: writing '{path}' failed: {type(e).__name__}: {e}; what was there "
-                               f"is unchanged.")
+            return CheckpointError(
+                "save_hf: " + _space.no_space_message("writing", path, needed) + f" ({type(e).__name__}: {e})"
+            )
+        return CheckpointError(
+            f"save_hf: writing '{path}' failed: {type(e).__name__}: {e}; what was there is unchanged."
+        )
 
 
 def _check_target(path: str) -> CheckpointError | None:
@@ -339,8 +359,10 @@ def _check_target(path: str) -> CheckpointError | None:
         return CheckpointError(f"save_hf: '{path}' exists and is not a directory.")
     foreign = [n for n in os.listdir(path) if not n.endswith(_OURS)]
     if foreign:
-        return CheckpointError(f"save_hf: '{path}' holds other files ({sorted(foreign)[:5]}), which replacing the "
-                               f"directory would delete; choose another path.")
+        return CheckpointError(
+            f"save_hf: '{path}' holds other files ({sorted(foreign)[:5]}), which replacing the "
+            f"directory would delete; choose another path."
+        )
     return None
 
 

@@ -76,13 +76,17 @@ def import_state_dict(state_dict: Mapping[str, Any], like: Any, *, strict: bool 
         if missing:
             parts.append(f"missing {len(missing)} names of the template: {short_list(missing)}")
         if unexpected:
-            parts.append(f"{len(unexpected)} names the template lacks: {short_list(unexpected)} "
-                         f"(pass strict=False to ignore them)")
+            parts.append(
+                f"{len(unexpected)} names the template lacks: {short_list(unexpected)} "
+                f"(pass strict=False to ignore them)"
+            )
         raise ValueError(f"import_state_dict: {'; '.join(parts)}.")
-    bad = [f"'{k}': state_dict shape {tuple(state_dict[k].shape)}, template shape {tuple(x.shape)}"
-           for k, x in zip(keys, leaves)
-           if isinstance(x, torch.Tensor) and (not isinstance(state_dict[k], torch.Tensor)
-                                               or tuple(state_dict[k].shape) != tuple(x.shape))]
+    bad = [
+        f"'{k}': state_dict shape {tuple(state_dict[k].shape)}, template shape {tuple(x.shape)}"
+        for k, x in zip(keys, leaves)
+        if isinstance(x, torch.Tensor)
+        and (not isinstance(state_dict[k], torch.Tensor) or tuple(state_dict[k].shape) != tuple(x.shape))
+    ]
     if bad:
         raise ValueError("import_state_dict: shapes differ from the template:\n  " + "\n  ".join(bad))
     out = []
@@ -100,8 +104,7 @@ def import_state_dict(state_dict: Mapping[str, Any], like: Any, *, strict: bool 
     return tree_util.tree_unflatten(treedef, out)
 
 
-def to_torch_save(path: str | os.PathLike, file: str | os.PathLike, *,
-                  prefix: str | None = "params") -> dict[str, Any]:
+def to_torch_save(path: str | os.PathLike, file: str | os.PathLike, *, prefix: str | None = "params") -> dict[str, Any]:
     """Converts a checkpoint into a ``torch.save`` file of full tensors, named like the module.
 
     Reads on this process alone (call it on one rank, or outside any job). Keeps the
@@ -124,7 +127,7 @@ def to_torch_save(path: str | os.PathLike, file: str | os.PathLike, *,
     flat = load(path)
     if prefix:
         head = prefix + "."
-        out = {k[len(head):]: v for k, v in flat.items() if k.startswith(head)}
+        out = {k[len(head) :]: v for k, v in flat.items() if k.startswith(head)}
         if not out:
             tops = sorted({k.split(".", 1)[0] for k in flat})
             raise CheckpointError(

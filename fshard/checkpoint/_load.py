@@ -69,8 +69,11 @@ def _needed_text(needed: Sequence[str] | None) -> str:
 def _read_metadata(src: str, path: str, needed: Sequence[str] | None) -> Metadata:
     if not os.path.isdir(src):
         unfinished = _dirs.unfinished_saves(path)
-        hint = (f" An unfinished save to it was found at {short_list(unfinished, 3)}: it was "
-                f"interrupted before completing." if unfinished else "")
+        hint = (
+            f" An unfinished save to it was found at {short_list(unfinished, 3)}: it was interrupted before completing."
+            if unfinished
+            else ""
+        )
         what = "no checkpoint" if not os.path.lexists(src) else "not a checkpoint directory"
         raise CheckpointNotFoundError(f"{what} at '{path}'.{hint}{_needed_text(needed)}")
     meta_file = os.path.join(src, _dirs.METADATA)
@@ -83,8 +86,7 @@ def _read_metadata(src: str, path: str, needed: Sequence[str] | None) -> Metadat
         return dcp.FileSystemReader(src).read_metadata()
     except Exception as e:
         raise CheckpointError(
-            f"'{src}' is corrupt: its {_dirs.METADATA} cannot be read ({type(e).__name__}: {e})."
-            f"{_needed_text(needed)}"
+            f"'{src}' is corrupt: its {_dirs.METADATA} cannot be read ({type(e).__name__}: {e}).{_needed_text(needed)}"
         ) from e
 
 
@@ -107,17 +109,22 @@ def _check(src: str, path: str, md: Metadata, keys: Sequence[str], leaves: Seque
         meta = stored[k]
         if isinstance(meta, BytesStorageMetadata):
             if is_tensor(x):
-                mismatches.append(f"'{k}': the checkpoint holds a Python value, the template a tensor "
-                                  f"of shape {tuple(x.shape)}")
+                mismatches.append(
+                    f"'{k}': the checkpoint holds a Python value, the template a tensor of shape {tuple(x.shape)}"
+                )
         elif not is_tensor(x):
-            mismatches.append(f"'{k}': the checkpoint holds a tensor of shape {tuple(meta.size)}, the "
-                              f"template a {type(x).__name__} ({x!r:.40})")
+            mismatches.append(
+                f"'{k}': the checkpoint holds a tensor of shape {tuple(meta.size)}, the "
+                f"template a {type(x).__name__} ({x!r:.40})"
+            )
         elif tuple(meta.size) != tuple(x.shape):
             mismatches.append(f"'{k}': checkpoint shape {tuple(meta.size)}, template shape {tuple(x.shape)}")
         elif meta.properties.dtype != x.dtype:
             dtypes.setdefault((meta.properties.dtype, x.dtype), []).append(k)
-            mismatches.append(f"'{k}': checkpoint dtype {meta.properties.dtype}, template dtype {x.dtype} "
-                              f"(load with the saved dtype, then cast)")
+            mismatches.append(
+                f"'{k}': checkpoint dtype {meta.properties.dtype}, template dtype {x.dtype} "
+                f"(load with the saved dtype, then cast)"
+            )
     if dtypes and len(mismatches) == sum(map(len, dtypes.values())):
         raise CheckpointMismatchError(_dtype_message(path, dtypes))
     if mismatches:
@@ -128,18 +135,21 @@ def _check(src: str, path: str, md: Metadata, keys: Sequence[str], leaves: Seque
 
 def _dtype_message(path: str, dtypes: dict[tuple[Any, Any], list[str]]) -> str:
     """One line for templates that differ from the checkpoint in dtype only (a resume in another dtype)."""
-    parts = "; ".join(f"{len(ks)} keys hold {a} where the template has {b} (e.g. {short_list(ks, 2)})"
-                      for (a, b), ks in dtypes.items())
-    return (f"the checkpoint '{path}' was saved in another dtype: {parts}. Load with a template in the "
-            f"saved dtype (resume with the dtype it was trained in), then cast.")
+    parts = "; ".join(
+        f"{len(ks)} keys hold {a} where the template has {b} (e.g. {short_list(ks, 2)})"
+        for (a, b), ks in dtypes.items()
+    )
+    return (
+        f"the checkpoint '{path}' was saved in another dtype: {parts}. Load with a template in the "
+        f"saved dtype (resume with the dtype it was trained in), then cast."
+    )
 
 
 def _empty_like(x: Any) -> Any:
     """A fresh buffer laid out like the template leaf, for DCP to read into."""
     if isinstance(x, DTensor):
         local = torch.empty_like(x.to_local(), requires_grad=False)
-        return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False,
-                                  shape=x.shape, stride=x.stride())
+        return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
     if isinstance(x, torch.Tensor):
         return torch.empty_like(x, requires_grad=False)
     return x
@@ -207,12 +217,10 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
     return tree_util.tree_unflatten(treedef, out)
 
 
-def _read(state_dict: dict[str, Any], src: str, path: str, g: Any,
-          checksums: dict[str, dict[str, int]] | None) -> None:
+def _read(state_dict: dict[str, Any], src: str, path: str, g: Any, checksums: dict[str, dict[str, int]] | None) -> None:
     try:
         with single_process_quiet(g):
-            dcp.load(state_dict, storage_reader=VerifyingReader(src, checksums), process_group=g,
-                     no_dist=g is None)
+            dcp.load(state_dict, storage_reader=VerifyingReader(src, checksums), process_group=g, no_dist=g is None)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         raise CheckpointError(f"reading the checkpoint '{path}' failed: {describe_failure(e)}") from e
 

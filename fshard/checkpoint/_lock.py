@@ -66,8 +66,14 @@ def _start_time(pid: int) -> str | None:
 
 def _me(token: str) -> dict[str, Any]:
     pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid), "boot": _boot_id(),
-            "token": token, "since": time.time()}
+    return {
+        "host": socket.gethostname(),
+        "pid": pid,
+        "start": _start_time(pid),
+        "boot": _boot_id(),
+        "token": token,
+        "since": time.time(),
+    }
 
 
 def _alive(owner: dict[str, Any]) -> bool | None:
@@ -164,7 +170,8 @@ def _take_over(path: str, record: dict[str, Any]) -> bool:
             raise CheckpointLockedError(
                 f"the save lock '{path}' was left by a process that is gone, and this file system "
                 f"cannot lock it for a safe take-over ({e}). Remove '{path}' by hand, once no other "
-                f"job saves to this path.") from e
+                f"job saves to this path."
+            ) from e
         try:
             if os.stat(path).st_ino != os.fstat(fd).st_ino:
                 return False  # another process took it over first
@@ -217,18 +224,19 @@ def acquire(path: str) -> SaveLock:
                 return SaveLock(lock, token)
             continue
         raise _refusal(path, lock, owner, alive)
-    raise CheckpointLockedError(f"cannot save to '{path}': its lock '{lock}' kept changing hands; "
-                                f"several jobs are saving to this path. Give each job its own path.")
+    raise CheckpointLockedError(
+        f"cannot save to '{path}': its lock '{lock}' kept changing hands; "
+        f"several jobs are saving to this path. Give each job its own path."
+    )
 
 
 def _refusal(path: str, lock: str, owner: dict[str, Any] | None, alive: bool | None) -> CheckpointLockedError:
     if alive is None and owner is not None:
-        fix = (f"fshard cannot check a process on another host: if that job is gone, remove '{lock}' "
-               f"by hand.")
+        fix = f"fshard cannot check a process on another host: if that job is gone, remove '{lock}' by hand."
     else:
         fix = f"If no such job runs, remove '{lock}' by hand."
     return CheckpointLockedError(
         f"cannot save to '{path}': another save to it is in progress, held by {_describe(owner)} "
         f"(lock file '{lock}'). Two jobs must not save to one path: give each job its own path, or "
-        f"wait for the other save to finish. {fix}")
-
+        f"wait for the other save to finish. {fix}"
+    )

@@ -131,8 +131,12 @@ def drain(timeout_s: float | None = None, *, why: str = "fs.shutdown()") -> None
     limit = timeout().total_seconds() if timeout_s is None else timeout_s
     running = [h.path for h in pending if not h.done()]
     if running:
-        print(f"fshard: {why} waits up to {limit:.0f} s for {len(running)} checkpoint save(s) still "
-              f"running: {', '.join(running)}", file=sys.stderr, flush=True)
+        print(
+            f"fshard: {why} waits up to {limit:.0f} s for {len(running)} checkpoint save(s) still "
+            f"running: {', '.join(running)}",
+            file=sys.stderr,
+            flush=True,
+        )
     deadline = time.monotonic() + limit
     errors = [e for h in pending if (e := _outcome(h, deadline, limit, why)) is not None]
     if errors:
@@ -150,12 +154,15 @@ def _outcome(handle: PendingSave, deadline: float, limit: float, why: str) -> Ch
         return CheckpointError(
             f"{why}: the checkpoint save to '{handle.path}' is still running after {limit:.0f} s "
             f"(the process groups' timeout); it is abandoned, and '{handle.path}' keeps its previous "
-            f"checkpoint, if any.")
+            f"checkpoint, if any."
+        )
     except CheckpointError as e:
         return e
     except Exception as e:  # a collective of the save failed outside DCP (a peer is gone)
-        return CheckpointError(f"{why}: the checkpoint save to '{handle.path}' failed: "
-                               f"{type(e).__name__}: {e}. No checkpoint was committed there.")
+        return CheckpointError(
+            f"{why}: the checkpoint save to '{handle.path}' failed: "
+            f"{type(e).__name__}: {e}. No checkpoint was committed there."
+        )
 
 
 def _report_at_exit() -> None:
@@ -312,8 +319,9 @@ def _begin(path: str, needed: int) -> tuple[Any, str | None, CheckpointError | N
         return None, None, CheckpointError(f"cannot save to '{path}': {e}")
 
 
-def _write_and_commit(state_dict: dict[str, Any], tmp: str, path: str, g: Any, rank: int,
-                      lock: Any, needed: int) -> None:
+def _write_and_commit(
+    state_dict: dict[str, Any], tmp: str, path: str, g: Any, rank: int, lock: Any, needed: int
+) -> None:
     """Every rank writes its part into ``tmp``; rank 0 checks it and commits it; the lock goes last."""
     try:
         writer = _write(state_dict, tmp, path, g, rank, needed)
@@ -359,7 +367,8 @@ def _commit(tmp: str, path: str, checksums: list[Any], lock: Any, needed: int) -
             raise CheckpointError(
                 f"the save to '{path}' is not committed: its lock '{lock.path}' was removed or taken "
                 f"by another process while it wrote, so another job may be saving there. The previous "
-                f"checkpoint at '{path}', if any, is unchanged.")
+                f"checkpoint at '{path}', if any, is unchanged."
+            )
         write_manifest(tmp)
         _dirs.commit(tmp, path)
         return None

@@ -80,7 +80,9 @@ def no_space_message(what: str, path: str, needed: int) -> str:
     parent = os.path.dirname(path)
     free = free_bytes(parent)
     have = f"; {free:,} bytes are free there now" if free is not None else ""
-    return (f"{what} '{path}' failed: no space left on the device of '{parent}': the checkpoint needs "
-            f"about {needed:,} bytes ({needed / 2**20:.1f} MiB) beside the previous one{have}. Free "
-            f"space there or save to another path. The previous checkpoint at '{path}', if any, is "
-            f"unchanged.")
+    return (
+        f"{what} '{path}' failed: no space left on the device of '{parent}': the checkpoint needs "
+        f"about {needed:,} bytes ({needed / 2**20:.1f} MiB) beside the previous one{have}. Free "
+        f"space there or save to another path. The previous checkpoint at '{path}', if any, is "
+        f"unchanged."
+    )

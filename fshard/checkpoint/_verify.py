@@ -80,14 +80,19 @@ def check_written(directory: str, checksums: dict[str, dict[str, int]], path: st
         raise CheckpointError(
             f"the save to '{path}' is not committed: its temporary directory '{directory}' has no "
             f"readable .metadata ({type(e).__name__}: {e}); was it deleted by another process? The "
-            f"previous checkpoint at '{path}', if any, is unchanged.") from e
+            f"previous checkpoint at '{path}', if any, is unchanged."
+        ) from e
     keys = list(md.state_dict_metadata)
     bad, reasons = incomplete_keys(directory, md, keys)
-    unsummed = [index.fqn for index, info in (md.storage_data or {}).items()
-                if str(info.offset) not in checksums.get(info.relative_path, {})]
+    unsummed = [
+        index.fqn
+        for index, info in (md.storage_data or {}).items()
+        if str(info.offset) not in checksums.get(info.relative_path, {})
+    ]
     if bad or unsummed:
         found = "; ".join(reasons[:5]) or f"no checksum for {short_list(unsummed)}"
         raise CheckpointError(
             f"the save to '{path}' is not committed: {len(bad) or len(unsummed)} keys of its temporary "
             f"directory '{directory}' are incomplete ({short_list(bad or unsummed)}): {found}. Another "
-            f"process may have deleted its files. The previous checkpoint at '{path}', if any, is unchanged.")
+            f"process may have deleted its files. The previous checkpoint at '{path}', if any, is unchanged."
+        )

@@ -34,8 +34,7 @@ from fshard.jit import fx
 from fshard.jit import p2p as _jit_p2p
 from fshard.jit.recompile import JitRecompileLimitError, JitRecompileWarning, Recompiles, check_options
 
-__all__ = ["jit", "Jitted", "JitCaptureError", "DonatedTensorError", "JitRecompileLimitError",
-           "JitRecompileWarning"]
+__all__ = ["jit", "Jitted", "JitCaptureError", "DonatedTensorError", "JitRecompileLimitError", "JitRecompileWarning"]
 
 log = logging.getLogger("fshard.jit")
 
@@ -48,19 +47,25 @@ class JitCaptureError(RuntimeError):
 class _Entry:
     """One compiled signature."""
 
-    run: Callable[..., Any]          # flat local tensors -> flat outputs
-    out_tree: Any                    # treedef of the results
-    out_leaves: tuple                # per result leaf: ("tensor", None) | ("dtensor", meta) | ("const", value)
-    timeline: tuple                  # comm.Event s recorded while tracing
-    graph: Any                       # the captured torch.fx.GraphModule (before compilation)
-    eager: bool = False              # capture failed and on_capture_error="eager"
+    run: Callable[..., Any]  # flat local tensors -> flat outputs
+    out_tree: Any  # treedef of the results
+    out_leaves: tuple  # per result leaf: ("tensor", None) | ("dtensor", meta) | ("const", value)
+    timeline: tuple  # comm.Event s recorded while tracing
+    graph: Any  # the captured torch.fx.GraphModule (before compilation)
+    eager: bool = False  # capture failed and on_capture_error="eager"
 
 
-def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None = "inductor",
-        on_capture_error: str = "raise", options: dict | None = None,
-        donate_argnums: int | Sequence[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None, recompile_limit: int | None = None,
-        on_recompile_limit: str = "raise") -> Any:
+def jit(
+    f: Callable[..., Any] | None = None,
+    *,
+    backend: str | Callable | None = "inductor",
+    on_capture_error: str = "raise",
+    options: dict | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    recompile_limit: int | None = None,
+    on_recompile_limit: str = "raise",
+) -> Any:
     """Compiles ``f`` (a function of pytrees of tensors / DTensors) into one graph per signature.
 
     Args:
@@ -172,30 +177,60 @@ def jit(f: Callable[..., Any] | None = None, *, backend: str | Callable | None =
     if on_capture_error not in ("raise", "eager"):
         raise ValueError(f"fs.jit: on_capture_error={on_capture_error!r}; use 'raise' or 'eager'.")
     check_options(recompile_limit, on_recompile_limit)
-    nums = None if donate_argnums is None else (
-        (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums))
+    nums = (
+        None
+        if donate_argnums is None
+        else ((donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums))
+    )
     if nums is not None and any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in nums):
-        raise ValueError(f"fs.jit: donate_argnums={donate_argnums!r}; use non-negative ints, the positions of "
-                         f"the arguments whose tensors the call may overwrite.")
-    names = None if donate_argnames is None else (
-        (donate_argnames,) if isinstance(donate_argnames, str) else
-        tuple(donate_argnames) if isinstance(donate_argnames, Iterable) else (donate_argnames,))
+        raise ValueError(
+            f"fs.jit: donate_argnums={donate_argnums!r}; use non-negative ints, the positions of "
+            f"the arguments whose tensors the call may overwrite."
+        )
+    names = (
+        None
+        if donate_argnames is None
+        else (
+            (donate_argnames,)
+            if isinstance(donate_argnames, str)
+            else tuple(donate_argnames)
+            if isinstance(donate_argnames, Iterable)
+            else (donate_argnames,)
+        )
+    )
     if names is not None and any(not isinstance(k, str) for k in names):
-        raise ValueError(f"fs.jit: donate_argnames={donate_argnames!r}; use str, the names of the arguments "
-                         f"whose tensors the call may overwrite.")
+        raise ValueError(
+            f"fs.jit: donate_argnames={donate_argnames!r}; use str, the names of the arguments "
+            f"whose tensors the call may overwrite."
+        )
     if f is None:
-        return functools.partial(jit, backend=backend, on_capture_error=on_capture_error, options=options,
-                                 donate_argnums=nums, donate_argnames=names, recompile_limit=recompile_limit,
-                                 on_recompile_limit=on_recompile_limit)
+        return functools.partial(
+            jit,
+            backend=backend,
+            on_capture_error=on_capture_error,
+            options=options,
+            donate_argnums=nums,
+            donate_argnames=names,
+            recompile_limit=recompile_limit,
+            on_recompile_limit=on_recompile_limit,
+        )
     return Jitted(f, backend, on_capture_error, options, nums, names, recompile_limit, on_recompile_limit)
 
 
 class Jitted:
     """A jitted function: ``__call__`` as ``f``; ``cache_size``, ``graph(*args)`` to inspect."""
 
-    def __init__(self, f: Callable[..., Any], backend, on_capture_error: str, options: dict | None,
-                 donate_argnums: tuple[int, ...] | None = None, donate_argnames: tuple[str, ...] | None = None,
-                 recompile_limit: int | None = None, on_recompile_limit: str = "raise") -> None:
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        backend,
+        on_capture_error: str,
+        options: dict | None,
+        donate_argnums: tuple[int, ...] | None = None,
+        donate_argnames: tuple[str, ...] | None = None,
+        recompile_limit: int | None = None,
+        on_recompile_limit: str = "raise",
+    ) -> None:
         functools.update_wrapper(self, f)
         self._f, self._backend, self._on_error, self._options = f, backend, on_capture_error, options
         self._donate_nums, self._donate_names = _resolve_donation(f, donate_argnums, donate_argnames)
@@ -235,11 +270,11 @@ class Jitted:
             # raises together (_first_p2p_call), so every rank falls back together; another
             # backend compiles and runs in one go, and its failure may come after transfers
             # were posted (an eager rerun would post them again, out of step with the peers).
-            if (self._on_error != "eager" or self._donate
-                    or (_has_p2p(entry.graph) and self._backend != "inductor")):
+            if self._on_error != "eager" or self._donate or (_has_p2p(entry.graph) and self._backend != "inductor"):
                 raise
-            warnings.warn(f"{e}\nfs.jit runs this signature eagerly (on_capture_error='eager').",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"{e}\nfs.jit runs this signature eagerly (on_capture_error='eager').", RuntimeWarning, stacklevel=2
+            )
             self._cache[key] = _Entry(None, None, (), (), entry.graph, eager=True)
             return self._f(*args, **kwargs)
         if entry.timeline:
@@ -251,8 +286,9 @@ class Jitted:
                 continue
             if kind == "donated":  # computed into this argument's tensor: the result takes its memory
                 j = meta[0]
-                flat.append(_consume(leaves[j], self.__name__, meta[1]) if j not in kept else
-                            _rewrap(leaves[j], kept[j]))  # into a copy: the argument keeps its value
+                flat.append(
+                    _consume(leaves[j], self.__name__, meta[1]) if j not in kept else _rewrap(leaves[j], kept[j])
+                )  # into a copy: the argument keeps its value
                 continue
             t = out[k]
             k += 1
@@ -293,7 +329,10 @@ class Jitted:
                 f"a DLPack capsule taken before the call) and would show the result's values. Its result goes "
                 f"to new memory and {path} keeps its value and stays usable, as jax.jit does for a buffer with "
                 f"an external reference. Drop those aliases, or take copies (.clone(), .numpy().copy()), to "
-                f"donate it.", UserWarning, stacklevel=3)
+                f"donate it.",
+                UserWarning,
+                stacklevel=3,
+            )
         return kept
 
     # --- signature and cache -----------------------------------------------------------
@@ -358,6 +397,7 @@ class Jitted:
             end = stop
         else:
             return
+
         # Addresses compare within one device only (CPU and CUDA share one address space; other
         # backends may not): the devices are read only here, off the common path.
         def device(i: int) -> str:
@@ -377,9 +417,11 @@ class Jitted:
             paths = _paths(args, kwargs)
             raise ValueError(
                 f"fs.jit({self.__name__}): {self._donation_str()}: a donated tensor's memory is also passed as "
-                f"another argument: " + "; ".join(" and ".join(paths[i] for i in idx) for idx in bad)
+                f"another argument: "
+                + "; ".join(" and ".join(paths[i] for i in idx) for idx in bad)
                 + ". Pass a copy (x.clone()) where the same tensor (or memory) appears twice, or do not "
-                  "donate it.")
+                "donate it."
+            )
 
     def _donation_str(self) -> str:
         nums, names = self._donate_given
@@ -392,8 +434,9 @@ class Jitted:
             if not self._recompiles.admit(key, list(self._cache), lambda: _paths(*call_args)):
                 return _PAST_LIMIT  # on_recompile_limit="eager": not cached, or the cache would grow per value
             if self._cache and os.environ.get("FSHARD_LOG_RECOMPILES"):
-                log.warning("fs.jit(%s) recompiles: %s", self.__name__,
-                            _why(key, _paths(*call_args), list(self._cache)))
+                log.warning(
+                    "fs.jit(%s) recompiles: %s", self.__name__, _why(key, _paths(*call_args), list(self._cache))
+                )
             entry = self._cache[key] = self._capture(leaves, treedef, self._donated_leaves(*call_args))
         return entry
 
@@ -412,8 +455,11 @@ class Jitted:
         if found is not None:
             return found
         raw, _, _ = tree_util.tree_flatten_with_path((args, kwargs))
-        found = frozenset(i for i, p in enumerate(raw)
-                          if (p[0] == 0 and p[1] in self._donate_nums) or (p[0] == 1 and p[1] in self._donate_names))
+        found = frozenset(
+            i
+            for i, p in enumerate(raw)
+            if (p[0] == 0 and p[1] in self._donate_nums) or (p[0] == 1 and p[1] in self._donate_names)
+        )
         if treedef is not None:
             self._donated_at[treedef] = found
         return found
@@ -423,21 +469,28 @@ class Jitted:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        rebuild = [(x.device_mesh, x.placements, x.shape, x.stride()) if isinstance(x, DTensor) else None
-                   for x in tensors]
+        rebuild = [
+            (x.device_mesh, x.placements, x.shape, x.stride()) if isinstance(x, DTensor) else None for x in tensors
+        ]
         found: dict[str, Any] = {}
         # Donated tensor leaves, in order: (leaf index, layout) for matching results to them.
-        donors = [(i, _tensor_sig(x)) for i, x in enumerate(leaves)
-                  if i in (donated or {}) and type(x) in _CONSUMABLE]
+        donors = [(i, _tensor_sig(x)) for i, x in enumerate(leaves) if i in (donated or {}) and type(x) in _CONSUMABLE]
         # A tensor subclass cannot be made unusable after the call (its class cannot be
         # switched): left as it is, before the graph writes into anything.
-        odd = [i for i, x in enumerate(leaves)
-               if i in (donated or {}) and isinstance(x, torch.Tensor) and type(x) not in _CONSUMABLE]
+        odd = [
+            i
+            for i, x in enumerate(leaves)
+            if i in (donated or {}) and isinstance(x, torch.Tensor) and type(x) not in _CONSUMABLE
+        ]
         if odd:
-            warnings.warn(f"fs.jit({self.__name__}): donated tensors of a tensor subclass are not donated (only "
-                          f"torch.Tensor, nn.Parameter and DTensor can be): "
-                          f"{', '.join(f'{donated[i]} ({type(leaves[i]).__name__})' for i in odd)}. "
-                          f"They are left unchanged.", UserWarning, stacklevel=4)
+            warnings.warn(
+                f"fs.jit({self.__name__}): donated tensors of a tensor subclass are not donated (only "
+                f"torch.Tensor, nn.Parameter and DTensor can be): "
+                f"{', '.join(f'{donated[i]} ({type(leaves[i]).__name__})' for i in odd)}. "
+                f"They are left unchanged.",
+                UserWarning,
+                stacklevel=4,
+            )
 
         def traced(*locals_):
             it = iter(zip(locals_, rebuild))
@@ -447,9 +500,11 @@ class Jitted:
                     flat.append(x)
                     continue
                 local, meta = next(it)
-                flat.append(local if meta is None else
-                            DTensor.from_local(local, meta[0], meta[1], run_check=False, shape=meta[2],
-                                               stride=meta[3]))
+                flat.append(
+                    local
+                    if meta is None
+                    else DTensor.from_local(local, meta[0], meta[1], run_check=False, shape=meta[2], stride=meta[3])
+                )
             args, kwargs = tree_util.tree_unflatten(treedef, flat)
             with comm.comm_log() as tlog:
                 out = self._f(*args, **kwargs)
@@ -497,12 +552,16 @@ class Jitted:
             comm._LOGS.reset(outer)
         _functional_collectives(gm)
         if found.get("unused"):
-            warnings.warn(f"fs.jit({self.__name__}): donated tensors no result could take (no result of the "
-                          f"same shape, stride, dtype and layout left): "
-                          f"{', '.join(donated[j] for j in found['unused'])}. They are left unchanged.",
-                          UserWarning, stacklevel=4)
-        log.info("fs.jit(%s): traced %d graph nodes in %.1f s", self.__name__, len(gm.graph.nodes),
-                 time.perf_counter() - t0)
+            warnings.warn(
+                f"fs.jit({self.__name__}): donated tensors no result could take (no result of the "
+                f"same shape, stride, dtype and layout left): "
+                f"{', '.join(donated[j] for j in found['unused'])}. They are left unchanged.",
+                UserWarning,
+                stacklevel=4,
+            )
+        log.info(
+            "fs.jit(%s): traced %d graph nodes in %.1f s", self.__name__, len(gm.graph.nodes), time.perf_counter() - t0
+        )
         if self._backend not in _ORDER_KEEPING_BACKENDS and _has_p2p(gm):
             return self._failed(f"compile (backend={self._backend!r})", JitCaptureError(_P2P_REORDERED))
         run = gm if self._backend in _UNCOMPILED_BACKENDS else _Compiled(gm, self)
@@ -514,8 +573,9 @@ class Jitted:
         msg = _capture_message(self.__name__, stage, e)
         if self._on_error == "raise":
             raise JitCaptureError(msg) from e
-        warnings.warn(msg + "\nfs.jit runs this signature eagerly (on_capture_error='eager').",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            msg + "\nfs.jit runs this signature eagerly (on_capture_error='eager').", RuntimeWarning, stacklevel=3
+        )
         return _Entry(None, None, (), (), None, eager=True)
 
 
@@ -554,14 +614,18 @@ class _Compiled:
                 log.info("fs.jit(%s): compiled (Inductor) in %.1f s", owner.__name__, time.perf_counter() - t0)
                 out = compiled(*inputs)
             else:  # Dynamo compiles at the first call
-                fn = torch.compile(self._gm, fullgraph=True, backend=owner._backend, dynamic=False,
-                                   options=owner._options)
+                fn = torch.compile(
+                    self._gm, fullgraph=True, backend=owner._backend, dynamic=False, options=owner._options
+                )
                 out = fn(*args)
-                log.info("fs.jit(%s): compiled (backend %r) and ran the first call in %.1f s", owner.__name__,
-                         owner._backend, time.perf_counter() - t0)
+                log.info(
+                    "fs.jit(%s): compiled (backend %r) and ran the first call in %.1f s",
+                    owner.__name__,
+                    owner._backend,
+                    time.perf_counter() - t0,
+                )
         except Exception as e:  # noqa: BLE001
-            raise JitCaptureError(_capture_message(owner.__name__, f"compile (backend={owner._backend!r})",
-                                                   e)) from e
+            raise JitCaptureError(_capture_message(owner.__name__, f"compile (backend={owner._backend!r})", e)) from e
         self._fn = fn
         return out
 
@@ -580,9 +644,11 @@ class _Compiled:
             # No merging of collectives in the regions: ranks on different stages compile
             # different regions but share the pp group (the loss broadcast, a pp-wide norm),
             # and merging is only the same on every rank for the same graph.
-            compiled = _jit_p2p.Segmented(main, lambda g, a: _inductor_compile(g, a, owner._options,
-                                                                               bucketing=False),
-                                          key=lambda g, a: _graph_key(g, a, {}))
+            compiled = _jit_p2p.Segmented(
+                main,
+                lambda g, a: _inductor_compile(g, a, owner._options, bucketing=False),
+                key=lambda g, a: _graph_key(g, a, {}),
+            )
             compiled.compile_ahead()
         except Exception as e:  # noqa: BLE001
             error = e
@@ -600,22 +666,35 @@ class _Compiled:
         if failed:
             others = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
             if error is not None:
-                raise JitCaptureError(f"{_capture_message(owner.__name__, stage, error)}\n"
-                                      f"Every rank stops before its first transfer (ranks that failed: "
-                                      f"{others}).") from error
-            raise JitCaptureError(f"fs.jit({owner.__name__}) could not {stage} the function on another rank of "
-                                  f"the pipeline ({others}). This rank compiled its regions and stops too, "
-                                  f"before its first transfer.")
+                raise JitCaptureError(
+                    f"{_capture_message(owner.__name__, stage, error)}\n"
+                    f"Every rank stops before its first transfer (ranks that failed: "
+                    f"{others})."
+                ) from error
+            raise JitCaptureError(
+                f"fs.jit({owner.__name__}) could not {stage} the function on another rank of "
+                f"the pipeline ({others}). This rank compiled its regions and stops too, "
+                f"before its first transfer."
+            )
         fn = compiled if prologue is None else (lambda *a: compiled(*prologue(*a)))
         # Set before the first run: a rank whose first run raised must not agree again at its
         # next call, where its peers go straight to their transfers.
         self._fn = fn
         t1 = time.perf_counter()
         out = compiled(*inputs)
-        log.info("fs.jit(%s): point-to-point transfers: %d transfer nodes and %d others run eagerly "
-                 "between %d compiled regions (%d distinct, compiled in %.1f s); compiled and agreed in %.1f s, "
-                 "first run %.1f s", owner.__name__, compiled.n_transfer_nodes, compiled.n_eager,
-                 compiled.n_regions, compiled.n_compiled, compiled.compile_s, t1 - t0, time.perf_counter() - t1)
+        log.info(
+            "fs.jit(%s): point-to-point transfers: %d transfer nodes and %d others run eagerly "
+            "between %d compiled regions (%d distinct, compiled in %.1f s); compiled and agreed in %.1f s, "
+            "first run %.1f s",
+            owner.__name__,
+            compiled.n_transfer_nodes,
+            compiled.n_eager,
+            compiled.n_regions,
+            compiled.n_compiled,
+            compiled.compile_s,
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
         return fn, out
 
 
@@ -632,17 +711,22 @@ def _inductor_compile(gm, args: tuple, options: dict | None, bucketing: bool = T
     passes = collective_passes() if bucketing else collective_passes(bucket_mb=None)
     patches = {**memory_passes(), **passes, **(options or {})}
     with _once_per_host(_graph_key(gm, args, patches)):
-        return standalone_compile(gm, list(args), dynamic_shapes="from_example_inputs",
-                                  options={"config_patches": patches})
+        return standalone_compile(
+            gm, list(args), dynamic_shapes="from_example_inputs", options={"config_patches": patches}
+        )
 
 
 def _graph_key(gm, args: tuple, patches: dict) -> str:
     """A digest of what Inductor compiles: the graph's code, the inputs' layouts, the settings."""
     import hashlib
 
-    text = "\n".join([torch.__version__, gm.code, repr(sorted(patches.items()))] +
-                      [repr((tuple(a.shape), a.stride(), a.dtype, a.device)) if isinstance(a, torch.Tensor) else repr(a)
-                       for a in args])
+    text = "\n".join(
+        [torch.__version__, gm.code, repr(sorted(patches.items()))]
+        + [
+            repr((tuple(a.shape), a.stride(), a.dtype, a.device)) if isinstance(a, torch.Tensor) else repr(a)
+            for a in args
+        ]
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -678,8 +762,11 @@ def _once_per_host(key: str):
     lock.acquire()
     if os.path.exists(done):  # another process compiled it while this one waited
         lock.release()
-        log.info("fs.jit: graph %s was compiled on this host by another process (waited %.1f s): compiling "
-                 "from the cache", key[:12], time.perf_counter() - t0)
+        log.info(
+            "fs.jit: graph %s was compiled on this host by another process (waited %.1f s): compiling from the cache",
+            key[:12],
+            time.perf_counter() - t0,
+        )
         yield
         return
     log.info("fs.jit: graph %s: compiling it first on this host", key[:12])
@@ -713,8 +800,12 @@ def _hoist_input_views(gm):
     # An input the graph mutates, directly or through a view, keeps all its views inside.
     blocked = {n for n in outside if _reaches(n, mutated)}
     for n in graph.nodes:
-        if (n.op == "call_function" and (n.target is _GETITEM or n.target in _SLICES) and n.all_input_nodes
-                and all(a in outside and a not in blocked for a in n.all_input_nodes)):
+        if (
+            n.op == "call_function"
+            and (n.target is _GETITEM or n.target in _SLICES)
+            and n.all_input_nodes
+            and all(a in outside and a not in blocked for a in n.all_input_nodes)
+        ):
             outside.add(n)
     if all(n.op == "placeholder" for n in outside):
         return None, gm
@@ -738,8 +829,17 @@ _GETITEM = __import__("operator").getitem  # of a split's results
 _ATEN = torch.ops.aten
 # Views that take a part of a tensor (whose offsets may be the rank's); whole-tensor views
 # (reshapes) stay in the graph: hoisting them would only add host work to every call.
-_SLICES = frozenset({_ATEN.slice.Tensor, _ATEN.select.int, _ATEN.narrow.default, _ATEN.split.Tensor,
-                     _ATEN.split_with_sizes.default, _ATEN.unbind.int, _ATEN.chunk.default})
+_SLICES = frozenset(
+    {
+        _ATEN.slice.Tensor,
+        _ATEN.select.int,
+        _ATEN.narrow.default,
+        _ATEN.split.Tensor,
+        _ATEN.split_with_sizes.default,
+        _ATEN.unbind.int,
+        _ATEN.chunk.default,
+    }
+)
 
 
 _is_view = fx.is_view
@@ -771,8 +871,10 @@ def _functional_collectives(gm) -> None:
         fresh.meta = dict(node.meta)  # same shape and dtype: what later passes size it by
         for user in list(node.users):
             if user.target is not _C10D.wait_tensor.default:
-                raise JitCaptureError(f"fs.jit: an in-place all-reduce is used by {user.format_node()} before "
-                                      f"its wait; only a waited result can be captured.")
+                raise JitCaptureError(
+                    f"fs.jit: an in-place all-reduce is used by {user.format_node()} before "
+                    f"its wait; only a waited result can be captured."
+                )
             user.args = (fresh,)
             with graph.inserting_after(user):
                 back = graph.call_function(torch.ops.aten.copy_.default, (buf, user))
@@ -799,7 +901,8 @@ _P2P_REORDERED = (
     "them (seen with Inductor on the whole graph: a 1F1B rank waited for a gradient before sending the "
     "activation its peer needed, and the ranks deadlocked). fs.jit runs such graphs with "
     "backend='inductor' (the compute between the transfers compiled, the transfers run eagerly in "
-    "program order), 'aot_eager' or None.")
+    "program order), 'aot_eager' or None."
+)
 
 _P2P_OPS = _jit_p2p.P2P_OPS
 
@@ -811,8 +914,9 @@ def _has_p2p(gm) -> bool:
 _POS_OR_KW = inspect.Parameter.POSITIONAL_OR_KEYWORD
 
 
-def _resolve_donation(f: Callable, nums: tuple[int, ...] | None,
-                      names: tuple[str, ...] | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _resolve_donation(
+    f: Callable, nums: tuple[int, ...] | None, names: tuple[str, ...] | None
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``jax.jit``'s ``resolve_argnums`` for donation: completes and checks the donated
     positions and names against ``f``'s signature.
 
@@ -829,8 +933,10 @@ def _resolve_donation(f: Callable, nums: tuple[int, ...] | None,
         sig = None
     if sig is None:
         if names:
-            raise ValueError(f"fs.jit({label}): donate_argnames={names} but the function's signature cannot be "
-                             f"inspected to check them; pass donate_argnums instead.")
+            raise ValueError(
+                f"fs.jit({label}): donate_argnames={names} but the function's signature cannot be "
+                f"inspected to check them; pass donate_argnums instead."
+            )
         return tuple(sorted(set(nums or ()))), ()
     params = list(sig.parameters.values())
     if nums is None or names is None:
@@ -841,17 +947,23 @@ def _resolve_donation(f: Callable, nums: tuple[int, ...] | None,
     if not any(p.kind is p.VAR_POSITIONAL for p in params):
         n_pos = sum(p.kind in (p.POSITIONAL_ONLY, _POS_OR_KW) for p in params)
         if nums and max(nums) >= n_pos:
-            raise ValueError(f"fs.jit({label}): donate_argnums={tuple(nums)} but the function takes {n_pos} "
-                             f"positional argument(s) {sig}.")
+            raise ValueError(
+                f"fs.jit({label}): donate_argnums={tuple(nums)} but the function takes {n_pos} "
+                f"positional argument(s) {sig}."
+            )
     positional_only = {p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)}
     if bad := sorted(positional_only & set(names)):
-        raise ValueError(f"fs.jit({label}): donate_argnames={tuple(names)}: {bad} cannot be passed by keyword "
-                         f"{sig}; use donate_argnums for them.")
+        raise ValueError(
+            f"fs.jit({label}): donate_argnames={tuple(names)}: {bad} cannot be passed by keyword "
+            f"{sig}; use donate_argnums for them."
+        )
     if not any(p.kind is p.VAR_KEYWORD for p in params):
         keyword = {p.name for p in params if p.kind in (_POS_OR_KW, p.KEYWORD_ONLY)}
         if bad := sorted(set(names) - keyword):
-            raise ValueError(f"fs.jit({label}): donate_argnames={tuple(names)}: the function takes no argument "
-                             f"named {', '.join(bad)} {sig}.")
+            raise ValueError(
+                f"fs.jit({label}): donate_argnames={tuple(names)}: the function takes no argument "
+                f"named {', '.join(bad)} {sig}."
+            )
     return tuple(sorted(set(nums))), tuple(dict.fromkeys(names))
 
 
@@ -865,8 +977,10 @@ _CONSUMABLE = (torch.Tensor, torch.nn.Parameter, DTensor)
 
 def _deleted_message(self) -> str:
     d = object.__getattribute__(self, "_fshard_donated")
-    return (f"fs.jit({d[0]}): this tensor was donated ({d[1]}, shape {d[2]}, {d[3]}) and its memory now "
-            f"holds the call's result: use the result instead (JAX deletes a donated array too).")
+    return (
+        f"fs.jit({d[0]}): this tensor was donated ({d[1]}, shape {d[2]}, {d[3]}) and its memory now "
+        f"holds the call's result: use the result instead (JAX deletes a donated array too)."
+    )
 
 
 class _DonatedTensor(torch.Tensor):
@@ -995,10 +1109,26 @@ def _tensor_sig(x: torch.Tensor) -> tuple:
         spec, loc = x._spec, x._local_tensor
         meta = spec.tensor_meta
         if meta is None:  # a spec without its tensor's metadata: ask the DTensor
-            return ("dtensor", tuple(x.shape), x.stride(), x.dtype, spec.mesh, spec.placements,
-                    tuple(loc.shape), loc.stride())
-        return ("dtensor", tuple(meta.shape), meta.stride, meta.dtype, spec.mesh, spec.placements,
-                tuple(loc.shape), loc.stride())
+            return (
+                "dtensor",
+                tuple(x.shape),
+                x.stride(),
+                x.dtype,
+                spec.mesh,
+                spec.placements,
+                tuple(loc.shape),
+                loc.stride(),
+            )
+        return (
+            "dtensor",
+            tuple(meta.shape),
+            meta.stride,
+            meta.dtype,
+            spec.mesh,
+            spec.placements,
+            tuple(loc.shape),
+            loc.stride(),
+        )
     return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.device)
 
 
@@ -1018,9 +1148,11 @@ def _path(p) -> str:
     return f"kwargs.{rest}" if rest else "kwargs"
 
 
-_FIELDS = {"tensor": ("shape", "stride", "dtype", "device"),
-           "dtensor": ("shape", "stride", "dtype", "mesh", "placements", "local shape", "local stride"),
-           "static": ("type", "value")}
+_FIELDS = {
+    "tensor": ("shape", "stride", "dtype", "device"),
+    "dtensor": ("shape", "stride", "dtype", "mesh", "placements", "local shape", "local stride"),
+    "static": ("type", "value"),
+}
 
 
 def _why(key: tuple, paths: list[str], old: list[tuple]) -> str:
@@ -1064,8 +1196,10 @@ def _replay(timeline: tuple) -> None:
 _JIT_DIR = os.path.dirname(os.path.abspath(__file__))  # fshard/jit
 _OUR_DIR = os.path.dirname(_JIT_DIR)  # fshard
 # Frames in these are not "the user's line": torch, installed packages, the standard library.
-_LIB_DIRS = tuple({os.path.dirname(os.path.abspath(torch.__file__))} |
-                  {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")})
+_LIB_DIRS = tuple(
+    {os.path.dirname(os.path.abspath(torch.__file__))}
+    | {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")}
+)
 
 
 def _capture_message(name: str, stage: str, e: BaseException) -> str:
@@ -1079,14 +1213,31 @@ def _capture_message(name: str, stage: str, e: BaseException) -> str:
     cause = f"{type(e).__name__}: " + " / ".join(lines)[:600]
     hint = ""
     text = str(e)
-    if any(s in text for s in ("data-dependent", "Data dependent", "DataDependent", "item()", "data pointer",
-                                "GuardOnDataDependent", "unbacked")) or "DataDependent" in type(e).__name__:
-        hint = ("\nThe function reads a tensor's value in Python (.item(), bool(t), if/while on a tensor, "
-                "printing it): fs.jit traces without values. Compute it with tensor ops (torch.where), "
-                "move it out of the jitted function, or pass on_capture_error='eager'.")
+    if (
+        any(
+            s in text
+            for s in (
+                "data-dependent",
+                "Data dependent",
+                "DataDependent",
+                "item()",
+                "data pointer",
+                "GuardOnDataDependent",
+                "unbacked",
+            )
+        )
+        or "DataDependent" in type(e).__name__
+    ):
+        hint = (
+            "\nThe function reads a tensor's value in Python (.item(), bool(t), if/while on a tensor, "
+            "printing it): fs.jit traces without values. Compute it with tensor ops (torch.where), "
+            "move it out of the jitted function, or pass on_capture_error='eager'."
+        )
     elif stage == "trace" and ("convert all Tensors to FakeTensors" in text or "non-Fake Tensor" in text):
-        hint = ("\nThe function uses a tensor it does not take as an argument (a tensor it closes over, or a "
-                "module's parameter or buffer, e.g. one fs.nn.functionalize left on the module): fs.jit traces "
-                "its arguments only and bakes in no tensor as a constant, since a torch tensor can change in "
-                "place between calls. Pass that tensor as an argument (in the params or buffers pytree).")
+        hint = (
+            "\nThe function uses a tensor it does not take as an argument (a tensor it closes over, or a "
+            "module's parameter or buffer, e.g. one fs.nn.functionalize left on the module): fs.jit traces "
+            "its arguments only and bakes in no tensor as a constant, since a torch tensor can change in "
+            "place between calls. Pass that tensor as an argument (in the params or buffers pytree)."
+        )
     return f"fs.jit({name}) could not {stage} the function: {cause}\n  at {line}{hint}"

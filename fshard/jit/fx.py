@@ -15,14 +15,16 @@ __all__ = ["is_c10d", "is_view", "largest_tensor_bytes", "result_or_input_bytes"
 
 def is_view(node: torch.fx.Node) -> bool:
     """Whether ``node`` aliases its input: a ``getitem`` of a tuple, or an ATen view op."""
-    return node.target is operator.getitem or (isinstance(node.target, torch._ops.OpOverload)
-                                               and node.target.is_view)
+    return node.target is operator.getitem or (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
 
 
 def is_c10d(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a functional collective (or its wait)."""
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.namespace == "_c10d_functional")
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace == "_c10d_functional"
+    )
 
 
 def result_or_input_bytes(node: torch.fx.Node) -> int:

@@ -56,15 +56,29 @@ import torch.fx as fx
 
 __all__ = ["split_at_transfers", "Segmented", "P2P_OPS", "agree", "overlaps", "spans_world"]
 
-P2P_OPS = frozenset({"fshard.p2p_batch.default", "_c10d_functional.batch_p2p_ops.default",
-                     "_c10d_functional.isend.default", "_c10d_functional.irecv.default"})
+P2P_OPS = frozenset(
+    {
+        "fshard.p2p_batch.default",
+        "_c10d_functional.batch_p2p_ops.default",
+        "_c10d_functional.isend.default",
+        "_c10d_functional.irecv.default",
+    }
+)
 _C10D = torch.ops._c10d_functional
 _WAIT = _C10D.wait_tensor.default
 _GETITEM = operator.getitem
 _ATEN = torch.ops.aten
 # Nodes that do no arithmetic: a region of only these runs node by node, uncompiled.
-_CHEAP = frozenset({_ATEN.empty.memory_format, _ATEN.empty_like.default, _ATEN.new_empty.default,
-                    _ATEN.zeros.default, _ATEN.zeros_like.default, _ATEN.detach.default})
+_CHEAP = frozenset(
+    {
+        _ATEN.empty.memory_format,
+        _ATEN.empty_like.default,
+        _ATEN.new_empty.default,
+        _ATEN.zeros.default,
+        _ATEN.zeros_like.default,
+        _ATEN.detach.default,
+    }
+)
 
 
 def _is_p2p(node: fx.Node) -> bool:
@@ -73,16 +87,22 @@ def _is_p2p(node: fx.Node) -> bool:
 
 def _is_collective(node: fx.Node) -> bool:
     """A functional collective that ``wait_tensor`` completes (not the wait itself)."""
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.namespace == "_c10d_functional" and node.target is not _WAIT and not _is_p2p(node))
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace == "_c10d_functional"
+        and node.target is not _WAIT
+        and not _is_p2p(node)
+    )
 
 
 def _transfer_nodes(graph: fx.Graph) -> set[fx.Node]:
     """The nodes to run eagerly: transfers, their results' getitems and waits."""
     eager = set()
     for n in graph.nodes:
-        if _is_p2p(n) or (n.target in (_GETITEM, _WAIT) and n.args and isinstance(n.args[0], fx.Node)
-                          and n.args[0] in eager):
+        if _is_p2p(n) or (
+            n.target in (_GETITEM, _WAIT) and n.args and isinstance(n.args[0], fx.Node) and n.args[0] in eager
+        ):
             eager.add(n)
     return eager
 
@@ -95,9 +115,15 @@ def _loose(graph: fx.Graph, eager: set[fx.Node]) -> tuple[list[fx.Node], set[fx.
     order and the loose nodes."""
     places = [n for n in graph.nodes if n.op == "placeholder"]
     early = [n for n in graph.nodes if n.target is _ATEN.detach.default and n.args[0].op == "placeholder"]
-    templates = {n for n in graph.nodes
-                 if n.op == "call_function" and n.target in _CHEAP and not n.all_input_nodes and n.users
-                 and all(u in eager for u in n.users)}
+    templates = {
+        n
+        for n in graph.nodes
+        if n.op == "call_function"
+        and n.target in _CHEAP
+        and not n.all_input_nodes
+        and n.users
+        and all(u in eager for u in n.users)
+    }
     moved = set(early)
     order = places + early + [n for n in graph.nodes if n.op != "placeholder" and n not in moved]
     return order, moved | templates
@@ -176,8 +202,7 @@ def split_at_transfers(gm: fx.GraphModule) -> list[tuple[str, Any, list[fx.Node]
     return segments
 
 
-def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], ins: list[fx.Node],
-                   outs: list[fx.Node]) -> fx.GraphModule:
+def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], ins: list[fx.Node], outs: list[fx.Node]) -> fx.GraphModule:
     g, env = fx.Graph(), {}
     for i, a in enumerate(ins):
         env[a] = g.placeholder(f"in_{i}")
@@ -214,8 +239,10 @@ def _trivial(region: fx.GraphModule) -> bool:
 
 
 def _mutates(region: fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-               and n.target._schema.is_mutable for n in region.graph.nodes)
+    return any(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+        for n in region.graph.nodes
+    )
 
 
 class Segmented:
@@ -232,8 +259,12 @@ class Segmented:
       key: a digest of a region's code and inputs' layouts: regions of one key share a compile.
     """
 
-    def __init__(self, gm: fx.GraphModule, compile_region: Callable[[fx.GraphModule, tuple], Callable],
-                 key: Callable[[fx.GraphModule, tuple], str]) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        compile_region: Callable[[fx.GraphModule, tuple], Callable],
+        key: Callable[[fx.GraphModule, tuple], str],
+    ) -> None:
         self._compile, self._key = compile_region, key
         graph = gm.graph
         places = [n for n in graph.nodes if n.op == "placeholder"]
@@ -254,6 +285,7 @@ class Segmented:
         def out_slot(a):
             finals.add(slot[a])
             return _Slot(slot[a])
+
         self._result = fx.node.map_arg(out_node.args[0], out_slot)
         steps = []
         for k, (kind, what, ins, outs) in enumerate(segments):
@@ -261,10 +293,12 @@ class Segmented:
             in_slots, out_slots = tuple(slot[a] for a in ins), tuple(slot[o] for o in outs)
             if kind in ("transfer", "eager"):
                 node = what
-                args = fx.node.map_arg(node.args, lambda a: _Slot(slot[a]) if a.op != "get_attr"
-                                       else _attr(gm, a.target))
-                kwargs = fx.node.map_arg(node.kwargs, lambda a: _Slot(slot[a]) if a.op != "get_attr"
-                                         else _attr(gm, a.target))
+                args = fx.node.map_arg(
+                    node.args, lambda a: _Slot(slot[a]) if a.op != "get_attr" else _attr(gm, a.target)
+                )
+                kwargs = fx.node.map_arg(
+                    node.kwargs, lambda a: _Slot(slot[a]) if a.op != "get_attr" else _attr(gm, a.target)
+                )
                 steps.append(_EagerNode(node.target, args, kwargs, out_slots[0], free))
             elif _trivial(what):
                 steps.append(_Interpreted(what, in_slots, out_slots, free))

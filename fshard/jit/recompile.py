@@ -48,10 +48,13 @@ class JitRecompileLimitError(RuntimeError):
 
 def check_options(recompile_limit: Any, on_recompile_limit: Any) -> None:
     """Refuses bad keywords at ``fs.jit(...)``, before any call."""
-    if recompile_limit is not None and (not isinstance(recompile_limit, int) or isinstance(recompile_limit, bool)
-                                        or recompile_limit < 1):
-        raise ValueError(f"fs.jit: recompile_limit={recompile_limit!r}; use an int >= 1 (the most signatures one "
-                         f"function traces and compiles), or None for ${ENV} or {DEFAULT_LIMIT}.")
+    if recompile_limit is not None and (
+        not isinstance(recompile_limit, int) or isinstance(recompile_limit, bool) or recompile_limit < 1
+    ):
+        raise ValueError(
+            f"fs.jit: recompile_limit={recompile_limit!r}; use an int >= 1 (the most signatures one "
+            f"function traces and compiles), or None for ${ENV} or {DEFAULT_LIMIT}."
+        )
     if on_recompile_limit not in _ON_LIMIT:
         raise ValueError(f"fs.jit: on_recompile_limit={on_recompile_limit!r}; use 'raise' or 'eager'.")
 
@@ -74,8 +77,10 @@ def resolve_limit(recompile_limit: int | None) -> tuple[int, str]:
 
 
 # --- what changed ------------------------------------------------------------------------
-_TENSOR_FIELDS = {"tensor": ("shape", "stride", "dtype", "device"),
-                  "dtensor": ("shape", "stride", "dtype", "mesh", "placements", "local shape", "local stride")}
+_TENSOR_FIELDS = {
+    "tensor": ("shape", "stride", "dtype", "device"),
+    "dtensor": ("shape", "stride", "dtype", "mesh", "placements", "local shape", "local stride"),
+}
 
 
 def _leaf_change(a: tuple, b: tuple) -> str:
@@ -86,8 +91,10 @@ def _leaf_change(a: tuple, b: tuple) -> str:
             return f"Python {a[1].__name__} {a[2]!r} -> {b[1].__name__} {b[2]!r} is a compile-time constant"
         kind = a[1].__name__
         if a[1] in (int, float, complex):
-            return (f"Python {kind} {a[2]!r} -> {b[2]!r} is a compile-time constant (each value compiles "
-                    f"again); pass a tensor (torch.tensor({b[2]!r})) so one graph serves every value")
+            return (
+                f"Python {kind} {a[2]!r} -> {b[2]!r} is a compile-time constant (each value compiles "
+                f"again); pass a tensor (torch.tensor({b[2]!r})) so one graph serves every value"
+            )
         return f"{kind} {a[2]!r} -> {b[2]!r} is a compile-time constant (each value compiles again)"
     if a[0] != b[0]:
         return f"{_kind(a)} -> {_kind(b)}"
@@ -126,8 +133,11 @@ def labeler(f: Callable) -> Callable[[str], str]:
     too: ``lr (args[1])``, ``params.w (args[0].w)``; the path alone if ``f`` has no
     inspectable signature."""
     try:
-        params = [p for p in inspect.signature(f).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = [
+            p
+            for p in inspect.signature(f).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         params = []
 
@@ -161,8 +171,9 @@ class Recompiles:
         if len(cached) < limit:
             if not self._warned_first:
                 self._warned_first = True
-                warnings.warn(self._first_message(key, cached, paths(), limit, source), JitRecompileWarning,
-                              stacklevel=4)
+                warnings.warn(
+                    self._first_message(key, cached, paths(), limit, source), JitRecompileWarning, stacklevel=4
+                )
             return True
         what = "; ".join(changes(key, cached, paths(), labeler(self._f)))
         if self._on_limit == "raise":
@@ -170,18 +181,24 @@ class Recompiles:
                 f"fs.jit({self._name}): recompile limit reached: {len(cached)} signatures traced and compiled, "
                 f"the limit is {limit} ({source}), and this call needs another: {what}. Pass changing numbers as "
                 f"tensors, raise the limit (fs.jit(..., recompile_limit=N) or {ENV}=N), or run new signatures "
-                f"eagerly (fs.jit(..., on_recompile_limit='eager')).")
+                f"eagerly (fs.jit(..., on_recompile_limit='eager'))."
+            )
         if not self._warned_eager:
             self._warned_eager = True
-            warnings.warn(f"fs.jit({self._name}): recompile limit {limit} ({source}) reached; this call and every "
-                          f"new signature from now on run eagerly, uncompiled (on_recompile_limit='eager'); the "
-                          f"{len(cached)} traced signatures stay compiled. This call: {what}.",
-                          JitRecompileWarning, stacklevel=4)
+            warnings.warn(
+                f"fs.jit({self._name}): recompile limit {limit} ({source}) reached; this call and every "
+                f"new signature from now on run eagerly, uncompiled (on_recompile_limit='eager'); the "
+                f"{len(cached)} traced signatures stay compiled. This call: {what}.",
+                JitRecompileWarning,
+                stacklevel=4,
+            )
         return False
 
     def _first_message(self, key, cached, paths, limit, source) -> str:
         what = "; ".join(changes(key, cached, paths, labeler(self._f)))
-        after = ("raises" if self._on_limit == "raise" else "runs new signatures eagerly")
-        return (f"fs.jit({self._name}) compiles again (signature {len(cached) + 1}, limit {limit}: {source}): "
-                f"{what}. Past {limit} signatures it {after} (on_recompile_limit={self._on_limit!r}). "
-                f"This warning is given once per function.")
+        after = "raises" if self._on_limit == "raise" else "runs new signatures eagerly"
+        return (
+            f"fs.jit({self._name}) compiles again (signature {len(cached) + 1}, limit {limit}: {source}): "
+            f"{what}. Past {limit} signatures it {after} (on_recompile_limit={self._on_limit!r}). "
+            f"This warning is given once per function."
+        )

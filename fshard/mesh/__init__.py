@@ -30,9 +30,23 @@ from fshard.runtime.process import init as init
 from fshard.runtime.teardown import shutdown as shutdown
 
 __all__ = [
-    "P", "PartitionSpec", "Mesh", "make_mesh", "current_mesh", "init", "shutdown", "NamedSharding",
-    "gather", "reshard", "shard", "spec_of", "run_local", "WorkerPool", "RankTimeoutError",
-    "RankExitError", "UnpicklableResultError",
+    "P",
+    "PartitionSpec",
+    "Mesh",
+    "make_mesh",
+    "current_mesh",
+    "init",
+    "shutdown",
+    "NamedSharding",
+    "gather",
+    "reshard",
+    "shard",
+    "spec_of",
+    "run_local",
+    "WorkerPool",
+    "RankTimeoutError",
+    "RankExitError",
+    "UnpicklableResultError",
 ]
 
 from fshard.mesh.sharded_init import init_sharded as init_sharded

@@ -23,9 +23,7 @@ from fshard.runtime import process, teardown
 
 __all__ = ["Mesh", "make_mesh", "current_mesh", "get_mesh"]
 
-_CURRENT: contextvars.ContextVar["Mesh | None"] = contextvars.ContextVar(
-    "fshard_current_mesh", default=None
-)
+_CURRENT: contextvars.ContextVar["Mesh | None"] = contextvars.ContextVar("fshard_current_mesh", default=None)
 # make_mesh is collective (it creates process groups), so the cache is filled in the
 # same order on every rank; keyed per default group so a new world starts afresh.
 _MESH_CACHE: dict[tuple[Any, ...], "Mesh"] = {}
@@ -190,7 +188,9 @@ def make_mesh(
     mesh = _MESH_CACHE.get(key)
     if mesh is None:
         dm = init_device_mesh(
-            device_type, tuple(axes.values()), mesh_dim_names=tuple(axes),
+            device_type,
+            tuple(axes.values()),
+            mesh_dim_names=tuple(axes),
             backend_override=_timeout_overrides(axes, world, dist.get_backend()) or None,
         )
         mesh = Mesh(dm, tuple(axes))
@@ -219,15 +219,18 @@ def _checked_axes(axes: Any) -> dict[str, int]:
     elif isinstance(axes, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in axes):
         pairs = [tuple(p) for p in axes]
     else:  # a string, a number, a list of names: no size to read
-        raise ValueError(f"make_mesh: axes must be a dict {{name: size}} or (name, size) pairs, got "
-                         f"{type(axes).__name__} {axes!r}; {example}.")
+        raise ValueError(
+            f"make_mesh: axes must be a dict {{name: size}} or (name, size) pairs, got "
+            f"{type(axes).__name__} {axes!r}; {example}."
+        )
     if not pairs:
         raise ValueError(f"make_mesh needs at least one axis, {example} or make_mesh({{'fsdp': 1}}).")
     out: dict[str, int] = {}
     for name, size in pairs:
         if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"make_mesh: axis name {name!r} ({type(name).__name__}) must be an identifier "
-                             f"string; {example}.")
+            raise ValueError(
+                f"make_mesh: axis name {name!r} ({type(name).__name__}) must be an identifier string; {example}."
+            )
         if name in out:
             raise ValueError(f"make_mesh: axis {name!r} is given twice; each axis name must be unique.")
         out[name] = _checked_size(name, size)
@@ -236,11 +239,15 @@ def _checked_axes(axes: Any) -> dict[str, int]:
 
 def _checked_size(name: str, size: Any) -> int:
     if isinstance(size, bool) or not isinstance(size, numbers.Integral):
-        raise ValueError(f"make_mesh: axis {name!r} has size {size!r} ({type(size).__name__}); a size must be "
-                         f"a positive int, e.g. {{{name!r}: 2}}.")
+        raise ValueError(
+            f"make_mesh: axis {name!r} has size {size!r} ({type(size).__name__}); a size must be "
+            f"a positive int, e.g. {{{name!r}: 2}}."
+        )
     if size < 1:
-        raise ValueError(f"make_mesh: axis {name!r} has size {size!r}; a size must be a positive int "
-                         f"(use {{{name!r}: 1}} for an axis that does not split).")
+        raise ValueError(
+            f"make_mesh: axis {name!r} has size {size!r}; a size must be a positive int "
+            f"(use {{{name!r}: 1}} for an axis that does not split)."
+        )
     return int(size)
 
 
@@ -254,8 +261,10 @@ def _timeout_overrides(axes: Mapping[str, int], world: int, backend: str) -> dic
     overridden too. A backend with no options class (not gloo or nccl) keeps torch's
     behaviour.
     """
-    options_cls = {"gloo": getattr(dist, "ProcessGroupGloo", None),
-                   "nccl": getattr(dist, "ProcessGroupNCCL", None)}.get(backend)
+    options_cls = {
+        "gloo": getattr(dist, "ProcessGroupGloo", None),
+        "nccl": getattr(dist, "ProcessGroupNCCL", None),
+    }.get(backend)
     if options_cls is None:
         return {}
     timeout = process.group_timeout()
@@ -309,9 +318,7 @@ def get_mesh(mesh: Mesh | None, *, what: str) -> Mesh:
         return mesh
     cur = _CURRENT.get()
     if cur is None:
-        raise ValueError(
-            f"{what} needs a mesh: pass mesh=... or call it inside `with fs.make_mesh({{...}}):`."
-        )
+        raise ValueError(f"{what} needs a mesh: pass mesh=... or call it inside `with fs.make_mesh({{...}}):`.")
     return cur
 
 
@@ -330,5 +337,6 @@ def _detach_after_fork() -> dict[tuple[Any, ...], Mesh]:
     return kept
 
 
-teardown.register_group_owner(teardown.GroupOwner(
-    "fshard.mesh", groups=_mesh_groups, forget=forget_meshes, after_fork=_detach_after_fork))
+teardown.register_group_owner(
+    teardown.GroupOwner("fshard.mesh", groups=_mesh_groups, forget=forget_meshes, after_fork=_detach_after_fork)
+)

@@ -69,8 +69,10 @@ def uneven_problems(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> li
         axes = spec.dim_axes(d)
         n = mesh.axis_size(axes) if axes else 1
         if shape[d] % n and mesh.sub_axes_in_mesh_order(axes) != axes:
-            out.append(f"dim {d} of size {shape[d]} is split unevenly over {axes}, which are not in "
-                       f"mesh order {mesh.axis_names}; uneven layouts must follow the mesh order")
+            out.append(
+                f"dim {d} of size {shape[d]} is split unevenly over {axes}, which are not in "
+                f"mesh order {mesh.axis_names}; uneven layouts must follow the mesh order"
+            )
     return out
 
 
@@ -78,8 +80,9 @@ def _axes_text(axes: Sequence[str], mesh: Mesh) -> str:
     return " x ".join(f"{a}({mesh.shape[a]})" for a in axes)
 
 
-def raise_spec_errors(what: str, mesh: Mesh, bad: list[tuple[str, object, Sequence[int], list[str]]],
-                      remedy: str) -> None:
+def raise_spec_errors(
+    what: str, mesh: Mesh, bad: list[tuple[str, object, Sequence[int], list[str]]], remedy: str
+) -> None:
     """Raises one ValueError (TypeError when every problem is a wrong kind) listing every bad leaf.
 
     Args:
@@ -99,8 +102,9 @@ def raise_spec_errors(what: str, mesh: Mesh, bad: list[tuple[str, object, Sequen
     raise (TypeError if kind_only else ValueError)("\n".join(lines))
 
 
-def local_block(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, coord: dict[str, int] | None = None,
-                *, uneven: bool = False) -> tuple[slice, ...]:
+def local_block(
+    spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, coord: dict[str, int] | None = None, *, uneven: bool = False
+) -> tuple[slice, ...]:
     """The slices of the global tensor held at ``coord`` (default: this rank).
 
     A dim split over axes ``(a, b)`` is cut into ``|a|*|b|`` equal blocks and the

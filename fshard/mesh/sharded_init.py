@@ -70,10 +70,10 @@ class _Tracer(TorchDispatchMode):
         super().__init__()
         self.fake_mode = fake_mode
         self.ops: list[tuple[Any, Any, Any, list[int]]] = []
-        self.node_of: dict[int, int] = {}       # id(meta tensor) -> node
-        self.group_of: list[int] = []            # node -> storage key (aliasing group)
+        self.node_of: dict[int, int] = {}  # id(meta tensor) -> node
+        self.group_of: list[int] = []  # node -> storage key (aliasing group)
         self.consts: dict[int, torch.Tensor] = {}  # node -> real tensor from outside the trace
-        self.keep: list[torch.Tensor] = []       # keeps ids unique for the trace's lifetime
+        self.keep: list[torch.Tensor] = []  # keeps ids unique for the trace's lifetime
 
     def _new_node(self, t: torch.Tensor) -> int:
         n = len(self.group_of)
@@ -169,11 +169,18 @@ def init_sharded(
     with fake_mode, tracer:
         meta_tree = init_fn(seed)
     paths, meta_leaves, treedef = tree_util.zip_with_path(meta_tree)
-    flat_specs = tree_util.broadcast_prefix(specs, meta_tree, is_prefix_leaf=is_spec,
-                                            name="specs", full_name="init_fn(seed)")
-    bad = [(p, s, tuple(x.shape), probs) for p, x, s in zip(paths, meta_leaves, flat_specs)
-           if isinstance(x, torch.Tensor) and (probs := spec_problems(s, tuple(x.shape), mesh, allow_uneven=uneven)
-                                               or (uneven_problems(s, tuple(x.shape), mesh) if uneven else []))]
+    flat_specs = tree_util.broadcast_prefix(
+        specs, meta_tree, is_prefix_leaf=is_spec, name="specs", full_name="init_fn(seed)"
+    )
+    bad = [
+        (p, s, tuple(x.shape), probs)
+        for p, x, s in zip(paths, meta_leaves, flat_specs)
+        if isinstance(x, torch.Tensor)
+        and (
+            probs := spec_problems(s, tuple(x.shape), mesh, allow_uneven=uneven)
+            or (uneven_problems(s, tuple(x.shape), mesh) if uneven else [])
+        )
+    ]
     raise_spec_errors("fs.init_sharded", mesh, bad, "Fix the spec, or change the parameter's shape.")
 
     leaf_node: dict[int, list[int]] = {}  # node -> leaf indices (tied leaves share a node)
@@ -184,8 +191,11 @@ def init_sharded(
         if isinstance(x, torch.Tensor):
             n = tracer.node_of.get(id(x))
             if n is None:  # e.g. nn.Parameter(t): a new object over the same storage
-                n = next(m for m in reversed(by_storage[_storage_key(x)])
-                         if tracer.keep[m].shape == x.shape and tracer.keep[m].stride() == x.stride())
+                n = next(
+                    m
+                    for m in reversed(by_storage[_storage_key(x)])
+                    if tracer.keep[m].shape == x.shape and tracer.keep[m].stride() == x.stride()
+                )
             leaf_node.setdefault(n, []).append(i)
 
     group_last: dict[int, int] = {}

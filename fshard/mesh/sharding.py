@@ -63,8 +63,12 @@ def make_dtensor(local: torch.Tensor, spec: PartitionSpec, mesh: Mesh, global_sh
     shape = torch.Size(global_shape)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
-        local, mesh.device_mesh, spec_to_placements(spec, mesh),
-        run_check=False, shape=shape, stride=stride,
+        local,
+        mesh.device_mesh,
+        spec_to_placements(spec, mesh),
+        run_check=False,
+        shape=shape,
+        stride=stride,
     )
 
 
@@ -107,8 +111,15 @@ def shard(tree: Any, specs: Any, mesh: Mesh | None = None, *, uneven: bool = Fal
     """
     mesh = get_mesh(mesh, what="fs.shard")
     paths, values, flat_specs, treedef = _flat(tree, specs, "fs.shard")
-    _check_leaves("fs.shard", paths, values, flat_specs, mesh,
-                  "Fix the spec, or pad the dim to a multiple of the axis size.", uneven)
+    _check_leaves(
+        "fs.shard",
+        paths,
+        values,
+        flat_specs,
+        mesh,
+        "Fix the spec, or pad the dim to a multiple of the axis size.",
+        uneven,
+    )
     out = []
     for x, spec in zip(values, flat_specs):
         if isinstance(x, DTensor):
@@ -169,12 +180,14 @@ def _full_via_host(x: DTensor) -> torch.Tensor:
     cached = _HOST_MESHES.get(id(dm))
     if cached is None or cached[0] is not dm:
         groups = [dm.get_group(i) for i in range(dm.ndim)]
-        host = DeviceMesh.from_group(groups if dm.ndim > 1 else groups[0], "cpu", mesh=dm.mesh,
-                                     mesh_dim_names=dm.mesh_dim_names)
+        host = DeviceMesh.from_group(
+            groups if dm.ndim > 1 else groups[0], "cpu", mesh=dm.mesh, mesh_dim_names=dm.mesh_dim_names
+        )
         cached = _HOST_MESHES[id(dm)] = (dm, host)
     local = x.to_local().cpu()
-    return DTensor.from_local(local, cached[1], x.placements, run_check=False, shape=x.shape,
-                              stride=x.stride()).full_tensor()
+    return DTensor.from_local(
+        local, cached[1], x.placements, run_check=False, shape=x.shape, stride=x.stride()
+    ).full_tensor()
 
 
 def reshard(tree: Any, specs: Any, mesh: Mesh | None = None) -> Any:
@@ -191,6 +204,7 @@ def spec_of(x: Any, mesh: Mesh | None = None) -> PartitionSpec | Any:
 
     Plain tensors give ``P()`` (a plain tensor is a replicated value).
     """
+
     def one(path: str, leaf: Any) -> Any:
         if isinstance(leaf, DTensor):
             m = mesh or _mesh_of(leaf)

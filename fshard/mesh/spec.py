@@ -21,10 +21,7 @@ def _normalize(entry: Any, index: int) -> str | tuple[str, ...] | None:
         axes = tuple(entry)
         bad = [a for a in axes if not isinstance(a, str)]
         if bad:
-            raise TypeError(
-                f"P entry {index} = {entry!r}: a tuple entry must hold mesh axis names "
-                f"(str), got {bad!r}."
-            )
+            raise TypeError(f"P entry {index} = {entry!r}: a tuple entry must hold mesh axis names (str), got {bad!r}.")
         if len(axes) == 0:
             return None
         if len(axes) == 1:
@@ -52,9 +49,7 @@ class PartitionSpec:
     __slots__ = ("_entries",)
 
     def __init__(self, *entries: Any) -> None:
-        object.__setattr__(
-            self, "_entries", tuple(_normalize(e, i) for i, e in enumerate(entries))
-        )
+        object.__setattr__(self, "_entries", tuple(_normalize(e, i) for i, e in enumerate(entries)))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         raise TypeError("PartitionSpec cannot be subclassed.")

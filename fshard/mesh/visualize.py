@@ -78,8 +78,7 @@ def visualize_sharding(x: Any, *, mesh: Mesh | None = None, use_color: bool = Tr
         table.add_column(justify="center")
     palette = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_black", "white"]
     for i, row in enumerate(table_rows):
-        styled = [f"[{palette[(i * len(cols) + j) % len(palette)]}]{t}" if use_color else t
-                  for j, t in enumerate(row)]
+        styled = [f"[{palette[(i * len(cols) + j) % len(palette)]}]{t}" if use_color else t for j, t in enumerate(row)]
         table.add_row(*styled)
     Console().print(table)
     return plain

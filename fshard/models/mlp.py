@@ -102,8 +102,7 @@ class MLPStackConfig:
 # ---------------------------------------------------------------------------
 
 
-def _linear_init(g: torch.Generator, out_dim: int, in_dim: int, bias: bool,
-                 dtype: torch.dtype) -> Params:
+def _linear_init(g: torch.Generator, out_dim: int, in_dim: int, bias: bool, dtype: torch.dtype) -> Params:
     # nn.Linear's default distribution, U(-1/sqrt(in), 1/sqrt(in)) for weight and bias,
     # drawn from `g` so that the same seed gives the same values on every mesh.
     bound = 1.0 / math.sqrt(in_dim)

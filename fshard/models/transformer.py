@@ -103,13 +103,9 @@ class TransformerConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.dim % self.n_heads:
-            raise ValueError(
-                f"TransformerConfig: dim={self.dim} is not a multiple of n_heads={self.n_heads}."
-            )
+            raise ValueError(f"TransformerConfig: dim={self.dim} is not a multiple of n_heads={self.n_heads}.")
         if self.activation not in _ACTIVATIONS:
-            raise ValueError(
-                f"TransformerConfig.activation={self.activation!r}; choose one of {sorted(_ACTIVATIONS)}."
-            )
+            raise ValueError(f"TransformerConfig.activation={self.activation!r}; choose one of {sorted(_ACTIVATIONS)}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"TransformerConfig.dropout={self.dropout!r} must be in [0, 1).")
 
@@ -162,20 +158,22 @@ def transformer_init(cfg: TransformerConfig, seed: int, *, dtype: torch.dtype = 
         "layers": [],
     }
     for _ in range(cfg.n_layers):
-        params["layers"].append({
-            "attention_norm": norm(),
-            "attention": {
-                "wq": {"weight": normal(D, D)},
-                "wk": {"weight": normal(D, D)},
-                "wv": {"weight": normal(D, D)},
-                "wo": {"weight": normal(D, D, std=resid_std)},
-            },
-            "ffn_norm": norm(),
-            "feed_forward": {
-                "w1": {"weight": normal(hidden, D), "bias": torch.zeros(hidden, dtype=dtype)},
-                "w2": {"weight": normal(D, hidden, std=resid_std), "bias": torch.zeros(D, dtype=dtype)},
-            },
-        })
+        params["layers"].append(
+            {
+                "attention_norm": norm(),
+                "attention": {
+                    "wq": {"weight": normal(D, D)},
+                    "wk": {"weight": normal(D, D)},
+                    "wv": {"weight": normal(D, D)},
+                    "wo": {"weight": normal(D, D, std=resid_std)},
+                },
+                "ffn_norm": norm(),
+                "feed_forward": {
+                    "w1": {"weight": normal(hidden, D), "bias": torch.zeros(hidden, dtype=dtype)},
+                    "w2": {"weight": normal(D, hidden, std=resid_std), "bias": torch.zeros(D, dtype=dtype)},
+                },
+            }
+        )
     params["norm"] = norm()
     if not cfg.tie_weights:
         params["output"] = {"weight": normal(V, D)}
@@ -198,8 +196,7 @@ def _layer_norm(norm_params: Params, x: torch.Tensor, cfg: TransformerConfig) ->
     return F.layer_norm(x, (x.shape[-1],), norm_params["weight"], norm_params["bias"], cfg.norm_eps)
 
 
-def embed(params: Params, tokens: torch.Tensor, cfg: TransformerConfig, *,
-          training: bool = False) -> torch.Tensor:
+def embed(params: Params, tokens: torch.Tensor, cfg: TransformerConfig, *, training: bool = False) -> torch.Tensor:
     """Token plus position embeddings.
 
     Args:
@@ -225,8 +222,9 @@ def embed(params: Params, tokens: torch.Tensor, cfg: TransformerConfig, *,
     return _dropout(x, cfg, training)
 
 
-def attention(attn_params: Params, x: torch.Tensor, cfg: TransformerConfig, *,
-              training: bool = False, output_dropout: bool = True) -> torch.Tensor:
+def attention(
+    attn_params: Params, x: torch.Tensor, cfg: TransformerConfig, *, training: bool = False, output_dropout: bool = True
+) -> torch.Tensor:
     """Causal multi-head self-attention, ``wo(sdpa(wq x, wk x, wv x))``.
 
     The number of heads is read from ``wq``'s shape (``rows / head_dim``), so the same
@@ -262,8 +260,9 @@ def attention(attn_params: Params, x: torch.Tensor, cfg: TransformerConfig, *,
     return _dropout(y, cfg, training and output_dropout)
 
 
-def feed_forward(ffn_params: Params, x: torch.Tensor, cfg: TransformerConfig, *,
-                 training: bool = False) -> torch.Tensor:
+def feed_forward(
+    ffn_params: Params, x: torch.Tensor, cfg: TransformerConfig, *, training: bool = False
+) -> torch.Tensor:
     """``w2(act(w1 x))``.
 
     Under tensor parallelism (``w1`` split by rows, ``w2`` by columns) this returns a
@@ -284,8 +283,7 @@ def feed_forward(ffn_params: Params, x: torch.Tensor, cfg: TransformerConfig, *,
     return _dropout(y, cfg, training)
 
 
-def block(layer_params: Params, x: torch.Tensor, cfg: TransformerConfig, *,
-          training: bool = False) -> torch.Tensor:
+def block(layer_params: Params, x: torch.Tensor, cfg: TransformerConfig, *, training: bool = False) -> torch.Tensor:
     """One pre-norm block: ``x + attention(norm(x))``, then ``x + feed_forward(norm(x))``.
 
     Args:
@@ -297,10 +295,12 @@ def block(layer_params: Params, x: torch.Tensor, cfg: TransformerConfig, *,
     Returns:
       The residual stream after the block, ``(B, T, D)``.
     """
-    x = x + attention(layer_params["attention"], _layer_norm(layer_params["attention_norm"], x, cfg),
-                      cfg, training=training)
-    x = x + feed_forward(layer_params["feed_forward"], _layer_norm(layer_params["ffn_norm"], x, cfg),
-                         cfg, training=training)
+    x = x + attention(
+        layer_params["attention"], _layer_norm(layer_params["attention_norm"], x, cfg), cfg, training=training
+    )
+    x = x + feed_forward(
+        layer_params["feed_forward"], _layer_norm(layer_params["ffn_norm"], x, cfg), cfg, training=training
+    )
     return x
 
 
@@ -321,8 +321,9 @@ def head(params: Params, x: torch.Tensor, cfg: TransformerConfig) -> torch.Tenso
     return F.linear(x, w_out)  # (B, T, V)
 
 
-def transformer_apply(params: Params, tokens: torch.Tensor, cfg: TransformerConfig, *,
-                      training: bool = False) -> torch.Tensor:
+def transformer_apply(
+    params: Params, tokens: torch.Tensor, cfg: TransformerConfig, *, training: bool = False
+) -> torch.Tensor:
     """The whole model: ``head(block(...block(embed(tokens))))``.
 
     Dropout (``training=True`` with ``cfg.dropout > 0``) draws from torch's global RNG,

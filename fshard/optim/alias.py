@@ -17,8 +17,9 @@ from fshard.optim.transforms import (
 __all__ = ["sgd", "adam", "adamw"]
 
 
-def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
-        weight_decay: float = 0.0) -> GradientTransformation:
+def sgd(
+    lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
+) -> GradientTransformation:
     """Stochastic gradient descent with optional momentum, as ``torch.optim.SGD``.
 
     With ``d = g + weight_decay * p`` (L2 regularization) and ``b`` the momentum
@@ -63,8 +64,9 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
     )
 
 
-def adam(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-         weight_decay: float = 0.0) -> GradientTransformation:
+def adam(
+    lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0
+) -> GradientTransformation:
     """Adam, as ``torch.optim.Adam`` (weight decay is L2, added to the gradient).
 
     With ``g = grad + weight_decay * p`` and ``t`` the step (from 1)::
@@ -105,8 +107,14 @@ def adam(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: f
     )
 
 
-def adamw(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 0.01, mask=None) -> GradientTransformation:
+def adamw(
+    lr: ScalarOrSchedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    mask=None,
+) -> GradientTransformation:
     """AdamW, as ``torch.optim.AdamW``: Adam with decoupled weight decay.
 
     With ``t`` the step (from 1)::

@@ -46,16 +46,13 @@ ScalarOrSchedule = Union[float, Schedule]
 class TransformInitFn(Protocol):
     """``init(params) -> state``."""
 
-    def __call__(self, params: Params) -> OptState:
-        ...
+    def __call__(self, params: Params) -> OptState: ...
 
 
 class TransformUpdateFn(Protocol):
     """``update(updates, state, params=None) -> (new_updates, new_state)``; pure."""
 
-    def __call__(self, updates: Updates, state: OptState,
-                 params: Params | None = None) -> tuple[Updates, OptState]:
-        ...
+    def __call__(self, updates: Updates, state: OptState, params: Params | None = None) -> tuple[Updates, OptState]: ...
 
 
 class GradientTransformation(NamedTuple):
@@ -234,8 +231,9 @@ def state_for_kernel(locals_: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 # --- leaf plumbing shared by the transforms --------------------------------------
 
 
-def check_hparam(what: str, name: str, value: Any, lo: float, hi: float = math.inf, *,
-                 lo_open: bool = False, hi_open: bool = False) -> None:
+def check_hparam(
+    what: str, name: str, value: Any, lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False
+) -> None:
     """Raises ValueError unless ``value`` is a number in the given interval, naming it."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok:
@@ -253,7 +251,8 @@ def check_hparam(what: str, name: str, value: Any, lo: float, hi: float = math.i
 # id -> tensor and holds the tensors, so an id is never reused while the scope lives; it ends
 # when the outermost chain returns, so nothing handed back to the caller is ever overwritten.
 _PRIVATE: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
-    "fshard_optim_private", default=None)
+    "fshard_optim_private", default=None
+)
 
 
 @contextlib.contextmanager
@@ -282,8 +281,11 @@ def all_private(locals_: Sequence[torch.Tensor]) -> bool:
     return scope is not None and all(scope.get(id(t)) is t for t in locals_)
 
 
-def map_updates(updates: Updates, out_of_place: Callable[[list[torch.Tensor]], list[torch.Tensor]],
-                in_place: Callable[[list[torch.Tensor]], Any]) -> Updates:
+def map_updates(
+    updates: Updates,
+    out_of_place: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    in_place: Callable[[list[torch.Tensor]], Any],
+) -> Updates:
     """Applies an elementwise op to every local shard of ``updates``.
 
     Overwrites the updates when they are private to the running chain (see above),
@@ -322,8 +324,9 @@ def wrap_like(local: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         return DTensor(local, spec, requires_grad=False)
     with torch.no_grad():
         # run_check=False: every rank built its shard from its own inputs; nothing to verify.
-        return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
-                                  shape=ref.shape, stride=ref.stride())
+        return DTensor.from_local(
+            local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride()
+        )
 
 
 def zeros_like_tree(params: Params, what: str) -> Params:
@@ -392,8 +395,7 @@ def _same_layout(a: Any, b: Any) -> bool:
 def _layout(x: Any) -> tuple[Any, ...]:
     # Placements compare by kind too, so Shard(0) never passes for _StridedShard(0, 2).
     if isinstance(x, DTensor):
-        return ("DTensor", tuple(x.shape), x.device_mesh,
-                tuple((type(p), p) for p in x.placements))
+        return ("DTensor", tuple(x.shape), x.device_mesh, tuple((type(p), p) for p in x.placements))
     if isinstance(x, torch.Tensor):
         return ("Tensor", tuple(x.shape))
     return (type(x),)
@@ -418,13 +420,13 @@ def _describe_layout(x: Any) -> str:
 def _layout_error(what: str, name0: str, name: str, bad: list[tuple[str, Any, Any]]) -> str:
     lines = [f"{what}: {name0} and {name} are laid out differently:"]
     for path, a, b in bad[:10]:
-        lines.append(f"  * {path}: {name0} has a {_describe_layout(a)}; "
-                     f"{name} has a {_describe_layout(b)}")
+        lines.append(f"  * {path}: {name0} has a {_describe_layout(a)}; {name} has a {_describe_layout(b)}")
     if len(bad) > 10:
         lines.append(f"  ... and {len(bad) - 10} more")
     lines.append(
         "Give every leaf the mesh, placements and shape of its parameter "
-        "(e.g. fs.reshard(grads, fs.spec_of(params))), and build the state with init(params).")
+        "(e.g. fs.reshard(grads, fs.spec_of(params))), and build the state with init(params)."
+    )
     return "\n".join(lines)
 
 
@@ -435,13 +437,17 @@ def _structure_error(what: str, name0: str, tree0: Any, name: str, tree: Any) ->
     only1 = [p for p in p1 if p not in set(p0)]
     if only0 or only1:
         first, side = (only0[0], name0) if only0 else (only1[0], name)
-        detail = (f"first difference at '{first}', which only {side} has"
-                  f"\n  only in {name0}: {only0[:5]}{' ...' if len(only0) > 5 else ''}"
-                  f"\n  only in {name}: {only1[:5]}{' ...' if len(only1) > 5 else ''}")
+        detail = (
+            f"first difference at '{first}', which only {side} has"
+            f"\n  only in {name0}: {only0[:5]}{' ...' if len(only0) > 5 else ''}"
+            f"\n  only in {name}: {only1[:5]}{' ...' if len(only1) > 5 else ''}"
+        )
     else:
         detail = f"same leaf paths but different containers:\n  {name0}: {td0}\n  {name}: {td1}"
-    return (f"{what}: {name} does not have the pytree structure of {name0}: {detail}\n"
-            f"Pass {name} with exactly the structure of the params the optimizer was built on.")
+    return (
+        f"{what}: {name} does not have the pytree structure of {name0}: {detail}\n"
+        f"Pass {name} with exactly the structure of the params the optimizer was built on."
+    )
 
 
 def _check_tensors(what: str, name: str, paths: Sequence[str], leaves: Sequence[Any]) -> None:

@@ -104,8 +104,10 @@ def _sum_over(squares: torch.Tensor, axes: tuple[str, ...], leaves: list[Any]) -
         first = next((x for x in leaves if isinstance(x, DTensor)), None)
         mesh = _mesh_of(first) if first is not None else None
     if mesh is None:
-        raise ValueError(f"global_norm(sum_over={axes}) needs a mesh: call it inside `with mesh:` "
-                         f"(a rank that holds no DTensor leaf cannot find one).")
+        raise ValueError(
+            f"global_norm(sum_over={axes}) needs a mesh: call it inside `with mesh:` "
+            f"(a rank that holds no DTensor leaf cannot find one)."
+        )
     mesh.check_axes(axes, what="global_norm: sum_over")
     if mesh.axis_size(axes) == 1:
         return squares
@@ -154,14 +156,14 @@ def _mesh_sum_squares(group: list[tuple[str, DTensor]], acc: torch.dtype) -> tor
                 raise ValueError(
                     f"global_norm: {path} has a Partial placement on mesh dim {i} (a pending sum); "
                     "its local values are not its shards. Reduce it first, e.g. "
-                    "x.redistribute(placements=[Replicate() if p.is_partial() else p for p in x.placements]).")
+                    "x.redistribute(placements=[Replicate() if p.is_partial() else p for p in x.placements])."
+                )
             if isinstance(p, (Shard, _StridedShard)) and sizes[i] > 1:  # no subclass of Shard
                 dims.add(i)
         sharded_on.append(dims)
     reduce_dims = sorted(set().union(*sharded_on))
     # A leaf counts where it is at index 0 of every reduced dim it is replicated over.
-    counted = [x for (_, x), dims in zip(group, sharded_on)
-               if all(coord[d] == 0 for d in reduce_dims if d not in dims)]
+    counted = [x for (_, x), dims in zip(group, sharded_on) if all(coord[d] == 0 for d in reduce_dims if d not in dims)]
     local = to_locals(counted)
     device = to_locals([group[0][1]])[0].device
     total = _sum_squares(local, acc).to(device) if local else torch.zeros((), dtype=acc, device=device)

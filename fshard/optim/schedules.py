@@ -65,8 +65,7 @@ def constant_schedule(value: float) -> Schedule:
     return lambda step: value
 
 
-def linear_schedule(init_value: float, end_value: float, transition_steps: int,
-                    transition_begin: int = 0) -> Schedule:
+def linear_schedule(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> Schedule:
     """Goes linearly from ``init_value`` to ``end_value``, then stays there.
 
     ``value(t) = init + (end - init) * clip((t - transition_begin) / transition_steps, 0, 1)``.
@@ -101,8 +100,7 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int,
     return schedule
 
 
-def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0,
-                          exponent: float = 1.0) -> Schedule:
+def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0, exponent: float = 1.0) -> Schedule:
     """Half a cosine from ``init_value`` down to ``alpha * init_value`` over ``decay_steps``.
 
     ``value(t) = init * ((1 - alpha) * c^exponent + alpha)``,
@@ -164,8 +162,10 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     """
     schedules, boundaries = list(schedules), list(boundaries)
     if not schedules or len(boundaries) != len(schedules) - 1:
-        raise ValueError(f"join_schedules: {len(schedules)} schedules need {max(len(schedules) - 1, 0)} "
-                         f"boundaries, got {len(boundaries)}.")
+        raise ValueError(
+            f"join_schedules: {len(schedules)} schedules need {max(len(schedules) - 1, 0)} "
+            f"boundaries, got {len(boundaries)}."
+        )
     if any(b < a for a, b in zip(boundaries, boundaries[1:])) or any(b < 0 for b in boundaries):
         raise ValueError(f"join_schedules: boundaries {boundaries} must be >= 0 and increasing.")
 
@@ -183,9 +183,14 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     return schedule
 
 
-def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_steps: int,
-                                 decay_steps: int, end_value: float = 0.0,
-                                 exponent: float = 1.0) -> Schedule:
+def warmup_cosine_decay_schedule(
+    init_value: float,
+    peak_value: float,
+    warmup_steps: int,
+    decay_steps: int,
+    end_value: float = 0.0,
+    exponent: float = 1.0,
+) -> Schedule:
     """Linear warmup from ``init_value`` to ``peak_value``, then cosine decay to ``end_value``.
 
     Steps ``[0, warmup_steps]`` ramp linearly; steps ``[warmup_steps, decay_steps]``
@@ -215,8 +220,10 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
     _check_steps("warmup_cosine_decay_schedule", "warmup_steps", warmup_steps, positive=False)
     _check_steps("warmup_cosine_decay_schedule", "decay_steps", decay_steps, positive=True)
     if decay_steps <= warmup_steps:
-        raise ValueError(f"warmup_cosine_decay_schedule: decay_steps={decay_steps} must exceed "
-                         f"warmup_steps={warmup_steps} (decay_steps counts the warmup).")
+        raise ValueError(
+            f"warmup_cosine_decay_schedule: decay_steps={decay_steps} must exceed "
+            f"warmup_steps={warmup_steps} (decay_steps counts the warmup)."
+        )
     n = decay_steps - warmup_steps
 
     def decay(step: Step) -> float | torch.Tensor:

@@ -72,8 +72,9 @@ def scale(step_size: float) -> GradientTransformation:
 
     def update_fn(updates: Updates, state: EmptyState, params: Params | None = None):
         del params
-        return map_updates(updates, lambda xs: torch._foreach_mul(xs, step_size),
-                           lambda xs: torch._foreach_mul_(xs, step_size)), state
+        return map_updates(
+            updates, lambda xs: torch._foreach_mul(xs, step_size), lambda xs: torch._foreach_mul_(xs, step_size)
+        ), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -123,8 +124,9 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
             # A tensor factor lives where the count does (the CPU); the updates may not.
             return factor.to(xs[0].device) if isinstance(factor, torch.Tensor) else factor
 
-        new = map_updates(updates, lambda xs: torch._foreach_mul(xs, by(xs)),
-                          lambda xs: torch._foreach_mul_(xs, by(xs)))
+        new = map_updates(
+            updates, lambda xs: torch._foreach_mul(xs, by(xs)), lambda xs: torch._foreach_mul_(xs, by(xs))
+        )
         return new, ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init_fn, update_fn)
@@ -151,8 +153,9 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     return scale(sign * learning_rate)
 
 
-def add_decayed_weights(weight_decay: float = 0.0,
-                        mask: Any | Callable[[Params], Any] | None = None) -> GradientTransformation:
+def add_decayed_weights(
+    weight_decay: float = 0.0, mask: Any | Callable[[Params], Any] | None = None
+) -> GradientTransformation:
     """Adds the decayed parameters: ``u <- u + weight_decay * p``.
 
     Placed before the momentum/Adam transform this is L2 regularization (torch's
@@ -188,8 +191,9 @@ def add_decayed_weights(weight_decay: float = 0.0,
             m = mask(params) if callable(mask) else mask
             keep, td = tree_util.tree_flatten(m)
             if td != tree_util.structure(tree_util.tree_map(lambda _: True, params)):
-                raise ValueError(f"add_decayed_weights: mask must have the params' structure "
-                                 f"{treedef} with bool leaves, got {td}.")
+                raise ValueError(
+                    f"add_decayed_weights: mask must have the params' structure {treedef} with bool leaves, got {td}."
+                )
         idx = [i for i, k in enumerate(keep) if k]
         out = list(u)
         with torch.no_grad():
@@ -246,8 +250,18 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
             out = _zeros_like_each(gl, bool(gl) and torch._guards.detect_fake_mode(gl[0]) is not None)
             mark_private(out)
             if gl:
-                _torch_sgd(out, gl, bl, foreach=True, weight_decay=0.0, momentum=decay,
-                           lr=-1.0, dampening=0.0, nesterov=nesterov, maximize=False)
+                _torch_sgd(
+                    out,
+                    gl,
+                    bl,
+                    foreach=True,
+                    weight_decay=0.0,
+                    momentum=decay,
+                    lr=-1.0,
+                    dampening=0.0,
+                    nesterov=nesterov,
+                    maximize=False,
+                )
         new_updates = tree_util.tree_unflatten(treedef, [wrap_like(o, x) for o, x in zip(out, g)])
         new_trace = tree_util.tree_unflatten(treedef, [wrap_like(o, x) for o, x in zip(bl, b)])
         return new_updates, TraceState(trace=new_trace)
@@ -354,7 +368,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     def update_fn(updates: Updates, state: ScaleByAdamState, params: Params | None = None):
         del params
         mu, nu, g, treedef = flatten_matching(
-            "scale_by_adam.update", (_STATE, state.mu), ("the second moments", state.nu), ("grads", updates))
+            "scale_by_adam.update", (_STATE, state.mu), ("the second moments", state.nu), ("grads", updates)
+        )
         with torch.no_grad():
             gl = to_locals(g)
             ml = state_for_kernel(to_locals(mu))
@@ -369,9 +384,24 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
                 # one tensor, made in one call (a torch.tensor per leaf cost ~5 us each).
                 steps = list(torch.full((len(gl),), float(state.count), dtype=torch.float64).unbind())
                 _torch_adam(
-                    out, gl, ml, vl, [], steps, foreach=True, capturable=False, differentiable=False,
-                    has_complex=any(torch.is_complex(x) for x in gl), amsgrad=False, beta1=b1,
-                    beta2=b2, lr=-1.0, weight_decay=0.0, eps=eps, maximize=False)
+                    out,
+                    gl,
+                    ml,
+                    vl,
+                    [],
+                    steps,
+                    foreach=True,
+                    capturable=False,
+                    differentiable=False,
+                    has_complex=any(torch.is_complex(x) for x in gl),
+                    amsgrad=False,
+                    beta1=b1,
+                    beta2=b2,
+                    lr=-1.0,
+                    weight_decay=0.0,
+                    eps=eps,
+                    maximize=False,
+                )
         unflat = tree_util.tree_unflatten
         return unflat(treedef, [wrap_like(o, x) for o, x in zip(out, g)]), ScaleByAdamState(
             count=state.count + 1,

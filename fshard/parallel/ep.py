@@ -68,8 +68,16 @@ EXPERT_TP_DIM: dict[str, int] = {"w1": 1, "w2": 2}
 _EXPERTS = r"(.*\.)?experts\."  # leaves under any "experts" key
 
 
-def moe_init(dim: int, hidden: int, n_experts: int, seed: int, *, dtype: torch.dtype = torch.float32,
-             std: float = 0.02, router_std: float | None = None) -> dict[str, Any]:
+def moe_init(
+    dim: int,
+    hidden: int,
+    n_experts: int,
+    seed: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    std: float = 0.02,
+    router_std: float | None = None,
+) -> dict[str, Any]:
     """Parameters of one MoE FFN, drawn from a private generator (global RNG untouched).
 
     Args:
@@ -90,13 +98,16 @@ def moe_init(dim: int, hidden: int, n_experts: int, seed: int, *, dtype: torch.d
     def normal(*shape: int, s: float) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype).normal_(0.0, s, generator=g)
 
-    return {"router": {"weight": normal(n_experts, dim, s=router_std or dim ** -0.5)},
-            "experts": {"w1": normal(n_experts, hidden, dim, s=std), "w2": normal(n_experts, dim, hidden, s=std)}}
+    return {
+        "router": {"weight": normal(n_experts, dim, s=router_std or dim**-0.5)},
+        "experts": {"w1": normal(n_experts, hidden, dim, s=std), "w2": normal(n_experts, dim, hidden, s=std)},
+    }
 
 
 # --- spec rules -----------------------------------------------------------------------------
-def ep_rules(ep_axis: str = "ep", *, fsdp_axis: str | None = None, tp_axis: str | None = None,
-             pattern: str = _EXPERTS) -> list[tuple[str, PartitionSpec]]:
+def ep_rules(
+    ep_axis: str = "ep", *, fsdp_axis: str | None = None, tp_axis: str | None = None, pattern: str = _EXPERTS
+) -> list[tuple[str, PartitionSpec]]:
     """``match_specs`` rules for the stacked expert weights.
 
     Args:
@@ -119,8 +130,16 @@ def ep_rules(ep_axis: str = "ep", *, fsdp_axis: str | None = None, tp_axis: str 
     return rules
 
 
-def ep_specs(params: Any, ep_axis: str = "ep", *, fsdp_axis: str | None = None, tp_axis: str | None = None,
-             base: Any = None, mesh: Mesh | None = None, pattern: str = _EXPERTS) -> Any:
+def ep_specs(
+    params: Any,
+    ep_axis: str = "ep",
+    *,
+    fsdp_axis: str | None = None,
+    tp_axis: str | None = None,
+    base: Any = None,
+    mesh: Mesh | None = None,
+    pattern: str = _EXPERTS,
+) -> Any:
     """The specs of a model with experts: :func:`ep_rules` for expert leaves, ``base`` elsewhere.
 
     Args:
@@ -137,8 +156,9 @@ def ep_specs(params: Any, ep_axis: str = "ep", *, fsdp_axis: str | None = None, 
       ValueError: (with ``mesh``) an expert leaf's dim 0 is not divisible by the size of
         ``ep_axis`` (times ``fsdp_axis``); the leaf, the axes and the sizes are named.
     """
-    rules = [(re.compile(rx), spec) for rx, spec in ep_rules(ep_axis, fsdp_axis=fsdp_axis, tp_axis=tp_axis,
-                                                              pattern=pattern)]
+    rules = [
+        (re.compile(rx), spec) for rx, spec in ep_rules(ep_axis, fsdp_axis=fsdp_axis, tp_axis=tp_axis, pattern=pattern)
+    ]
     base = tree_util.tree_map(lambda x: P(), params) if base is None else base
 
     def one(path: str, x: Any, spec: PartitionSpec) -> PartitionSpec:
@@ -158,12 +178,14 @@ def _check_whole_experts(path: str, x: torch.Tensor, ep_axis: str, fsdp_axis: st
         raise ValueError(
             f"ep_specs: '{path}' has {n_experts} experts (dim 0 of shape {tuple(x.shape)}), not divisible by "
             f"the size of axis {ep_axis!r} ({n_ep}); every ep rank must hold whole experts: use a multiple "
-            f"of {n_ep} experts or a smaller ep axis.")
+            f"of {n_ep} experts or a smaller ep axis."
+        )
     if fsdp_axis is not None and n_experts % (n_ep * mesh.axis_size(fsdp_axis)):
         n_fsdp = mesh.axis_size(fsdp_axis)
         raise ValueError(
             f"ep_specs: '{path}' has {n_experts} experts (dim 0 of shape {tuple(x.shape)}), not divisible by "
-            f"the sizes of axes ({ep_axis!r}, {fsdp_axis!r}) = ({n_ep}, {n_fsdp}), product {n_ep * n_fsdp}.")
+            f"the sizes of axes ({ep_axis!r}, {fsdp_axis!r}) = ({n_ep}, {n_fsdp}), product {n_ep * n_fsdp}."
+        )
 
 
 # --- routing ------------------------------------------------------------------------------------
@@ -203,8 +225,7 @@ class Routing:
         return self.slots < self.n_groups * self.n_experts * self.capacity
 
 
-def route(router_w: torch.Tensor, x: torch.Tensor, *, top_k: int, capacity_factor: float,
-          n_groups: int = 1) -> Routing:
+def route(router_w: torch.Tensor, x: torch.Tensor, *, top_k: int, capacity_factor: float, n_groups: int = 1) -> Routing:
     """Softmax router, top-k experts per token, and capacity slots (see the module doc).
 
     Gates: the top-1 probability for ``k = 1`` (Switch); for ``k > 1`` the top-k
@@ -245,9 +266,17 @@ def _experts(w: Mapping[str, torch.Tensor], buf: torch.Tensor, activation: Calla
     return torch.bmm(h, w["w2"].transpose(1, 2))  # (E_l, S, D); a partial sum under TP
 
 
-def moe_ffn(params: Mapping[str, Any], x: torch.Tensor, *, top_k: int = 2, capacity_factor: float = 1.25,
-            ep_axis: str | None = None, tp_axis: str | None = None, n_groups: int = 1,
-            activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu) -> torch.Tensor:
+def moe_ffn(
+    params: Mapping[str, Any],
+    x: torch.Tensor,
+    *,
+    top_k: int = 2,
+    capacity_factor: float = 1.25,
+    ep_axis: str | None = None,
+    tp_axis: str | None = None,
+    n_groups: int = 1,
+    activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu,
+) -> torch.Tensor:
     """A top-k MoE FFN: route, dispatch (all_to_all over ``ep_axis``), run experts, combine.
 
     With ``ep_axis=None`` and no ``tp_axis`` it is the single-process layer (all experts
@@ -310,8 +339,9 @@ def moe_ffn(params: Mapping[str, Any], x: torch.Tensor, *, top_k: int = 2, capac
     return y.view(shape)
 
 
-def _check_layer(w: Mapping[str, torch.Tensor], n_experts: int, n_ep: int, ep_axis: str | None, top_k: int,
-                 n: int, n_groups: int) -> None:
+def _check_layer(
+    w: Mapping[str, torch.Tensor], n_experts: int, n_ep: int, ep_axis: str | None, top_k: int, n: int, n_groups: int
+) -> None:
     where = f"axis {ep_axis!r} of size {n_ep}" if ep_axis is not None else "no ep axis (all experts local)"
     for name in EXPERT_TP_DIM:
         local = w[name].shape[0]
@@ -319,7 +349,8 @@ def _check_layer(w: Mapping[str, torch.Tensor], n_experts: int, n_ep: int, ep_ax
             raise ValueError(
                 f"moe_ffn: 'experts.{name}' holds {local} experts on this rank (shape {tuple(w[name].shape)}) over "
                 f"{where}, but the router has {n_experts} experts: every ep rank must hold {n_experts} / {n_ep} "
-                f"whole experts (n_experts divisible by the size of {ep_axis!r}).")
+                f"whole experts (n_experts divisible by the size of {ep_axis!r})."
+            )
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"moe_ffn: top_k={top_k} must be in [1, {n_experts}] (the number of experts).")
     if n_groups < 1 or n % n_groups:

@@ -20,8 +20,18 @@ import torch
 
 from fshard.transforms.shard_map import global_shape, input_spec
 
-__all__ = ["GroupLayout", "flatten", "flatten_grads", "gathered_shape", "grad_parts", "layout",
-           "to_compute", "to_host", "unflatten_full", "unflatten_shards"]
+__all__ = [
+    "GroupLayout",
+    "flatten",
+    "flatten_grads",
+    "gathered_shape",
+    "grad_parts",
+    "layout",
+    "to_compute",
+    "to_host",
+    "unflatten_full",
+    "unflatten_shards",
+]
 
 
 @attrs.frozen
@@ -78,7 +88,7 @@ def gathered_shape(x: torch.Tensor, shard_axes: tuple[str, ...], mesh) -> tuple[
         # DTensor placements do not keep it).
         axes = tuple(a for a in spec.dim_axes(d) if mesh.shape[a] > 1)
         others = [a for a in axes if a not in shard_axes]
-        if tuple(axes[:len(others)]) != tuple(others):  # the gathered axes are not the minor ones
+        if tuple(axes[: len(others)]) != tuple(others):  # the gathered axes are not the minor ones
             raise ValueError(
                 f"fs.parallel: dim {d} of a parameter with spec {spec} splits over {axes}; the "
                 f"gathered axes {shard_axes} must come last (minor) on that dim, e.g. "
@@ -91,8 +101,9 @@ def gathered_shape(x: torch.Tensor, shard_axes: tuple[str, ...], mesh) -> tuple[
     return tuple(out)
 
 
-def _spans(x: torch.Tensor, d: int, length: int, shard_axes: tuple[str, ...],
-           mesh) -> tuple[tuple[int, int], ...] | None:
+def _spans(
+    x: torch.Tensor, d: int, length: int, shard_axes: tuple[str, ...], mesh
+) -> tuple[tuple[int, int], ...] | None:
     """The rows of dim ``d`` each rank of the gather over ``shard_axes`` holds (see
     :attr:`GroupLayout.spans`); ``None`` when that is the plain ``torch.chunk`` layout."""
     spec = input_spec(x)
@@ -134,13 +145,14 @@ def layout(leaves: Sequence[torch.Tensor], n: int, dims: Sequence[int], shard_ax
         span = _spans(x, d, shape[d], tuple(shard_axes), mesh) if shape and n > 1 else None
         spans.append(span)
         rows.append(max(size for _, size in span) if span else -(-shape[d] // n) if shape else 1)
-        numel.append(int(torch.Size(shape[:d] + shape[d + 1:]).numel()) if shape else 1)
+        numel.append(int(torch.Size(shape[:d] + shape[d + 1 :]).numel()) if shape else 1)
         local_rows.append(x.shape[d] if x.dim() else 1)
     return GroupLayout(tuple(shapes), tuple(dims), tuple(rows), tuple(numel), tuple(local_rows), tuple(spans))
 
 
-def flatten(leaves: Sequence[torch.Tensor], lay: GroupLayout, dtype: torch.dtype | None,
-             pin: bool = False) -> torch.Tensor:
+def flatten(
+    leaves: Sequence[torch.Tensor], lay: GroupLayout, dtype: torch.dtype | None, pin: bool = False
+) -> torch.Tensor:
     """Local shards -> one flat buffer (cast, padded to ``lay.rows``); pinned if ``pin``."""
     parts = []
     for x, d, r in zip(leaves, lay.dims, lay.rows):
@@ -188,12 +200,12 @@ def unflatten_full(out: torch.Tensor, n: int, lay: GroupLayout) -> list[torch.Te
     out = out.view(n, -1)
     fulls, off = [], 0
     for k, (shape, d, r, _e, size) in enumerate(zip(lay.shapes, lay.dims, lay.rows, lay.row_numel, lay.sizes)):
-        moved = (shape[d],) + shape[:d] + shape[d + 1:] if shape else (1,)
+        moved = (shape[d],) + shape[:d] + shape[d + 1 :] if shape else (1,)
         span = lay.span(k)
         if span is None:
-            block = out[:, off:off + size].reshape(n * r, *moved[1:])[: moved[0]]
+            block = out[:, off : off + size].reshape(n * r, *moved[1:])[: moved[0]]
         else:  # each rank's valid rows, put back in row order
-            blocks = out[:, off:off + size].reshape(n, r, *moved[1:])
+            blocks = out[:, off : off + size].reshape(n, r, *moved[1:])
             block = torch.cat([blocks[g, :cnt] for g, (_, cnt) in sorted(enumerate(span), key=lambda t: t[1][0])])
         full = block.movedim(0, d) if shape else block.reshape(())
         fulls.append(full.contiguous() if not full.is_contiguous() else full)
@@ -201,8 +213,13 @@ def unflatten_full(out: torch.Tensor, n: int, lay: GroupLayout) -> list[torch.Te
     return fulls
 
 
-def grad_parts(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout,
-                dtype: torch.dtype, device: torch.device | None = None) -> list[torch.Tensor]:
+def grad_parts(
+    grads: Sequence[torch.Tensor | None],
+    n: int,
+    lay: GroupLayout,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+) -> list[torch.Tensor]:
     """Full grads -> per-leaf (n, rows * row_numel) blocks, padded, in ``dtype``.
 
     A missing gradient becomes zeros on ``device`` (default: that of the other grads).
@@ -220,7 +237,7 @@ def grad_parts(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout,
         if span is not None:  # rank g's rows, each padded to r, in the gather's rank order
             blocks = g.new_zeros(n, r, *g.shape[1:])
             for rank, (lo, cnt) in enumerate(span):
-                blocks[rank, :cnt] = g[lo:lo + cnt]
+                blocks[rank, :cnt] = g[lo : lo + cnt]
             parts.append(blocks.reshape(n, r * e))
             continue
         if g.shape[0] < n * r:
@@ -229,8 +246,13 @@ def grad_parts(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout,
     return parts
 
 
-def flatten_grads(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout,
-                   dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+def flatten_grads(
+    grads: Sequence[torch.Tensor | None],
+    n: int,
+    lay: GroupLayout,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """Full grads -> (n * F,) in rank-major order, padded, ready for reduce-scatter."""
     parts = grad_parts(grads, n, lay, dtype, device)
     return torch.cat(parts, dim=1).reshape(-1) if len(parts) > 1 else parts[0].reshape(-1)
@@ -239,8 +261,8 @@ def flatten_grads(grads: Sequence[torch.Tensor | None], n: int, lay: GroupLayout
 def unflatten_shards(flat: torch.Tensor, lay: GroupLayout, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     out, off = [], 0
     for x, d, r, _e, size, lr in zip(like, lay.dims, lay.rows, lay.row_numel, lay.sizes, lay.local_rows):
-        moved_shape = (x.shape[d],) + tuple(x.shape[:d]) + tuple(x.shape[d + 1:]) if x.dim() else (1,)
-        g = flat[off:off + size].view(r, *moved_shape[1:])[:lr]
+        moved_shape = (x.shape[d],) + tuple(x.shape[:d]) + tuple(x.shape[d + 1 :]) if x.dim() else (1,)
+        g = flat[off : off + size].view(r, *moved_shape[1:])[:lr]
         g = g.movedim(0, d) if x.dim() else g.reshape(())
         out.append(g.to(x.dtype).contiguous())
         off += size

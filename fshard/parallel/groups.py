@@ -175,8 +175,9 @@ class Groups:
         """
         if self.n == 1:
             dt = self.policy.param_dtype
-            full = [x.detach().to(dt) if dt is not None and x.is_floating_point() else x.detach()
-                    for x in self.groups[i]]
+            full = [
+                x.detach().to(dt) if dt is not None and x.is_floating_point() else x.detach() for x in self.groups[i]
+            ]
             return [layout.to_compute(x, self.device) for x in full] if self.offload else full
         self.start_gather(i)
         buf = self._inflight.pop(i).wait()
@@ -243,7 +244,8 @@ class Groups:
         """Starts group ``i``'s gradient reduction; the sink collects it at the end."""
         lay = self.layouts[i]
         dtype = self.policy.grad_reduce_dtype or next(
-            (g.dtype for g in grads if g is not None), self.groups[i][0].dtype)
+            (g.dtype for g in grads if g is not None), self.groups[i][0].dtype
+        )
         if self.n == 1 and self._rn > 1 and self.accumulator is None:
             # DDP: gradients of consecutive groups share one all-reduce (a bucket), launched
             # when it is full or when the first group (the last in backward) is done; the
@@ -322,8 +324,11 @@ class Groups:
             _wait_host_copies(self.device)
         out: list[torch.Tensor | None] = []
         for i, flat in enumerate(flats):
-            out.extend([None] * len(self.groups[i]) if flat is None else
-                       layout.unflatten_shards(flat, self.layouts[i], self.groups[i]))
+            out.extend(
+                [None] * len(self.groups[i])
+                if flat is None
+                else layout.unflatten_shards(flat, self.layouts[i], self.groups[i])
+            )
         return out
 
     def _reduced(self, i: int) -> torch.Tensor | None:
@@ -348,7 +353,7 @@ class Groups:
                 flat = comm.all_reduce(flat, self._rgroup, "sum", axes=self.replicate_axes)
         elif ar is not None:
             shared, off, numel = ar
-            flat = shared.result()[off:off + numel]
+            flat = shared.result()[off : off + numel]
         return flat
 
 

@@ -49,8 +49,9 @@ def parse_mesh(text: str, axes: Sequence[str] = AXES) -> dict[str, int]:
     for item in text.split(","):
         name, eq, size = (part.strip() for part in item.partition("="))
         if not eq or not name:
-            raise LayoutError(f"{text!r}: expected axis=size items separated by commas (e.g. fsdp=4,tp=2), "
-                              f"got {item!r}")
+            raise LayoutError(
+                f"{text!r}: expected axis=size items separated by commas (e.g. fsdp=4,tp=2), got {item!r}"
+            )
         if name not in axes:
             raise LayoutError(f"{text!r}: unknown axis {name!r}; axes are {', '.join(axes)}")
         if name in out:
@@ -60,8 +61,9 @@ def parse_mesh(text: str, axes: Sequence[str] = AXES) -> dict[str, int]:
         except ValueError:
             raise LayoutError(f"{text!r}: axis {name!r} has size {size!r}; a size is an integer >= 1") from None
         if value < 1:
-            raise LayoutError(f"{text!r}: axis {name!r} has size {value}; a size is an integer >= 1 "
-                              f"(1 leaves the axis out)")
+            raise LayoutError(
+                f"{text!r}: axis {name!r} has size {value}; a size is an integer >= 1 (1 leaves the axis out)"
+            )
         out[name] = value
     return {a: out[a] for a in axes if a in out}
 
@@ -177,7 +179,7 @@ class Layout:
 
     def stride(self, axis: str) -> int:
         """Rank distance between neighbours on ``axis`` (product of the inner axes' sizes)."""
-        inner = AXES[AXES.index(axis) + 1:]
+        inner = AXES[AXES.index(axis) + 1 :]
         return math.prod(self.size(a) for a in inner)
 
     def validate(self, n_devices: int | None = None) -> None:
@@ -195,7 +197,8 @@ class Layout:
         if self.batch % (self.n_data * self.microbatches):
             raise LayoutError(
                 f"Layout.batch {self.batch} must be a multiple of microbatches {self.microbatches} x "
-                f"data-parallel ranks {self.n_data} ({' x '.join(f'{a}={self.size(a)}' for a in DATA_AXES)})")
+                f"data-parallel ranks {self.n_data} ({' x '.join(f'{a}={self.size(a)}' for a in DATA_AXES)})"
+            )
         if self.dtype not in DTYPES:
             raise LayoutError(f"Layout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.sequence_parallel and self.tp == 1:

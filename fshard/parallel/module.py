@@ -104,10 +104,21 @@ def fsdp_apply(
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fsdp_apply: prefetch={prefetch!r}; use an int >= 0.")
     if sync_buffers not in ("local", "mean"):
-        raise ValueError(f"fsdp_apply: sync_buffers={sync_buffers!r}; use 'local' (rank 0's, as torch DDP) or "
-                         f"'mean' (averaged over the data axes).")
-    return FSDPApply(apply, module, _resolve_blocks(module, blocks), _as_axes(axis), _as_axes(replicate_axis),
-                     reshard_after_forward, prefetch, policy or Policy(), sync_buffers)
+        raise ValueError(
+            f"fsdp_apply: sync_buffers={sync_buffers!r}; use 'local' (rank 0's, as torch DDP) or "
+            f"'mean' (averaged over the data axes)."
+        )
+    return FSDPApply(
+        apply,
+        module,
+        _resolve_blocks(module, blocks),
+        _as_axes(axis),
+        _as_axes(replicate_axis),
+        reshard_after_forward,
+        prefetch,
+        policy or Policy(),
+        sync_buffers,
+    )
 
 
 def _resolve_blocks(module: nn.Module, blocks: str | Sequence[str]) -> list[str]:
@@ -117,8 +128,10 @@ def _resolve_blocks(module: nn.Module, blocks: str | Sequence[str]) -> list[str]
     elif isinstance(blocks, (list, tuple)) and blocks and all(isinstance(b, str) for b in blocks):
         entries, single = list(blocks), False
     else:
-        raise TypeError(f"fsdp_apply: blocks={blocks!r}; use a dotted path to a ModuleList or a non-empty "
-                        f"list of module paths and patterns.")
+        raise TypeError(
+            f"fsdp_apply: blocks={blocks!r}; use a dotted path to a ModuleList or a non-empty "
+            f"list of module paths and patterns."
+        )
     named = mods.module_paths(module)
     kind = type(module).__name__
     out: list[str] = []
@@ -127,8 +140,10 @@ def _resolve_blocks(module: nn.Module, blocks: str | Sequence[str]) -> list[str]
             rx = mods.compile_pattern(entry)
             hits = [p for p in named if p and rx.fullmatch(p)]
             if not hits:
-                raise ValueError(f"fsdp_apply: blocks pattern {entry!r} matches no submodule of {kind}. Module "
-                                 f"paths look like {_examples(named)}.")
+                raise ValueError(
+                    f"fsdp_apply: blocks pattern {entry!r} matches no submodule of {kind}. Module "
+                    f"paths look like {_examples(named)}."
+                )
             out.extend(hits)
             continue
         where = mods.nearest_names(module, entry) if entry else "the empty path is the whole model"
@@ -141,7 +156,8 @@ def _resolve_blocks(module: nn.Module, blocks: str | Sequence[str]) -> list[str]
             raise ValueError(
                 f"fsdp_apply: blocks={entry!r} is a {type(m).__name__}, not an nn.ModuleList. Pass the path of "
                 f"the ModuleList that holds the blocks, or a list of block paths (blocks=[{entry!r}] makes "
-                f"this one module a block).")
+                f"this one module a block)."
+            )
         else:
             out.append(entry)
     seen: set[str] = set()
@@ -172,9 +188,18 @@ class FSDPApply:
         then one list per block.
     """
 
-    def __init__(self, inner: Any, module: nn.Module, blocks: list[str], shard_axes: tuple[str, ...],
-                 replicate_axes: tuple[str, ...], reshard_after_forward: Any, prefetch: int,
-                 policy: Policy, sync_buffers: str = "local") -> None:
+    def __init__(
+        self,
+        inner: Any,
+        module: nn.Module,
+        blocks: list[str],
+        shard_axes: tuple[str, ...],
+        replicate_axes: tuple[str, ...],
+        reshard_after_forward: Any,
+        prefetch: int,
+        policy: Policy,
+        sync_buffers: str = "local",
+    ) -> None:
         self.inner, self.module, self.blocks = inner, module, blocks
         self.sync_buffers = sync_buffers
         self.shard_axes, self.replicate_axes = shard_axes, replicate_axes
@@ -203,7 +228,8 @@ class FSDPApply:
             raise ValueError(
                 f"fsdp_apply: block(s) {empty} hold no parameters of their own (parameterless, or every "
                 f"parameter tied to one outside the block, which the root group holds). Leave them out of "
-                f"blocks.")
+                f"blocks."
+            )
         self._root = root
         self._per_block = per_block
         # The names to rebind inside each block: its parameters and their in-block aliases.
@@ -211,33 +237,39 @@ class FSDPApply:
         self.groups = ([root] if root else []) + per_block
 
     def __repr__(self) -> str:
-        return (f"FSDPApply({type(self.module).__name__}, {len(self.blocks)} blocks, axis={self.shard_axes}, "
-                f"replicate_axis={self.replicate_axes})")
+        return (
+            f"FSDPApply({type(self.module).__name__}, {len(self.blocks)} blocks, axis={self.shard_axes}, "
+            f"replicate_axis={self.replicate_axes})"
+        )
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
         body = lax.BODY.get()
         if body is None:
-            raise RuntimeError("fs.parallel.fsdp_apply: call the wrapped function inside a shard_map body "
-                               "(it issues collectives on local shards).")
+            raise RuntimeError(
+                "fs.parallel.fsdp_apply: call the wrapped function inside a shard_map body "
+                "(it issues collectives on local shards)."
+            )
         mesh = body.mesh
         mesh.check_axes(self.shard_axes, what="axis")
         mesh.check_axes(self.replicate_axes, what="replicate_axis")
         reshard, post_axes = _post_forward_axes(self.reshard_after_forward, self.shard_axes, mesh, False)
         flat = fnn.to_state_dict(params)
         if flat.keys() != self._names:
-            raise ValueError(fnn._mismatch_message(f"fsdp_apply({type(self.module).__name__}): params",
-                                                   flat.keys(), self._names))
+            raise ValueError(
+                fnn._mismatch_message(f"fsdp_apply({type(self.module).__name__}): params", flat.keys(), self._names)
+            )
         leaves = [[flat[n] for n in names] for names in self.groups]
         all_leaves = [x for ls in leaves for x in ls]
         _refuse_functorch("fsdp_apply", all_leaves)
         dims = [_shard_dims(ls, self.shard_axes, None) for ls in leaves]
-        state = Groups(leaves, self.shard_axes, self.replicate_axes, dims, self.policy,
-                       post_axes=post_axes if reshard else ())
+        state = Groups(
+            leaves, self.shard_axes, self.replicate_axes, dims, self.policy, post_axes=post_axes if reshard else ()
+        )
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in all_leaves)
         sunk = list(Sink.apply(state, *all_leaves)) if grad else all_leaves
         sunk_groups, k = [], 0
         for ls in leaves:
-            sunk_groups.append(sunk[k:k + len(ls)])
+            sunk_groups.append(sunk[k : k + len(ls)])
             k += len(ls)
         tags = frozenset(self.shard_axes) | frozenset(self.replicate_axes)
         reshard = reshard and state.n > 1
@@ -303,8 +335,7 @@ class FSDPApply:
                     state.drop(g)  # a prefetched gather for a block that did not run
         if kwargs.get("return_buffers"):
             out, buffers = result
-            axes = tuple(a for a in mesh.axis_names
-                         if a in self.shard_axes + self.replicate_axes and mesh.shape[a] > 1)
+            axes = tuple(a for a in mesh.axis_names if a in self.shard_axes + self.replicate_axes and mesh.shape[a] > 1)
             return out, _sync_buffers(buffers, self.sync_buffers, axes)
         return result
 

@@ -56,8 +56,7 @@ from fshard import tree as tree_util
 from fshard.mesh.spec import P, PartitionSpec
 from fshard.parallel import _modules as mods
 
-__all__ = ["HF_LLAMA_TP_PLAN", "HF_GPT2_TP_PLAN", "STYLES", "tp_apply", "TPApply", "module_tp_specs",
-           "is_module_plan"]
+__all__ = ["HF_LLAMA_TP_PLAN", "HF_GPT2_TP_PLAN", "STYLES", "tp_apply", "TPApply", "module_tp_specs", "is_module_plan"]
 
 STYLES = ("colwise", "rowwise", "vocab", "replicate")
 
@@ -110,8 +109,9 @@ def _out_dim(m: nn.Module, path: str, style: str, what: str) -> int:
     """The weight dim holding output features (``vocab`` on an Embedding: the rows)."""
     if isinstance(m, nn.Embedding):
         if style != "vocab" and style != "replicate":
-            raise ValueError(f"{what}: module {path!r} is an Embedding; give it style 'vocab' or 'replicate', "
-                             f"not {style!r}.")
+            raise ValueError(
+                f"{what}: module {path!r} is an Embedding; give it style 'vocab' or 'replicate', not {style!r}."
+            )
         return 0
     if isinstance(m, nn.Linear):
         return 0
@@ -119,8 +119,10 @@ def _out_dim(m: nn.Module, path: str, style: str, what: str) -> int:
         return 1
     if style == "replicate":
         return 0
-    raise ValueError(f"{what}: module {path!r} is a {type(m).__name__}; style {style!r} applies to nn.Linear, "
-                     f"transformers' Conv1D and (vocab) nn.Embedding. Plan the Linear layers inside it instead.")
+    raise ValueError(
+        f"{what}: module {path!r} is a {type(m).__name__}; style {style!r} applies to nn.Linear, "
+        f"transformers' Conv1D and (vocab) nn.Embedding. Plan the Linear layers inside it instead."
+    )
 
 
 @attrs.frozen
@@ -155,14 +157,17 @@ def _resolve(module: nn.Module, plan: Mapping[str, str], what: str) -> dict[str,
         for pat, rx, style in compiled:
             if path and rx.fullmatch(path):
                 hits[pat] += 1
-                entries[path] = _Entry(path, style, pat, _out_dim(m, path, style, what), _is_conv1d(m),
-                                       isinstance(m, nn.Embedding))
+                entries[path] = _Entry(
+                    path, style, pat, _out_dim(m, path, style, what), _is_conv1d(m), isinstance(m, nn.Embedding)
+                )
                 break
     unmatched = [p for p, n in hits.items() if n == 0]
     if unmatched:
         sample = ", ".join(repr(p) for p in list(named)[1:7])
-        raise ValueError(f"{what}: plan pattern {unmatched[0]!r} matches no module of {type(module).__name__} "
-                         f"(module paths look like {sample}; '*' matches within one name).")
+        raise ValueError(
+            f"{what}: plan pattern {unmatched[0]!r} matches no module of {type(module).__name__} "
+            f"(module paths look like {sample}; '*' matches within one name)."
+        )
     return entries
 
 
@@ -182,7 +187,8 @@ def _param_entries(module: nn.Module, entries: dict[str, _Entry], what: str) -> 
                 raise ValueError(
                     f"{what}: {name!r} is tied to {first!r}, but the plan splits them differently "
                     f"({_style_of(e)} vs {_style_of(prev[0])}); a tied tensor has one layout: give both "
-                    f"modules the same kind of split (e.g. 'vocab' for a tied embedding and head).")
+                    f"modules the same kind of split (e.g. 'vocab' for a tied embedding and head)."
+                )
             if prev is None:
                 out[first] = (e, leaf)
             continue
@@ -205,8 +211,9 @@ def _spec(split: int | None, ndim: int, axis: str, fsdp_axis: str | None) -> Par
     return P(*entries)
 
 
-def module_tp_specs(params: Any, plan: Mapping[str, str], axis: str = "tp", *, fsdp_axis: str | None = None,
-                    module: Any = None) -> Any:
+def module_tp_specs(
+    params: Any, plan: Mapping[str, str], axis: str = "tp", *, fsdp_axis: str | None = None, module: Any = None
+) -> Any:
     """The specs of a module plan (what :func:`fshard.parallel.tp_specs` gives for one).
 
     Args:
@@ -254,7 +261,8 @@ def module_tp_specs(params: Any, plan: Mapping[str, str], axis: str = "tp", *, f
                         raise ValueError(
                             f"tp_specs: {mpath + '.weight'!r} is {tuple(w.shape)} with a bias of "
                             f"{bias.shape[0]}: which dim holds the output features depends on the layer type "
-                            f"(nn.Linear [out, in], Conv1D [in, out]). Pass module= (the model or its apply).")
+                            f"(nn.Linear [out, in], Conv1D [in, out]). Pass module= (the model or its apply)."
+                        )
                     out_dim = fits[0]
                 return _Entry(mpath, style, pat, out_dim, out_dim == 1, False)
         return None
@@ -307,13 +315,22 @@ class TPApply:
       axis: the tp axis; loss_parallel: whether vocab-split logits stay split.
     """
 
-    def __init__(self, inner: Any, module: nn.Module, plan: dict[str, str], entries: dict[str, _Entry],
-                 axis: str, loss_parallel: bool) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        module: nn.Module,
+        plan: dict[str, str],
+        entries: dict[str, _Entry],
+        axis: str,
+        loss_parallel: bool,
+    ) -> None:
         self.inner, self.module, self.plan, self.axis, self.loss_parallel = inner, module, plan, axis, loss_parallel
         self._entries = {p: e for p, e in entries.items() if e.style != "replicate"}
         # Global shapes, read once from the module's own parameters (the call binds shards).
-        self._shapes = {p: {n: tuple(t.shape) for n, t in module.get_submodule(p).named_parameters(recurse=False)}
-                        for p in self._entries}
+        self._shapes = {
+            p: {n: tuple(t.shape) for n, t in module.get_submodule(p).named_parameters(recurse=False)}
+            for p in self._entries
+        }
 
     def __repr__(self) -> str:
         return f"TPApply({type(self.module).__name__}, {len(self._entries)} split modules, axis={self.axis!r})"
@@ -346,7 +363,8 @@ class TPApply:
                 if d is not None and shape[d] % n:
                     raise ValueError(
                         f"tp_apply: {path}.{leaf} has shape {shape}; the {e.style} split puts dim {d} "
-                        f"(size {shape[d]}) over axis {self.axis!r} of size {n}, which does not divide it.")
+                        f"(size {shape[d]}) over axis {self.axis!r} of size {n}, which does not divide it."
+                    )
 
     def check_local(self, e: _Entry, m: nn.Module, n: int) -> None:
         for leaf, shape in self._shapes[e.path].items():
@@ -357,7 +375,8 @@ class TPApply:
                 raise ValueError(
                     f"tp_apply: {e.path}.{leaf} is {got} on this rank, but the {e.style} split of its "
                     f"{shape} over axis {self.axis!r} (size {n}) is {want}. Shard the parameters with "
-                    f"fs.parallel.tp_specs(params, plan, module=model) (Conv1D weights are [in, out]).")
+                    f"fs.parallel.tp_specs(params, plan, module=model) (Conv1D weights are [in, out])."
+                )
 
 
 def _pvary_shared(x: torch.Tensor, axis: str, shared: dict) -> torch.Tensor:
@@ -397,6 +416,7 @@ def _hooks(e: _Entry, tp: TPApply, n: int, hooks: mods.CallHooks, shared: dict):
         raise ValueError(f"tp_apply: module {e.path!r} was called without an input.")
 
     if e.embedding:  # vocab-parallel lookup
+
         def pre(m, args, kwargs):
             tp.check_local(e, m, n)
             ids, put = first_arg(args, kwargs)
@@ -420,6 +440,7 @@ def _hooks(e: _Entry, tp: TPApply, n: int, hooks: mods.CallHooks, shared: dict):
         return pre, post
 
     if e.style in ("colwise", "vocab"):
+
         def pre(m, args, kwargs):
             tp.check_local(e, m, n)
             x, put = first_arg(args, kwargs)
@@ -446,7 +467,8 @@ def _hooks(e: _Entry, tp: TPApply, n: int, hooks: mods.CallHooks, shared: dict):
             raise ValueError(
                 f"tp_apply: rowwise module {e.path!r} got an input with last dim {x.shape[-1]}, but its weight "
                 f"holds {in_dim} input features on this rank: a rowwise module takes the split output of a "
-                f"colwise one.")
+                f"colwise one."
+            )
         bias = getattr(m, "bias", None)
         undo: list = []
         if bias is not None:
@@ -501,4 +523,3 @@ def _gather_invariant(out: Any, axis: str, n: int) -> Any:
     if body is not None and body.check:
         lax.set_vma(full, lax.vma(out) - {axis})
     return full
-

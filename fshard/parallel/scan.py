@@ -120,7 +120,9 @@ def _post_forward_axes(raf: Any, shard_axes: tuple[str, ...], mesh: Any, remat: 
             warnings.warn(
                 "scan_layers: reshard_after_forward=1 (int) reshards to groups of 1 rank, i.e. keeps the "
                 "gathered parameters for backward, the same as reshard_after_forward=False; pass "
-                "True to free them after forward.", stacklevel=3)
+                "True to free them after forward.",
+                stacklevel=3,
+            )
             return False, ()
         if raf == full and shard_axes:
             return True, ()
@@ -132,8 +134,11 @@ def _post_forward_axes(raf: Any, shard_axes: tuple[str, ...], mesh: Any, remat: 
         names = (raf,) if isinstance(raf, str) else tuple(raf)
         unknown = [a for a in names if a not in shard_axes]
         if unknown or len(set(names)) != len(names):
-            hint = (f"e.g. reshard_after_forward={shard_axes[-1]!r}" if shard_axes else
-                    "but with no shard axis (axis=None) nothing is gathered: use False")
+            hint = (
+                f"e.g. reshard_after_forward={shard_axes[-1]!r}"
+                if shard_axes
+                else "but with no shard axis (axis=None) nothing is gathered: use False"
+            )
             raise ValueError(
                 f"scan_layers: reshard_after_forward={raf!r} names {unknown or list(names)!r}, but the "
                 f"parameters are sharded over axis={shard_axes!r} (sizes {sizes}); the post-forward "
@@ -160,27 +165,37 @@ def _post_forward_axes(raf: Any, shard_axes: tuple[str, ...], mesh: Any, remat: 
     return True, post
 
 
-def _bad_int_message(raf: int, shard_axes: tuple[str, ...], sizes: dict[str, int],
-                     trailing: dict[int, tuple[str, ...]]) -> str:
+def _bad_int_message(
+    raf: int, shard_axes: tuple[str, ...], sizes: dict[str, int], trailing: dict[int, tuple[str, ...]]
+) -> str:
     head = f"scan_layers: reshard_after_forward={raf!r}"
     if not shard_axes:
-        return (f"{head}, but there is no shard axis (axis=None): nothing is gathered, so nothing can be "
-                f"resharded. Use False.")
+        return (
+            f"{head}, but there is no shard axis (axis=None): nothing is gathered, so nothing can be "
+            f"resharded. Use False."
+        )
     full = math.prod(sizes.values())
     if len(shard_axes) == 1:
-        (a, n), = sizes.items()
-        example = (f"make_mesh({{'{a}_out': {n // raf}, '{a}_in': {raf}}}), shard over "
-                   f"axis=('{a}_out', '{a}_in') (fsdp_specs(params, ('{a}_out', '{a}_in'))) and pass "
-                   f"reshard_after_forward='{a}_in' (or {raf})" if raf > 1 and n % raf == 0 else
-                   f"make_mesh({{'{a}_out': {n} // k, '{a}_in': k}}) for a k that divides {n}, shard over "
-                   f"axis=('{a}_out', '{a}_in') and pass reshard_after_forward='{a}_in'")
-        return (f"{head} with axis={a!r} of size {n}: the group to stay sharded over after forward must "
-                f"be a mesh axis, and one axis only allows 1 (= False) or {n} (= True). Split the axis "
-                f"in two: {example}.")
+        ((a, n),) = sizes.items()
+        example = (
+            f"make_mesh({{'{a}_out': {n // raf}, '{a}_in': {raf}}}), shard over "
+            f"axis=('{a}_out', '{a}_in') (fsdp_specs(params, ('{a}_out', '{a}_in'))) and pass "
+            f"reshard_after_forward='{a}_in' (or {raf})"
+            if raf > 1 and n % raf == 0
+            else f"make_mesh({{'{a}_out': {n} // k, '{a}_in': k}}) for a k that divides {n}, shard over "
+            f"axis=('{a}_out', '{a}_in') and pass reshard_after_forward='{a}_in'"
+        )
+        return (
+            f"{head} with axis={a!r} of size {n}: the group to stay sharded over after forward must "
+            f"be a mesh axis, and one axis only allows 1 (= False) or {n} (= True). Split the axis "
+            f"in two: {example}."
+        )
     valid = ", ".join(f"{k} ({'= True' if k == full else repr(t)})" for k, t in sorted(trailing.items()) if k > 1)
-    return (f"{head} is not the size of a trailing group of axis={shard_axes!r} (sizes {sizes}): an int k "
-            f"keeps the parameters sharded over the last axes of `axis` whose sizes multiply to k. Valid: "
-            f"1 (= False), {valid}; or name the axes, e.g. reshard_after_forward={shard_axes[-1]!r}.")
+    return (
+        f"{head} is not the size of a trailing group of axis={shard_axes!r} (sizes {sizes}): an int k "
+        f"keeps the parameters sharded over the last axes of `axis` whose sizes multiply to k. Valid: "
+        f"1 (= False), {valid}; or name the axes, e.g. reshard_after_forward={shard_axes[-1]!r}."
+    )
 
 
 def scan_layers(
@@ -290,16 +305,28 @@ def scan_layers(
     _refuse_functorch("scan_layers", [x for ls in flat_layers for x in ls] + tree_util.leaves(x))
     # The partial slice is only worth keeping when the layer is resharded at all.
     keep_axes = post_axes if reshard and not remat else ()
-    state = Groups(flat_layers, shard_axes, rep_axes,
-                   [_shard_dims(ls, shard_axes, dim) for ls in flat_layers], policy or Policy(), bucket_bytes,
-                   accumulate, sync, post_axes=keep_axes, offload=offload)
+    state = Groups(
+        flat_layers,
+        shard_axes,
+        rep_axes,
+        [_shard_dims(ls, shard_axes, dim) for ls in flat_layers],
+        policy or Policy(),
+        bucket_bytes,
+        accumulate,
+        sync,
+        post_axes=keep_axes,
+        offload=offload,
+    )
     n_layers = len(flat_layers)
     all_leaves = [x for ls in flat_layers for x in ls]
-    sunk = Sink.apply(state, *all_leaves) if torch.is_grad_enabled() and any(
-        t.requires_grad for t in all_leaves) else tuple(all_leaves)
+    sunk = (
+        Sink.apply(state, *all_leaves)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in all_leaves)
+        else tuple(all_leaves)
+    )
     sunk_layers, k = [], 0
     for ls in flat_layers:
-        sunk_layers.append(list(sunk[k:k + len(ls)]))
+        sunk_layers.append(list(sunk[k : k + len(ls)]))
         k += len(ls)
     fwd = forward_prefetch or [[j for j in range(i + 1, min(n_layers, i + 1 + prefetch))] for i in range(n_layers)]
     bwd = backward_prefetch or [[i - 1] if i > 0 else [] for i in range(n_layers)]
@@ -394,8 +421,16 @@ def gather_params(
         return params
     _refuse_functorch("gather_params", leaves)
     shard_axes, rep_axes = _as_axes(axis), _as_axes(replicate_axis)
-    state = Groups([leaves], shard_axes, rep_axes, [_shard_dims(leaves, shard_axes, dim)], policy or Policy(),
-                   accumulator=accumulate, sync=sync, offload=offload)
+    state = Groups(
+        [leaves],
+        shard_axes,
+        rep_axes,
+        [_shard_dims(leaves, shard_axes, dim)],
+        policy or Policy(),
+        accumulator=accumulate,
+        sync=sync,
+        offload=offload,
+    )
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
     sunk = list(Sink.apply(state, *leaves)) if grad else leaves
     full = _gather(state, 0, sunk, frozenset(shard_axes) | frozenset(rep_axes))

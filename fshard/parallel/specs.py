@@ -18,8 +18,13 @@ from fshard.mesh.spec import P, PartitionSpec
 __all__ = ["fsdp_specs", "replicate_specs", "hsdp_specs", "match_specs"]
 
 
-def fsdp_specs(params: Any, axis: str | Sequence[str] = "fsdp", *, dim: int = 0,
-               placement_fn: Callable[[str, torch.Tensor], int] | None = None) -> Any:
+def fsdp_specs(
+    params: Any,
+    axis: str | Sequence[str] = "fsdp",
+    *,
+    dim: int = 0,
+    placement_fn: Callable[[str, torch.Tensor], int] | None = None,
+) -> Any:
     """``P`` per leaf that shards dim ``dim`` (or ``placement_fn(path, leaf)``) over ``axis``.
 
     Scalars (0-d leaves) are replicated. Shard them with ``fs.shard(..., uneven=True)``:
@@ -35,6 +40,7 @@ def fsdp_specs(params: Any, axis: str | Sequence[str] = "fsdp", *, dim: int = 0,
     Returns:
       A pytree of ``P`` with the structure of ``params``.
     """
+
     def one(path: str, x: Any) -> PartitionSpec:
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return P()

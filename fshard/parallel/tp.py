@@ -35,9 +35,23 @@ from fshard.mesh.spec import P, PartitionSpec
 from fshard.models.transformer import TransformerConfig, attention, feed_forward
 from fshard.parallel.specs import match_specs
 
-__all__ = ["MLP_STACK_TP_PLAN", "TRANSFORMER_TP_PLAN", "tp_rules", "tp_specs", "tp_enter", "tp_exit",
-           "sp_params", "vocab_parallel_embed", "vocab_parallel_cross_entropy", "tp_mlp", "tp_embed",
-           "tp_transformer_block", "tp_logits", "tp_dropout", "tp_rng"]
+__all__ = [
+    "MLP_STACK_TP_PLAN",
+    "TRANSFORMER_TP_PLAN",
+    "tp_rules",
+    "tp_specs",
+    "tp_enter",
+    "tp_exit",
+    "sp_params",
+    "vocab_parallel_embed",
+    "vocab_parallel_cross_entropy",
+    "tp_mlp",
+    "tp_embed",
+    "tp_transformer_block",
+    "tp_logits",
+    "tp_dropout",
+    "tp_rng",
+]
 
 MLP_STACK_TP_PLAN: dict[str, str] = {
     r"layers\.\d+\.in_proj\.(weight|bias)": "colwise",
@@ -54,8 +68,9 @@ TRANSFORMER_TP_PLAN: dict[str, str] = {
 }
 
 
-def tp_rules(plan: Mapping[str, str], axis: str = "tp", *,
-             fsdp_axis: str | None = None) -> list[tuple[str, PartitionSpec]]:
+def tp_rules(
+    plan: Mapping[str, str], axis: str = "tp", *, fsdp_axis: str | None = None
+) -> list[tuple[str, PartitionSpec]]:
     """``match_specs`` rules for a TP plan: ``[(regex, P), ...]``, in the plan's order.
 
     Args:
@@ -77,8 +92,9 @@ def tp_rules(plan: Mapping[str, str], axis: str = "tp", *,
     return rules
 
 
-def tp_specs(params: Any, plan: Mapping[str, str], axis: str = "tp", *, fsdp_axis: str | None = None,
-             module: Any = None) -> Any:
+def tp_specs(
+    params: Any, plan: Mapping[str, str], axis: str = "tp", *, fsdp_axis: str | None = None, module: Any = None
+) -> Any:
     """The specs of a TP (or FSDP x TP) layout: the entry point of this module.
 
     A plan of module path patterns (``"model.layers.*.mlp.up_proj": "colwise"``, as
@@ -109,8 +125,7 @@ def tp_specs(params: Any, plan: Mapping[str, str], axis: str = "tp", *, fsdp_axi
 
 
 # --- region boundaries -------------------------------------------------------------------
-def tp_enter(x: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False,
-             seq_dim: int = -2) -> torch.Tensor:
+def tp_enter(x: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False, seq_dim: int = -2) -> torch.Tensor:
     """Enters a TP region: the full activation every tp rank multiplies by its shard.
 
     Args:
@@ -127,8 +142,7 @@ def tp_enter(x: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = Fal
     return lax.pvary(x, axis)
 
 
-def tp_exit(y: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False,
-            seq_dim: int = -2) -> torch.Tensor:
+def tp_exit(y: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False, seq_dim: int = -2) -> torch.Tensor:
     """Leaves a TP region: sums the per-rank partial outputs of a row-parallel linear.
 
     Args:
@@ -181,8 +195,9 @@ def _vocab_range(local_size: int, axis: str, vocab_size: int | None) -> tuple[to
     return start, start + local_size
 
 
-def vocab_parallel_embed(weight: torch.Tensor, tokens: torch.Tensor, axis: str = "tp", *,
-                         vocab_size: int | None = None) -> torch.Tensor:
+def vocab_parallel_embed(
+    weight: torch.Tensor, tokens: torch.Tensor, axis: str = "tp", *, vocab_size: int | None = None
+) -> torch.Tensor:
     """This rank's partial embedding: rows it holds, zeros for other tokens.
 
     Args:
@@ -201,8 +216,9 @@ def vocab_parallel_embed(weight: torch.Tensor, tokens: torch.Tensor, axis: str =
     return F.embedding(local, weight) * mine.unsqueeze(-1).to(weight.dtype)  # (B, T, D)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: str = "tp", *,
-                                 vocab_size: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, axis: str = "tp", *, vocab_size: int | None = None
+) -> torch.Tensor:
     """Mean cross entropy of vocab-split logits without gathering them (loss parallel).
 
     ``logsumexp`` over the full vocabulary from a ``pmax`` of local maxima and a
@@ -231,8 +247,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ax
 
 
 # --- blocks -------------------------------------------------------------------------------------
-def tp_mlp(layer_params: Any, x: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False,
-           seq_dim: int = -2) -> torch.Tensor:
+def tp_mlp(
+    layer_params: Any, x: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False, seq_dim: int = -2
+) -> torch.Tensor:
     """One MLP (``in_proj`` colwise, ReLU, ``out_proj`` rowwise) on tp-local shards.
 
     Args:
@@ -262,8 +279,9 @@ def _norm(p: Any, x: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), p["weight"], p["bias"], cfg.norm_eps)
 
 
-def tp_dropout(x: torch.Tensor, cfg: TransformerConfig, axis: str = "tp", *, training: bool = False,
-               split: bool = False) -> torch.Tensor:
+def tp_dropout(
+    x: torch.Tensor, cfg: TransformerConfig, axis: str = "tp", *, training: bool = False, split: bool = False
+) -> torch.Tensor:
     """Dropout in a TP program, Megatron's way: ``F.dropout`` with ``p = cfg.dropout``.
 
     Where ``x`` is the same on every tp rank (``split=False``), every rank must draw the
@@ -302,8 +320,15 @@ def tp_rng(axis: str, device: torch.device):
         yield
 
 
-def tp_transformer_block(layer_params: Any, x: torch.Tensor, cfg: TransformerConfig, axis: str = "tp",
-                         sequence_parallel: bool = False, *, training: bool = False) -> torch.Tensor:
+def tp_transformer_block(
+    layer_params: Any,
+    x: torch.Tensor,
+    cfg: TransformerConfig,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    *,
+    training: bool = False,
+) -> torch.Tensor:
     """:func:`fshard.models.block` on tp-local shards: 2 collectives forward, 2 backward.
 
     Without SP: ``psum`` after attention and after the MLP (backward: ``psum`` of
@@ -335,7 +360,8 @@ def tp_transformer_block(layer_params: Any, x: torch.Tensor, cfg: TransformerCon
     if rows % cfg.head_dim:
         raise ValueError(
             f"tp_transformer_block: this rank's wq has {rows} rows, not a multiple of head_dim="
-            f"{cfg.head_dim}; n_heads={cfg.n_heads} must be divisible by the size of axis {axis!r}.")
+            f"{cfg.head_dim}; n_heads={cfg.n_heads} must be divisible by the size of axis {axis!r}."
+        )
     rep = {"attention_norm": p["attention_norm"], "ffn_norm": p["ffn_norm"], "b2": p["feed_forward"]["w2"]["bias"]}
     if sequence_parallel:
         rep = sp_params(rep, axis)
@@ -350,8 +376,15 @@ def tp_transformer_block(layer_params: Any, x: torch.Tensor, cfg: TransformerCon
     return x + tp_dropout(tp_exit(y, axis, **sp) + rep["b2"], cfg, axis, **drop)
 
 
-def tp_embed(params: Any, tokens: torch.Tensor, cfg: TransformerConfig, axis: str = "tp",
-             sequence_parallel: bool = False, *, training: bool = False) -> torch.Tensor:
+def tp_embed(
+    params: Any,
+    tokens: torch.Tensor,
+    cfg: TransformerConfig,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    *,
+    training: bool = False,
+) -> torch.Tensor:
     """Vocab-parallel token embedding plus position embedding.
 
     Args:
@@ -372,12 +405,13 @@ def tp_embed(params: Any, tokens: torch.Tensor, cfg: TransformerConfig, axis: st
     if sequence_parallel:
         t = x.shape[1]
         r = lax.axis_index(axis)
-        pos = sp_params(pos, axis)[r * t:(r + 1) * t]  # (T / tp, D)
+        pos = sp_params(pos, axis)[r * t : (r + 1) * t]  # (T / tp, D)
     return tp_dropout(x + pos, cfg, axis, training=training, split=sequence_parallel)
 
 
-def tp_logits(params: Any, x: torch.Tensor, cfg: TransformerConfig, axis: str = "tp",
-              sequence_parallel: bool = False) -> torch.Tensor:
+def tp_logits(
+    params: Any, x: torch.Tensor, cfg: TransformerConfig, axis: str = "tp", sequence_parallel: bool = False
+) -> torch.Tensor:
     """Final norm and vocab-split output projection; feed to :func:`vocab_parallel_cross_entropy`.
 
     Args:

@@ -35,17 +35,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama3-8b", help=f"a preset ({', '.join(PRESETS)})")
     p.add_argument("--machine", default="h100", help=f"a shipped machine ({', '.join(MACHINES)}) or a machine file")
     p.add_argument("--devices", type=_positive_int, default=8, help="number of devices (>= 1)")
-    p.add_argument("--batch", type=_positive_int, default=None,
-                   help="global batch in sequences, >= 1 (default: 2 per device)")
+    p.add_argument(
+        "--batch", type=_positive_int, default=None, help="global batch in sequences, >= 1 (default: 2 per device)"
+    )
     p.add_argument("--seq", type=_positive_int, default=8192, help="tokens per sequence (>= 1)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype")
-    p.add_argument("--memory-limit", type=_positive_float, default=None, metavar="GIB",
-                   help="memory per device in GiB, > 0 (default: the machine's less its reserve)")
+    p.add_argument(
+        "--memory-limit",
+        type=_positive_float,
+        default=None,
+        metavar="GIB",
+        help="memory per device in GiB, > 0 (default: the machine's less its reserve)",
+    )
     p.add_argument("--top", type=_positive_int, default=10, help="rows to show (>= 1)")
-    p.add_argument("--schedules", type=_schedule_list, default=",".join(SCHEDULES),
-                   help="pipeline schedules to try, comma-separated (fs.sched's names)")
-    p.add_argument("--layout", type=_mesh, default=None, metavar="AXIS=N,...",
-                   help=f"estimate this one mesh instead of searching (axes {', '.join(AXES)}; sizes >= 1)")
+    p.add_argument(
+        "--schedules",
+        type=_schedule_list,
+        default=",".join(SCHEDULES),
+        help="pipeline schedules to try, comma-separated (fs.sched's names)",
+    )
+    p.add_argument(
+        "--layout",
+        type=_mesh,
+        default=None,
+        metavar="AXIS=N,...",
+        help=f"estimate this one mesh instead of searching (axes {', '.join(AXES)}; sizes >= 1)",
+    )
     p.add_argument("--microbatches", type=_positive_int, default=1, help="with --layout (>= 1)")
     p.add_argument("--schedule", type=_schedule_name, default="1f1b", help="with --layout and pp")
     p.add_argument("--remat", action="store_true", help="with --layout")
@@ -103,8 +118,7 @@ def _schedule_list(text: str) -> list[str]:
         except ValueError:
             unknown.append(n)
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown schedule(s) {', '.join(map(repr, unknown))}; "
-                                         f"known: {choices()}")
+        raise argparse.ArgumentTypeError(f"unknown schedule(s) {', '.join(map(repr, unknown))}; known: {choices()}")
     return names
 
 
@@ -128,30 +142,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch = args.batch if args.batch is not None else 2 * args.devices
         limit = args.memory_limit * 2**30 if args.memory_limit is not None else None
         if args.layout is not None:
-            layout = Layout(args.layout, batch=batch, microbatches=args.microbatches, schedule=args.schedule,
-                            remat=args.remat, sequence_parallel=args.sequence_parallel, dtype=args.dtype)
+            layout = Layout(
+                args.layout,
+                batch=batch,
+                microbatches=args.microbatches,
+                schedule=args.schedule,
+                remat=args.remat,
+                sequence_parallel=args.sequence_parallel,
+                dtype=args.dtype,
+            )
             est = estimate(model, machine, layout, memory_limit=limit)
-            print(render([est], title=f"{model.name} on {layout.n_devices} x {machine.name}, batch {batch} x "
-                         f"{args.seq} tokens", plain=args.plain))
+            print(
+                render(
+                    [est],
+                    title=f"{model.name} on {layout.n_devices} x {machine.name}, batch {batch} x {args.seq} tokens",
+                    plain=args.plain,
+                )
+            )
             print(est.explain())
             if not est.fits:
                 print(f"does not fit: peak {est.peak_bytes / 2**30:.1f} GiB > limit {est.memory_limit / 2**30:.1f} GiB")
             return 0
-        res = search(model, machine, args.devices, batch, limit, schedules=args.schedules,
-                     dtype=args.dtype, top=args.top)
+        res = search(
+            model, machine, args.devices, batch, limit, schedules=args.schedules, dtype=args.dtype, top=args.top
+        )
     except (DescriptionError, LayoutError, ValueError) as e:
         print(f"python -m fshard.plan: error: {e}", file=sys.stderr)
         return 2
-    title = (f"{model.name} ({model.numel / 1e9:.2f}B params) on {args.devices} x {machine.name}, "
-             f"batch {batch} x {args.seq} tokens: top {len(res)} of {res.considered} layouts")
+    title = (
+        f"{model.name} ({model.numel / 1e9:.2f}B params) on {args.devices} x {machine.name}, "
+        f"batch {batch} x {args.seq} tokens: top {len(res)} of {res.considered} layouts"
+    )
     print(render(res.ranked, title=title, plain=args.plain))
     dropped = ", ".join(f"{n} {why}" for why, n in sorted(res.rejected.items()))
     print(f"rejected: {dropped or 'none'}")
     if res.best is not None:
         print("best:", res.best.explain())
     elif res.best_unfit is not None:
-        print("nothing fits; the fastest layout needs", f"{res.best_unfit.peak_bytes / 2**30:.1f} GiB:",
-              res.best_unfit.explain())
+        print(
+            "nothing fits; the fastest layout needs",
+            f"{res.best_unfit.peak_bytes / 2**30:.1f} GiB:",
+            res.best_unfit.explain(),
+        )
     return 0
 
 

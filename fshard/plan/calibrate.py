@@ -77,8 +77,15 @@ def _timeit(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None], war
 MIN_BURST_S = 0.15
 
 
-def _sustained(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None],
-               barrier: Callable[[], None], device: torch.device, min_s: float = MIN_BURST_S) -> float:
+def _sustained(
+    fn: Callable[[], Any],
+    *,
+    repeat: int,
+    sync: Callable[[], None],
+    barrier: Callable[[], None],
+    device: torch.device,
+    min_s: float = MIN_BURST_S,
+) -> float:
     """Seconds per call of ``fn`` while every rank runs it at once: all ranks start after a
     barrier, each runs ``fn`` back to back for at least ``min_s`` (the same count on every
     rank), and the time is the slowest rank's elapsed time over the count. The count comes
@@ -151,8 +158,15 @@ def _max_over_ranks(t: float, device: torch.device) -> float:
     return float(x)
 
 
-def _medians_in_turn(fns: Mapping[Any, Callable[[], Any]], rounds: int, *, repeat: int,
-                     sync: Callable[[], None], barrier: Callable[[], None], device: torch.device) -> dict[Any, float]:
+def _medians_in_turn(
+    fns: Mapping[Any, Callable[[], Any]],
+    rounds: int,
+    *,
+    repeat: int,
+    sync: Callable[[], None],
+    barrier: Callable[[], None],
+    device: torch.device,
+) -> dict[Any, float]:
     """Per key of ``fns``, the median over ``rounds`` of its :func:`_sustained` time, the
     functions taken in turn each round: a drift of the machine's speed then moves every
     figure alike, and a figure made of differences of them (a fit, an overlap) keeps."""
@@ -175,22 +189,29 @@ def _fit(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
     return a, 1.0 / slope
 
 
-def _matmul_rate(dtype: torch.dtype, device: torch.device, sizes: Sequence[int], repeat: int,
-                 sync: Callable[[], None], barrier: Callable[[], None]) -> float:
+def _matmul_rate(
+    dtype: torch.dtype,
+    device: torch.device,
+    sizes: Sequence[int],
+    repeat: int,
+    sync: Callable[[], None],
+    barrier: Callable[[], None],
+) -> float:
     flops, times = [], []
     for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         t = _sustained(lambda: torch.mm(a, b), repeat=repeat, sync=sync, barrier=barrier, device=device)
-        flops.append(2.0 * n ** 3)
+        flops.append(2.0 * n**3)
         times.append(t)
     _, rate = _fit(flops, times)
     # The fit can overshoot on noise; the largest size's plain rate bounds it from below.
     return max(min(rate, 2 * flops[-1] / times[-1]), flops[-1] / times[-1])
 
 
-def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool = False,
-              name: str | None = None, block: Any = None) -> Machine:
+def calibrate(
+    mesh: Any, *, path: str | os.PathLike | None = None, quick: bool = False, name: str | None = None, block: Any = None
+) -> Machine:
     """Measures this machine on every rank of ``mesh`` (collective) and saves a machine file.
 
     Args:
@@ -219,7 +240,7 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
         sizes = (1024, 2048, 4096, 8192)
 
     flops = {}
-    for dt in ((torch.float32,) if quick else (torch.float32, torch.bfloat16, torch.float64)):
+    for dt in (torch.float32,) if quick else (torch.float32, torch.bfloat16, torch.float64):
         try:
             flops[str(dt).removeprefix("torch.")] = _matmul_rate(dt, device, sizes, repeat, sync, barrier)
         except RuntimeError:  # a dtype this device cannot multiply
@@ -230,8 +251,16 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
 
     one = torch.ones(1, device=device)
     n_ops = 200 if quick else 1000
-    op_overhead = _sustained(lambda: [torch.add(one, one) for _ in range(n_ops)], repeat=repeat, sync=sync,
-                             barrier=barrier, device=device) / n_ops
+    op_overhead = (
+        _sustained(
+            lambda: [torch.add(one, one) for _ in range(n_ops)],
+            repeat=repeat,
+            sync=sync,
+            barrier=barrier,
+            device=device,
+        )
+        / n_ops
+    )
 
     pair = [torch.empty((16 if quick else 64) * 2**20 // 4, device=device)]
     pair.append(torch.empty_like(pair[0]))
@@ -242,7 +271,8 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
     efficiency, layer_overhead, call_overhead, fit_note = 1.0, 0.0, 0.0, "block fit skipped"
     if block is not False and "float32" in flops:
         efficiency, layer_overhead, call_overhead, compute_share, fit_note = _block_fit(
-            block, mesh, flops["float32"], mem_bw, op_overhead, quick, sync, barrier)
+            block, mesh, flops["float32"], mem_bw, op_overhead, quick, sync, barrier
+        )
         flops, efficiency, note = resolve_efficiency(flops, efficiency, compute_share)
         fit_note += note
     # Every rank returns rank 0's machine (broadcast below), fit included.
@@ -273,14 +303,20 @@ def calibrate(mesh: Any, *, path: str | os.PathLike | None = None, quick: bool =
         cores_per_node=0 if cuda else (os.cpu_count() or 1),
         comm_temporaries=1.0 if dist.is_initialized() and dist.get_backend() == "gloo" else 0.0,
         calibrated_ranks=0 if cuda else world,
-        sources=(f"fs.plan.calibrate on {host} ({device.type}), {world} rank(s) at once, "
-                 f"{time.strftime('%Y-%m-%d %H:%M')}; load average {_load()}",),
-        notes="measured: " + "; ".join([
-            fit_note,
-            f"optimizer {optimizer_leaf * 1e3:.3f} ms per leaf besides its kernels, its kernels at "
-            f"{optimizer_eff:.2f} of the copy's bandwidth",
-            f"overlap {overlap:.2f}, {sync_overhead * 1e3:.2f} ms per blocking collective beside compute",
-        ] + measurements),
+        sources=(
+            f"fs.plan.calibrate on {host} ({device.type}), {world} rank(s) at once, "
+            f"{time.strftime('%Y-%m-%d %H:%M')}; load average {_load()}",
+        ),
+        notes="measured: "
+        + "; ".join(
+            [
+                fit_note,
+                f"optimizer {optimizer_leaf * 1e3:.3f} ms per leaf besides its kernels, its kernels at "
+                f"{optimizer_eff:.2f} of the copy's bandwidth",
+                f"overlap {overlap:.2f}, {sync_overhead * 1e3:.2f} ms per blocking collective beside compute",
+            ]
+            + measurements
+        ),
     )
     if world > 1:  # every rank returns rank 0's figures (they measured at the same time)
         box = [machine]
@@ -301,8 +337,9 @@ MAX_RATE_RAISE = 2.0
 MIN_COMPUTE_SHARE = 0.3
 
 
-def resolve_efficiency(flops: dict[str, float], efficiency: float, compute_share: float
-                       ) -> tuple[dict[str, float], float, str]:
+def resolve_efficiency(
+    flops: dict[str, float], efficiency: float, compute_share: float
+) -> tuple[dict[str, float], float, str]:
     """``(flops, matmul_efficiency, note)`` from a block fit's efficiency, kept at most 1.
 
     An efficiency above 1 means the block multiplied faster than the square products' fit
@@ -318,12 +355,21 @@ def resolve_efficiency(flops: dict[str, float], efficiency: float, compute_share
     if efficiency <= 1:
         return flops, efficiency, ""
     if compute_share < MIN_COMPUTE_SHARE:
-        return flops, 1.0, (f"; efficiency {efficiency:.2f} capped at 1: the block's compute is "
-                            f"{compute_share:.0%} of its time, too little to fit a rate from")
+        return (
+            flops,
+            1.0,
+            (
+                f"; efficiency {efficiency:.2f} capped at 1: the block's compute is "
+                f"{compute_share:.0%} of its time, too little to fit a rate from"
+            ),
+        )
     factor = min(efficiency, MAX_RATE_RAISE)
     capped = f" (fit {efficiency:.2f}x, capped)" if factor < efficiency else ""
-    return ({k: v * factor for k, v in flops.items()}, 1.0,
-            f"; the matmul rates raised {factor:.2f}x to the block's{capped}")
+    return (
+        {k: v * factor for k, v in flops.items()},
+        1.0,
+        f"; the matmul rates raised {factor:.2f}x to the block's{capped}",
+    )
 
 
 # (leaves, elements per leaf) the optimizer's timing takes: see _optimizer_fit.
@@ -333,8 +379,9 @@ OPTIMIZER_POINTS = ((8, 4096), (32, 4096), (8, 262144))
 MIN_BYTES_SHARE = 0.25
 
 
-def _optimizer_fit(mesh: Any, mem_bw: float, op_overhead: float, quick: bool,
-                   sync: Callable[[], None], barrier: Callable[[], None]) -> tuple[float, float]:
+def _optimizer_fit(
+    mesh: Any, mem_bw: float, op_overhead: float, quick: bool, sync: Callable[[], None], barrier: Callable[[], None]
+) -> tuple[float, float]:
     """``(optimizer_leaf_overhead_s, optimizer_mem_efficiency)`` of the update
     ``examples/train_lm.py`` takes (``global_norm``, the clipping scale, ``fs.optim.adamw``
     and ``apply_updates`` under ``donate()``), as :func:`fit_optimizer` fits them.
@@ -367,16 +414,36 @@ def _optimizer_fit(mesh: Any, mem_bw: float, op_overhead: float, quick: bool,
             with optim.donate():
                 updates, box[1] = opt.update(clipped, box[1], box[0])
                 box[0] = optim.apply_updates(box[0], updates)
+
         return step
 
-    t = _medians_in_turn({pt: make(*pt) for pt in OPTIMIZER_POINTS}, 1 if quick else 3, repeat=3, sync=sync,
-                         barrier=barrier, device=mesh.device)
-    return fit_optimizer(OPTIMIZER_POINTS, [t[pt] for pt in OPTIMIZER_POINTS], trace_optimizer(torch.float32),
-                         mem_bw, op_overhead, cpu=mesh.device.type != "cuda")
+    t = _medians_in_turn(
+        {pt: make(*pt) for pt in OPTIMIZER_POINTS},
+        1 if quick else 3,
+        repeat=3,
+        sync=sync,
+        barrier=barrier,
+        device=mesh.device,
+    )
+    return fit_optimizer(
+        OPTIMIZER_POINTS,
+        [t[pt] for pt in OPTIMIZER_POINTS],
+        trace_optimizer(torch.float32),
+        mem_bw,
+        op_overhead,
+        cpu=mesh.device.type != "cuda",
+    )
 
 
-def fit_optimizer(points: Sequence[tuple[int, int]], times: Sequence[float], work: Any, mem_bw: float,
-                  op_overhead: float, *, cpu: bool) -> tuple[float, float]:
+def fit_optimizer(
+    points: Sequence[tuple[int, int]],
+    times: Sequence[float],
+    work: Any,
+    mem_bw: float,
+    op_overhead: float,
+    *,
+    cpu: bool,
+) -> tuple[float, float]:
     """``(optimizer_leaf_overhead_s, optimizer_mem_efficiency)`` that make the estimate's
     optimizer formula give ``times`` at ``points``, each ``(leaves, elements per leaf)``.
 
@@ -407,15 +474,18 @@ def fit_optimizer(points: Sequence[tuple[int, int]], times: Sequence[float], wor
 
     by = dict(zip(points, times))
     if len(points) != len(times) or len(by) != len(times):
-        raise ValueError(f"fit_optimizer: needs one time per distinct point; got points {list(points)} and "
-                         f"{len(times)} times")
+        raise ValueError(
+            f"fit_optimizer: needs one time per distinct point; got points {list(points)} and {len(times)} times"
+        )
     e0 = min(e for _, e in points)
     small = sorted(n for n, e in points if e == e0)
     n0 = small[0]
     sizes = sorted(e for n, e in points if n == n0)
     if len(small) < 2 or len(sizes) < 2:
-        raise ValueError(f"fit_optimizer: points {list(points)} need two leaf counts at the smallest size "
-                         f"({e0}) and two sizes at the fewest leaves ({n0})")
+        raise ValueError(
+            f"fit_optimizer: points {list(points)} need two leaf counts at the smallest size "
+            f"({e0}) and two sizes at the fewest leaves ({n0})"
+        )
     e1, n1 = sizes[-1], small[-1]
     d_bytes = n0 * (e1 - e0) * work.bytes_per_element
     d_t = by[(n0, e1)] - by[(n0, e0)]
@@ -432,8 +502,16 @@ def _reference_block() -> Any:
     return TransformerConfig(vocab_size=256, dim=256, n_layers=1, n_heads=4, max_seq_len=128)
 
 
-def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: float, quick: bool,
-               sync: Callable[[], None], barrier: Callable[[], None]) -> tuple[float, float, float, float, str]:
+def _block_fit(
+    cfg: Any,
+    mesh: Any,
+    peak: float,
+    mem_bw: float,
+    op_overhead: float,
+    quick: bool,
+    sync: Callable[[], None],
+    barrier: Callable[[], None],
+) -> tuple[float, float, float, float, str]:
     """``(matmul_efficiency, layer_overhead_s, call_overhead_s, compute_share, note)`` from
     real blocks' forward + backward (``compute_share``: the fitted per-sample compute's share
     of the largest timing).
@@ -480,33 +558,45 @@ def _block_fit(cfg: Any, mesh: Any, peak: float, mem_bw: float, op_overhead: flo
             for _ in range(n):
                 x = block_fn(p, x, cfg)
             return x.sum()
+
         return body
 
-    grads = {n: value_and_grad(shard_map(blocks(n), mesh=mesh, in_specs=(P(), P()), out_specs=P()),
-                               argnums=(0, 1)) for n in (1, 2, 4)}
+    grads = {
+        n: value_and_grad(shard_map(blocks(n), mesh=mesh, in_specs=(P(), P()), out_specs=P()), argnums=(0, 1))
+        for n in (1, 2, 4)
+    }
     # Up to 4 blocks per call: the per-layer cost is the small difference of per-block
     # times, which 1 and 2 blocks left to noise (three calibrations minutes apart fitted
     # 5.2, 10.3 and 9.6 ms per layer call, 9.2, 0 and 2.0 ms per step-body call). At most
     # 4 block-samples per point; four points, so that the fit of three unknowns averages.
     points = BLOCK_POINTS
     xs = {b: torch.randn(b, T, cfg.dim, generator=g).to(device) for _, b in points}
-    medians = _medians_in_turn({(n, b): functools.partial(grads[n], params, xs[b]) for n, b in points},
-                               1 if quick else 5, repeat=3, sync=sync, barrier=barrier, device=device)
+    medians = _medians_in_turn(
+        {(n, b): functools.partial(grads[n], params, xs[b]) for n, b in points},
+        1 if quick else 5,
+        repeat=3,
+        sync=sync,
+        barrier=barrier,
+        device=device,
+    )
     times = [medians[pt] for pt in points]
     efficiency, layer_overhead, call_overhead = fit_block(points, times, work, peak, mem_bw, op_overhead)
     # The per-sample compute's share of the largest timing, as fitted (resolve_efficiency).
     big = max(range(len(points)), key=lambda i: times[i])
     n, b = points[big]
     compute_share = n * b * work.flops / (peak * efficiency) / times[big]
-    note = (f"block fit (dim {cfg.dim}, {T} tokens, (blocks, samples) per value_and_grad(shard_map) call: "
-            + ", ".join(f"{pt}: {t * 1e3:.1f} ms" for pt, t in zip(points, times))
-            + f") -> {efficiency:.2f} of the matmul rate, {layer_overhead * 1e3:.2f} ms per layer forward or "
-            f"backward call, {call_overhead * 1e3:.2f} ms per step-body call")
+    note = (
+        f"block fit (dim {cfg.dim}, {T} tokens, (blocks, samples) per value_and_grad(shard_map) call: "
+        + ", ".join(f"{pt}: {t * 1e3:.1f} ms" for pt, t in zip(points, times))
+        + f") -> {efficiency:.2f} of the matmul rate, {layer_overhead * 1e3:.2f} ms per layer forward or "
+        f"backward call, {call_overhead * 1e3:.2f} ms per step-body call"
+    )
     return efficiency, layer_overhead, call_overhead, compute_share, note
 
 
-def fit_block(points: Sequence[tuple[int, int]], times: Sequence[float], work: Any, peak: float, mem_bw: float,
-              op_overhead: float) -> tuple[float, float, float]:
+def fit_block(
+    points: Sequence[tuple[int, int]], times: Sequence[float], work: Any, peak: float, mem_bw: float, op_overhead: float
+) -> tuple[float, float, float]:
     """``(matmul_efficiency, layer_overhead_s, call_overhead_s)`` that make the estimate's
     formulas give ``times`` (seconds of one step-body call) at ``points``, each
     ``(blocks per call, samples)``.
@@ -535,17 +625,28 @@ def fit_block(points: Sequence[tuple[int, int]], times: Sequence[float], work: A
       ValueError: fewer than three points, too few distinct block or sample counts, or
         points that do not separate the unknowns.
     """
-    if len(points) != len(times) or len(points) < 3 or len({n for n, _ in points}) < 2 or \
-            len({b for _, b in points}) < 2:
-        raise ValueError(f"fit_block: needs 3 or more (blocks, samples) points with 2 block counts and 2 sample "
-                         f"counts, and one time each; got points {list(points)} and {len(times)} times")
+    if (
+        len(points) != len(times)
+        or len(points) < 3
+        or len({n for n, _ in points}) < 2
+        or len({b for _, b in points}) < 2
+    ):
+        raise ValueError(
+            f"fit_block: needs 3 or more (blocks, samples) points with 2 block counts and 2 sample "
+            f"counts, and one time each; got points {list(points)} and {len(times)} times"
+        )
     design = torch.tensor([[1.0, n, n * b] for n, b in points], dtype=torch.float64)
     if int(torch.linalg.matrix_rank(design)) < 3:
-        raise ValueError(f"fit_block: points {list(points)} do not separate the per-call, per-layer and per-sample "
-                         f"costs (their (1, blocks, blocks * samples) rows have rank < 3)")
+        raise ValueError(
+            f"fit_block: points {list(points)} do not separate the per-call, per-layer and per-sample "
+            f"costs (their (1, blocks, blocks * samples) rows have rank < 3)"
+        )
     ys = [t - n * work.ops * op_overhead - n * b * work.bytes / mem_bw for (n, b), t in zip(points, times)]
-    cols = {"call": [1.0] * len(points), "layer": [2.0 * n for n, _ in points],
-            "rate": [n * b * work.flops for n, b in points]}
+    cols = {
+        "call": [1.0] * len(points),
+        "layer": [2.0 * n for n, _ in points],
+        "rate": [n * b * work.flops for n, b in points],
+    }
     y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
     best: tuple[int, float, dict[str, float]] | None = None  # (free terms, sse, fit): most free, then least sse
     for free in (("call", "layer"), ("layer",), ("call",), ()):
@@ -637,8 +738,9 @@ def _collectives(mesh: Any, quick: bool, sync, barrier) -> tuple[dict[str, dict[
 
             def ring() -> None:
                 out = torch.empty_like(x)
-                reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt, group),
-                                               dist.P2POp(dist.irecv, out, prv, group)])
+                reqs = dist.batch_isend_irecv(
+                    [dist.P2POp(dist.isend, x, nxt, group), dist.P2POp(dist.irecv, out, prv, group)]
+                )
                 for r in reqs:
                     r.wait()
 
@@ -713,8 +815,14 @@ def _overlap(mesh: Any, sync, barrier, quick: bool = False) -> float:
     tg = _sustained(gather, repeat=5, sync=sync, barrier=barrier, device=mesh.device)
     tc = _sustained(compute, repeat=5, sync=sync, barrier=barrier, device=mesh.device)
     reps = max(8, min(256, round(8 * tg / tc)))
-    t = _medians_in_turn({"compute": compute, "gather": gather, "both": both}, 1 if quick else 5, repeat=5,
-                         sync=sync, barrier=barrier, device=mesh.device)
+    t = _medians_in_turn(
+        {"compute": compute, "gather": gather, "both": both},
+        1 if quick else 5,
+        repeat=5,
+        sync=sync,
+        barrier=barrier,
+        device=mesh.device,
+    )
     tc, tg, tb = t["compute"], t["gather"], t["both"]
     hidden = (tc + tg - tb) / min(tc, tg)
     # _sustained's times are the slowest rank's, the same on every rank
@@ -762,6 +870,12 @@ def _sync_overhead(mesh: Any, sync, barrier, quick: bool = False) -> float:
                 torch.mm(a, a)
             comm.all_reduce(x, group, "sum", axes=(axis,))
 
-    t = _medians_in_turn({"compute": compute, "reduce": reduce, "both": both}, 1 if quick else 5, repeat=3,
-                         sync=sync, barrier=barrier, device=mesh.device)
+    t = _medians_in_turn(
+        {"compute": compute, "reduce": reduce, "both": both},
+        1 if quick else 5,
+        repeat=3,
+        sync=sync,
+        barrier=barrier,
+        device=mesh.device,
+    )
     return max(0.0, (t["both"] - t["compute"] - t["reduce"]) / reps)

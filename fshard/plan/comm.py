@@ -78,8 +78,9 @@ def log_totals(colls: Iterable[Collective]) -> dict[tuple[str, tuple[str, ...]],
     return {k: (calls[k], nbytes[k]) for k in calls}
 
 
-def _tp_layer(model: ModelDesc, layout: Layout, i: int, samples: int, calls: int, *, remat: bool,
-              pipeline: bool) -> list[Collective]:
+def _tp_layer(
+    model: ModelDesc, layout: Layout, i: int, samples: int, calls: int, *, remat: bool, pipeline: bool
+) -> list[Collective]:
     """Tensor-parallel collectives of ``calls`` forward + backward calls of layer ``i``."""
     layer = model.layers[i]
     tp = layout.tp
@@ -182,8 +183,9 @@ def _flat_collectives(model: ModelDesc, layout: Layout) -> list[Collective]:
             out.append(Collective("all_gather", fa, _flat_bytes(blk.flat, pdt), 1, "fsdp gather block"))
             out.append(Collective("all_gather", fa, _flat_bytes(blk.flat, pdt), L - 1, "fsdp gather block", "fwd"))
         for i in range(len(model.layers)):
-            out += _tp_layer(model, layout, i, b, model.layers[i].count, remat=layout.remat and i == rep,
-                             pipeline=False)
+            out += _tp_layer(
+                model, layout, i, b, model.layers[i].count, remat=layout.remat and i == rep, pipeline=False
+            )
         if layout.data_axes:
             out.append(Collective("psum", layout.data_axes, loss_bytes, 1, "loss mean"))
         # backward
@@ -197,8 +199,9 @@ def _flat_collectives(model: ModelDesc, layout: Layout) -> list[Collective]:
             full = _flat_bytes(blk.flat * fsdp, rdt)
             out.append(Collective("psum_scatter", fa, full, L - 1, "fsdp reduce-scatter block", "bwd"))
             out.append(Collective("psum_scatter", fa, full, 1, "fsdp reduce-scatter block"))
-            out.append(Collective("psum_scatter", fa, _flat_bytes(root_flat * fsdp, rdt), 1,
-                                  "fsdp reduce-scatter root"))
+            out.append(
+                Collective("psum_scatter", fa, _flat_bytes(root_flat * fsdp, rdt), 1, "fsdp reduce-scatter root")
+            )
             if dp > 1:  # HSDP: the shard's all-reduce over dp, at the end of backward
                 out.append(Collective("psum", da, _flat_bytes(blk.flat, rdt), L, "hsdp all-reduce block"))
                 out.append(Collective("psum", da, _flat_bytes(root_flat, rdt), 1, "hsdp all-reduce root"))
@@ -209,8 +212,11 @@ def _flat_collectives(model: ModelDesc, layout: Layout) -> list[Collective]:
             else:
                 for j, n_layers in enumerate(_buckets(_flat_bytes(blk.local, rdt), L)):
                     last = j == len(_buckets(_flat_bytes(blk.local, rdt), L)) - 1
-                    out.append(Collective("psum", da, _flat_bytes(blk.local, rdt) * n_layers, 1, "ddp bucket",
-                                          None if last else "bwd"))
+                    out.append(
+                        Collective(
+                            "psum", da, _flat_bytes(blk.local, rdt) * n_layers, 1, "ddp bucket", None if last else "bwd"
+                        )
+                    )
             out.append(Collective("psum", da, _flat_bytes(root_local, rdt), 1, "ddp all-reduce root"))
     del root_full
     return out + _grad_norm(layout)
@@ -245,8 +251,16 @@ def _pipeline_collectives(model: ModelDesc, layout: Layout, pp_rank: int) -> lis
         sh = stage_shards(model, layout, stages[s])
         if fsdp > 1:
             n_gathers = 1 if not reshard else m * 3
-            out.append(Collective("all_gather", fa, _flat_bytes(sh.flat, pdt), n_gathers, "stage fsdp gather",
-                                  None if j == 0 else "fwd"))
+            out.append(
+                Collective(
+                    "all_gather",
+                    fa,
+                    _flat_bytes(sh.flat, pdt),
+                    n_gathers,
+                    "stage fsdp gather",
+                    None if j == 0 else "fwd",
+                )
+            )
         for i, k in stages[s]:
             out += _tp_layer(model, layout, i, b, k * m, remat=layout.remat and i == model.repeated, pipeline=True)
     act = pipeline_payload(model, layout)
@@ -259,13 +273,29 @@ def _pipeline_collectives(model: ModelDesc, layout: Layout, pp_rank: int) -> lis
         sh = stage_shards(model, layout, stages[s])
         last = j == len(held) - 1
         if fsdp > 1:
-            out.append(Collective("psum_scatter", fa, _flat_bytes(sh.flat * fsdp, rdt), 1, "stage fsdp reduce-scatter",
-                                  None if s == min(held) else "bwd"))
+            out.append(
+                Collective(
+                    "psum_scatter",
+                    fa,
+                    _flat_bytes(sh.flat * fsdp, rdt),
+                    1,
+                    "stage fsdp reduce-scatter",
+                    None if s == min(held) else "bwd",
+                )
+            )
             if dp > 1:
                 out.append(Collective("psum", da, _flat_bytes(sh.flat, rdt), 1, "hsdp all-reduce stage"))
         elif layout.data_axes:
-            out.append(Collective("psum", layout.data_axes, _flat_bytes(sh.local, rdt), 1,
-                                  "pipeline all-reduce stage", None if last else "bwd"))
+            out.append(
+                Collective(
+                    "psum",
+                    layout.data_axes,
+                    _flat_bytes(sh.local, rdt),
+                    1,
+                    "pipeline all-reduce stage",
+                    None if last else "bwd",
+                )
+            )
     out.append(Collective("broadcast", ("pp",), 16, 1, "loss broadcast"))
     if layout.data_axes:
         out.append(Collective("psum", layout.data_axes, 8, 1, "loss mean"))
@@ -291,8 +321,13 @@ def p2p_counts(schedule: object) -> tuple[tuple[int, int], ...]:
     if hit is not None and hit[0] is schedule:
         return hit[1]
     rows = lower(schedule).actions
-    counts = tuple((sum(1 for a in row if a.kind in (Kind.SEND_F, Kind.SEND_B)),
-                    sum(1 for a in row if a.kind in (Kind.RECV_F, Kind.RECV_B))) for row in rows)
+    counts = tuple(
+        (
+            sum(1 for a in row if a.kind in (Kind.SEND_F, Kind.SEND_B)),
+            sum(1 for a in row if a.kind in (Kind.RECV_F, Kind.RECV_B)),
+        )
+        for row in rows
+    )
     if len(_P2P) > 512:
         _P2P.clear()
     _P2P[id(schedule)] = (schedule, counts)  # the schedule is kept alive, so its id stays unique

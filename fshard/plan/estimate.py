@@ -98,10 +98,16 @@ class Estimate:
 
     def explain(self) -> str:
         """One line: where the time goes and what the memory holds."""
-        t = ", ".join(f"{k} {v * 1e3:.1f} ms" if self.step_s < 10 else f"{k} {v:.2f} s"
-                      for k, v in self.breakdown.items() if v > 0)
-        m = ", ".join(f"{k} {v / 2**30:.2f} GiB" if self.peak_bytes > 2**30 else f"{k} {v / 2**20:.1f} MiB"
-                      for k, v in self.memory.items() if v > 0)
+        t = ", ".join(
+            f"{k} {v * 1e3:.1f} ms" if self.step_s < 10 else f"{k} {v:.2f} s"
+            for k, v in self.breakdown.items()
+            if v > 0
+        )
+        m = ", ".join(
+            f"{k} {v / 2**30:.2f} GiB" if self.peak_bytes > 2**30 else f"{k} {v / 2**20:.1f} MiB"
+            for k, v in self.memory.items()
+            if v > 0
+        )
         return f"{self.layout.label()}: step {self.step_s:.4g} s ({t}); peak {self.peak_bytes / 2**30:.3g} GiB ({m})"
 
 
@@ -130,15 +136,19 @@ def _ranks_per_node(machine: Machine, layout: Layout) -> int:
     return min(layout.n_devices, machine.devices_per_node)
 
 
-def _phase_time(machine: Machine, layout: Layout, model: ModelDesc, layer: LayerDesc, phase: str,
-                samples: float) -> float:
+def _phase_time(
+    machine: Machine, layout: Layout, model: ModelDesc, layer: LayerDesc, phase: str, samples: float
+) -> float:
     rpn = _ranks_per_node(machine, layout)
     flops, nbytes, ops = _work(layer, phase, layout, model)
     # A layer's backward is one autograd pass (I and W together unless a schedule splits
     # them): its fixed host cost is counted once, on I.
     calls = 1.0 if phase != "bwd_weight" else 0.0
-    return samples * (flops / machine.flops_rate(layout.dtype, rpn) + nbytes / machine.bytes_rate(rpn)) + \
-        ops * machine.overhead(rpn) + calls * machine.layer_overhead(rpn)
+    return (
+        samples * (flops / machine.flops_rate(layout.dtype, rpn) + nbytes / machine.bytes_rate(rpn))
+        + ops * machine.overhead(rpn)
+        + calls * machine.layer_overhead(rpn)
+    )
 
 
 def _act_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
@@ -223,8 +233,9 @@ def _blocking(machine: Machine, layout: Layout, c: Collective) -> float:
     return c.count * (collective_time(machine, layout, c) + sync)
 
 
-def estimate(model: ModelDesc, machine: Machine, layout: Layout, *, memory_limit: float | None = None,
-             time_unfit: bool = True) -> Estimate:
+def estimate(
+    model: ModelDesc, machine: Machine, layout: Layout, *, memory_limit: float | None = None, time_unfit: bool = True
+) -> Estimate:
     """Predicts step time and peak memory per rank for one layout.
 
     Args:
@@ -273,8 +284,11 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
     pb, rb = DTYPE_BYTES[layout.dtype], DTYPE_BYTES[layout.master_dtype]
 
     fwd = {i: _phase_time(machine, layout, model, layer, "fwd", b) for i, layer in enumerate(model.layers)}
-    bwd = {i: _phase_time(machine, layout, model, layer, "bwd_input", b) +
-           _phase_time(machine, layout, model, layer, "bwd_weight", b) for i, layer in enumerate(model.layers)}
+    bwd = {
+        i: _phase_time(machine, layout, model, layer, "bwd_input", b)
+        + _phase_time(machine, layout, model, layer, "bwd_weight", b)
+        for i, layer in enumerate(model.layers)
+    }
     if layout.remat:
         bwd[rep] += fwd[rep]
     # One value_and_grad(shard_map(...)) call per microbatch: its fixed host cost once.
@@ -328,24 +342,45 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
     else:
         pending = 0.0
     persistent = {"params": master_bytes, "optimizer": 2 * master_bytes, "w_pending": 0.0}
-    at_bwd_start = {**persistent, "grads": 0.0, "gathered": gathered_root + gathered_fwd,
-                    "activations": acts, "grad_buffers": acc}
+    at_bwd_start = {
+        **persistent,
+        "grads": 0.0,
+        "gathered": gathered_root + gathered_fwd,
+        "activations": acts,
+        "grad_buffers": acc,
+    }
     # At the last block's backward the other blocks' gradients are reduced to shards; the
     # root group's reduction waits until the end of backward.
     reduced = (L - 1) * layer_shards(block, layout).local * rb if fsdp > 1 else master_bytes
-    at_bwd_end = {**persistent, "grads": reduced, "gathered": gathered_root + block_gathered,
-                  "activations": block_acts + (_boundary_bytes(block, layout, model) * b if layout.remat else 0.0),
-                  "grad_buffers": max(acc, pending)}
+    at_bwd_end = {
+        **persistent,
+        "grads": reduced,
+        "gathered": gathered_root + block_gathered,
+        "activations": block_acts + (_boundary_bytes(block, layout, model) * b if layout.remat else 0.0),
+        "grad_buffers": max(acc, pending),
+    }
     ow = _optimizer_work(layout.master_dtype)
-    at_opt = {**persistent, "grads": master_bytes, "gathered": 0.0, "activations": 0.0,
-              "grad_buffers": ow.transient_per_element * numel * DTYPE_BYTES[layout.master_dtype] / 4}
+    at_opt = {
+        **persistent,
+        "grads": master_bytes,
+        "gathered": 0.0,
+        "activations": 0.0,
+        "grad_buffers": ow.transient_per_element * numel * DTYPE_BYTES[layout.master_dtype] / 4,
+    }
     memory = max((at_bwd_start, at_bwd_end, at_opt), key=lambda d: sum(d.values()))
     peak = sum(memory.values())
     tokens, mfu = _common(model, layout, step, machine)
-    return Estimate(layout=layout, step_s=step, peak_bytes=peak,
-                    breakdown={"compute": compute, "exposed_comm": exposed, "bubble": 0.0, "optimizer": optimizer_s},
-                    memory={k: memory[k] for k in MEMORY_KINDS}, memory_limit=limit, tokens_per_s=tokens, mfu=mfu,
-                    comm=tuple(colls))
+    return Estimate(
+        layout=layout,
+        step_s=step,
+        peak_bytes=peak,
+        breakdown={"compute": compute, "exposed_comm": exposed, "bubble": 0.0, "optimizer": optimizer_s},
+        memory={k: memory[k] for k in MEMORY_KINDS},
+        memory_limit=limit,
+        tokens_per_s=tokens,
+        mfu=mfu,
+        comm=tuple(colls),
+    )
 
 
 @functools.lru_cache(maxsize=8192)
@@ -423,8 +458,9 @@ def _build(key: tuple) -> Any:
 RESOLUTION = 200
 
 
-def simulate_pipeline(layout: Layout, costs: list[tuple[float, float, float]], p2p: float
-                      ) -> tuple[float, tuple[int, ...]]:
+def simulate_pipeline(
+    layout: Layout, costs: list[tuple[float, float, float]], p2p: float
+) -> tuple[float, tuple[int, ...]]:
     """``fs.sched.simulate`` of the layout's schedule with per-rank ``(F, I, W)`` seconds.
 
     The simulator takes one cost per kind for every rank: the slowest rank's forward and
@@ -457,8 +493,7 @@ def simulate_pipeline(layout: Layout, costs: list[tuple[float, float, float]], p
     return float(makespan) * unit, _peaks(key)
 
 
-def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit: float,
-                       time_unfit: bool) -> Estimate:
+def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit: float, time_unfit: bool) -> Estimate:
     sch = layout_schedule(layout)
     pp, m = layout.pp, layout.microbatches
     stages = stage_layers(model, sch.n_stages)
@@ -469,13 +504,22 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     for r in range(pp):
         layers_r = [p for s in sch.stages_of(r) for p in stages[s]]
         persistent.append(_persistent(model, layout, layers_r))
-        mems.append(_pipeline_memory(model, layout, machine, sch, stages, r, persistent[r][0],
-                                     persistent[r][1], pb, rb))
+        mems.append(
+            _pipeline_memory(model, layout, machine, sch, stages, r, persistent[r][0], persistent[r][1], pb, rb)
+        )
     memory = max(mems, key=lambda d: sum(d.values()))
     peak = sum(memory.values())
     if peak > limit and not time_unfit:
-        return Estimate(layout=layout, step_s=math.inf, peak_bytes=peak, breakdown=dict.fromkeys(TIME_KINDS, 0.0),
-                        memory={k: memory[k] for k in MEMORY_KINDS}, memory_limit=limit, tokens_per_s=0.0, mfu=0.0)
+        return Estimate(
+            layout=layout,
+            step_s=math.inf,
+            peak_bytes=peak,
+            breakdown=dict.fromkeys(TIME_KINDS, 0.0),
+            memory={k: memory[k] for k in MEMORY_KINDS},
+            memory_limit=limit,
+            tokens_per_s=0.0,
+            mfu=0.0,
+        )
 
     def stage_cost(parts: list[tuple[int, int]]) -> tuple[float, float, float]:
         F = I = W = 0.0
@@ -504,11 +548,11 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     p2p, post = pipeline_transfer(machine, layout, model)
     # Outside the schedule: stage gathers before the first F, reductions after the last W.
     blk_f = _phase_time(machine, layout, model, model.layers[rep], "fwd", b)
-    blk_b = _phase_time(machine, layout, model, model.layers[rep], "bwd_input", b) + \
-        _phase_time(machine, layout, model, model.layers[rep], "bwd_weight", b)
+    blk_b = _phase_time(machine, layout, model, model.layers[rep], "bwd_input", b) + _phase_time(
+        machine, layout, model, model.layers[rep], "bwd_weight", b
+    )
     window = {"fwd": blk_f, "bwd": blk_b}
-    outside = max(sum(_exposed(machine, layout, c, window) for c in colls if not c.pipeline)
-                  for colls in colls_by_rank)
+    outside = max(sum(_exposed(machine, layout, c, window) for c in colls if not c.pipeline) for colls in colls_by_rank)
     # CPU nodes: each send and receive the rank posts costs it host time outside its compute
     # actions (gloo runs them from the rank's own thread: the runtime's _post / _prefetch,
     # not in StepStats' busy time): the point-to-point latency per op, on the rank's own
@@ -527,11 +571,19 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     comm_exposed = wall - makespan
     bubble = makespan - compute
     tokens, mfu = _common(model, layout, step, machine)
-    return Estimate(layout=layout, step_s=step, peak_bytes=peak,
-                    breakdown={"compute": compute, "exposed_comm": comm_exposed, "bubble": bubble,
-                               "optimizer": optimizer_s},
-                    memory={k: memory[k] for k in MEMORY_KINDS}, memory_limit=limit, tokens_per_s=tokens, mfu=mfu,
-                    bubble_fraction=bubble_fraction, comm=tuple(colls_by_rank[0]), stage_costs=tuple(costs))
+    return Estimate(
+        layout=layout,
+        step_s=step,
+        peak_bytes=peak,
+        breakdown={"compute": compute, "exposed_comm": comm_exposed, "bubble": bubble, "optimizer": optimizer_s},
+        memory={k: memory[k] for k in MEMORY_KINDS},
+        memory_limit=limit,
+        tokens_per_s=tokens,
+        mfu=mfu,
+        bubble_fraction=bubble_fraction,
+        comm=tuple(colls_by_rank[0]),
+        stage_costs=tuple(costs),
+    )
 
 
 def pipeline_transfer(machine: Machine, layout: Layout, model: ModelDesc) -> tuple[float, float]:
@@ -583,9 +635,15 @@ def pipeline_speedup(machine: Machine, ranks_per_node: int, busy_share: float) -
     return machine.share(busy) / machine.share(ranks_per_node)
 
 
-def _shared_core_pipeline(machine: Machine, layout: Layout, compute: list[tuple[float, float, float]],
-                          tp: list[tuple[float, float, float]], host: list[float], p2p: float, outside: float
-                          ) -> tuple[list[tuple[float, float, float]], float]:
+def _shared_core_pipeline(
+    machine: Machine,
+    layout: Layout,
+    compute: list[tuple[float, float, float]],
+    tp: list[tuple[float, float, float]],
+    host: list[float],
+    p2p: float,
+    outside: float,
+) -> tuple[list[tuple[float, float, float]], float]:
     """Per pp rank ``(F, I, W)`` and the schedule's makespan, with the compute sped up by
     :func:`pipeline_speedup` for the share of ranks the simulated schedule keeps busy
     (``tp``: collectives in the actions, ``host``: per microbatch, the rank's host time
@@ -607,8 +665,10 @@ def _shared_core_pipeline(machine: Machine, layout: Layout, compute: list[tuple[
     m, rpn = layout.microbatches, _ranks_per_node(machine, layout)
 
     def run(speed: float) -> tuple[list[tuple[float, float, float]], float, float]:
-        costs = [(cs[0] / speed + ts[0] + h / 2, cs[1] / speed + ts[1] + h / 2, cs[2] / speed + ts[2])
-                 for cs, ts, h in zip(compute, tp, host)]
+        costs = [
+            (cs[0] / speed + ts[0] + h / 2, cs[1] / speed + ts[1] + h / 2, cs[2] / speed + ts[2])
+            for cs, ts, h in zip(compute, tp, host)
+        ]
         makespan, _ = simulate_pipeline(layout, costs, p2p)
         share = sum(m * (sum(c) - h) for c, h in zip(costs, host)) / (len(costs) * (makespan + outside))
         return costs, makespan, pipeline_speedup(machine, rpn, min(1.0, max(0.0, share)))
@@ -628,8 +688,18 @@ def _shared_core_pipeline(machine: Machine, layout: Layout, compute: list[tuple[
     return costs, makespan
 
 
-def _pipeline_memory(model: ModelDesc, layout: Layout, machine: Machine, sch: Any, stages: list, r: int,
-                     master_bytes: float, numel: int, pb: int, rb: int) -> dict[str, float]:
+def _pipeline_memory(
+    model: ModelDesc,
+    layout: Layout,
+    machine: Machine,
+    sch: Any,
+    stages: list,
+    r: int,
+    master_bytes: float,
+    numel: int,
+    pb: int,
+    rb: int,
+) -> dict[str, float]:
     """Pipeline rank ``r`` at the larger of two moments: its activation peak (the most
     bytes of microbatches alive, those between their I and W holding the gradients
     captured for W too; the stages' gathered parameters, the gradients summed so far over
@@ -654,8 +724,9 @@ def _pipeline_memory(model: ModelDesc, layout: Layout, machine: Machine, sch: An
             else:
                 a += k * _act_bytes(layer, layout, model) * b
         act_per_chunk = max(act_per_chunk, a)
-        wgrad_per_chunk = max(wgrad_per_chunk, sum(k * _wgrad_bytes(model.layers[i], layout, model) * b
-                                                   for i, k in stages[s]))
+        wgrad_per_chunk = max(
+            wgrad_per_chunk, sum(k * _wgrad_bytes(model.layers[i], layout, model) * b for i, k in stages[s])
+        )
     if layout.remat:  # one block recomputed at a time during backward
         act_per_chunk += _act_bytes(model.layers[rep], layout, model) * b
     key = (layout.schedule, layout.pp, layout.microbatches, layout.virtual)
@@ -667,9 +738,20 @@ def _pipeline_memory(model: ModelDesc, layout: Layout, machine: Machine, sch: An
     # gradients are being made; the sums exist already unless every microbatch is alive
     # at the peak (all forwards before any backward, as GPipe).
     sums = stage_grads if peak_chunks < layout.microbatches * len(held) else 0.0
-    at_peak = {**persistent, "grads": 0.0, "gathered": gathered, "activations": acts,
-               "grad_buffers": sums + stage_grads * pb / rb, "w_pending": w_pending * wgrad_per_chunk}
+    at_peak = {
+        **persistent,
+        "grads": 0.0,
+        "gathered": gathered,
+        "activations": acts,
+        "grad_buffers": sums + stage_grads * pb / rb,
+        "w_pending": w_pending * wgrad_per_chunk,
+    }
     ow = _optimizer_work(layout.master_dtype)
-    at_opt = {**persistent, "grads": master_bytes, "gathered": 0.0, "activations": 0.0,
-              "grad_buffers": ow.transient_per_element * numel * DTYPE_BYTES[layout.master_dtype] / 4}
+    at_opt = {
+        **persistent,
+        "grads": master_bytes,
+        "gathered": 0.0,
+        "activations": 0.0,
+        "grad_buffers": ow.transient_per_element * numel * DTYPE_BYTES[layout.master_dtype] / 4,
+    }
     return max((at_peak, at_opt), key=lambda d: sum(d.values()))

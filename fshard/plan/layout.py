@@ -40,8 +40,9 @@ def layout_schedule(layout: Layout) -> Any:
     try:
         return _schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual)
     except (ValueError, KeyError) as e:
-        raise LayoutError(f"Layout.schedule {layout.schedule!r} on pp={layout.pp} with microbatches="
-                          f"{layout.microbatches}: {e}") from None
+        raise LayoutError(
+            f"Layout.schedule {layout.schedule!r} on pp={layout.pp} with microbatches={layout.microbatches}: {e}"
+        ) from None
 
 
 def check_layout(layout: Layout, model: ModelDesc, n_devices: int | None = None) -> None:
@@ -53,21 +54,29 @@ def check_layout(layout: Layout, model: ModelDesc, n_devices: int | None = None)
     layout.validate(n_devices)
     for d in model.tp_divides:
         if d % layout.tp:
-            raise LayoutError(f"Layout.mesh['tp']={layout.tp} must divide {d} (model {model.name!r}: "
-                              f"tp_divides {model.tp_divides}, e.g. heads and KV heads)")
+            raise LayoutError(
+                f"Layout.mesh['tp']={layout.tp} must divide {d} (model {model.name!r}: "
+                f"tp_divides {model.tp_divides}, e.g. heads and KV heads)"
+            )
     if layout.ep > 1 and (not model.n_experts or model.n_experts % layout.ep):
-        raise LayoutError(f"Layout.mesh['ep']={layout.ep} needs a model whose experts it divides; "
-                          f"model {model.name!r} has n_experts={model.n_experts}")
+        raise LayoutError(
+            f"Layout.mesh['ep']={layout.ep} needs a model whose experts it divides; "
+            f"model {model.name!r} has n_experts={model.n_experts}"
+        )
     if layout.sequence_parallel and model.seq_len % layout.tp:
         raise LayoutError(f"Layout.sequence_parallel: seq_len {model.seq_len} must be divisible by tp={layout.tp}")
     if layout.pp > 1:
         sch = layout_schedule(layout)
         if model.n_blocks < sch.n_stages:
-            raise LayoutError(f"Layout: schedule {layout.schedule!r} on pp={layout.pp} has {sch.n_stages} stages "
-                              f"but model {model.name!r} has {model.n_blocks} blocks")
+            raise LayoutError(
+                f"Layout: schedule {layout.schedule!r} on pp={layout.pp} has {sch.n_stages} stages "
+                f"but model {model.name!r} has {model.n_blocks} blocks"
+            )
         if layout.remat and _splits_backward(sch):
             # Each W group's pass recomputes the checkpointed block (comm_log, pp=2 x tp=2,
             # zb: 13 TP psums per block and microbatch instead of 5).
-            raise LayoutError(f"Layout.remat with schedule {layout.schedule!r} (backward split into I and W) "
-                              f"is not modeled: fshard's executor recomputes a checkpointed block in each W "
-                              f"pass; use remat with 1f1b, gpipe or interleaved")
+            raise LayoutError(
+                f"Layout.remat with schedule {layout.schedule!r} (backward split into I and W) "
+                f"is not modeled: fshard's executor recomputes a checkpointed block in each W "
+                f"pass; use remat with 1f1b, gpipe or interleaved"
+            )

@@ -26,8 +26,16 @@ import attrs
 
 from fshard.plan.model import DescriptionError
 
-__all__ = ["Link", "Machine", "MACHINES", "default_machine_path", "get_machine", "load_machine", "machine_from_dict",
-           "save_machine"]
+__all__ = [
+    "Link",
+    "Machine",
+    "MACHINES",
+    "default_machine_path",
+    "get_machine",
+    "load_machine",
+    "machine_from_dict",
+    "save_machine",
+]
 
 _DIR = Path(__file__).resolve().parent / "machines"
 COLLECTIVE_KINDS = ("all_gather", "psum_scatter", "psum", "ppermute")
@@ -132,8 +140,9 @@ class Machine:
     optimizer_leaf_overhead_s: float = 0.0
     optimizer_mem_efficiency: float = 1.0
     sync_overhead_s: float = 0.0
-    collectives: Mapping[str, Mapping[str, Link]] = attrs.field(factory=dict, converter=lambda d: {
-        k: dict(v) for k, v in d.items()})
+    collectives: Mapping[str, Mapping[str, Link]] = attrs.field(
+        factory=dict, converter=lambda d: {k: dict(v) for k, v in d.items()}
+    )
     overlap: float = 0.9
     cores_per_node: int = 0
     calibrated_ranks: int = 0
@@ -168,8 +177,9 @@ class Machine:
                 raise DescriptionError(f"{where}: collectives has unknown kind {kind!r}; kinds are {COLLECTIVE_KINDS}")
             for level, link in levels.items():
                 if level not in ("intra", "inter") or not isinstance(link, Link):
-                    raise DescriptionError(f"{where}: collectives[{kind!r}][{level!r}] must be a Link at level "
-                                           f"'intra' or 'inter'")
+                    raise DescriptionError(
+                        f"{where}: collectives[{kind!r}][{level!r}] must be a Link at level 'intra' or 'inter'"
+                    )
                 link.check(f"{where}: collectives[{kind!r}][{level!r}]")
         for f in ("matmul_efficiency", "mem_efficiency", "optimizer_mem_efficiency", "overlap"):
             v = getattr(self, f)
@@ -196,8 +206,9 @@ class Machine:
           DescriptionError: the machine has no figure for ``dtype`` (the known ones are named).
         """
         if dtype not in self.flops:
-            raise DescriptionError(f"machine {self.name!r}: no flops figure for dtype {dtype!r}; "
-                                   f"flops has {sorted(self.flops)}")
+            raise DescriptionError(
+                f"machine {self.name!r}: no flops figure for dtype {dtype!r}; flops has {sorted(self.flops)}"
+            )
         return self.flops[dtype] * self.matmul_efficiency * self.share(ranks_per_node)
 
     def bytes_rate(self, ranks_per_node: int | None = None) -> float:
@@ -244,6 +255,7 @@ class Machine:
 
         def one(n: float) -> float:
             return min(1.0, self.cores_per_node / n)
+
         return one(ranks_per_node) / one(cal)
 
     # -- links ------------------------------------------------------------------------------
@@ -293,8 +305,10 @@ def machine_from_dict(data: Mapping[str, Any], *, where: str = "machine") -> Mac
     colls = kw.get("collectives", {})
     if not isinstance(colls, Mapping):
         raise DescriptionError(f"{where}: collectives must be a mapping, got {colls!r}")
-    kw["collectives"] = {kind: {level: link(f"collectives[{kind!r}][{level!r}]", v) for level, v in levels.items()}
-                         for kind, levels in colls.items()}
+    kw["collectives"] = {
+        kind: {level: link(f"collectives[{kind!r}][{level!r}]", v) for level, v in levels.items()}
+        for kind, levels in colls.items()
+    }
     if not isinstance(kw["flops"], Mapping):
         raise DescriptionError(f"{where}: flops must be a mapping of dtype -> FLOP/s, got {kw['flops']!r}")
     return Machine(**kw)

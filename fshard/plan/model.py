@@ -35,8 +35,16 @@ import torch
 
 from fshard.plan.trace import Work, trace_layer
 
-__all__ = ["DescriptionError", "LayerDesc", "ModelDesc", "PRESETS", "describe_llama", "describe_transformer",
-           "get_model", "model_from_dict"]
+__all__ = [
+    "DescriptionError",
+    "LayerDesc",
+    "ModelDesc",
+    "PRESETS",
+    "describe_llama",
+    "describe_transformer",
+    "get_model",
+    "model_from_dict",
+]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8": 1}
 TP_STYLES = ("colwise", "rowwise", "vocab")
@@ -101,8 +109,9 @@ class LayerDesc:
 
     name: str
     count: int
-    params: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(converter=lambda ps: tuple(
-        (str(p), tuple(int(d) for d in s)) for p, s in ps))
+    params: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(
+        converter=lambda ps: tuple((str(p), tuple(int(d) for d in s)) for p, s in ps)
+    )
     tp_plan: tuple[tuple[str, str], ...] = attrs.field(converter=lambda ps: tuple((str(r), str(s)) for r, s in ps))
     fwd: Work
     bwd_input: Work
@@ -118,8 +127,9 @@ class LayerDesc:
     tp_enter: int = 0
     tp_exit: int = 0
     sp_param_numel: int = 0
-    tp_extra: tuple[tuple[str, str, float], ...] = attrs.field(default=(), converter=lambda xs: tuple(
-        (str(k), str(p), float(b)) for k, p, b in xs))
+    tp_extra: tuple[tuple[str, str, float], ...] = attrs.field(
+        default=(), converter=lambda xs: tuple((str(k), str(p), float(b)) for k, p, b in xs)
+    )
     loss: bool = False
 
     @property
@@ -154,14 +164,17 @@ class LayerDesc:
             _num(f"{where}.{f}", getattr(self, f))
         for whole, part in (("act_bytes", "act_split"), ("wgrad_bytes", "wgrad_split")):
             if getattr(self, part) > getattr(self, whole) * (1 + 1e-9):
-                raise DescriptionError(f"{where}.{part} ({getattr(self, part):g}) must not exceed {whole} "
-                                       f"({getattr(self, whole):g})")
+                raise DescriptionError(
+                    f"{where}.{part} ({getattr(self, part):g}) must not exceed {whole} ({getattr(self, whole):g})"
+                )
         for f in ("tp_enter", "tp_exit", "sp_param_numel"):
             _num(f"{where}.{f}", getattr(self, f), integer=True)
         for i, (kind, phase, nbytes) in enumerate(self.tp_extra):
             if kind not in ("psum", "pmax", "all_gather", "psum_scatter") or phase not in ("fwd", "bwd"):
-                raise DescriptionError(f"{where}.tp_extra[{i}] must be (psum|pmax|all_gather|psum_scatter, "
-                                       f"fwd|bwd, bytes), got {(kind, phase, nbytes)!r}")
+                raise DescriptionError(
+                    f"{where}.tp_extra[{i}] must be (psum|pmax|all_gather|psum_scatter, "
+                    f"fwd|bwd, bytes), got {(kind, phase, nbytes)!r}"
+                )
             _num(f"{where}.tp_extra[{i}].bytes", nbytes)
 
 
@@ -197,21 +210,25 @@ class ModelDesc:
         _num(f"model {self.name!r}: seq_len", self.seq_len, minimum=1, integer=True)
         _num(f"model {self.name!r}: hidden", self.hidden, minimum=1, integer=True)
         if self.dtype not in DTYPE_BYTES:
-            raise DescriptionError(f"model {self.name!r}: dtype must be one of {sorted(DTYPE_BYTES)}, "
-                                   f"got {self.dtype!r}")
+            raise DescriptionError(
+                f"model {self.name!r}: dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}"
+            )
         if not self.layers:
             raise DescriptionError(f"model {self.name!r}: layers must not be empty")
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, LayerDesc):
-                raise DescriptionError(f"model {self.name!r}: layers[{i}] must be a LayerDesc, "
-                                       f"got {type(layer).__name__}")
+                raise DescriptionError(
+                    f"model {self.name!r}: layers[{i}] must be a LayerDesc, got {type(layer).__name__}"
+                )
             layer.check(f"model {self.name!r}: layers[{i}] ({layer.name})")
         for i, d in enumerate(self.tp_divides):
             _num(f"model {self.name!r}: tp_divides[{i}]", d, minimum=1, integer=True)
         _num(f"model {self.name!r}: n_experts", self.n_experts, integer=True)
         if sum(1 for layer in self.layers if layer.count > 1) > 1:
-            raise DescriptionError(f"model {self.name!r}: layers: only one kind may repeat (count > 1): "
-                                   f"{[(layer.name, layer.count) for layer in self.layers]}")
+            raise DescriptionError(
+                f"model {self.name!r}: layers: only one kind may repeat (count > 1): "
+                f"{[(layer.name, layer.count) for layer in self.layers]}"
+            )
 
     @property
     def repeated(self) -> int:
@@ -236,8 +253,9 @@ class ModelDesc:
 
     def flops_per_sample(self) -> float:
         """Forward + backward FLOPs of one sample (no remat)."""
-        return sum((layer.fwd.flops + layer.bwd_input.flops + layer.bwd_weight.flops) * layer.count
-                   for layer in self.layers)
+        return sum(
+            (layer.fwd.flops + layer.bwd_input.flops + layer.bwd_weight.flops) * layer.count for layer in self.layers
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -261,8 +279,9 @@ def _style(path: str, plan: Sequence[tuple[str, str]]) -> str | None:
     return None
 
 
-def describe_transformer(cfg: Any, *, seq_len: int | None = None, dtype: str = "float32",
-                         device: str = "cpu", name: str | None = None) -> ModelDesc:
+def describe_transformer(
+    cfg: Any, *, seq_len: int | None = None, dtype: str = "float32", device: str = "cpu", name: str | None = None
+) -> ModelDesc:
     """Describes :mod:`fshard.models`' Transformer by running each layer kind once.
 
     Each of the embedding, one block and the head (+ cross-entropy) runs forward and
@@ -299,15 +318,17 @@ def describe_transformer(cfg: Any, *, seq_len: int | None = None, dtype: str = "
     from fshard import tree as tree_util
 
     def shapes(tree: Any, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
-        return [(p[len(prefix):] if p.startswith(prefix) else p, tuple(x.shape))
-                for p, x in zip(*tree_util.zip_with_path(tree)[:2])]
+        return [
+            (p[len(prefix) :] if p.startswith(prefix) else p, tuple(x.shape))
+            for p, x in zip(*tree_util.zip_with_path(tree)[:2])
+        ]
 
     def plan_for(prefix: str) -> list[tuple[str, str]]:
         # The model-level regexes, relative to the layer (layers\.\d+\. stripped).
         out = []
         for rx, style in TRANSFORMER_TP_PLAN.items():
             if prefix and rx.startswith(r"layers\.\d+\."):
-                out.append((rx[len(r"layers\.\d+\."):], style))
+                out.append((rx[len(r"layers\.\d+\.") :], style))
             elif not prefix and not rx.startswith("layers"):
                 out.append((rx, style))
         return out
@@ -333,10 +354,14 @@ def describe_transformer(cfg: Any, *, seq_len: int | None = None, dtype: str = "
     def run(tp: int):
         local_v = -(-cfg.vocab_size // tp)
         toks = torch.randint(0, local_v, (1, T), generator=torch.Generator().manual_seed(1)).to(device)
-        x = torch.randn(1, T, cfg.dim, dtype=tdt, device=device) if device != "meta" else \
-            torch.empty(1, T, cfg.dim, dtype=tdt, device=device)
-        e = trace_layer(lambda p, t: embed(p, t, cfg), materialize({k: root[k] for k in embed_keys}, root_plan, tp),
-                        [toks])
+        x = (
+            torch.randn(1, T, cfg.dim, dtype=tdt, device=device)
+            if device != "meta"
+            else torch.empty(1, T, cfg.dim, dtype=tdt, device=device)
+        )
+        e = trace_layer(
+            lambda p, t: embed(p, t, cfg), materialize({k: root[k] for k in embed_keys}, root_plan, tp), [toks]
+        )
         b = trace_layer(lambda p, h: block(p, h, cfg), materialize(layer0, block_plan, tp), [x])
 
         def head_loss(p: Any, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -361,22 +386,47 @@ def describe_transformer(cfg: Any, *, seq_len: int | None = None, dtype: str = "
     def desc(i: int, name_: str, count: int, tree: Any, plan, **kw) -> LayerDesc:
         a, b = one[i], two[i]
         return LayerDesc(
-            name=name_, count=count, params=shapes(tree, ""), tp_plan=plan,
-            fwd=a.fwd, bwd_input=a.bwd_input, bwd_weight=a.bwd_weight,
-            fwd_split=split(a.fwd, b.fwd), bwd_input_split=split(a.bwd_input, b.bwd_input),
+            name=name_,
+            count=count,
+            params=shapes(tree, ""),
+            tp_plan=plan,
+            fwd=a.fwd,
+            bwd_input=a.bwd_input,
+            bwd_weight=a.bwd_weight,
+            fwd_split=split(a.fwd, b.fwd),
+            bwd_input_split=split(a.bwd_input, b.bwd_input),
             bwd_weight_split=split(a.bwd_weight, b.bwd_weight),
-            act_bytes=a.saved_bytes, act_split=min(a.saved_bytes, max(0.0, 2 * (a.saved_bytes - b.saved_bytes))),
-            wgrad_bytes=a.wgrad_bytes, wgrad_split=min(a.wgrad_bytes, max(0.0, 2 * (a.wgrad_bytes - b.wgrad_bytes))),
-            out_bytes=act, **kw)
+            act_bytes=a.saved_bytes,
+            act_split=min(a.saved_bytes, max(0.0, 2 * (a.saved_bytes - b.saved_bytes))),
+            wgrad_bytes=a.wgrad_bytes,
+            wgrad_split=min(a.wgrad_bytes, max(0.0, 2 * (a.wgrad_bytes - b.wgrad_bytes))),
+            out_bytes=act,
+            **kw,
+        )
 
     layers = [
         desc(0, "embed", 1, {k: root[k] for k in embed_keys}, root_plan, tp_exit=1, sp_param_numel=T * cfg.dim),
         desc(1, "block", cfg.n_layers, layer0, block_plan, tp_enter=2, tp_exit=2, sp_param_numel=2 * n_norm + cfg.dim),
-        desc(2, "head", 1, {k: root[k] for k in head_keys}, root_plan, tp_enter=1, sp_param_numel=n_norm,
-             tp_extra=(("pmax", "fwd", 4 * T), ("psum", "fwd", 8 * T)), loss=True),
+        desc(
+            2,
+            "head",
+            1,
+            {k: root[k] for k in head_keys},
+            root_plan,
+            tp_enter=1,
+            sp_param_numel=n_norm,
+            tp_extra=(("pmax", "fwd", 4 * T), ("psum", "fwd", 8 * T)),
+            loss=True,
+        ),
     ]
-    return ModelDesc(name=name or f"transformer-d{cfg.dim}-l{cfg.n_layers}", seq_len=T, hidden=cfg.dim, dtype=dtype,
-                     layers=layers, tp_divides=(cfg.n_heads,))
+    return ModelDesc(
+        name=name or f"transformer-d{cfg.dim}-l{cfg.n_layers}",
+        seq_len=T,
+        hidden=cfg.dim,
+        dtype=dtype,
+        layers=layers,
+        tp_divides=(cfg.n_heads,),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -384,8 +434,19 @@ def describe_transformer(cfg: Any, *, seq_len: int | None = None, dtype: str = "
 # ---------------------------------------------------------------------------
 
 
-def describe_llama(*, name: str, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int,
-                   vocab_size: int, seq_len: int, dtype: str = "bfloat16", published_params: int = 0) -> ModelDesc:
+def describe_llama(
+    *,
+    name: str,
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    ffn_dim: int,
+    vocab_size: int,
+    seq_len: int,
+    dtype: str = "bfloat16",
+    published_params: int = 0,
+) -> ModelDesc:
     """A Llama-style decoder (RMSNorm, GQA attention with RoPE, SwiGLU MLP, untied head).
 
     Work per token, forward (backward-input and backward-weight each cost the forward's
@@ -411,12 +472,21 @@ def describe_llama(*, name: str, dim: int, n_layers: int, n_heads: int, n_kv_hea
     Raises:
       DescriptionError: sizes that do not fit together (heads, kv heads, dim).
     """
-    for field_, value in (("dim", dim), ("n_layers", n_layers), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
-                          ("ffn_dim", ffn_dim), ("vocab_size", vocab_size), ("seq_len", seq_len)):
+    for field_, value in (
+        ("dim", dim),
+        ("n_layers", n_layers),
+        ("n_heads", n_heads),
+        ("n_kv_heads", n_kv_heads),
+        ("ffn_dim", ffn_dim),
+        ("vocab_size", vocab_size),
+        ("seq_len", seq_len),
+    ):
         _num(f"describe_llama({name}).{field_}", value, minimum=1, integer=True)
     if dim % n_heads or n_heads % n_kv_heads:
-        raise DescriptionError(f"describe_llama({name}): dim={dim} must be a multiple of n_heads={n_heads}, "
-                               f"and n_heads a multiple of n_kv_heads={n_kv_heads}")
+        raise DescriptionError(
+            f"describe_llama({name}): dim={dim} must be a multiple of n_heads={n_heads}, "
+            f"and n_heads a multiple of n_kv_heads={n_kv_heads}"
+        )
     if dtype not in DTYPE_BYTES:
         raise DescriptionError(f"describe_llama({name}).dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     D, F, V, T, s = dim, ffn_dim, vocab_size, seq_len, DTYPE_BYTES[dtype]
@@ -428,57 +498,136 @@ def describe_llama(*, name: str, dim: int, n_layers: int, n_heads: int, n_kv_hea
     ew_fwd = s * T * (2 * 2 * D + 2 * (D + kv) + 2 * 3 * D + 3 * F + 3 * F)
     ew_split_fwd = s * T * (2 * (D + kv) + 6 * F)
     block = LayerDesc(
-        name="block", count=n_layers,
-        params=[("attention_norm.weight", (D,)), ("attention.wq.weight", (D, D)), ("attention.wk.weight", (kv, D)),
-                ("attention.wv.weight", (kv, D)), ("attention.wo.weight", (D, D)), ("ffn_norm.weight", (D,)),
-                ("feed_forward.w1.weight", (F, D)), ("feed_forward.w3.weight", (F, D)),
-                ("feed_forward.w2.weight", (D, F))],
-        tp_plan=[(r"attention\.w[qkv]\.weight", "colwise"), (r"attention\.wo\.weight", "rowwise"),
-                 (r"feed_forward\.w[13]\.weight", "colwise"), (r"feed_forward\.w2\.weight", "rowwise")],
-        fwd=Work(proj + attn, ew_fwd, 24), bwd_input=Work(proj + 2.5 * attn, 2 * ew_fwd, 30),
+        name="block",
+        count=n_layers,
+        params=[
+            ("attention_norm.weight", (D,)),
+            ("attention.wq.weight", (D, D)),
+            ("attention.wk.weight", (kv, D)),
+            ("attention.wv.weight", (kv, D)),
+            ("attention.wo.weight", (D, D)),
+            ("ffn_norm.weight", (D,)),
+            ("feed_forward.w1.weight", (F, D)),
+            ("feed_forward.w3.weight", (F, D)),
+            ("feed_forward.w2.weight", (D, F)),
+        ],
+        tp_plan=[
+            (r"attention\.w[qkv]\.weight", "colwise"),
+            (r"attention\.wo\.weight", "rowwise"),
+            (r"feed_forward\.w[13]\.weight", "colwise"),
+            (r"feed_forward\.w2\.weight", "rowwise"),
+        ],
+        fwd=Work(proj + attn, ew_fwd, 24),
+        bwd_input=Work(proj + 2.5 * attn, 2 * ew_fwd, 30),
         bwd_weight=Work(proj, 0.0, 7),
-        fwd_split=Work(proj + attn, ew_split_fwd, 0), bwd_input_split=Work(proj + 2.5 * attn, 2 * ew_split_fwd, 0),
+        fwd_split=Work(proj + attn, ew_split_fwd, 0),
+        bwd_input_split=Work(proj + 2.5 * attn, 2 * ew_split_fwd, 0),
         bwd_weight_split=Work(proj, 0.0, 0),
         act_bytes=s * T * (2 * D + 2 * D + (D + 2 * kv) + D + 4 * F) + 4 * T * n_heads,
         act_split=s * T * ((D + 2 * kv) + D + 4 * F) + 4 * T * n_heads,
-        out_bytes=s * T * D, tp_enter=2, tp_exit=2, sp_param_numel=2 * D,
+        out_bytes=s * T * D,
+        tp_enter=2,
+        tp_exit=2,
+        sp_param_numel=2 * D,
         # Held from I to W: the gradients of every projection's output (q, k, v, w1, w3 split
         # over tp; wo, w2 whole) and of both norms' outputs.
-        wgrad_bytes=s * T * (D + 2 * kv + 2 * F + 4 * D), wgrad_split=s * T * (D + 2 * kv + 2 * F))
-    embed = LayerDesc(name="embed", count=1, params=[("tok_embeddings.weight", (V, D))],
-                      tp_plan=[(r"tok_embeddings\.weight", "vocab")],
-                      fwd=Work(0.0, 2 * s * T * D, 2), bwd_input=Work(), bwd_weight=Work(0.0, 2 * s * T * D, 2),
-                      fwd_split=Work(0.0, s * T * D, 0), bwd_weight_split=Work(0.0, s * T * D, 0),
-                      act_bytes=8 * T, out_bytes=s * T * D, tp_exit=1)
-    head = LayerDesc(name="head", count=1, params=[("norm.weight", (D,)), ("output.weight", (V, D))],
-                     tp_plan=[(r"output\.weight", "vocab")],
-                     fwd=Work(2 * D * V * T, s * T * 2 * D + 4 * 3 * T * V, 8),
-                     bwd_input=Work(2 * D * V * T, s * T * 2 * D + 4 * 2 * T * V, 8),
-                     bwd_weight=Work(2 * D * V * T, 0.0, 2),
-                     fwd_split=Work(2 * D * V * T, 4 * 3 * T * V, 0),
-                     bwd_input_split=Work(2 * D * V * T, 4 * 2 * T * V, 0),
-                     bwd_weight_split=Work(2 * D * V * T, 0.0, 0),
-                     # the norm's input and output, and the fp32 logits for the loss's backward
-                     act_bytes=2 * s * T * D + 4 * T * V, act_split=4 * T * V, out_bytes=4.0,
-                     wgrad_bytes=s * T * (D + V), wgrad_split=s * T * V,
-                     tp_enter=1, sp_param_numel=D, tp_extra=(("pmax", "fwd", 4 * T), ("psum", "fwd", 8 * T)),
-                     loss=True)
-    return ModelDesc(name=name, seq_len=T, hidden=D, dtype=dtype, layers=(embed, block, head),
-                     tp_divides=(n_heads, n_kv_heads), published_params=published_params)
+        wgrad_bytes=s * T * (D + 2 * kv + 2 * F + 4 * D),
+        wgrad_split=s * T * (D + 2 * kv + 2 * F),
+    )
+    embed = LayerDesc(
+        name="embed",
+        count=1,
+        params=[("tok_embeddings.weight", (V, D))],
+        tp_plan=[(r"tok_embeddings\.weight", "vocab")],
+        fwd=Work(0.0, 2 * s * T * D, 2),
+        bwd_input=Work(),
+        bwd_weight=Work(0.0, 2 * s * T * D, 2),
+        fwd_split=Work(0.0, s * T * D, 0),
+        bwd_weight_split=Work(0.0, s * T * D, 0),
+        act_bytes=8 * T,
+        out_bytes=s * T * D,
+        tp_exit=1,
+    )
+    head = LayerDesc(
+        name="head",
+        count=1,
+        params=[("norm.weight", (D,)), ("output.weight", (V, D))],
+        tp_plan=[(r"output\.weight", "vocab")],
+        fwd=Work(2 * D * V * T, s * T * 2 * D + 4 * 3 * T * V, 8),
+        bwd_input=Work(2 * D * V * T, s * T * 2 * D + 4 * 2 * T * V, 8),
+        bwd_weight=Work(2 * D * V * T, 0.0, 2),
+        fwd_split=Work(2 * D * V * T, 4 * 3 * T * V, 0),
+        bwd_input_split=Work(2 * D * V * T, 4 * 2 * T * V, 0),
+        bwd_weight_split=Work(2 * D * V * T, 0.0, 0),
+        # the norm's input and output, and the fp32 logits for the loss's backward
+        act_bytes=2 * s * T * D + 4 * T * V,
+        act_split=4 * T * V,
+        out_bytes=4.0,
+        wgrad_bytes=s * T * (D + V),
+        wgrad_split=s * T * V,
+        tp_enter=1,
+        sp_param_numel=D,
+        tp_extra=(("pmax", "fwd", 4 * T), ("psum", "fwd", 8 * T)),
+        loss=True,
+    )
+    return ModelDesc(
+        name=name,
+        seq_len=T,
+        hidden=D,
+        dtype=dtype,
+        layers=(embed, block, head),
+        tp_divides=(n_heads, n_kv_heads),
+        published_params=published_params,
+    )
 
 
 # Published configs (Meta's model cards / params.json; GPT-3 from Brown et al. 2020 Table 2.1).
 _LLAMA: dict[str, dict[str, Any]] = {
-    "llama3-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
-                      published_params=8_030_000_000),
-    "llama3-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256,
-                       published_params=70_600_000_000),
-    "llama3-405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256,
-                        published_params=405_000_000_000),
-    "llama2-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000,
-                      published_params=6_740_000_000),
-    "llama2-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=32000,
-                       published_params=68_980_000_000),
+    "llama3-8b": dict(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=128256,
+        published_params=8_030_000_000,
+    ),
+    "llama3-70b": dict(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
+        vocab_size=128256,
+        published_params=70_600_000_000,
+    ),
+    "llama3-405b": dict(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim=53248,
+        vocab_size=128256,
+        published_params=405_000_000_000,
+    ),
+    "llama2-7b": dict(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        ffn_dim=11008,
+        vocab_size=32000,
+        published_params=6_740_000_000,
+    ),
+    "llama2-70b": dict(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
+        vocab_size=32000,
+        published_params=68_980_000_000,
+    ),
 }
 PRESETS: tuple[str, ...] = tuple(_LLAMA)
 
@@ -491,8 +640,10 @@ def get_model(name: str, *, seq_len: int = 8192, dtype: str = "bfloat16") -> Mod
     """
     key = name.lower().replace("_", "-")
     if key not in _LLAMA:
-        raise DescriptionError(f"unknown model {name!r}; presets: {', '.join(PRESETS)} "
-                               f"(or build one with describe_llama / describe_transformer)")
+        raise DescriptionError(
+            f"unknown model {name!r}; presets: {', '.join(PRESETS)} "
+            f"(or build one with describe_llama / describe_transformer)"
+        )
     return describe_llama(name=key, seq_len=seq_len, dtype=dtype, **_LLAMA[key])
 
 

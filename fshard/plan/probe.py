@@ -119,8 +119,9 @@ class _StorageDeaths(StorageWatch):
         self.deaths.setdefault(key, []).append(now_ns)
 
 
-def peak_from_events(allocations: Sequence[tuple[int, int, int]],
-                     deaths: dict[int, list[int]] | None = None) -> tuple[int, int]:
+def peak_from_events(
+    allocations: Sequence[tuple[int, int, int]], deaths: dict[int, list[int]] | None = None
+) -> tuple[int, int]:
     """The peak of bytes alive at once from allocation events, missing frees put back.
 
     Args:
@@ -228,6 +229,8 @@ class StepProbe:
         ``measured_peak_mib`` (None if no step was profiled)."""
         times = [t for i, t in enumerate(step_times) if i >= self.warmup and i != self.profiled]
         if not times:
-            times = list(step_times[self.warmup:]) or list(step_times)
-        return {"measured_step_s": statistics.median(times) if times else None,
-                "measured_peak_mib": None if self.peak_bytes is None else self.peak_bytes / 2**20}
+            times = list(step_times[self.warmup :]) or list(step_times)
+        return {
+            "measured_step_s": statistics.median(times) if times else None,
+            "measured_peak_mib": None if self.peak_bytes is None else self.peak_bytes / 2**20,
+        }

@@ -8,8 +8,22 @@ from fshard.plan.estimate import Estimate
 
 __all__ = ["rows", "render"]
 
-COLUMNS = ("#", "layout", "step s", "tok/s/dev", "MFU", "compute", "exposed comm", "bubble", "optim",
-           "peak GiB", "params+grads+opt", "gathered", "activations", "grad buffers")
+COLUMNS = (
+    "#",
+    "layout",
+    "step s",
+    "tok/s/dev",
+    "MFU",
+    "compute",
+    "exposed comm",
+    "bubble",
+    "optim",
+    "peak GiB",
+    "params+grads+opt",
+    "gathered",
+    "activations",
+    "grad buffers",
+)
 
 
 def _gib(x: float) -> str:
@@ -25,11 +39,24 @@ def rows(estimates: Sequence[Estimate]) -> list[list[str]]:
     out = []
     for k, e in enumerate(estimates, 1):
         b, m = e.breakdown, e.memory
-        out.append([str(k), e.layout.label(), f"{e.step_s:.4g}", f"{e.tokens_per_s / e.layout.n_devices:,.0f}",
-                    f"{e.mfu:.1%}", _s(b["compute"], e.step_s), _s(b["exposed_comm"], e.step_s),
-                    _s(b["bubble"], e.step_s), _s(b["optimizer"], e.step_s), _gib(e.peak_bytes),
-                    _gib(m["params"] + m["grads"] + m["optimizer"]), _gib(m["gathered"]), _gib(m["activations"]),
-                    _gib(m["grad_buffers"] + m["w_pending"])])  # ZB: the gradients held for W too
+        out.append(
+            [
+                str(k),
+                e.layout.label(),
+                f"{e.step_s:.4g}",
+                f"{e.tokens_per_s / e.layout.n_devices:,.0f}",
+                f"{e.mfu:.1%}",
+                _s(b["compute"], e.step_s),
+                _s(b["exposed_comm"], e.step_s),
+                _s(b["bubble"], e.step_s),
+                _s(b["optimizer"], e.step_s),
+                _gib(e.peak_bytes),
+                _gib(m["params"] + m["grads"] + m["optimizer"]),
+                _gib(m["gathered"]),
+                _gib(m["activations"]),
+                _gib(m["grad_buffers"] + m["w_pending"]),
+            ]
+        )  # ZB: the gradients held for W too
     return out
 
 

@@ -65,16 +65,16 @@ def _divisors(n: int) -> list[int]:
 def _meshes(model: ModelDesc, machine: Machine, n: int, batch: int, axes: Sequence[str]) -> Iterable[dict[str, int]]:
     tps = [t for t in _divisors(n) if all(d % t == 0 for d in model.tp_divides) and t <= machine.devices_per_node]
     eps = [e for e in _divisors(n) if e == 1 or (model.n_experts and model.n_experts % e == 0)]
-    for tp in (tps if "tp" in axes else [1]):
-        for ep in (eps if "ep" in axes else [1]):
+    for tp in tps if "tp" in axes else [1]:
+        for ep in eps if "ep" in axes else [1]:
             rest = n // (tp * ep) if n % (tp * ep) == 0 else 0
             if not rest:
                 continue
-            for pp in (_divisors(rest) if "pp" in axes else [1]):
+            for pp in _divisors(rest) if "pp" in axes else [1]:
                 if pp > model.n_blocks:
                     continue
                 data = rest // pp
-                for dp in (_divisors(data) if "dp" in axes else [1]):
+                for dp in _divisors(data) if "dp" in axes else [1]:
                     fsdp = data // dp
                     if "fsdp" not in axes and fsdp > 1:
                         continue
@@ -92,11 +92,22 @@ def _microbatch_choices(local: int, pp: int, limit: int) -> list[int]:
     return sorted({ds[round(i * (len(ds) - 1) / max(1, limit - 1))] for i in range(limit)})
 
 
-def search(model: ModelDesc, machine: Machine, n_devices: int, global_batch: int,
-           memory_limit: float | None = None, *, axes: Sequence[str] = ("pp", "dp", "fsdp", "ep", "tp"),
-           schedules: Sequence[str] = SCHEDULES, dtype: str | None = None, remat: Sequence[bool] = (False, True),
-           sequence_parallel: Sequence[bool] = (False, True), reshard: Sequence[bool | None] = (None, True, False),
-           max_microbatch_choices: int = 8, top: int | None = None) -> SearchResult:
+def search(
+    model: ModelDesc,
+    machine: Machine,
+    n_devices: int,
+    global_batch: int,
+    memory_limit: float | None = None,
+    *,
+    axes: Sequence[str] = ("pp", "dp", "fsdp", "ep", "tp"),
+    schedules: Sequence[str] = SCHEDULES,
+    dtype: str | None = None,
+    remat: Sequence[bool] = (False, True),
+    sequence_parallel: Sequence[bool] = (False, True),
+    reshard: Sequence[bool | None] = (None, True, False),
+    max_microbatch_choices: int = 8,
+    top: int | None = None,
+) -> SearchResult:
     """Enumerates layouts of ``n_devices`` for ``model``, keeps those that fit, ranks them.
 
     Args:
@@ -129,6 +140,7 @@ def search(model: ModelDesc, machine: Machine, n_devices: int, global_batch: int
     rejected: Counter = Counter()
     best_unfit: Estimate | None = None
     considered = 0
+
     def run(layout: Layout) -> Estimate | None:
         nonlocal considered, best_unfit
         try:
@@ -152,15 +164,25 @@ def search(model: ModelDesc, machine: Machine, n_devices: int, global_batch: int
         # Knobs that only trade time for memory, fastest first: keep gathered parameters
         # (no reshard), free them (reshard), recompute blocks (remat). Once one fits, the
         # later ones can only be slower.
-        knobs = [(r, m) for m in remat for r in (reshard if fsdp > 1 else (None,))
-                 if not (r is not None and r == (pp == 1))]
+        knobs = [
+            (r, m) for m in remat for r in (reshard if fsdp > 1 else (None,)) if not (r is not None and r == (pp == 1))
+        ]
         knobs.sort(key=lambda k: (k[1], {False: 0, None: 1 if pp == 1 else 0, True: 1}[k[0]]))
         for (sched, virt), sp in itertools.product(scheds, sequence_parallel if tp > 1 else (False,)):
             for m in _microbatch_choices(local, pp, max_microbatch_choices):
                 fitted_first = False
                 for j, (rs, rm) in enumerate(knobs):
-                    layout = Layout(mesh, batch=global_batch, microbatches=m, schedule=sched, virtual=virt,
-                                    remat=rm, reshard=rs, sequence_parallel=sp, dtype=dtype)
+                    layout = Layout(
+                        mesh,
+                        batch=global_batch,
+                        microbatches=m,
+                        schedule=sched,
+                        virtual=virt,
+                        remat=rm,
+                        reshard=rs,
+                        sequence_parallel=sp,
+                        dtype=dtype,
+                    )
                     if run(layout) is not None:
                         fitted_first = j == 0
                         break
@@ -169,6 +191,6 @@ def search(model: ModelDesc, machine: Machine, n_devices: int, global_batch: int
                     # fewest that fit with the fastest knobs is the fastest.
                     break
     fits.sort(key=lambda e: (e.step_s, e.peak_bytes))
-    return SearchResult(ranked=tuple(fits[:top] if top else fits), rejected=dict(rejected), best_unfit=best_unfit,
-                        considered=considered)
-
+    return SearchResult(
+        ranked=tuple(fits[:top] if top else fits), rejected=dict(rejected), best_unfit=best_unfit, considered=considered
+    )

@@ -45,8 +45,9 @@ def _ceil(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _shards(params: tuple[tuple[str, tuple[int, ...]], ...], tp_plan: tuple[tuple[str, str], ...],
-            tp: int, fsdp: int) -> LayerShards:
+def _shards(
+    params: tuple[tuple[str, tuple[int, ...]], ...], tp_plan: tuple[tuple[str, str], ...], tp: int, fsdp: int
+) -> LayerShards:
     from fshard.parallel.specs import fsdp_specs, replicate_specs
     from fshard.parallel.tp import tp_specs
 
@@ -64,8 +65,8 @@ def _shards(params: tuple[tuple[str, tuple[int, ...]], ...], tp_plan: tuple[tupl
     for path, shape in params:
         spec = specs[path]
         full += math.prod(shape)
-        tp_local = list(shape)       # after the non-gathered axes (tp) only
-        mine = list(shape)           # after every axis
+        tp_local = list(shape)  # after the non-gathered axes (tp) only
+        mine = list(shape)  # after every axis
         fsdp_dim = None
         for d in range(len(shape)):
             axes = [a for a in (spec.dim_axes(d) if d < len(spec) else ()) if sizes.get(a, 1) > 1]
@@ -123,4 +124,3 @@ def stage_shards(model: ModelDesc, layout: Layout, parts: list[tuple[int, int]])
         for j, v in enumerate((s.local, s.flat, s.gathered, s.full)):
             tot[j] += v * k
     return LayerShards(*tot)
-

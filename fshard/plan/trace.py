@@ -39,12 +39,38 @@ _aten = torch.ops.aten
 
 # Ops that only create views or read metadata: no kernel, no traffic.
 _FREE = {
-    _aten.view, _aten._unsafe_view, _aten.t, _aten.transpose, _aten.permute, _aten.expand,
-    _aten.slice, _aten.select, _aten.unsqueeze, _aten.squeeze, _aten.as_strided, _aten.alias,
-    _aten.detach, _aten.split, _aten.split_with_sizes, _aten.unbind, _aten.chunk, _aten.reshape,
-    _aten.lift_fresh, _aten._reshape_alias, _aten.unflatten, _aten.flatten, _aten.narrow,
-    _aten.sym_size, _aten.sym_stride, _aten.sym_numel, _aten.is_same_size, _aten.empty,
-    _aten.empty_strided, _aten.empty_like, _aten.new_empty, _aten.new_empty_strided,
+    _aten.view,
+    _aten._unsafe_view,
+    _aten.t,
+    _aten.transpose,
+    _aten.permute,
+    _aten.expand,
+    _aten.slice,
+    _aten.select,
+    _aten.unsqueeze,
+    _aten.squeeze,
+    _aten.as_strided,
+    _aten.alias,
+    _aten.detach,
+    _aten.split,
+    _aten.split_with_sizes,
+    _aten.unbind,
+    _aten.chunk,
+    _aten.reshape,
+    _aten.lift_fresh,
+    _aten._reshape_alias,
+    _aten.unflatten,
+    _aten.flatten,
+    _aten.narrow,
+    _aten.sym_size,
+    _aten.sym_stride,
+    _aten.sym_numel,
+    _aten.is_same_size,
+    _aten.empty,
+    _aten.empty_strided,
+    _aten.empty_like,
+    _aten.new_empty,
+    _aten.new_empty_strided,
     _aten.scalar_tensor,
 }
 
@@ -62,7 +88,8 @@ def _sdpa_cpu_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs)
 _FLOPS = dict(flop_counter.flop_registry)
 _FLOPS[_aten._scaled_dot_product_flash_attention_for_cpu] = flop_counter.shape_wrapper(_sdpa_cpu_flops)
 _FLOPS[_aten._scaled_dot_product_flash_attention_for_cpu_backward] = flop_counter.shape_wrapper(
-    _sdpa_cpu_backward_flops)
+    _sdpa_cpu_backward_flops
+)
 
 
 @attrs.frozen
@@ -83,8 +110,9 @@ class Work:
         return Work(self.flops + other.flops, self.bytes + other.bytes, self.ops + other.ops)
 
     def __sub__(self, other: "Work") -> "Work":
-        return Work(max(0.0, self.flops - other.flops), max(0.0, self.bytes - other.bytes),
-                    max(0.0, self.ops - other.ops))
+        return Work(
+            max(0.0, self.flops - other.flops), max(0.0, self.bytes - other.bytes), max(0.0, self.ops - other.ops)
+        )
 
     def scale(self, k: float, ops: float = 1.0) -> "Work":
         """``flops`` and ``bytes`` times ``k``, ``ops`` times ``ops``."""
@@ -172,8 +200,7 @@ def _run(fn: Callable[[], Any]) -> tuple[Any, Work]:
     return out, Work(float(c.flops), float(c.bytes), float(c.ops))
 
 
-def trace_layer(fn: Callable[..., torch.Tensor], params: Any, inputs: Sequence[Any], *,
-                batch: int = 1) -> LayerTrace:
+def trace_layer(fn: Callable[..., torch.Tensor], params: Any, inputs: Sequence[Any], *, batch: int = 1) -> LayerTrace:
     """Runs one layer forward and backward once and counts its work.
 
     Args:
@@ -196,8 +223,7 @@ def trace_layer(fn: Callable[..., torch.Tensor], params: Any, inputs: Sequence[A
         raise ValueError(f"trace_layer: batch must be an int >= 1, got {batch!r}")
     leaves = [p.detach().requires_grad_(True) for p in tree_util.leaves(params)]
     params = tree_util.tree_unflatten(tree_util.structure(params), leaves)
-    xs = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
-          for x in inputs]
+    xs = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in inputs]
     grad_inputs = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
     param_ids = {id(p) for p in leaves}
     saved: dict[int, int] = {}
@@ -219,13 +245,17 @@ def trace_layer(fn: Callable[..., torch.Tensor], params: Any, inputs: Sequence[A
     _, bwd_full = _run(lambda: torch.autograd.grad(out, grad_inputs + leaves, seed, allow_unused=True))
     wgrad = _held_for_w(fn, params, leaves, xs) if len(grad_inputs) == 1 else 0
     per = 1.0 / batch
-    return LayerTrace(fwd=fwd.scale(per), bwd_input=bwd_i.scale(per), bwd_weight=(bwd_full - bwd_i).scale(per),
-                      saved_bytes=sum(saved.values()) * per, output_bytes=_nbytes(out) * per,
-                      wgrad_bytes=wgrad * per)
+    return LayerTrace(
+        fwd=fwd.scale(per),
+        bwd_input=bwd_i.scale(per),
+        bwd_weight=(bwd_full - bwd_i).scale(per),
+        saved_bytes=sum(saved.values()) * per,
+        output_bytes=_nbytes(out) * per,
+        wgrad_bytes=wgrad * per,
+    )
 
 
-def _held_for_w(fn: Callable[..., torch.Tensor], params: Any, leaves: list[torch.Tensor],
-                xs: list[Any]) -> int:
+def _held_for_w(fn: Callable[..., torch.Tensor], params: Any, leaves: list[torch.Tensor], xs: list[Any]) -> int:
     """Bytes (distinct storages) of the gradients ``fs.sched.SplitBackward``'s I captures for W
     on one forward of ``fn``: what the pipeline executor holds from a microbatch's I to its W."""
     from fshard.sched.split import SplitBackward
@@ -233,11 +263,12 @@ def _held_for_w(fn: Callable[..., torch.Tensor], params: Any, leaves: list[torch
     x = next(t for t in xs if isinstance(t, torch.Tensor) and t.requires_grad)
     out = fn(params, *xs)
     split = SplitBackward(out, torch.ones_like(out), x, leaves)
-    held = {g.untyped_storage().data_ptr() or id(g): g.untyped_storage().nbytes()  # meta: no addresses
-            for g in split.captured_gradients()}
+    held = {
+        g.untyped_storage().data_ptr() or id(g): g.untyped_storage().nbytes()  # meta: no addresses
+        for g in split.captured_gradients()
+    }
     split.weight_grads()  # frees the graph
     return sum(held.values())
-
 
 
 @attrs.frozen
@@ -287,6 +318,10 @@ def trace_optimizer(dtype: torch.dtype = torch.float32) -> OptimizerWork:
 
     (a, fa, peak), (b, _, _), (c2, _, _) = run(2, 4096), run(4, 4096), run(2, 8192)
     per_leaf = (b.ops - a.ops) / 2
-    return OptimizerWork(bytes_per_element=(c2.bytes - a.bytes) / (2 * 4096),
-                         ops=a.ops - 2 * per_leaf, ops_per_leaf=per_leaf, foreach_ops=fa,
-                         transient_per_element=peak / (2 * 4096))
+    return OptimizerWork(
+        bytes_per_element=(c2.bytes - a.bytes) / (2 * 4096),
+        ops=a.ops - 2 * per_leaf,
+        ops_per_leaf=per_leaf,
+        foreach_ops=fa,
+        transient_per_element=peak / (2 * 4096),
+    )

@@ -20,5 +20,14 @@ from fshard.recipes.roles import Roles as Roles
 from fshard.recipes.step import TrainStep as TrainStep
 from fshard.recipes.step import build_train_step as build_train_step
 
-__all__ = ["Injection", "LayeredModel", "NonFinite", "NonFiniteError", "Pipeline", "Roles", "TrainStep",
-           "build_train_step", "transformer"]
+__all__ = [
+    "Injection",
+    "LayeredModel",
+    "NonFinite",
+    "NonFiniteError",
+    "Pipeline",
+    "Roles",
+    "TrainStep",
+    "build_train_step",
+    "transformer",
+]

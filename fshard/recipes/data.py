@@ -53,7 +53,7 @@ class CharCorpus:
             raise DataError(f"the corpus has {len(self.ids)} characters; a sequence of {seq_len} needs more")
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(0, len(self.ids) - seq_len, (batch_size,), generator=g)
-        windows = torch.stack([self.ids[s:s + seq_len + 1] for s in starts.tolist()])  # (B, T + 1)
+        windows = torch.stack([self.ids[s : s + seq_len + 1] for s in starts.tolist()])  # (B, T + 1)
         return windows[:, :-1], windows[:, 1:]
 
 

@@ -55,8 +55,9 @@ def first_nonfinite(grads: Any, order: dict[str, int]) -> tuple[str | None, int 
     """
     paths, leaves, _ = tree_util.zip_with_path(grads)
     local_of = lambda g: g.to_local() if hasattr(g, "to_local") else g  # noqa: E731 (this rank's shard)
-    mine = [p for p, g in zip(paths, leaves)
-            if isinstance(g, torch.Tensor) and not bool(torch.isfinite(local_of(g)).all())]
+    mine = [
+        p for p, g in zip(paths, leaves) if isinstance(g, torch.Tensor) and not bool(torch.isfinite(local_of(g)).all())
+    ]
     local = min(mine, key=lambda p: order.get(p, len(order))) if mine else None
     found = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -73,7 +73,7 @@ def resolve_model(model: ModelLike, roles: Roles) -> LayeredModel:
 
 
 EMBED_KEYS = ("tok_embeddings", "pos_embeddings")  # the first stage's root parameters
-HEAD_KEYS = ("norm", "output")                      # the last stage's
+HEAD_KEYS = ("norm", "output")  # the last stage's
 
 
 @attrs.frozen
@@ -95,18 +95,18 @@ class _Transformer:
 
     def embed(self, root: Any, tokens: Tensor) -> Tensor:
         if self.tp_axis is None:
-            return embed(root, tokens, self.cfg)                                              # (b, T, D)
+            return embed(root, tokens, self.cfg)  # (b, T, D)
         return tp_embed(root, tokens, self.cfg, self.tp_axis, self.sequence_parallel)
 
     def block(self, layer: Any, x: Tensor) -> Tensor:
         if self.tp_axis is None:
-            return block(layer, x, self.cfg)                                                  # (b, T, D)
+            return block(layer, x, self.cfg)  # (b, T, D)
         return tp_transformer_block(layer, x, self.cfg, self.tp_axis, self.sequence_parallel)
 
     def logits(self, root: Any, x: Tensor) -> Tensor:
         if self.tp_axis is None:
-            return head(root, x, self.cfg)                                                    # (b, T, V)
-        return tp_logits(root, x, self.cfg, self.tp_axis, self.sequence_parallel)             # (b, T, V/tp)
+            return head(root, x, self.cfg)  # (b, T, V)
+        return tp_logits(root, x, self.cfg, self.tp_axis, self.sequence_parallel)  # (b, T, V/tp)
 
     def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Mean over this rank's rows, the softmax in at least fp32."""
@@ -123,13 +123,24 @@ def transformer(cfg: TransformerConfig) -> Callable[[Roles], LayeredModel]:
     Raises (when called with the roles):
       LayoutError: ``cfg.n_heads`` is not divisible by the tp axis (whole heads per rank).
     """
+
     def build(roles: Roles) -> LayeredModel:
         if roles.tp_axis is not None and cfg.n_heads % roles.mesh.shape[roles.tp_axis]:
-            raise LayoutError(f"the Transformer's n_heads {cfg.n_heads} must be divisible by "
-                              f"tp={roles.mesh.shape[roles.tp_axis]} (whole heads per rank)")
+            raise LayoutError(
+                f"the Transformer's n_heads {cfg.n_heads} must be divisible by "
+                f"tp={roles.mesh.shape[roles.tp_axis]} (whole heads per rank)"
+            )
         t = _Transformer(cfg, roles.tp_axis, roles.sequence_parallel)
-        return LayeredModel(init=t.init, embed=t.embed, block=t.block, head=t.logits, loss=t.cross_entropy,
-                            embed_keys=EMBED_KEYS, head_keys=HEAD_KEYS, tp_plan=TRANSFORMER_TP_PLAN,
-                            name="transformer")
+        return LayeredModel(
+            init=t.init,
+            embed=t.embed,
+            block=t.block,
+            head=t.logits,
+            loss=t.cross_entropy,
+            embed_keys=EMBED_KEYS,
+            head_keys=HEAD_KEYS,
+            tp_plan=TRANSFORMER_TP_PLAN,
+            name="transformer",
+        )
 
     return build

@@ -44,8 +44,15 @@ class Pipeline:
     head_keys: tuple[str, ...] = ()
 
     @classmethod
-    def build(cls, name: str, mesh: Mesh, n_layers: int, microbatches: int,
-              n_virtual: int | None, model: LayeredModel | None = None) -> "Pipeline":
+    def build(
+        cls,
+        name: str,
+        mesh: Mesh,
+        n_layers: int,
+        microbatches: int,
+        n_virtual: int | None,
+        model: LayeredModel | None = None,
+    ) -> "Pipeline":
         """Raises LayoutError: an unknown schedule, sizes it rejects, or fewer blocks than stages."""
         try:
             schedule = build_schedule(name, mesh.shape["pp"], microbatches, n_virtual=n_virtual)
@@ -53,13 +60,14 @@ class Pipeline:
             raise LayoutError(f"Layout.schedule {name}: {e}") from None
         n = schedule.n_stages
         if n_layers < n:
-            raise LayoutError(f"Layout.schedule {name} on pp={mesh.shape['pp']} has {n} stages "
-                              f"({schedule.n_virtual} per rank) but the model has {n_layers} blocks; "
-                              f"give it at least {n} blocks")
+            raise LayoutError(
+                f"Layout.schedule {name} on pp={mesh.shape['pp']} has {n} stages "
+                f"({schedule.n_virtual} per rank) but the model has {n_layers} blocks; "
+                f"give it at least {n} blocks"
+            )
         cuts = [s * n_layers // n for s in range(n + 1)]
         keys = {} if model is None else dict(embed_keys=model.embed_keys, head_keys=model.head_keys)
-        return cls(schedule, tuple(tuple(range(cuts[s], cuts[s + 1])) for s in range(n)),
-                   mesh.axis_index("pp"), **keys)
+        return cls(schedule, tuple(tuple(range(cuts[s], cuts[s + 1])) for s in range(n)), mesh.axis_index("pp"), **keys)
 
     def root_keys(self, stage: int) -> tuple[str, ...]:
         last = self.schedule.n_stages - 1
@@ -79,9 +87,15 @@ class Pipeline:
     def split(self, held: dict[str, Any]) -> list[Any]:
         """The held tree as ``pipeline_step``'s ``stage_params``: one entry per stage, None elsewhere."""
         mine = self.schedule.stages_of(self.rank)
-        return [{**{k: held[k] for k in self.root_keys(s)},
-                 "layers": {str(i): held["layers"][str(i)] for i in self.layers[s]}} if s in mine else None
-                for s in range(self.schedule.n_stages)]
+        return [
+            {
+                **{k: held[k] for k in self.root_keys(s)},
+                "layers": {str(i): held["layers"][str(i)] for i in self.layers[s]},
+            }
+            if s in mine
+            else None
+            for s in range(self.schedule.n_stages)
+        ]
 
     def merge(self, per_stage: Sequence[Any]) -> dict[str, Any]:
         """The inverse of :meth:`split` (e.g. for the gradients ``pipeline_step`` returns)."""
@@ -93,34 +107,46 @@ class Pipeline:
         return out
 
 
-def make_pipeline_grads(model: LayeredModel, roles: Roles, pipe: Pipeline,
-                        inject: Injection) -> Callable[..., tuple[torch.Tensor, Any]]:
+def make_pipeline_grads(
+    model: LayeredModel, roles: Roles, pipe: Pipeline, inject: Injection
+) -> Callable[..., tuple[torch.Tensor, Any]]:
     """``pipeline_grads(params, tokens, targets) -> (loss, grads)``: this rank's held tree in,
     its gradients (the same tree) out, through ``fs.sched.pipeline_step``."""
     last = pipe.schedule.n_stages - 1
-    fsdp = None if roles.shard_axis is None else StageFSDP(roles.shard_axis, policy=roles.policy,
-                                                           reshard_after_forward=bool(roles.reshard))
+    fsdp = (
+        None
+        if roles.shard_axis is None
+        else StageFSDP(roles.shard_axis, policy=roles.policy, reshard_after_forward=bool(roles.reshard))
+    )
     dtype = None if roles.policy is None else roles.policy.param_dtype
 
     def stage_fn(params: Any, x: torch.Tensor, stage: int) -> torch.Tensor:
         if dtype is not None:  # gathered leaves already are; replicated ones (no fsdp) not
             params = tree_util.tree_map(lambda t: t.to(dtype), params)
         if stage == 0:  # x: the inputs (token ids)
-            x = model.embed(params, x)                                                      # (b, T, D)
+            x = model.embed(params, x)  # (b, T, D)
         block_fn = remat(model.block) if roles.remat else model.block
         for i in pipe.layers[stage]:
-            x = block_fn(params["layers"][str(i)], x)                                       # (b, T, D)
+            x = block_fn(params["layers"][str(i)], x)  # (b, T, D)
         if stage == last:
-            x = model.head(params, x)                                                       # (b, T, V[/tp])
+            x = model.head(params, x)  # (b, T, V[/tp])
         return x
 
     def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return inject.loss(model.loss(output, targets))
 
     def pipeline_grads(params: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = pipeline_step(stage_fn, loss_fn, pipe.split(params),
-                                    (tokens, targets), schedule=pipe.schedule, mesh=roles.mesh,
-                                    axis="pp", data_axes=roles.data_axes, fsdp=fsdp)[:2]
+        loss, grads = pipeline_step(
+            stage_fn,
+            loss_fn,
+            pipe.split(params),
+            (tokens, targets),
+            schedule=pipe.schedule,
+            mesh=roles.mesh,
+            axis="pp",
+            data_axes=roles.data_axes,
+            fsdp=fsdp,
+        )[:2]
         return loss, pipe.merge(grads)
 
     return pipeline_grads
@@ -144,4 +170,3 @@ def gather_full(params: Any, pipe: Pipeline | None) -> Any:
     merged = pipe.merge(parts)
     merged["layers"] = [merged["layers"][str(i)] for i in range(len(merged["layers"]))]
     return merged
-

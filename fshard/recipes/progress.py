@@ -31,8 +31,11 @@ class Progress:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
             self.bar.update(1)
         elif record["step"] % self.every == 0 or record["step"] == self.total:
-            print(f"step {record['step']:>5}/{self.total}  loss {record['loss']:.4f}  "
-                  f"{record['tokens_per_s']:,.0f} tokens/s  lr {record['lr']:.2e}", flush=True)
+            print(
+                f"step {record['step']:>5}/{self.total}  loss {record['loss']:.4f}  "
+                f"{record['tokens_per_s']:,.0f} tokens/s  lr {record['lr']:.2e}",
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.bar is not None:

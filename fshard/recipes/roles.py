@@ -17,8 +17,12 @@ from fshard.transforms.policy import Policy
 
 __all__ = ["Roles", "check_batch", "torch_dtype"]
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "float64": torch.float64}
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -68,8 +72,9 @@ class Roles:
     reshard: bool | None = None
 
     @classmethod
-    def for_mesh(cls, mesh: Mesh, *, compute_dtype: torch.dtype, master_dtype: torch.dtype,
-                 remat: bool, sequence_parallel: bool) -> "Roles":
+    def for_mesh(
+        cls, mesh: Mesh, *, compute_dtype: torch.dtype, master_dtype: torch.dtype, remat: bool, sequence_parallel: bool
+    ) -> "Roles":
         """The roles of ``mesh``'s axes by name (``fsdp``, ``dp``, ``tp``, ``pp``).
 
         Raises:
@@ -95,17 +100,24 @@ class Roles:
         """The roles ``layout`` gives the axes of ``mesh`` (``layout.mesh()``, or a mesh that
         also keeps size-1 axes)."""
         if layout.offload:
-            raise LayoutError("Layout.offload: the recipes do not offload yet; use fs.parallel.offload_shards "
-                              "with scan_layers(offload=True) in a step of your own, or leave offload out")
-        roles = cls.for_mesh(mesh, compute_dtype=torch_dtype(layout.dtype),
-                             master_dtype=torch_dtype(layout.master_dtype), remat=layout.remat,
-                             sequence_parallel=layout.sequence_parallel)
+            raise LayoutError(
+                "Layout.offload: the recipes do not offload yet; use fs.parallel.offload_shards "
+                "with scan_layers(offload=True) in a step of your own, or leave offload out"
+            )
+        roles = cls.for_mesh(
+            mesh,
+            compute_dtype=torch_dtype(layout.dtype),
+            master_dtype=torch_dtype(layout.master_dtype),
+            remat=layout.remat,
+            sequence_parallel=layout.sequence_parallel,
+        )
         return attrs.evolve(roles, prefetch=layout.prefetch, reshard=layout.reshard)
 
     def group_axes(self, acc: GradAccumulator | None = None, sync: bool = True) -> dict[str, Any]:
         """The keyword arguments of ``gather_params`` and ``scan_layers``."""
-        return dict(axis=self.shard_axis, replicate_axis=self.replicate_axis, policy=self.policy,
-                    accumulate=acc, sync=sync)
+        return dict(
+            axis=self.shard_axis, replicate_axis=self.replicate_axis, policy=self.policy, accumulate=acc, sync=sync
+        )
 
     def layer_loop(self) -> dict[str, Any]:
         """The keyword arguments of ``scan_layers`` beyond :meth:`group_axes` (remat, prefetch, reshard)."""
@@ -127,9 +139,11 @@ class Roles:
         """
         if self.tp_axis is not None:
             if tp_plan is None:
-                raise LayoutError(f"the mesh has a tp axis ({dict(self.mesh.shape)}) but the model has no TP "
-                                  f"plan: give LayeredModel(tp_plan=...) and TP versions of its pieces, or "
-                                  f"leave tp out of the layout")
+                raise LayoutError(
+                    f"the mesh has a tp axis ({dict(self.mesh.shape)}) but the model has no TP "
+                    f"plan: give LayeredModel(tp_plan=...) and TP versions of its pieces, or "
+                    f"leave tp out of the layout"
+                )
             return tp_specs(params, tp_plan, self.tp_axis, fsdp_axis=self.shard_axis)
         if self.shard_axis is not None:
             return fsdp_specs(params, self.shard_axis)
@@ -151,4 +165,5 @@ def check_batch(batch_size: int, microbatches: int, mesh: Mesh, roles: Roles) ->
     if batch_size % (microbatches * n_data):
         raise LayoutError(
             f"batch {batch_size} must be a multiple of {microbatches} microbatches "
-            f"x {n_data} data-parallel ranks ({' x '.join(roles.data_axes) or 'none'})")
+            f"x {n_data} data-parallel ranks ({' x '.join(roles.data_axes) or 'none'})"
+        )

@@ -39,18 +39,36 @@ from fshard.recipes.pipeline import Pipeline, make_pipeline_grads
 from fshard.recipes.roles import Roles, check_batch
 from fshard.transforms import shard_map, value_and_grad
 
-__all__ = ["TrainStep", "apply_gradients", "build_train_step", "clip_by_global_norm", "global_norm",
-           "init_params", "make_grad_fn", "make_jit_train_step", "make_pipeline_step", "make_train_step",
-           "microbatch_grads", "param_order", "per_device_loss"]
+__all__ = [
+    "TrainStep",
+    "apply_gradients",
+    "build_train_step",
+    "clip_by_global_norm",
+    "global_norm",
+    "init_params",
+    "make_grad_fn",
+    "make_jit_train_step",
+    "make_pipeline_step",
+    "make_train_step",
+    "microbatch_grads",
+    "param_order",
+    "per_device_loss",
+]
 
 # step(params, opt_state, inputs, targets) -> (params, opt_state, loss, grad_norm, non-finite report or None)
-TrainStep = Callable[[Any, Any, torch.Tensor, torch.Tensor],
-                     tuple[Any, Any, torch.Tensor, float, "NonFinite | None"]]
+TrainStep = Callable[[Any, Any, torch.Tensor, torch.Tensor], tuple[Any, Any, torch.Tensor, float, "NonFinite | None"]]
 
 
-def per_device_loss(params: Any, tokens: torch.Tensor, targets: torch.Tensor,
-                    acc: GradAccumulator | None, sync: bool, *,
-                    model: LayeredModel, roles: Roles) -> torch.Tensor:
+def per_device_loss(
+    params: Any,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    acc: GradAccumulator | None,
+    sync: bool,
+    *,
+    model: LayeredModel,
+    roles: Roles,
+) -> torch.Tensor:
     """The model's mean loss over the global batch, computed from this rank's rows.
 
     Runs inside ``shard_map``: ``params`` are local shards and ``tokens``/``targets``
@@ -61,7 +79,7 @@ def per_device_loss(params: Any, tokens: torch.Tensor, targets: torch.Tensor,
     """
     axes = roles.group_axes(acc, sync)
     root = gather_params({k: v for k, v in params.items() if k != "layers"}, **axes)
-    x = model.embed(root, tokens)                                                     # (b, T, D)
+    x = model.embed(root, tokens)  # (b, T, D)
     x = scan_layers(model.block, params["layers"], x, **roles.layer_loop(), **axes)
     loss = model.loss(model.head(root, x), targets)
     if not roles.data_axes:  # e.g. tp only: every rank holds the whole batch
@@ -69,8 +87,7 @@ def per_device_loss(params: Any, tokens: torch.Tensor, targets: torch.Tensor,
     return pmean(loss, roles.data_axes)  # every data rank holds the same number of rows
 
 
-def init_params(model: LayeredModel, roles: Roles, seed: int,
-                pipe: Pipeline | None = None) -> tuple[Any, Any]:
+def init_params(model: LayeredModel, roles: Roles, seed: int, pipe: Pipeline | None = None) -> tuple[Any, Any]:
     """The parameters of ``model.init(seed, roles.master_dtype)``, built directly as shards.
 
     With a pipeline, only this rank's stages are built.
@@ -79,6 +96,7 @@ def init_params(model: LayeredModel, roles: Roles, seed: int,
       ``(params, specs)``: a pytree of DTensors equal, on every mesh, to the one-process
       init; and their specs.
     """
+
     def init_fn(s: int) -> Any:
         params = model.init(s, roles.master_dtype)
         return params if pipe is None else pipe.keep_held(params)
@@ -111,9 +129,16 @@ def clip_by_global_norm(grads: Any, max_norm: float, norm: float) -> Any:
     return tree_util.tree_map(lambda g: g * coef, grads)
 
 
-def apply_gradients(params: Any, opt_state: Any, grads: Any, loss: torch.Tensor,
-                    opt: GradientTransformation, roles: Roles, max_norm: float,
-                    order: dict[str, int]) -> tuple[Any, Any, float, NonFinite | None]:
+def apply_gradients(
+    params: Any,
+    opt_state: Any,
+    grads: Any,
+    loss: torch.Tensor,
+    opt: GradientTransformation,
+    roles: Roles,
+    max_norm: float,
+    order: dict[str, int],
+) -> tuple[Any, Any, float, NonFinite | None]:
     """Clip, then one optimizer step; nothing at all when the loss or a gradient is not finite.
 
     The loss and the global norm are the same on every rank, so every rank takes the same
@@ -136,25 +161,31 @@ def apply_gradients(params: Any, opt_state: Any, grads: Any, loss: torch.Tensor,
     return params, opt_state, norm, None
 
 
-def make_grad_fn(model: LayeredModel, roles: Roles, specs: Any,
-                 wrap_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[..., Any]:
+def make_grad_fn(
+    model: LayeredModel, roles: Roles, specs: Any, wrap_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Callable[..., Any]:
     """``grad_fn(params, tokens, targets, acc, sync) -> (loss, grads)`` on global values.
 
     Args:
       wrap_loss: applied to each rank's loss inside the body (the eager step's fault
         injection); None: the loss as it is.
     """
+
     def loss_fn(params, tokens, targets, acc, sync):
         loss = per_device_loss(params, tokens, targets, acc, sync, model=model, roles=roles)
         return loss if wrap_loss is None else wrap_loss(loss)
 
     # None in in_specs: the accumulator and the sync flag pass through as they are.
-    return value_and_grad(shard_map(
-        loss_fn, mesh=roles.mesh, in_specs=(specs, roles.batch_spec, roles.batch_spec, None, None), out_specs=P()))
+    return value_and_grad(
+        shard_map(
+            loss_fn, mesh=roles.mesh, in_specs=(specs, roles.batch_spec, roles.batch_spec, None, None), out_specs=P()
+        )
+    )
 
 
-def microbatch_grads(grad_fn: Callable[..., Any], params: Any, tokens: torch.Tensor, targets: torch.Tensor,
-                     microbatches: int) -> tuple[torch.Tensor, Any]:
+def microbatch_grads(
+    grad_fn: Callable[..., Any], params: Any, tokens: torch.Tensor, targets: torch.Tensor, microbatches: int
+) -> tuple[torch.Tensor, Any]:
     """The mean loss and gradients of the global batch ``(B, T)``, cut into ``microbatches`` slices.
 
     The slices are the same on every mesh; their gradients are accumulated and only the
@@ -174,8 +205,16 @@ def microbatch_grads(grad_fn: Callable[..., Any], params: Any, tokens: torch.Ten
     return sum(losses) / microbatches, grads
 
 
-def make_train_step(model: LayeredModel, roles: Roles, specs: Any, opt: GradientTransformation,
-                    microbatches: int, max_norm: float, inject: Injection, order: dict[str, int]) -> TrainStep:
+def make_train_step(
+    model: LayeredModel,
+    roles: Roles,
+    specs: Any,
+    opt: GradientTransformation,
+    microbatches: int,
+    max_norm: float,
+    inject: Injection,
+    order: dict[str, int],
+) -> TrainStep:
     """The train step on global values (DTensor params, the whole batch on every rank).
 
     With ``microbatches > 1`` the gradients are accumulated over that many slices of the
@@ -185,15 +224,23 @@ def make_train_step(model: LayeredModel, roles: Roles, specs: Any, opt: Gradient
 
     def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
         loss, grads = microbatch_grads(grad_fn, params, tokens, targets, microbatches)
-        params, opt_state, norm, bad = apply_gradients(params, opt_state, inject.grads(grads), loss, opt, roles,
-                                                       max_norm, order)
+        params, opt_state, norm, bad = apply_gradients(
+            params, opt_state, inject.grads(grads), loss, opt, roles, max_norm, order
+        )
         return params, opt_state, loss, norm, bad
 
     return step
 
 
-def make_pipeline_step(model: LayeredModel, roles: Roles, pipe: Pipeline, opt: GradientTransformation,
-                       max_norm: float, inject: Injection, order: dict[str, int]) -> TrainStep:
+def make_pipeline_step(
+    model: LayeredModel,
+    roles: Roles,
+    pipe: Pipeline,
+    opt: GradientTransformation,
+    max_norm: float,
+    inject: Injection,
+    order: dict[str, int],
+) -> TrainStep:
     """The train step with the layers spread over the pp axis: ``fs.sched.pipeline_step``.
 
     Every rank runs its row of the schedule: forward and backward of its stages for each
@@ -207,16 +254,26 @@ def make_pipeline_step(model: LayeredModel, roles: Roles, pipe: Pipeline, opt: G
 
     def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
         loss, grads = pipeline_grads(params, tokens, targets)
-        params, opt_state, norm, bad = apply_gradients(params, opt_state, inject.grads(grads), loss,
-                                                       opt, roles, max_norm, order)
+        params, opt_state, norm, bad = apply_gradients(
+            params, opt_state, inject.grads(grads), loss, opt, roles, max_norm, order
+        )
         return params, opt_state, loss, norm, bad
 
     return step
 
 
-def make_jit_train_step(model: LayeredModel, roles: Roles, specs: Any, opt: GradientTransformation,
-                        microbatches: int, max_norm: float, inject: Injection, order: dict[str, int],
-                        backend: str, pipe: Pipeline | None = None) -> TrainStep:
+def make_jit_train_step(
+    model: LayeredModel,
+    roles: Roles,
+    specs: Any,
+    opt: GradientTransformation,
+    microbatches: int,
+    max_norm: float,
+    inject: Injection,
+    order: dict[str, int],
+    backend: str,
+    pipe: Pipeline | None = None,
+) -> TrainStep:
     """``--jit``: :func:`make_train_step`'s step (with ``pipe``, :func:`make_pipeline_step`'s)
     as one graph compiled by ``fs.jit``. A pipeline's point-to-point transfers run eagerly
     in program order between compiled regions (``fshard/jit/p2p.py``).
@@ -282,9 +339,15 @@ def param_order(model: LayeredModel, dtype: torch.dtype = torch.float32) -> dict
     return {p: i for i, p in enumerate(paths)}
 
 
-def build_train_step(model: ModelLike, layout: Layout, optimizer: GradientTransformation, *,
-                     mesh: Mesh | None = None, max_norm: float = 0.0,
-                     jit_backend: str | None = None) -> tuple[Callable[[int], tuple[Any, Any]], TrainStep]:
+def build_train_step(
+    model: ModelLike,
+    layout: Layout,
+    optimizer: GradientTransformation,
+    *,
+    mesh: Mesh | None = None,
+    max_norm: float = 0.0,
+    jit_backend: str | None = None,
+) -> tuple[Callable[[int], tuple[Any, Any]], TrainStep]:
     """The composed train step of ``model`` on ``layout``: FSDP, HSDP, DDP, TP (with sequence
     parallelism), pipelines and their products, gradient accumulation, remat, mixed
     precision and clipping, as ``layout`` says.
@@ -323,14 +386,14 @@ def build_train_step(model: ModelLike, layout: Layout, optimizer: GradientTransf
         shapes = model.init(0, roles.master_dtype)
     pipe = None
     if roles.pp_axis is not None:
-        pipe = Pipeline.build(layout.schedule, mesh, len(shapes["layers"]), layout.microbatches, layout.virtual,
-                              model)
+        pipe = Pipeline.build(layout.schedule, mesh, len(shapes["layers"]), layout.microbatches, layout.virtual, model)
         shapes = pipe.keep_held(shapes)
     specs = model.specs(shapes, roles)
     order, inject = param_order(model, roles.master_dtype), Injection()
     if jit_backend is not None:
-        step = make_jit_train_step(model, roles, specs, optimizer, layout.microbatches, max_norm, inject, order,
-                                   jit_backend, pipe)
+        step = make_jit_train_step(
+            model, roles, specs, optimizer, layout.microbatches, max_norm, inject, order, jit_backend, pipe
+        )
     elif pipe is not None:
         step = make_pipeline_step(model, roles, pipe, optimizer, max_norm, inject, order)
     else:
@@ -341,4 +404,3 @@ def build_train_step(model: ModelLike, layout: Layout, optimizer: GradientTransf
         return params, optimizer.init(params)
 
     return init_state, step
-

@@ -22,5 +22,4 @@ from fshard.runtime.local import (
 from fshard.runtime.process import init as init
 from fshard.runtime.teardown import shutdown as shutdown
 
-__all__ = ["init", "shutdown", "run_local", "WorkerPool", "RankTimeoutError", "RankExitError",
-           "UnpicklableResultError"]
+__all__ = ["init", "shutdown", "run_local", "WorkerPool", "RankTimeoutError", "RankExitError", "UnpicklableResultError"]

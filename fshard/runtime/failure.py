@@ -34,8 +34,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["install", "PEER_LOST", "TIMED_OUT", "is_peer_lost", "is_timeout", "heartbeat_period",
-           "unresponsive_ranks"]
+__all__ = ["install", "PEER_LOST", "TIMED_OUT", "is_peer_lost", "is_timeout", "heartbeat_period", "unresponsive_ranks"]
 
 # What a rank's collective raises when a peer process is gone (gloo; nccl's comm errors
 # are reported by its watchdog instead).
@@ -84,8 +83,7 @@ def heartbeat_period(timeout: timedelta) -> float:
 _JOB: dict[str, Any] = {}  # the job the hook reports on: the latest install()
 
 
-def install(store: Any, rank: int, world_size: int, *, wait_s: float = WAIT_S,
-            heartbeat_s: float = 0.0) -> None:
+def install(store: Any, rank: int, world_size: int, *, wait_s: float = WAIT_S, heartbeat_s: float = 0.0) -> None:
     """Chains an excepthook that reports this rank as the cause or a casualty of a failure.
 
     Calling it again (a new process group) updates the job; the hook is chained once.
@@ -125,8 +123,9 @@ def _start_heartbeat(store: Any, rank: int, period: float) -> None:
     """Starts (or restarts, for a new job) this rank's heartbeat thread; marks a clean exit."""
     _stop_heartbeat()
     stop = threading.Event()
-    thread = threading.Thread(target=_beat, args=(store, _BEAT.format(rank), period, stop),
-                              name="fshard-heartbeat", daemon=True)
+    thread = threading.Thread(
+        target=_beat, args=(store, _BEAT.format(rank), period, stop), name="fshard-heartbeat", daemon=True
+    )
     _HEARTBEAT.update(thread=thread, stop=stop, store=store, rank=rank)
     thread.start()
     if not _HEARTBEAT.get("atexit"):
@@ -184,21 +183,27 @@ def _report_timeout(store: Any, rank: int, world_size: int, period: float, exc: 
         store.set_timeout(timedelta(seconds=max(2.0, 2 * period)))
         silent = unresponsive_ranks(store, rank, world_size, period)
     except Exception as e:  # the store went away with its host: nothing more to learn here
-        say(f"the error above is a timeout; the job's store did not answer ({type(e).__name__}), so "
-            f"the ranks that stopped responding cannot be named.")
+        say(
+            f"the error above is a timeout; the job's store did not answer ({type(e).__name__}), so "
+            f"the ranks that stopped responding cannot be named."
+        )
         _leave_obituary(store, rank, exc)
         return
     if silent:
         names = _rank_list(silent)
-        say(f"the error above is a timeout: {names} stopped responding (no heartbeat for "
+        say(
+            f"the error above is a timeout: {names} stopped responding (no heartbeat for "
             f"{2.5 * period:.1f} s: stopped with SIGSTOP, frozen, killed, or stuck holding the GIL). "
             f"{'They are' if len(silent) > 1 else 'It is'} the likely cause; this rank was waiting "
-            f"for {'them' if len(silent) > 1 else 'it'}.")
+            f"for {'them' if len(silent) > 1 else 'it'}."
+        )
         _leave_obituary(store, rank, exc, suffix=f" ({names} stopped responding)")
     else:
-        say("the error above is a timeout, and every rank is still alive: a deadlock (ranks calling "
+        say(
+            "the error above is a timeout, and every rank is still alive: a deadlock (ranks calling "
             "different collectives, or a collective some ranks skip) or a rank busy for longer than "
-            "the timeout (raise FSHARD_TIMEOUT_S or fs.init(timeout=...)).")
+            "the timeout (raise FSHARD_TIMEOUT_S or fs.init(timeout=...))."
+        )
         _leave_obituary(store, rank, exc)
 
 
@@ -223,8 +228,7 @@ def _report_casualty(store: Any, rank: int, world_size: int, wait_s: float) -> N
     without such a launcher, this rank exits when the time is up.
     """
     say = lambda msg: print(f"fshard: rank {rank} of {world_size}: {msg}", file=sys.stderr, flush=True)
-    say("the error above is a consequence: another rank of the job stopped while this one was "
-        "talking to it.")
+    say("the error above is a consequence: another rank of the job stopped while this one was talking to it.")
     deadline = time.monotonic() + wait_s
     keys = {r: _KEY.format(r) for r in range(world_size) if r != rank}
     named = False
@@ -241,7 +245,9 @@ def _report_casualty(store: Any, rank: int, world_size: int, wait_s: float) -> N
     except Exception:  # the store went away with its host: nothing more to learn here
         pass
     if not named:
-        say(f"no rank reported an exception within {wait_s:.0f} s: a rank was killed or crashed "
+        say(
+            f"no rank reported an exception within {wait_s:.0f} s: a rank was killed or crashed "
             f"(a signal, out of memory, a segfault). The launcher's report names it (torchrun: "
-            f"'Root Cause').")
+            f"'Root Cause')."
+        )
     time.sleep(max(0.0, deadline - time.monotonic()))

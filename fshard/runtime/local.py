@@ -36,8 +36,7 @@ import torch.distributed as dist
 
 from fshard.runtime.failure import PEER_LOST
 
-__all__ = ["run_local", "WorkerPool", "RankTimeoutError", "RemoteTraceback", "RankExitError",
-           "UnpicklableResultError"]
+__all__ = ["run_local", "WorkerPool", "RankTimeoutError", "RemoteTraceback", "RankExitError", "UnpicklableResultError"]
 
 _INHERITED: dict[str, Any] = {}
 
@@ -60,8 +59,9 @@ class RankTimeoutError(TimeoutError):
 _GO = "go"  # the message that lets a started rank connect to the store
 
 
-def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeout_s: float,
-                 finalizes: bool = False) -> None:
+def _worker_main(
+    rank: int, world: int, port: int, conn, stack_path: str, timeout_s: float, finalizes: bool = False
+) -> None:
     _IN_RANK.update(rank=rank, world=world)  # a rank cannot start ranks: _refuse_nested
     torch.set_num_threads(1)
     # What the rank inherited (torch, fshard and the test harness's preloads: some 380k
@@ -90,8 +90,12 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
     # did not survive the fork, and hang.
     _LEAKED.extend(owner.after_fork() for owner in teardown.group_owners())
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     try:
         # Wait until the parent has started every rank. A forked rank inherits the
@@ -102,10 +106,8 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
         # 4-rank run_local start-up, the last rank in resolv_conf.c's lock).
         if conn.recv() != _GO:
             raise RuntimeError("fshard: a rank was not released by the pool that started it")
-        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     except BaseException as e:  # report start-up failures like any other
         conn.send(("err", _pack_exc(e)))
         return
@@ -133,7 +135,8 @@ def _worker_main(rank: int, world: int, port: int, conn, stack_path: str, timeou
                 raise RuntimeError(
                     f"{getattr(fn, '__qualname__', fn)} returned with {_in_flight() - before} "
                     f"functional collective(s) started and never waited (a dropped fs.comm "
-                    f"Handle): their buffers stay in use by the backend")
+                    f"Handle): their buffers stay in use by the backend"
+                )
             _send_result(conn, result, rank, world, fn)
         except BaseException as e:
             # run_local kills a rank as soon as its error arrives: what it printed must be
@@ -281,23 +284,34 @@ class WorkerPool:
         taken as blocked by the failure and killed.
     """
 
-    def __init__(self, world_size: int, *, start_method: str = "spawn",
-                 timeout_s: float = 120.0, grace_s: float = 5.0, name: str = "fshard-rank") -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        start_method: str = "spawn",
+        timeout_s: float = 120.0,
+        grace_s: float = 5.0,
+        name: str = "fshard-rank",
+    ) -> None:
         _refuse_nested("WorkerPool")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
         self.world_size, self.timeout_s, self.grace_s = world_size, timeout_s, grace_s
         ctx = mp.get_context(start_method)
-        self._store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                                    wait_for_workers=False, timeout=timedelta(seconds=60))
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
         self._tmp = tempfile.mkdtemp(prefix="fshard-pool-")
         self._stack_paths = [os.path.join(self._tmp, f"rank{r}.stack") for r in range(world_size)]
         self._conns, self._procs = [], []
         for r in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, daemon=True, name=f"{name}{r}",
-                            args=(r, world_size, self._store.port, child, self._stack_paths[r], timeout_s,
-                                  start_method == "spawn"))
+            p = ctx.Process(
+                target=_worker_main,
+                daemon=True,
+                name=f"{name}{r}",
+                args=(r, world_size, self._store.port, child, self._stack_paths[r], timeout_s, start_method == "spawn"),
+            )
             p.start()
             child.close()
             self._conns.append(parent)
@@ -313,8 +327,14 @@ class WorkerPool:
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
-            grace_s: float | None = None, **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout_s: float | None = None,
+        grace_s: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Runs ``fn(*args, **kwargs)`` on every rank; returns the results by rank.
 
         ``timeout_s`` and ``grace_s`` override the pool's for this call (a caller that
@@ -327,11 +347,13 @@ class WorkerPool:
         """
         for c in self._conns:
             c.send((fn, args, kwargs))
-        return self._collect(None, timeout_s=timeout_s or self.timeout_s, what=getattr(fn, "__name__", "fn"),
-                             grace_s=grace_s)
+        return self._collect(
+            None, timeout_s=timeout_s or self.timeout_s, what=getattr(fn, "__name__", "fn"), grace_s=grace_s
+        )
 
-    def _collect(self, expect, *, timeout_s: float, what: str, grace_s: float | None = None,
-                 stop_failed: bool = False) -> list[Any]:
+    def _collect(
+        self, expect, *, timeout_s: float, what: str, grace_s: float | None = None, stop_failed: bool = False
+    ) -> list[Any]:
         """Each rank's reply to ``what``, by rank; raises the first failure (see :meth:`run`).
 
         ``grace_s``: how long the other ranks get after one fails (default: the pool's).
@@ -361,8 +383,10 @@ class WorkerPool:
                 except (EOFError, OSError):
                     kind, payload = "err", (None, _death(r, self._procs[r], what))
                 except Exception as e:  # e.g. an exception class this process cannot import
-                    kind, payload = "err", (None, f"rank {r}'s reply to {what} cannot be unpickled here: "
-                                                  f"{type(e).__name__}: {e}")
+                    kind, payload = (
+                        "err",
+                        (None, f"rank {r}'s reply to {what} cannot be unpickled here: {type(e).__name__}: {e}"),
+                    )
                 pending.discard(r)
                 if kind == "err":
                     if not errors:
@@ -413,8 +437,11 @@ class WorkerPool:
         if stuck:
             raise RankTimeoutError(
                 f"{what}: ranks {stuck} of {self.world_size} made no progress in {timeout_s:.0f} s"
-                + (": " + stopped.lstrip("; ") + ". " if stopped else
-                   " (a deadlock: mismatched collectives, or a collective some ranks skip). ")
+                + (
+                    ": " + stopped.lstrip("; ") + ". "
+                    if stopped
+                    else " (a deadlock: mismatched collectives, or a collective some ranks skip). "
+                )
                 + f"Where each was stuck:\n{stacks}"
             )
         return [results[r] for r in range(self.world_size)]
@@ -441,8 +468,10 @@ class WorkerPool:
             except OSError:
                 text = ""
             if not text and _is_stopped(self._procs[r].pid):
-                text = (f"(no stack: rank {r} is stopped (SIGSTOP/SIGTSTP, or a debugger) and cannot run; "
-                        f"the ranks in a collective with it wait for it)")
+                text = (
+                    f"(no stack: rank {r} is stopped (SIGSTOP/SIGTSTP, or a debugger) and cannot run; "
+                    f"the ranks in a collective with it wait for it)"
+                )
             out.append(f"--- rank {r} ---\n{_trim_stack(text) or '(no stack)'}")
         return "\n".join(out)
 
@@ -483,6 +512,7 @@ def _cause(errors: dict[int, tuple[Any, str]], late_deaths: set[int] | frozenset
     abort when the killed rank's connections close, and the parent caused that death.
     Ties go to the first to arrive (dicts keep arrival order).
     """
+
     def rank_of_blame(r: int) -> int:
         exc, tb = errors[r]
         if exc is None and " died (" in tb:
@@ -507,8 +537,10 @@ def _stopped_note(ranks: list[int]) -> str:
     if not ranks:
         return ""
     who = f"rank {ranks[0]} was" if len(ranks) == 1 else f"ranks {ranks} were"
-    return (f"; {who} stopped (SIGSTOP/SIGTSTP, or a debugger), the likely cause: "
-            f"the other ranks waited for {'it' if len(ranks) == 1 else 'them'}")
+    return (
+        f"; {who} stopped (SIGSTOP/SIGTSTP, or a debugger), the likely cause: "
+        f"the other ranks waited for {'it' if len(ranks) == 1 else 'them'}"
+    )
 
 
 def _is_stopped(pid: int) -> bool:
@@ -531,8 +563,9 @@ def _trim_stack(text: str) -> str:
     return "\n".join(lines[:40])
 
 
-def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
-              timeout_s: float = 300.0, grace_s: float = 5.0, **kwargs: Any) -> list[Any]:
+def run_local(
+    fn: Callable[..., Any], *args: Any, world_size: int, timeout_s: float = 300.0, grace_s: float = 5.0, **kwargs: Any
+) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` on ``world_size`` ranks and returns each rank's result.
 
     Works from a plain script or a notebook: the ranks are forked child processes, so
@@ -575,8 +608,9 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int,
     gc.collect()
     gc.freeze()
     try:
-        pool = WorkerPool(world_size, start_method="fork", timeout_s=timeout_s, grace_s=grace_s,
-                          name="fshard-local-rank")
+        pool = WorkerPool(
+            world_size, start_method="fork", timeout_s=timeout_s, grace_s=grace_s, name="fshard-local-rank"
+        )
         try:
             for c in pool._conns:
                 c.send("inherited")

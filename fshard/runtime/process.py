@@ -42,8 +42,10 @@ def _env_timeout() -> timedelta:
     except ValueError:
         seconds = float("nan")  # refused below, with the text as it was given
     if not seconds > 0:
-        raise ValueError(f"FSHARD_TIMEOUT_S must be a positive number of seconds, got {raw!r} in the "
-                         f"environment. Set it to e.g. 300, or unset it for the default (300 s).")
+        raise ValueError(
+            f"FSHARD_TIMEOUT_S must be a positive number of seconds, got {raw!r} in the "
+            f"environment. Set it to e.g. 300, or unset it for the default (300 s)."
+        )
     return timedelta(seconds=seconds)
 
 
@@ -118,8 +120,12 @@ def init(*, backend: str | None = None, timeout: timedelta | float | None = None
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout(timeout))
     teardown.install_at_exit(owned=True)  # gloo's threads must be gone before finalization
     if world > 1:  # an uncaught error says whether this rank is the cause or a casualty
-        failure.install(dist.distributed_c10d._get_default_store(), rank, world,
-                        heartbeat_s=failure.heartbeat_period(group_timeout()))
+        failure.install(
+            dist.distributed_c10d._get_default_store(),
+            rank,
+            world,
+            heartbeat_s=failure.heartbeat_period(group_timeout()),
+        )
 
 
 def enable_fault_stacks(file=None) -> bool:
@@ -143,7 +149,7 @@ def enable_fault_stacks(file=None) -> bool:
     try:
         faulthandler.enable(file=stream, all_threads=True)  # type: ignore[arg-type]
     except (AttributeError, ValueError, OSError, RuntimeError):  # no real file descriptor (a notebook's
-        try:                                                      # stream): fall back to fd 2
+        try:  # stream): fall back to fd 2
             faulthandler.enable(file=sys.__stderr__, all_threads=True)  # type: ignore[arg-type]
         except (AttributeError, ValueError, OSError, RuntimeError):
             return False
@@ -213,7 +219,5 @@ def ensure_initialized(n_ranks_wanted: int) -> None:
             f"--nproc-per-node {n_ranks_wanted}`, or call your function through "
             f"fs.run_local(fn, world_size={n_ranks_wanted})."
         )
-    dist.init_process_group(
-        _default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=_env_timeout()
-    )
+    dist.init_process_group(_default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=_env_timeout())
     teardown.install_at_exit(owned=True)  # one rank's gloo group has worker threads too

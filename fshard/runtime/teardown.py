@@ -38,8 +38,16 @@ from typing import Any, Callable, Iterable
 import attrs
 import torch.distributed as dist
 
-__all__ = ["shutdown", "install_at_exit", "at_exit_enabled", "register_before_shutdown", "release_groups",
-           "GroupOwner", "register_group_owner", "group_owners"]
+__all__ = [
+    "shutdown",
+    "install_at_exit",
+    "at_exit_enabled",
+    "register_before_shutdown",
+    "release_groups",
+    "GroupOwner",
+    "register_group_owner",
+    "group_owners",
+]
 
 # owned: fshard started the default group (fs.init or the one-rank group), so the hook
 # may destroy it; failed: an uncaught exception reached sys.excepthook.

@@ -30,14 +30,17 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fshard.sched",
         description="Print a pipeline schedule's per-rank grid, its simulated makespan, "
-                    "bubble and peak activation memory; optionally plot its timeline.",
-        epilog=f"schedules: {choices()}")
-    p.add_argument("schedule", nargs="?",
-                   help="schedule name or alias, e.g. 1f1b, gpipe, interleaved, zb, zbv, dualpipev")
+        "bubble and peak activation memory; optionally plot its timeline.",
+        epilog=f"schedules: {choices()}",
+    )
+    p.add_argument(
+        "schedule", nargs="?", help="schedule name or alias, e.g. 1f1b, gpipe, interleaved, zb, zbv, dualpipev"
+    )
     p.add_argument("--ranks", "-p", type=int, default=4, help="pipeline ranks (default 4)")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default 8)")
-    p.add_argument("--virtual", "-v", type=int, default=None,
-                   help="stages per rank (default: the schedule's own, 1 or 2)")
+    p.add_argument(
+        "--virtual", "-v", type=int, default=None, help="stages per rank (default: the schedule's own, 1 or 2)"
+    )
     p.add_argument("--f", type=float, default=1, help="forward cost per microbatch (default 1)")
     p.add_argument("--b", type=float, default=1, help="backward-input cost (default 1)")
     p.add_argument("--w", type=float, default=1, help="backward-weight cost; a full B costs b + w (default 1)")
@@ -59,15 +62,19 @@ def _summary(schedule: Schedule, f: float, b: float, w: float, comm: float) -> s
     peaks = ", ".join(str(x) for x in rep.peak_activations)
     memory = f"peak memory     [{peaks}] (stage, microbatch) activations held per rank"
     if schedule.n_virtual > 1:  # a rank's stage is 1/v of its layers: also give layer-set units
-        memory += f" = [{', '.join(f'{float(x):g}' for x in rep.peak_stage_activations)}] " \
-                  f"in units of a rank's whole layer set ({schedule.n_virtual} stages)"
-    return "\n".join([
-        f"makespan        {float(rep.makespan):g} (ideal {float(rep.ideal):g} = "
-        f"{schedule.n_microbatches} microbatches x (f + b + w))",
-        f"bubble          {float(rep.bubble_fraction):.1%} of the step "
-        f"(bubble ratio {float(rep.bubble_ratio):.3f} = idle / ideal)",
-        memory,
-    ])
+        memory += (
+            f" = [{', '.join(f'{float(x):g}' for x in rep.peak_stage_activations)}] "
+            f"in units of a rank's whole layer set ({schedule.n_virtual} stages)"
+        )
+    return "\n".join(
+        [
+            f"makespan        {float(rep.makespan):g} (ideal {float(rep.ideal):g} = "
+            f"{schedule.n_microbatches} microbatches x (f + b + w))",
+            f"bubble          {float(rep.bubble_fraction):.1%} of the step "
+            f"(bubble ratio {float(rep.bubble_ratio):.3f} = idle / ideal)",
+            memory,
+        ]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

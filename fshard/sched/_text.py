@@ -24,21 +24,23 @@ def format_grid(schedule: Schedule) -> str:
     widths = [max([len(f"rank {r}")] + [len(c) for c in col]) for r, col in enumerate(cols)]
     steps = max((len(c) for c in cols), default=0)
     step_w = max(4, len(str(steps)))
-    lines = [head, " | ".join([f"{'step':>{step_w}}"] + [
-        f"{f'rank {r}':<{w}}" for r, w in enumerate(widths)])]
+    lines = [head, " | ".join([f"{'step':>{step_w}}"] + [f"{f'rank {r}':<{w}}" for r, w in enumerate(widths)])]
     for i in range(steps):
         cells = [f"{col[i] if i < len(col) else '':<{w}}" for col, w in zip(cols, widths)]
         lines.append(" | ".join([f"{i:>{step_w}}"] + cells).rstrip())
     return "\n".join(lines)
 
 
-def write_csv(schedule: Schedule, path: str | os.PathLike[str] | IO[str] | None, *,
-              header: bool) -> str:
+def write_csv(schedule: Schedule, path: str | os.PathLike[str] | IO[str] | None, *, header: bool) -> str:
     """See :meth:`Schedule.to_csv`."""
     buf = io.StringIO()
     if header:
-        meta = {"name": schedule.name, "n_stages": schedule.n_stages,
-                "n_microbatches": schedule.n_microbatches, "placement": schedule.placement}
+        meta = {
+            "name": schedule.name,
+            "n_stages": schedule.n_stages,
+            "n_microbatches": schedule.n_microbatches,
+            "placement": schedule.placement,
+        }
         buf.write(_HEADER + json.dumps(meta) + "\n")
     writer = csv.writer(buf, lineterminator="\n")
     for row in schedule.actions:
@@ -65,7 +67,7 @@ def read_csv(path: str | os.PathLike[str] | IO[str], overrides: dict[str, object
     lines = []
     for line in text.splitlines():
         if line.startswith(_HEADER):
-            meta = json.loads(line[len(_HEADER):])
+            meta = json.loads(line[len(_HEADER) :])
         elif line.strip() and not line.startswith("#"):
             lines.append(line)
     rows = [[Action.parse(c) for c in cells if c.strip()] for cells in csv.reader(lines)]
@@ -77,19 +79,26 @@ def _from_rows(rows: list[list[Action]], meta: dict[str, object]) -> Schedule:
     parts = [p for row in rows for a in row for p in a.parts]
     if not rows or not parts:
         raise ScheduleError("the CSV holds no actions")
-    n_stages = int(meta.get("n_stages")  # type: ignore[arg-type]
-                   or 1 + max(p.stage for p in parts))
-    n_mb = int(meta.get("n_microbatches") or 1 + max(  # type: ignore[arg-type]
-        (p.microbatch for p in parts if p.microbatch is not None), default=0))
+    n_stages = int(
+        meta.get("n_stages")  # type: ignore[arg-type]
+        or 1 + max(p.stage for p in parts)
+    )
+    n_mb = int(
+        meta.get("n_microbatches")
+        or 1
+        + max(  # type: ignore[arg-type]
+            (p.microbatch for p in parts if p.microbatch is not None), default=0
+        )
+    )
     name = str(meta.get("name", "custom"))
     if "placement" in meta:
-        return Schedule(actions=rows, n_stages=n_stages, n_microbatches=n_mb,
-                        placement=str(meta["placement"]), name=name)
+        return Schedule(
+            actions=rows, n_stages=n_stages, n_microbatches=n_mb, placement=str(meta["placement"]), name=name
+        )
     errors = []
     for placement in ("loop", "v"):
         try:
-            return Schedule(actions=rows, n_stages=n_stages, n_microbatches=n_mb,
-                            placement=placement, name=name)
+            return Schedule(actions=rows, n_stages=n_stages, n_microbatches=n_mb, placement=placement, name=name)
         except ScheduleError as err:
             errors.append(f"{placement}: {err}")
     raise ScheduleError("no stage placement fits the CSV:\n  " + "\n  ".join(errors))

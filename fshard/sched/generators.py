@@ -25,11 +25,11 @@ __all__ = [
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 
 
-def _check_sizes(name: str, n_ranks: int, n_microbatches: int, n_virtual: int,
-                 *, virtual: tuple[int, ...] | None = None) -> None:
+def _check_sizes(
+    name: str, n_ranks: int, n_microbatches: int, n_virtual: int, *, virtual: tuple[int, ...] | None = None
+) -> None:
     sizes = f"{name}(n_ranks={n_ranks}, n_microbatches={n_microbatches}, n_virtual={n_virtual})"
-    for label, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches),
-                         ("n_virtual", n_virtual)):
+    for label, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches), ("n_virtual", n_virtual)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{sizes}: {label} must be an int >= 1")
     if virtual is not None and n_virtual not in virtual:
@@ -77,8 +77,10 @@ def gpipe(n_ranks: int, n_microbatches: int, *, n_virtual: int = 1) -> Schedule:
         ValueError: non-positive sizes or n_virtual != 1.
     """
     _check_sizes("gpipe", n_ranks, n_microbatches, n_virtual, virtual=(1,))
-    rows = [[Action(F, r, i) for i in range(n_microbatches)]
-            + [Action(B, r, i) for i in range(n_microbatches)] for r in range(n_ranks)]
+    rows = [
+        [Action(F, r, i) for i in range(n_microbatches)] + [Action(B, r, i) for i in range(n_microbatches)]
+        for r in range(n_ranks)
+    ]
     return Schedule(actions=rows, n_stages=n_ranks, n_microbatches=n_microbatches, name="gpipe")
 
 
@@ -139,12 +141,10 @@ def looped_bfs(n_ranks: int, n_microbatches: int, *, n_virtual: int = 2) -> Sche
         row = [Action(F, s, i) for s in stages for i in range(m)]
         row += [Action(B, s, i) for s in reversed(stages) for i in reversed(range(m))]
         rows.append(row)
-    return Schedule(actions=rows, n_stages=n_ranks * n_virtual, n_microbatches=m,
-                    name="looped_bfs")
+    return Schedule(actions=rows, n_stages=n_ranks * n_virtual, n_microbatches=m, name="looped_bfs")
 
 
-def _interleaved_row(r: int, p: int, m: int, v: int, per_round: int,
-                     split_backward: bool) -> list[Action]:
+def _interleaved_row(r: int, p: int, m: int, v: int, per_round: int, split_backward: bool) -> list[Action]:
     """One rank of interleaved 1F1B (split_backward=False) or interleaved ZB1P (True).
 
     Forward op k runs chunk (k // per_round) % v; backward op k runs the chunks in
@@ -197,10 +197,8 @@ def interleaved_1f1b(n_ranks: int, n_microbatches: int, *, n_virtual: int = 2) -
     """
     _check_sizes("interleaved_1f1b", n_ranks, n_microbatches, n_virtual)
     per_round = _rounds("interleaved_1f1b", n_ranks, n_microbatches, n_virtual)
-    rows = [_interleaved_row(r, n_ranks, n_microbatches, n_virtual, per_round, False)
-            for r in range(n_ranks)]
-    return Schedule(actions=rows, n_stages=n_ranks * n_virtual,
-                    n_microbatches=n_microbatches, name="interleaved_1f1b")
+    rows = [_interleaved_row(r, n_ranks, n_microbatches, n_virtual, per_round, False) for r in range(n_ranks)]
+    return Schedule(actions=rows, n_stages=n_ranks * n_virtual, n_microbatches=n_microbatches, name="interleaved_1f1b")
 
 
 def zero_bubble(n_ranks: int, n_microbatches: int, *, n_virtual: int = 1) -> Schedule:
@@ -224,11 +222,9 @@ def zero_bubble(n_ranks: int, n_microbatches: int, *, n_virtual: int = 1) -> Sch
     """
     _check_sizes("zero_bubble", n_ranks, n_microbatches, n_virtual)
     per_round = _rounds("zero_bubble", n_ranks, n_microbatches, n_virtual)
-    rows = [_interleaved_row(r, n_ranks, n_microbatches, n_virtual, per_round, True)
-            for r in range(n_ranks)]
+    rows = [_interleaved_row(r, n_ranks, n_microbatches, n_virtual, per_round, True) for r in range(n_ranks)]
     name = "zb_h1" if n_virtual == 1 else "interleaved_zb"
-    return Schedule(actions=rows, n_stages=n_ranks * n_virtual,
-                    n_microbatches=n_microbatches, name=name)
+    return Schedule(actions=rows, n_stages=n_ranks * n_virtual, n_microbatches=n_microbatches, name=name)
 
 
 class _Row:
@@ -312,8 +308,7 @@ def _zbv_row(r: int, p: int, n: int) -> list[Action]:
     return row.actions
 
 
-def dualpipev(n_ranks: int, n_microbatches: int, *, n_virtual: int = 2,
-              overlap: bool = True) -> Schedule:
+def dualpipev(n_ranks: int, n_microbatches: int, *, n_virtual: int = 2, overlap: bool = True) -> Schedule:
     """DualPipeV (DeepSeek's DualPipe cut in half): V placement, 2 stages per rank.
 
     The steady state pairs the forward of one chunk with the full backward of
@@ -340,12 +335,10 @@ def dualpipev(n_ranks: int, n_microbatches: int, *, n_virtual: int = 2,
     p, m = n_ranks, n_microbatches
     if m < 2 * p:
         raise ValueError(
-            f"dualpipev(n_ranks={p}, n_microbatches={m}): needs n_microbatches >= "
-            f"n_stages = 2 * n_ranks = {2 * p}"
+            f"dualpipev(n_ranks={p}, n_microbatches={m}): needs n_microbatches >= n_stages = 2 * n_ranks = {2 * p}"
         )
     rows = [_dualpipev_row(r, p, m, overlap) for r in range(p)]
-    return Schedule(actions=rows, n_stages=2 * p, n_microbatches=m, placement="v",
-                    name="dualpipev")
+    return Schedule(actions=rows, n_stages=2 * p, n_microbatches=m, placement="v", name="dualpipev")
 
 
 def _dualpipev_row(r: int, p: int, m: int, overlap: bool) -> list[Action]:
@@ -364,8 +357,7 @@ def _dualpipev_row(r: int, p: int, m: int, overlap: bool) -> list[Action]:
 
     def pair(fwd_stage: int, bwd_stage: int) -> None:
         fwd, bwd = row.next(F, fwd_stage), row.next(B, bwd_stage)
-        row.actions.extend([Action(Kind.OVERLAP_F_B, -1, None, (fwd, bwd))] if overlap
-                           else [fwd, bwd])
+        row.actions.extend([Action(Kind.OVERLAP_F_B, -1, None, (fwd, bwd))] if overlap else [fwd, bwd])
 
     for _ in range(2 * (p - r - 1)):
         row.add(F, s0)

@@ -10,8 +10,7 @@ from fshard.sched.ir import Action, Kind, Schedule
 __all__ = ["zb_h2"]
 
 
-def zb_h2(n_ranks: int, n_microbatches: int, *, n_virtual: int = 1,
-          max_in_flight: int | None = None) -> Schedule:
+def zb_h2(n_ranks: int, n_microbatches: int, *, n_virtual: int = 1, max_in_flight: int | None = None) -> Schedule:
     """ZB-H2 (Qi et al. 2024): split backward, more warm-up forwards, W's fill the tail.
 
     The order is what a greedy scheduler does at F = I = W = 1 when each rank,
@@ -40,11 +39,12 @@ def zb_h2(n_ranks: int, n_microbatches: int, *, n_virtual: int = 1,
     _check_sizes("zb_h2", n_ranks, n_microbatches, n_virtual, virtual=(1,))
     cap = 2 * n_ranks - 1 if max_in_flight is None else max_in_flight
     if not isinstance(cap, int) or cap < 1:
-        raise ValueError(f"zb_h2(n_ranks={n_ranks}, n_microbatches={n_microbatches}): "
-                         f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        raise ValueError(
+            f"zb_h2(n_ranks={n_ranks}, n_microbatches={n_microbatches}): "
+            f"max_in_flight must be an int >= 1, got {max_in_flight!r}"
+        )
     rows = _greedy_rows(n_ranks, n_microbatches, cap)
-    return Schedule(actions=rows, n_stages=n_ranks, n_microbatches=n_microbatches,
-                    name="zb_h2")
+    return Schedule(actions=rows, n_stages=n_ranks, n_microbatches=n_microbatches, name="zb_h2")
 
 
 def _greedy_rows(p: int, m: int, cap: int) -> list[list[Action]]:
@@ -83,12 +83,21 @@ def _greedy_rows(p: int, m: int, cap: int) -> list[list[Action]]:
     return rows
 
 
-def _pick(r: int, t: int, p: int, m: int, cap: int, f_end: dict, i_end: dict,
-          next_f: list[int], next_i: list[int], weights: list[deque],
-          w_ends: list[list[int]]) -> Action | None:
+def _pick(
+    r: int,
+    t: int,
+    p: int,
+    m: int,
+    cap: int,
+    f_end: dict,
+    i_end: dict,
+    next_f: list[int],
+    next_i: list[int],
+    weights: list[deque],
+    w_ends: list[list[int]],
+) -> Action | None:
     i = next_i[r]
-    if (i < m and f_end.get((r, i), t + 1) <= t
-            and (r == p - 1 or i_end.get((r + 1, i), t + 1) <= t)):
+    if i < m and f_end.get((r, i), t + 1) <= t and (r == p - 1 or i_end.get((r + 1, i), t + 1) <= t):
         return Action(Kind.I, r, i)
     f = next_f[r]
     # A free rank's earlier W's all ended by now (each lasts one tick).

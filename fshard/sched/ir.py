@@ -54,9 +54,7 @@ _SIMPLE_COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 # Which neighbour a comm action talks to, as an offset from its own stage.
 _PEER_OFFSET = {Kind.SEND_F: 1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: 1}
 
-_ACTION_RE = re.compile(
-    r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)"
-)
+_ACTION_RE = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
 _OVERLAP_RE = re.compile(r"\((.*)\)OVERLAP_F_B")
 
 
@@ -176,12 +174,8 @@ def _check_action(kind: Kind, stage: int, mb: int | None, sub: tuple[Action, ...
     if kind is Kind.OVERLAP_F_B:
         if stage != -1 or mb is not None:
             raise ValueError(f"OVERLAP_F_B takes stage=-1 and no microbatch, got {stage=}, {mb=}")
-        if len(sub) != 2 or any(
-            not isinstance(a, Action) or a.kind not in _SIMPLE_COMPUTE for a in sub
-        ):
-            raise ValueError(
-                f"OVERLAP_F_B needs exactly two F/B/I/W sub-actions, got {[str(a) for a in sub]}"
-            )
+        if len(sub) != 2 or any(not isinstance(a, Action) or a.kind not in _SIMPLE_COMPUTE for a in sub):
+            raise ValueError(f"OVERLAP_F_B needs exactly two F/B/I/W sub-actions, got {[str(a) for a in sub]}")
         return
     if sub:
         raise ValueError(f"only OVERLAP_F_B has sub-actions, got kind {kind.value}")
@@ -213,16 +207,11 @@ def stage_to_rank(n_ranks: int, n_stages: int, placement: str) -> tuple[int, ...
         ScheduleError: bad sizes or an unknown placement.
     """
     if n_ranks < 1 or n_stages < n_ranks or n_stages % n_ranks:
-        raise ScheduleError(
-            f"n_stages must be a positive multiple of n_ranks, got {n_stages=}, {n_ranks=}"
-        )
+        raise ScheduleError(f"n_stages must be a positive multiple of n_ranks, got {n_stages=}, {n_ranks=}")
     if placement == "loop":
         return tuple(s % n_ranks for s in range(n_stages))
     if placement == "v":
-        return tuple(
-            s % n_ranks if (s // n_ranks) % 2 == 0 else n_ranks - 1 - s % n_ranks
-            for s in range(n_stages)
-        )
+        return tuple(s % n_ranks if (s // n_ranks) % 2 == 0 else n_ranks - 1 - s % n_ranks for s in range(n_stages))
     raise ScheduleError(f"placement must be 'loop' or 'v', got {placement!r}")
 
 
@@ -236,10 +225,7 @@ def _to_actions(
         if sorted(value) != list(range(len(value))):
             raise ScheduleError(f"rank keys must be 0..n-1, got {sorted(value)}")
         value = [value[r] for r in range(len(value))]
-    return tuple(
-        tuple(a if isinstance(a, Action) else Action.parse(a) for a in row if a is not None)
-        for row in value
-    )
+    return tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in row if a is not None) for row in value)
 
 
 @attrs.frozen(kw_only=True)
@@ -279,9 +265,12 @@ class Schedule:
             for index, action in enumerate(row):
                 for part in action.sub or (action,):
                     stage, mb = part.stage, part.microbatch
-                    if (stage >= n_stages or ranks[stage] != rank
-                            or (mb is not None and mb >= n_mb)
-                            or (part.kind in COMM_KINDS and not 0 <= part.peer_stage < n_stages)):
+                    if (
+                        stage >= n_stages
+                        or ranks[stage] != rank
+                        or (mb is not None and mb >= n_mb)
+                        or (part.kind in COMM_KINDS and not 0 <= part.peer_stage < n_stages)
+                    ):
                         raise ScheduleError(self._misplaced(rank, index, action, part))
 
     def _misplaced(self, rank: int, index: int, action: Action, part: Action) -> str:
@@ -291,9 +280,11 @@ class Schedule:
         if part.microbatch is not None and part.microbatch >= self.n_microbatches:
             return f"{where}: microbatch {part.microbatch} >= n_microbatches={self.n_microbatches}"
         if self._ranks[part.stage] != rank:
-            return (f"{where}: stage {part.stage} lives on rank {self._ranks[part.stage]} "
-                    f"under {self.placement!r} placement with n_ranks={self.n_ranks}, "
-                    f"n_stages={self.n_stages}")
+            return (
+                f"{where}: stage {part.stage} lives on rank {self._ranks[part.stage]} "
+                f"under {self.placement!r} placement with n_ranks={self.n_ranks}, "
+                f"n_stages={self.n_stages}"
+            )
         return f"{where}: peer stage {part.peer_stage} does not exist"
 
     @property
@@ -358,8 +349,7 @@ class Schedule:
 
         return format_grid(self)
 
-    def to_csv(self, path: str | os.PathLike[str] | IO[str] | None = None, *,
-               header: bool = True) -> str:
+    def to_csv(self, path: str | os.PathLike[str] | IO[str] | None = None, *, header: bool = True) -> str:
         """Writes one CSV row per rank, one action string per cell.
 
         Args:

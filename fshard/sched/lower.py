@@ -87,8 +87,7 @@ def lower(schedule: Schedule) -> Schedule:
             out.append(action)
             out.extend(sends.get((rank, index), ()))
         if pending:
-            raise ScheduleError(f"rank {rank}: receives {[str(p[3]) for p in pending]} "
-                                f"have no consumer on that rank")
+            raise ScheduleError(f"rank {rank}: receives {[str(p[3]) for p in pending]} have no consumer on that rank")
         rows.append(out)
     return attrs.evolve(schedule, actions=rows)
 

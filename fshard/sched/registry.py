@@ -76,8 +76,7 @@ def choices() -> str:
     return ", ".join(sorted(GENERATORS) + sorted(ALIASES))
 
 
-def build_schedule(name: str, n_ranks: int, n_microbatches: int, *,
-                   n_virtual: int | None = None) -> Schedule:
+def build_schedule(name: str, n_ranks: int, n_microbatches: int, *, n_virtual: int | None = None) -> Schedule:
     """Builds schedule ``name`` (any name or alias of :data:`GENERATORS`).
 
     Args:

@@ -55,9 +55,20 @@ __all__ = ["Executor", "tracing"]
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 _SENDS = (Kind.SEND_F, Kind.SEND_B)
 _MAX_DIMS = 8  # header: [ndim, dtype code, size_0, ..., size_7]
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-           torch.complex128)
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
 _C10D = torch.ops._c10d_functional
 
 
@@ -101,8 +112,7 @@ class _Once:
         works = dist.batch_isend_irecv(ops)
         if len(works) == len(ops):
             return [_Once(w, op.tensor) for w, op in zip(works, ops)]
-        shared = _Once(SimpleNamespace(wait=lambda: [w.wait() for w in works]),
-                       [op.tensor for op in ops])
+        shared = _Once(SimpleNamespace(wait=lambda: [w.wait() for w in works]), [op.tensor for op in ops])
         return [shared] * len(ops)
 
 
@@ -124,9 +134,12 @@ class _Traced:
 
     @staticmethod
     def post(ops: list[dist.P2POp]) -> list[_Traced]:
-        outs = torch.ops.fshard.p2p_batch([op.op is dist.isend for op in ops],
-                                          [op.group_peer for op in ops], [op.tensor for op in ops],
-                                          ops[0].group.group_name)
+        outs = torch.ops.fshard.p2p_batch(
+            [op.op is dist.isend for op in ops],
+            [op.group_peer for op in ops],
+            [op.tensor for op in ops],
+            ops[0].group.group_name,
+        )
         return [_Traced(t) for t in outs]
 
 
@@ -136,8 +149,7 @@ class _Traced:
 # work registry after every step. Here each output has its own registration, which
 # ``wait_tensor`` pops once.
 @torch.library.custom_op("fshard::p2p_batch", mutates_args=())
-def _p2p_batch(sends: list[bool], peers: list[int], tensors: list[torch.Tensor],
-               group_name: str) -> list[torch.Tensor]:
+def _p2p_batch(sends: list[bool], peers: list[int], tensors: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
     """Posts sends of ``tensors[i]`` (``sends[i]``) and receives shaped like ``tensors[i]``
     (the others) with group rank ``peers[i]``, as one ``batch_isend_irecv``;
     returns per op an empty token (send) or the buffer being received, each to be waited
@@ -146,9 +158,12 @@ def _p2p_batch(sends: list[bool], peers: list[int], tensors: list[torch.Tensor],
 
     group = _resolve_process_group(group_name)
     outs = _p2p_outputs(sends, tensors)
-    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) if send else
-           dist.P2POp(dist.irecv, out, group=group, group_peer=peer)
-           for send, t, out, peer in zip(sends, tensors, outs, peers)]
+    ops = [
+        dist.P2POp(dist.isend, t, group=group, group_peer=peer)
+        if send
+        else dist.P2POp(dist.irecv, out, group=group, group_peer=peer)
+        for send, t, out, peer in zip(sends, tensors, outs, peers)
+    ]
     works = dist.batch_isend_irecv(ops)
     for i, out in enumerate(outs):
         # One work per op (gloo), or one for the batch (a coalescing backend: waited per output).
@@ -162,8 +177,10 @@ def _(sends, peers, tensors, group_name):
 
 
 def _p2p_outputs(sends: list[bool], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.new_empty(0) if send else torch.empty_like(t, memory_format=torch.contiguous_format)
-            for send, t in zip(sends, tensors)]
+    return [
+        t.new_empty(0) if send else torch.empty_like(t, memory_format=torch.contiguous_format)
+        for send, t in zip(sends, tensors)
+    ]
 
 
 torch.fx.node.has_side_effect(torch.ops.fshard.p2p_batch.default)
@@ -218,12 +235,23 @@ class Executor:
         n_sends, n_recvs, bytes_sent, bytes_received: payload transfers (no headers).
     """
 
-    def __init__(self, schedule: Schedule, rank: int, group: Any, axis: str,
-                 stage_fn: Callable[..., Any], loss_fn: Callable[..., Any],
-                 params: Mapping[int, tuple[list[Any], Any]], inputs: Sequence[Any],
-                 targets: Sequence[Any], seed: float, device: torch.device,
-                 hooks: Mapping[Kind, Callable[[int, Executor], None]] | None = None,
-                 prefetch: int = 2, stages: Any = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        group: Any,
+        axis: str,
+        stage_fn: Callable[..., Any],
+        loss_fn: Callable[..., Any],
+        params: Mapping[int, tuple[list[Any], Any]],
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        seed: float,
+        device: torch.device,
+        hooks: Mapping[Kind, Callable[[int, Executor], None]] | None = None,
+        prefetch: int = 2,
+        stages: Any = None,
+    ) -> None:
         self.schedule, self.rank, self.group, self.axis = schedule, rank, group, axis
         self.stage_fn, self.loss_fn, self.params = stage_fn, loss_fn, params
         self.inputs, self.targets, self.seed, self.device = inputs, targets, seed, device
@@ -234,7 +262,8 @@ class Executor:
         self.stages = stages
         self.last = schedule.n_stages - 1
         self.grads: dict[int, list[torch.Tensor | None]] = {
-            s: [None] * len(leaves) for s, (leaves, _) in params.items()}
+            s: [None] * len(leaves) for s, (leaves, _) in params.items()
+        }
         self.losses: list[torch.Tensor | None] = [None] * schedule.n_microbatches
         self.peak_activations = self._live = 0
         self.busy_s = self.wait_s = self._t0 = 0.0
@@ -249,8 +278,7 @@ class Executor:
         self._in_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._headed: set[int] = set()
         self._owned: set[tuple[int, int]] = set()  # accumulators this executor allocated
-        self._unposted = deque(a for a in schedule.actions[rank]
-                               if a.kind in (Kind.RECV_F, Kind.RECV_B))
+        self._unposted = deque(a for a in schedule.actions[rank] if a.kind in (Kind.RECV_F, Kind.RECV_B))
         self._posted: set[Action] = set()
         self.prefetch = prefetch if dist.get_backend(group) == "gloo" else 0
         self.traced = tracing()
@@ -278,8 +306,9 @@ class Executor:
             except ValueError as e:
                 if isinstance(e, ScheduleError):
                     raise
-                raise ValueError(f"{e} (schedule {self.schedule.name!r}, rank {self.rank}, "
-                                 f"action #{i} {row[i]})") from e
+                raise ValueError(
+                    f"{e} (schedule {self.schedule.name!r}, rank {self.rank}, action #{i} {row[i]})"
+                ) from e
             i += 1
         self._wait(self._sent)
         self._sent.clear()
@@ -299,8 +328,9 @@ class Executor:
         self._live += sum(1 for p in action.parts if p.kind is F)
         self.peak_activations = max(self.peak_activations, self._live)
         for p in action.parts:
-            {F: self._forward, B: self._backward, I: self._backward_input,
-             W: self._backward_weight}[p.kind](p.stage, p.microbatch)
+            {F: self._forward, B: self._backward, I: self._backward_input, W: self._backward_weight}[p.kind](
+                p.stage, p.microbatch
+            )
             if p.kind is not F and self.stages is not None:
                 self.stages.backward_done(p.stage)
         self._live -= sum(1 for p in action.parts if p.kind in (B, W))
@@ -325,8 +355,10 @@ class Executor:
             with context:
                 y = self.stage_fn(tree_util.tree_unflatten(treedef, used), x, s)
             root = self._loss(y, mb) if s == self.last else self._check_output(s, mb, y)
-        wrt = [None if not wants_grad(p) else p if u is p else
-               torch.autograd.graph.get_gradient_edge(u) for p, u in zip(leaves, used)]
+        wrt = [
+            None if not wants_grad(p) else p if u is p else torch.autograd.graph.get_gradient_edge(u)
+            for p, u in zip(leaves, used)
+        ]
         self._saved[(s, mb)] = _Saved(x, root, wrt)
         if s == self.last:
             return
@@ -340,15 +372,18 @@ class Executor:
         loss = self.loss_fn(y, self.targets[mb])
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"loss_fn must return a scalar tensor (the mean over the "
-                             f"microbatch); got {got} for microbatch {mb}")
+            raise ValueError(
+                f"loss_fn must return a scalar tensor (the mean over the microbatch); got {got} for microbatch {mb}"
+            )
         self.losses[mb] = loss.detach().reshape(())
         return loss
 
     def _check_output(self, s: int, mb: int, y: Any) -> torch.Tensor:
         if not isinstance(y, torch.Tensor):
-            raise ValueError(f"stage_fn of stage {s} (not the last) must return one tensor, the "
-                             f"activation for stage {s + 1}; got {type(y).__name__}")
+            raise ValueError(
+                f"stage_fn of stage {s} (not the last) must return one tensor, the "
+                f"activation for stage {s + 1}; got {type(y).__name__}"
+            )
         shape = tuple(y.shape)
         first = self._out_meta.setdefault(s, (shape, y.dtype, mb))
         if first[:2] != (shape, y.dtype):
@@ -356,10 +391,12 @@ class Executor:
                 f"stage {s} output changed between microbatches: microbatch {first[2]} gave "
                 f"shape {first[0]} {first[1]}, microbatch {mb} gives shape {shape} {y.dtype}; "
                 f"transfer buffers are sized once per step, so every microbatch of a stage "
-                f"must give the same shape and dtype")
+                f"must give the same shape and dtype"
+            )
         if y.dim() > _MAX_DIMS or y.dtype not in _DTYPES:
-            raise ValueError(f"stage {s} output {shape} {y.dtype} cannot be sent: at most "
-                             f"{_MAX_DIMS} dims and a dtype in {_DTYPES}")
+            raise ValueError(
+                f"stage {s} output {shape} {y.dtype} cannot be sent: at most {_MAX_DIMS} dims and a dtype in {_DTYPES}"
+            )
         return y
 
     def _grad_output(self, s: int, mb: int, saved: _Saved) -> torch.Tensor:
@@ -371,8 +408,10 @@ class Executor:
     def _saved_of(self, s: int, mb: int, kind: Kind, drop: bool) -> _Saved:
         saved = self._saved.pop((s, mb), None) if drop else self._saved.get((s, mb))
         if saved is None or (kind is W and saved.split is None):
-            raise ScheduleError(f"rank {self.rank}: {Action(kind, s, mb)} finds no state "
-                                f"from its F (or I); the action list is out of order")
+            raise ScheduleError(
+                f"rank {self.rank}: {Action(kind, s, mb)} finds no state "
+                f"from its F (or I); the action list is out of order"
+            )
         return saved
 
     def _backward(self, s: int, mb: int) -> None:
@@ -381,14 +420,13 @@ class Executor:
         wrt = [i for i, p in enumerate(saved.wrt) if p is not None]
         xs = [saved.x] if wants_grad(saved.x) else []
         grads = grad(saved.root, xs + [saved.wrt[i] for i in wrt], g)
-        self._accumulate(s, wrt, grads[len(xs):])
+        self._accumulate(s, wrt, grads[len(xs) :])
         self._emit_input_grad(s, mb, saved.x, grads[0] if xs else None)
 
     def _backward_input(self, s: int, mb: int) -> None:
         saved = self._saved_of(s, mb, I, drop=False)
         g = self._grad_output(s, mb, saved)
-        saved.split = SplitBackward(saved.root, g, saved.x if wants_grad(saved.x) else None,
-                                    saved.wrt)
+        saved.split = SplitBackward(saved.root, g, saved.x if wants_grad(saved.x) else None, saved.wrt)
         saved.root = None  # the split holds what W needs; the rest of the graph may go
         self._emit_input_grad(s, mb, saved.x, saved.split.input_grad)
 
@@ -433,8 +471,9 @@ class Executor:
         for a in (a for a in batch if a.kind in _SENDS):
             t = self._outbox.pop((a.kind, a.stage, a.microbatch), None)
             if t is None:
-                raise ScheduleError(f"rank {self.rank}: {a} has nothing to send; the compute "
-                                    f"action producing it has not run")
+                raise ScheduleError(
+                    f"rank {self.rank}: {a} has nothing to send; the compute action producing it has not run"
+                )
             t = t.contiguous() if t.device == self.wire else t.to(self.wire).contiguous()
             if a.kind is Kind.SEND_F and a.stage not in self._headed:
                 self._headed.add(a.stage)
@@ -468,7 +507,7 @@ class Executor:
                 works = _Once.post(ops + [self._op(dist.irecv, h, a)])
                 self._register(works[:-1], n_send, keyed)
                 self._wait(works[-1:])
-                self._in_meta[a.stage] = (tuple(h[2:2 + int(h[0])].tolist()), _DTYPES[int(h[1])])
+                self._in_meta[a.stage] = (tuple(h[2 : 2 + int(h[0])].tolist()), _DTYPES[int(h[1])])
                 ops, n_send, keyed = [], 0, []
             buf = self._recv_buffer(a)
             ops.append(self._op(dist.irecv, buf, a))
@@ -488,10 +527,9 @@ class Executor:
         with _disable_current_modes():
             h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.wire)
             dist.recv(h, group=self.group, group_src=self.schedule.peer_rank(a))
-            return tuple(h[2:2 + int(h[0])].tolist()), _DTYPES[int(h[1])]
+            return tuple(h[2 : 2 + int(h[0])].tolist()), _DTYPES[int(h[1])]
 
-    def _register(self, works: list[_Once], n_send: int,
-                  keyed: list[tuple[Action, torch.Tensor]]) -> None:
+    def _register(self, works: list[_Once], n_send: int, keyed: list[tuple[Action, torch.Tensor]]) -> None:
         self._sent += works[:n_send]
         for (a, buf), work in zip(keyed, works[n_send:]):
             self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf)
@@ -519,15 +557,18 @@ class Executor:
         elif a.stage in self._out_meta:
             shape, dtype, _ = self._out_meta[a.stage]
         else:
-            raise ScheduleError(f"rank {self.rank}: {a} is posted before any F of stage "
-                                f"{a.stage}, so the gradient's shape is unknown")
+            raise ScheduleError(
+                f"rank {self.rank}: {a} is posted before any F of stage {a.stage}, so the gradient's shape is unknown"
+            )
         return torch.empty(shape, dtype=dtype, device=self.wire)
 
     def _take(self, kind: Kind, s: int, mb: int, consumer: Kind) -> torch.Tensor:
         entry = self._recvs.pop((kind, s, mb), None)
         if entry is None:
-            raise ScheduleError(f"rank {self.rank}: {Action(consumer, s, mb)} needs "
-                                f"{Action(kind, s, mb)}, which was not posted before it")
+            raise ScheduleError(
+                f"rank {self.rank}: {Action(consumer, s, mb)} needs "
+                f"{Action(kind, s, mb)}, which was not posted before it"
+            )
         self._wait([entry[0]])
         buf = entry[0].tensor if isinstance(entry[0], _Traced) else entry[1]
         buf = buf if buf.device == self.device else buf.to(self.device)

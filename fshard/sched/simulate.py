@@ -49,8 +49,7 @@ class _Costs(NamedTuple):
     comm: Fraction
 
     def of(self, part: Action, v: int) -> Fraction:
-        per_rank = {Kind.F: self.f, Kind.I: self.b, Kind.W: self.w,
-                    Kind.B: self.b + self.w}[part.kind]
+        per_rank = {Kind.F: self.f, Kind.I: self.b, Kind.W: self.w, Kind.B: self.b + self.w}[part.kind]
         return per_rank / v
 
 
@@ -104,16 +103,16 @@ def _jobs(schedule: Schedule, costs: _Costs) -> tuple[list[list[_Job]], int, int
                 jobs.append(_Job(index, action, tick[action.kind], deps, (_key(action),)))
                 continue
             outputs = tuple(_key(p) for p in action.parts)
-            deps = tuple(d for p in action.parts for d in _inputs(p, schedule.n_stages)
-                         if d not in outputs)
+            deps = tuple(d for p in action.parts for d in _inputs(p, schedule.n_stages) if d not in outputs)
             cost = sum(tick[p.kind] for p in action.parts)
             jobs.append(_Job(index, action, cost, deps, outputs))
         rows.append(jobs)
     return rows, scale, int(costs.comm * scale)
 
 
-def timeline(schedule: Schedule, *, f: Number = 1, b: Number = 1, w: Number = 1,
-             comm: Number = 0) -> tuple[tuple[Span, ...], ...]:
+def timeline(
+    schedule: Schedule, *, f: Number = 1, b: Number = 1, w: Number = 1, comm: Number = 0
+) -> tuple[tuple[Span, ...], ...]:
     """Places every compute action of every rank in time (ASAP, list order per rank).
 
     Args:
@@ -134,13 +133,14 @@ def timeline(schedule: Schedule, *, f: Number = 1, b: Number = 1, w: Number = 1,
     """
     rows, ticks, scale = _ticks(schedule, _costs(f, b, w, comm))
     return tuple(
-        tuple(Span(r, j.index, j.action, Fraction(t0, scale), Fraction(t1, scale))
-              for j, (t0, t1) in zip(jobs, ticks[r]))
-        for r, jobs in enumerate(rows))
+        tuple(
+            Span(r, j.index, j.action, Fraction(t0, scale), Fraction(t1, scale)) for j, (t0, t1) in zip(jobs, ticks[r])
+        )
+        for r, jobs in enumerate(rows)
+    )
 
 
-def _ticks(schedule: Schedule, costs: _Costs
-           ) -> tuple[list[list[_Job]], list[list[tuple[int, int]]], int]:
+def _ticks(schedule: Schedule, costs: _Costs) -> tuple[list[list[_Job]], list[list[tuple[int, int]]], int]:
     """The ASAP sweep in integer ticks: jobs per rank, (start, end) per job, ticks per unit."""
     rows, scale, comm_ticks = _jobs(schedule, costs)
     done: dict[tuple[str, int, int | None], tuple[int, int]] = {}
@@ -168,21 +168,25 @@ def _ticks(schedule: Schedule, costs: _Costs
                     progressed = True
                     continue
                 break
-    stuck = [(r, (jobs[heads[r]].index, jobs[heads[r]].action))
-             for r, jobs in enumerate(rows) if heads[r] < len(jobs)]
+    stuck = [(r, (jobs[heads[r]].index, jobs[heads[r]].action)) for r, jobs in enumerate(rows) if heads[r] < len(jobs)]
     if stuck:
         raise ScheduleError(_stuck_message(stuck, schedule, done))
     return rows, ticks, scale
 
 
-def _stuck_message(stuck: list[tuple[int, tuple[int, Action]]], schedule: Schedule,
-                   done: dict) -> str:
-    lines = [f"deadlock in schedule {schedule.name!r}: no rank can start its next "
-             f"compute action (n_ranks={schedule.n_ranks}, n_stages={schedule.n_stages}, "
-             f"n_microbatches={schedule.n_microbatches})"]
+def _stuck_message(stuck: list[tuple[int, tuple[int, Action]]], schedule: Schedule, done: dict) -> str:
+    lines = [
+        f"deadlock in schedule {schedule.name!r}: no rank can start its next "
+        f"compute action (n_ranks={schedule.n_ranks}, n_stages={schedule.n_stages}, "
+        f"n_microbatches={schedule.n_microbatches})"
+    ]
     for rank, (index, action) in stuck:
-        missing = [d for p in action.parts for d in _inputs(p, schedule.n_stages)
-                   if d not in done and d not in {_key(q) for q in action.parts}]
+        missing = [
+            d
+            for p in action.parts
+            for d in _inputs(p, schedule.n_stages)
+            if d not in done and d not in {_key(q) for q in action.parts}
+        ]
         waits = ", ".join(_describe(d, schedule) for d in missing)
         lines.append(f"  rank {rank}: head action #{index} {action} waits for {waits}")
     return "\n".join(lines)
@@ -246,8 +250,10 @@ class SimReport:
 
     def __str__(self) -> str:
         peaks = ", ".join(str(p) for p in self.peak_activations)
-        return (f"makespan {float(self.makespan):g} (ideal {float(self.ideal):g}), bubble "
-                f"{float(self.bubble_fraction):.1%} of T; peak activations per rank [{peaks}]")
+        return (
+            f"makespan {float(self.makespan):g} (ideal {float(self.ideal):g}), bubble "
+            f"{float(self.bubble_fraction):.1%} of T; peak activations per rank [{peaks}]"
+        )
 
 
 def _peak(spans: tuple[Span, ...]) -> int:
@@ -266,8 +272,7 @@ def _peak(spans: tuple[Span, ...]) -> int:
     return peak
 
 
-def simulate(schedule: Schedule, f: Number = 1, b: Number = 1, w: Number = 1,
-             comm: Number = 0) -> SimReport:
+def simulate(schedule: Schedule, f: Number = 1, b: Number = 1, w: Number = 1, comm: Number = 0) -> SimReport:
     """Simulates one isolated step of ``schedule`` and reports its timing and memory.
 
     Args:

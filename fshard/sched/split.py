@@ -47,8 +47,7 @@ class SplitBackward:
         input_grad: d root / d x (None when x is None or root does not depend on it).
     """
 
-    def __init__(self, root: torch.Tensor, seed: torch.Tensor, x: torch.Tensor | None,
-                 leaves: Sequence[Any]) -> None:
+    def __init__(self, root: torch.Tensor, seed: torch.Tensor, x: torch.Tensor | None, leaves: Sequence[Any]) -> None:
         self._leaves = list(leaves)
         self._captured: dict[Any, tuple] = {}
         self._groups: list[tuple[list[Any], list[int]]] = []
@@ -78,12 +77,12 @@ class SplitBackward:
                 reach[n] = none.union(*(via(k, nr) for k, nr in children[n]))
         # In post-order, not set order: W issues any collectives of the weight path
         # (FSDP's reduce-scatters) group by group, and every rank must issue them alike.
-        frontier = {n: none.union(*(via(k, nr) for k, nr in children[n] if k not in on_path))
-                    for n in post if n in on_path}
+        frontier = {
+            n: none.union(*(via(k, nr) for k, nr in children[n] if k not in on_path)) for n in post if n in on_path
+        }
         self._groups = _group({n: ps for n, ps in frontier.items() if ps})
         self._full = None
-        handles = [n.register_prehook(_capture(self._captured, n))
-                   for nodes, _ in self._groups for n in nodes]
+        handles = [n.register_prehook(_capture(self._captured, n)) for nodes, _ in self._groups for n in nodes]
         try:
             self.input_grad = grad(root, [x], seed, retain=True)[0]
         finally:
@@ -104,16 +103,23 @@ class SplitBackward:
         idx: list[int] = []
         out: list[torch.Tensor | None] = []
         for nodes, params in self._groups:
-            edges = [(torch.autograd.graph.GradientEdge(n, k), g)
-                     for n in nodes for k, g in enumerate(self._captured[n]) if g is not None]
+            edges = [
+                (torch.autograd.graph.GradientEdge(n, k), g)
+                for n in nodes
+                for k, g in enumerate(self._captured[n])
+                if g is not None
+            ]
             if not edges:
                 continue
-            pins = [n.register_prehook(lambda _, v=self._captured[n]: v)
-                    for n in nodes] if len(nodes) > 1 else []
+            pins = [n.register_prehook(lambda _, v=self._captured[n]: v) for n in nodes] if len(nodes) > 1 else []
             try:
-                got = torch.autograd.grad([e for e, _ in edges], [self._leaves[i] for i in params],
-                                          [g for _, g in edges], retain_graph=True,
-                                          allow_unused=True)
+                got = torch.autograd.grad(
+                    [e for e, _ in edges],
+                    [self._leaves[i] for i in params],
+                    [g for _, g in edges],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
             finally:
                 for h in pins:
                     h.remove()
@@ -131,8 +137,9 @@ def wants_grad(p: Any) -> bool:
     return isinstance(p, torch.Tensor) and p.requires_grad
 
 
-def grad(root: torch.Tensor, wrt: list[torch.Tensor], seed: torch.Tensor,
-          retain: bool = False) -> tuple[torch.Tensor | None, ...]:
+def grad(
+    root: torch.Tensor, wrt: list[torch.Tensor], seed: torch.Tensor, retain: bool = False
+) -> tuple[torch.Tensor | None, ...]:
     if not wrt or not root.requires_grad:
         return (None,) * len(wrt)
     return torch.autograd.grad([root], wrt, [seed], retain_graph=retain, allow_unused=True)
@@ -182,4 +189,5 @@ def _group(frontier: dict[Any, frozenset[int]]) -> list[tuple[list[Any], list[in
 def _capture(store: dict[Any, tuple], node: Any) -> Callable[[tuple], None]:
     def hook(grad_outputs: tuple) -> None:
         store[node] = grad_outputs
+
     return hook

@@ -71,9 +71,11 @@ class StageFSDP:
     axis: tuple[str, ...] = attrs.field(default=("fsdp",), converter=_axes)
     reshard_after_forward: bool = attrs.field(default=False)
     policy: Policy | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(Policy)))
-    max_active_stages: int = attrs.field(default=3, validator=[attrs.validators.instance_of(int),
-                                                                attrs.validators.ge(1)])
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(Policy))
+    )
+    max_active_stages: int = attrs.field(
+        default=3, validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)]
+    )
 
     @reshard_after_forward.validator
     def _check_raf(self, attribute: attrs.Attribute, value: Any) -> None:
@@ -81,7 +83,8 @@ class StageFSDP:
             raise ValueError(
                 f"StageFSDP.reshard_after_forward={value!r}: use True (gather per microbatch and "
                 f"again in backward) or False (once per stage per step); resharding to a smaller "
-                f"axis is scan_layers' option, inside the stage body")
+                f"axis is scan_layers' option, inside the stage body"
+            )
 
 
 class _Gather(torch.autograd.Function):
@@ -121,8 +124,13 @@ class StageShards:
         paths: per held stage, the pytree path of each leaf (for errors).
     """
 
-    def __init__(self, config: StageFSDP, params: dict[int, tuple[list[Any], Any]],
-                 replicate_axes: tuple[str, ...], paths: dict[int, list[str]]) -> None:
+    def __init__(
+        self,
+        config: StageFSDP,
+        params: dict[int, tuple[list[Any], Any]],
+        replicate_axes: tuple[str, ...],
+        paths: dict[int, list[str]],
+    ) -> None:
         self.config = config
         self.managed: dict[int, list[int]] = {}
         dims: list[list[int]] = []
@@ -133,8 +141,7 @@ class StageShards:
             for k, t in enumerate(leaves):
                 d = _shard_dim(t, config.axis)
                 if d == -1:
-                    bad.append(f"  stage {s} {paths[s][k]!r}: spec {input_spec(t)}, local shape "
-                               f"{tuple(t.shape)}")
+                    bad.append(f"  stage {s} {paths[s][k]!r}: spec {input_spec(t)}, local shape {tuple(t.shape)}")
                 elif d is not None:
                     idx.append(k)
                     ds.append(d)
@@ -147,15 +154,15 @@ class StageShards:
             raise ValueError(
                 f"pipeline_step: StageFSDP gathers each parameter over all of {config.axis} "
                 f"(mesh {lax.BODY.get().mesh!r}) along one dim; these leaves are "
-                f"sharded over only some of them, or over them on two dims:\n" + "\n".join(bad) +
-                f"\nShard them with fs.parallel.fsdp_specs(params, {axes!r}), or leave them "
-                f"replicated over {config.axis}.")
+                f"sharded over only some of them, or over them on two dims:\n"
+                + "\n".join(bad)
+                + f"\nShard them with fs.parallel.fsdp_specs(params, {axes!r}), or leave them "
+                f"replicated over {config.axis}."
+            )
         self.index = {s: i for i, s in enumerate(self.managed)}
-        self.groups = Groups(groups, config.axis, replicate_axes, dims,
-                             config.policy or Policy()) if groups else None
+        self.groups = Groups(groups, config.axis, replicate_axes, dims, config.policy or Policy()) if groups else None
         self.full: dict[int, tuple[torch.Tensor, ...]] = {}
-        self.sums: dict[int, list[torch.Tensor | None]] = {
-            s: [None] * len(idx) for s, idx in self.managed.items()}
+        self.sums: dict[int, list[torch.Tensor | None]] = {s: [None] * len(idx) for s, idx in self.managed.items()}
         self.reduced: set[int] = set()
 
     def __bool__(self) -> bool:
@@ -209,8 +216,9 @@ class StageShards:
             # The first gradient may alias another tensor of the graph: copy before adding.
             sums[k] = g.clone() if sums[k] is None else sums[k].add_(g)
 
-    def take_grads(self, s: int, wrt: Sequence[int], grads: Sequence[torch.Tensor | None]
-                   ) -> tuple[list[int], list[torch.Tensor | None]]:
+    def take_grads(
+        self, s: int, wrt: Sequence[int], grads: Sequence[torch.Tensor | None]
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
         """Keeps the gradients of managed leaves (by leaf index); returns the others."""
         idx = self.managed.get(s)
         if not idx:

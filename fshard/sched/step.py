@@ -165,24 +165,28 @@ def pipeline_step(
     """
     t_start = time.perf_counter()
     if not isinstance(schedule, Schedule):
-        raise TypeError(f"pipeline_step: schedule must be an fs.sched.Schedule, got "
-                        f"{type(schedule).__name__}")
+        raise TypeError(f"pipeline_step: schedule must be an fs.sched.Schedule, got {type(schedule).__name__}")
     mesh = get_mesh(mesh, what="pipeline_step")
     (axis,) = mesh.check_axes(axis, what="pipeline_step: axis")
     data = mesh.check_axes(data_axes, what="pipeline_step: data_axes")
     if axis in data:
         raise ValueError(f"pipeline_step: data_axes={data} contains the pipeline axis {axis!r}")
-    name = f"schedule {schedule.name!r} (n_ranks={schedule.n_ranks}, n_stages=" \
-           f"{schedule.n_stages}, n_microbatches={schedule.n_microbatches})"
+    name = (
+        f"schedule {schedule.name!r} (n_ranks={schedule.n_ranks}, n_stages="
+        f"{schedule.n_stages}, n_microbatches={schedule.n_microbatches})"
+    )
     if mesh.shape[axis] != schedule.n_ranks:
-        raise ValueError(f"pipeline_step: {name} needs mesh axis {axis!r} of size n_ranks="
-                         f"{schedule.n_ranks}, but {mesh!r} has {axis}={mesh.shape[axis]}")
+        raise ValueError(
+            f"pipeline_step: {name} needs mesh axis {axis!r} of size n_ranks="
+            f"{schedule.n_ranks}, but {mesh!r} has {axis}={mesh.shape[axis]}"
+        )
     if not isinstance(stage_params, (list, tuple)) or len(stage_params) != schedule.n_stages:
-        got = len(stage_params) if isinstance(stage_params, (list, tuple)) else \
-            type(stage_params).__name__
-        raise ValueError(f"pipeline_step: stage_params must be a list with one entry per stage; "
-                         f"{name} has n_stages = n_ranks * n_virtual = {schedule.n_ranks} * "
-                         f"{schedule.n_virtual} = {schedule.n_stages}, got {got}")
+        got = len(stage_params) if isinstance(stage_params, (list, tuple)) else type(stage_params).__name__
+        raise ValueError(
+            f"pipeline_step: stage_params must be a list with one entry per stage; "
+            f"{name} has n_stages = n_ranks * n_virtual = {schedule.n_ranks} * "
+            f"{schedule.n_virtual} = {schedule.n_stages}, got {got}"
+        )
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError("pipeline_step: batch must be a pair (inputs, targets)")
     if return_stats and tracing():
@@ -191,13 +195,20 @@ def pipeline_step(
             "pipeline_step(return_stats=True) cannot be captured by fs.jit: StepStats holds "
             "wall-clock timings of one eager run and is no pytree of tensors (its losses "
             "would be the trace's fake tensors). Inside fs.jit pass return_stats=False and "
-            "time the jitted call; for per-microbatch losses or timings, run an eager step.")
+            "time the jitted call; for per-microbatch losses or timings, run an eager step."
+        )
     config = _fsdp_config(fsdp, mesh, axis, data)
     rank = mesh.axis_index(axis)
     n_data = mesh.axis_size(data) if data else 1
     originals, held = _local_params(stage_params, schedule, rank, name)
-    reduce = {s: [i for i, leaf in enumerate(leaves) if _reduced(leaf, held[s][0][i], data)]
-              for s, leaves in originals.items()} if n_data > 1 else {}
+    reduce = (
+        {
+            s: [i for i, leaf in enumerate(leaves) if _reduced(leaf, held[s][0][i], data)]
+            for s, leaves in originals.items()
+        }
+        if n_data > 1
+        else {}
+    )
     m = schedule.n_microbatches
     inputs, targets = _microbatches(batch, m, n_data, mesh.axis_index(data) if data else 0, name)
 
@@ -206,8 +217,7 @@ def pipeline_step(
         shards = None
         if config is not None:
             paths = {s: list(tree_util.zip_with_path(stage_params[s])[0]) for s in held}
-            shards = StageShards(config, held, tuple(a for a in data if a not in config.axis),
-                                 paths) or None
+            shards = StageShards(config, held, tuple(a for a in data if a not in config.axis), paths) or None
         # UNSHARD/RESHARD actions, at most max_active_stages stages gathered at once (0: none).
         unshard = config.max_active_stages if shards is not None and not config.reshard_after_forward else 0
         prepared = _prepare(schedule, any(reduce.values()) or shards is not None, unshard)
@@ -221,9 +231,21 @@ def pipeline_step(
         hooks = {Kind.REDUCE_GRAD: reduce_grad}
         if shards is not None:
             hooks.update({Kind.UNSHARD: shards.unshard, Kind.RESHARD: shards.reshard})
-        executor = Executor(prepared, rank, mesh.group(axis), axis, stage_fn, loss_fn, held,
-                            inputs, targets, 1.0 / (m * n_data), mesh.device, hooks=hooks,
-                            stages=shards)
+        executor = Executor(
+            prepared,
+            rank,
+            mesh.group(axis),
+            axis,
+            stage_fn,
+            loss_fn,
+            held,
+            inputs,
+            targets,
+            1.0 / (m * n_data),
+            mesh.device,
+            hooks=hooks,
+            stages=shards,
+        )
         with mesh:
             executor.run()
             if shards is not None:
@@ -239,10 +261,15 @@ def pipeline_step(
     stats = StepStats(
         peak_activations=executor.peak_activations,
         losses=tuple(executor.losses) if last else None,
-        busy_s=executor.busy_s, wait_s=executor.wait_s,
-        wall_s=time.perf_counter() - t_start, n_sends=executor.n_sends,
-        n_recvs=executor.n_recvs, bytes_sent=executor.bytes_sent,
-        bytes_received=executor.bytes_received, spans=tuple(executor.spans))
+        busy_s=executor.busy_s,
+        wait_s=executor.wait_s,
+        wall_s=time.perf_counter() - t_start,
+        n_sends=executor.n_sends,
+        n_recvs=executor.n_recvs,
+        bytes_sent=executor.bytes_sent,
+        bytes_received=executor.bytes_received,
+        spans=tuple(executor.spans),
+    )
     return loss, grads, stats
 
 
@@ -277,27 +304,33 @@ def _fsdp_config(fsdp: Any, mesh: Mesh, axis: str, data: tuple[str, ...]) -> Sta
     config = fsdp if isinstance(fsdp, StageFSDP) else StageFSDP(fsdp)
     axes = mesh.check_axes(config.axis, what="pipeline_step: fsdp axis")
     if axis in axes:
-        raise ValueError(f"pipeline_step: fsdp={config} shards over the pipeline axis {axis!r}; "
-                         f"pipeline ranks hold different stages, so shard over another axis")
+        raise ValueError(
+            f"pipeline_step: fsdp={config} shards over the pipeline axis {axis!r}; "
+            f"pipeline ranks hold different stages, so shard over another axis"
+        )
     missing = [a for a in axes if a not in data]
     if missing:
         raise ValueError(
             f"pipeline_step: fsdp={config} shards over {missing}, which are not in data_axes="
             f"{data}; FSDP ranks must see different rows of the batch (their gradients are "
-            f"summed by the reduce-scatter), so pass data_axes={tuple(data) + tuple(missing)}")
+            f"summed by the reduce-scatter), so pass data_axes={tuple(data) + tuple(missing)}"
+        )
     return config
 
 
-def _local_params(stage_params: Sequence[Any], schedule: Schedule, rank: int, name: str
-                  ) -> tuple[dict[int, list[Any]], dict[int, tuple[list[Any], Any]]]:
+def _local_params(
+    stage_params: Sequence[Any], schedule: Schedule, rank: int, name: str
+) -> tuple[dict[int, list[Any]], dict[int, tuple[list[Any], Any]]]:
     """Per held stage: the original leaves, and (local leaves needing grad, treedef)."""
     originals: dict[int, list[Any]] = {}
     held: dict[int, tuple[list[Any], Any]] = {}
     for s in schedule.stages_of(rank):
         if stage_params[s] is None:
-            raise ValueError(f"pipeline_step: stage_params[{s}] is None, but pipeline rank "
-                             f"{rank} holds stage {s} in {name} (stages of rank {rank}: "
-                             f"{list(schedule.stages_of(rank))})")
+            raise ValueError(
+                f"pipeline_step: stage_params[{s}] is None, but pipeline rank "
+                f"{rank} holds stage {s} in {name} (stages of rank {rank}: "
+                f"{list(schedule.stages_of(rank))})"
+            )
         leaves, treedef = tree_util.tree_flatten(stage_params[s])
         local = []
         for leaf in leaves:
@@ -325,30 +358,31 @@ def _reduced(leaf: Any, local: Any, data: tuple[str, ...]) -> bool:
     return all(leaf.placements[names.index(a)].is_replicate() for a in data if a in names)
 
 
-def _microbatches(batch: tuple[Any, Any], m: int, n_data: int, data_index: int,
-                  name: str) -> tuple[list[Any], list[Any]]:
+def _microbatches(
+    batch: tuple[Any, Any], m: int, n_data: int, data_index: int, name: str
+) -> tuple[list[Any], list[Any]]:
     paths, leaves, _ = tree_util.zip_with_path(list(batch))
-    sizes = {p: x.shape[0] for p, x in zip(paths, leaves)
-             if isinstance(x, torch.Tensor) and x.dim() > 0}
+    sizes = {p: x.shape[0] for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor) and x.dim() > 0}
     if not sizes:
         raise ValueError("pipeline_step: batch (inputs, targets) holds no tensor to split")
     rows = set(sizes.values())
     if len(rows) != 1:
-        raise ValueError(f"pipeline_step: every tensor of the batch needs the same dim-0 size; "
-                         f"got {sizes}")
+        raise ValueError(f"pipeline_step: every tensor of the batch needs the same dim-0 size; got {sizes}")
     (n,) = rows
     if n % (m * n_data):
         what = f"n_microbatches={m}" + (f" * data-parallel size {n_data}" if n_data > 1 else "")
-        raise ValueError(f"pipeline_step: {name} splits the batch along dim 0 into {what} "
-                         f"equal parts, but the batch has {n} rows; use a batch size "
-                         f"divisible by {m * n_data}")
+        raise ValueError(
+            f"pipeline_step: {name} splits the batch along dim 0 into {what} "
+            f"equal parts, but the batch has {n} rows; use a batch size "
+            f"divisible by {m * n_data}"
+        )
     k = n // (m * n_data)
     base = data_index * (n // n_data)
 
     def piece(mb: int, tree: Any) -> Any:
         return tree_util.tree_map(
-            lambda x: x.narrow(0, base + mb * k, k)
-            if isinstance(x, torch.Tensor) and x.dim() > 0 else x, tree)
+            lambda x: x.narrow(0, base + mb * k, k) if isinstance(x, torch.Tensor) and x.dim() > 0 else x, tree
+        )
 
     return [piece(i, batch[0]) for i in range(m)], [piece(i, batch[1]) for i in range(m)]
 
@@ -392,13 +426,12 @@ class _GradReducer:
             grads, offset = executor.grads[stage], 0
             for i in members:
                 n = grads[i].numel()
-                grads[i] = flat[offset:offset + n].view_as(grads[i])
+                grads[i] = flat[offset : offset + n].view_as(grads[i])
                 offset += n
         self.pending.clear()
 
 
-def _mean_loss(executor: Executor, schedule: Schedule, mesh: Mesh, axis: str,
-               data: tuple[str, ...]) -> torch.Tensor:
+def _mean_loss(executor: Executor, schedule: Schedule, mesh: Mesh, axis: str, data: tuple[str, ...]) -> torch.Tensor:
     """The mean microbatch loss, broadcast from the last stage's rank (and averaged over data)."""
     codes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
     buf = torch.zeros(2, dtype=torch.float64, device=mesh.device)
@@ -451,8 +484,12 @@ def _unlogged() -> Iterator[None]:
         comm._LOGS.reset(token)
 
 
-def _grads_out(stage_params: Sequence[Any], originals: dict[int, list[Any]],
-               held: dict[int, tuple[list[Any], Any]], executor: Executor) -> list[Any]:
+def _grads_out(
+    stage_params: Sequence[Any],
+    originals: dict[int, list[Any]],
+    held: dict[int, tuple[list[Any], Any]],
+    executor: Executor,
+) -> list[Any]:
     out: list[Any] = [None] * len(stage_params)
     for s, leaves in originals.items():
         local, treedef = held[s]
@@ -463,8 +500,9 @@ def _grads_out(stage_params: Sequence[Any], originals: dict[int, list[Any]],
                 continue
             g = torch.zeros_like(t) if g is None else g
             if isinstance(leaf, DTensor):
-                g = DTensor.from_local(g, leaf.device_mesh, leaf.placements, run_check=False,
-                                       shape=leaf.shape, stride=leaf.stride())
+                g = DTensor.from_local(
+                    g, leaf.device_mesh, leaf.placements, run_check=False, shape=leaf.shape, stride=leaf.stride()
+                )
             grads.append(g)
         out[s] = tree_util.tree_unflatten(treedef, grads)
     return out

@@ -36,22 +36,20 @@ _NONE: frozenset = frozenset()
 
 
 def _sizes(s: Schedule) -> str:
-    return (f"schedule {s.name!r} (n_ranks={s.n_ranks}, n_stages={s.n_stages}, "
-            f"n_microbatches={s.n_microbatches})")
+    return f"schedule {s.name!r} (n_ranks={s.n_ranks}, n_stages={s.n_stages}, n_microbatches={s.n_microbatches})"
 
 
 def _fail(schedule: Schedule, headline: str, problems: list[str]) -> ScheduleError:
     shown = problems[:_MAX_LINES]
     more = len(problems) - len(shown)
     tail = [f"  ... and {more} more"] if more > 0 else []
-    return ScheduleError("\n".join([f"{headline} in {_sizes(schedule)}:"]
-                                   + [f"  {p}" for p in shown] + tail))
+    return ScheduleError("\n".join([f"{headline} in {_sizes(schedule)}:"] + [f"  {p}" for p in shown] + tail))
 
 
 def _check_work(schedule: Schedule) -> None:
     count: Counter[tuple[Kind, int, int | None]] = Counter(
-        (p.kind, p.stage, p.microbatch) for row in schedule.actions for a in row
-        if a.is_compute for p in a.parts)
+        (p.kind, p.stage, p.microbatch) for row in schedule.actions for a in row if a.is_compute for p in a.parts
+    )
     problems = []
     for stage in range(schedule.n_stages):
         for mb in range(schedule.n_microbatches):
@@ -60,18 +58,21 @@ def _check_work(schedule: Schedule) -> None:
                 continue
             where = f"stage {stage} microbatch {mb} (rank {schedule.rank_of(stage)})"
             if n[0] != 1:
-                problems.append(f"{where}: F runs {n[0]} times, expected once"
-                                + _at(schedule, Action(Kind.F, stage, mb)))
+                problems.append(
+                    f"{where}: F runs {n[0]} times, expected once" + _at(schedule, Action(Kind.F, stage, mb))
+                )
             if n[1:] not in ([1, 0, 0], [0, 1, 1]):
-                problems.append(f"{where}: backward runs as B x{n[1]}, I x{n[2]}, W x{n[3]}; "
-                                f"expected one B, or one I and one W")
+                problems.append(
+                    f"{where}: backward runs as B x{n[1]}, I x{n[2]}, W x{n[3]}; expected one B, or one I and one W"
+                )
     if problems:
         raise _fail(schedule, "incomplete or repeated work", problems)
 
 
 def _at(schedule: Schedule, action: Action) -> str:
-    places = [f"rank {r} #{i}" for r, row in enumerate(schedule.actions)
-              for i, a in enumerate(row) if action in a.parts]
+    places = [
+        f"rank {r} #{i}" for r, row in enumerate(schedule.actions) for i, a in enumerate(row) if action in a.parts
+    ]
     return f" (at {', '.join(places)})" if len(places) > 1 else ""
 
 
@@ -83,20 +84,27 @@ def _check_transfers(schedule: Schedule) -> None:
             if action.is_comm:
                 count[action] += 1
                 if schedule.peer_rank(action) == rank:
-                    problems.append(f"rank {rank} #{index} {action}: stages {action.stage} and "
-                                    f"{action.peer_stage} are both on rank {rank}; they hand "
-                                    f"over locally and need no transfer")
+                    problems.append(
+                        f"rank {rank} #{index} {action}: stages {action.stage} and "
+                        f"{action.peer_stage} are both on rank {rank}; they hand "
+                        f"over locally and need no transfer"
+                    )
     for stage in range(schedule.n_stages - 1):
         if schedule.rank_of(stage) == schedule.rank_of(stage + 1):
             continue
         for mb in range(schedule.n_microbatches):
-            for kind, at in ((Kind.SEND_F, stage), (Kind.RECV_F, stage + 1),
-                             (Kind.SEND_B, stage + 1), (Kind.RECV_B, stage)):
+            for kind, at in (
+                (Kind.SEND_F, stage),
+                (Kind.RECV_F, stage + 1),
+                (Kind.SEND_B, stage + 1),
+                (Kind.RECV_B, stage),
+            ):
                 # Actions are tuples, so this finds Action(kind, at, mb) without building it.
                 n = count[(kind, at, mb, ())]
                 if n != 1:
-                    problems.append(f"rank {schedule.rank_of(at)}: {Action(kind, at, mb)} "
-                                    f"appears {n} times, expected once")
+                    problems.append(
+                        f"rank {schedule.rank_of(at)}: {Action(kind, at, mb)} appears {n} times, expected once"
+                    )
     if problems:
         raise _fail(schedule, "unmatched transfers", problems)
 
@@ -113,18 +121,17 @@ class _Run:
         self.channels: defaultdict[tuple[int, int], deque[Action]] = defaultdict(deque)
         self.heads = [0] * schedule.n_ranks
         self.unsharded: list[set[int]] = [set() for _ in schedule.actions]
-        self.hooked = [{a.stage for a in row if a.kind is Kind.UNSHARD}
-                       for row in schedule.actions]
+        self.hooked = [{a.stage for a in row if a.kind is Kind.UNSHARD} for row in schedule.actions]
         self.weights: Counter[tuple[int, int]] = Counter()
         self.reduced: set[tuple[int, int]] = set()
-        self.split = {(a.stage, a.microbatch) for row in schedule.actions for x in row
-                      for a in x.parts if a.kind is Kind.I}
+        self.split = {
+            (a.stage, a.microbatch) for row in schedule.actions for x in row for a in x.parts if a.kind is Kind.I
+        }
 
     def error(self, rank: int, message: str) -> ScheduleError:
         index = self.heads[rank]
         head = self.s.actions[rank][index]
-        return _fail(self.s, "invalid order",
-                     [f"rank {rank}: head action #{index} {head}: {message}"])
+        return _fail(self.s, "invalid order", [f"rank {rank}: head action #{index} {head}: {message}"])
 
     def later(self, rank: int, action: Action) -> int | None:
         row = self.s.actions[rank]
@@ -198,9 +205,12 @@ class _Run:
         send = Kind.SEND_F if action.kind is Kind.RECV_F else Kind.SEND_B
         if channel[0] != (send, action.peer_stage, action.microbatch, ()):
             expected = Action(send, action.peer_stage, action.microbatch)
-            raise self.error(rank, f"expects {expected} from rank {peer}, but the next message "
-                             f"rank {peer} sent to rank {rank} is {channel[0]}; receives "
-                             f"between two ranks must come in the order of the sends")
+            raise self.error(
+                rank,
+                f"expects {expected} from rank {peer}, but the next message "
+                f"rank {peer} sent to rank {rank} is {channel[0]}; receives "
+                f"between two ranks must come in the order of the sends",
+            )
         channel.popleft()
         tag = "RF" if action.kind is Kind.RECV_F else "RB"
         self.local[rank].add((tag, action.stage, action.microbatch))
@@ -219,8 +229,11 @@ class _Run:
         elif (rank, stage) in self.reduced:
             raise self.error(rank, f"stage {stage} already reduced its gradients")
         elif self.weights[(rank, stage)] != self.s.n_microbatches:
-            raise self.error(rank, f"only {self.weights[(rank, stage)]} of "
-                             f"{self.s.n_microbatches} weight gradients of stage {stage} exist")
+            raise self.error(
+                rank,
+                f"only {self.weights[(rank, stage)]} of "
+                f"{self.s.n_microbatches} weight gradients of stage {stage} exist",
+            )
         else:
             self.reduced.add((rank, stage))
         return True
@@ -243,10 +256,12 @@ class _Run:
                     progressed = True
         stuck = [r for r, row in enumerate(self.s.actions) if self.heads[r] < len(row)]
         if stuck:
-            raise _fail(self.s, "deadlock: no rank can make progress",
-                        [self.waiting(r) for r in stuck])
-        left = [f"rank {src} sent {a} to rank {dst}, which never receives it"
-                for (src, dst), queue in self.channels.items() for a in queue]
+            raise _fail(self.s, "deadlock: no rank can make progress", [self.waiting(r) for r in stuck])
+        left = [
+            f"rank {src} sent {a} to rank {dst}, which never receives it"
+            for (src, dst), queue in self.channels.items()
+            for a in queue
+        ]
         if left:
             raise _fail(self.s, "unreceived messages", left)
 
@@ -258,9 +273,12 @@ class _Run:
             send = Kind.SEND_F if action.kind is Kind.RECV_F else Kind.SEND_B
             what = f"{Action(send, action.peer_stage, action.microbatch)} from rank {peer}"
         else:
-            what = " and ".join(f"{self.producer(key)} on rank {self.ranks[key[1]]}"
-                                for part in action.parts for key in self.inputs(part)
-                                if key not in self.produced)
+            what = " and ".join(
+                f"{self.producer(key)} on rank {self.ranks[key[1]]}"
+                for part in action.parts
+                for key in self.inputs(part)
+                if key not in self.produced
+            )
         return f"rank {rank}: head action #{index} {action} waits for {what}"
 
 
@@ -333,13 +351,17 @@ def _check_batched(schedule: Schedule) -> None:
     for rank, runs in enumerate(batches):
         if heads[rank] < len(runs):
             first, ops = runs[heads[rank]]
-            waits = ", ".join(f"rank {op[0][2] if op[0][0] else op[0][1]} to post the match "
-                              f"of {op[3]}" for op in unmatched(rank))
-            stuck.append(f"rank {rank}: head batch #{first} [{', '.join(str(op[3]) for op in ops)}]"
-                         f" waits for {waits}")
+            waits = ", ".join(
+                f"rank {op[0][2] if op[0][0] else op[0][1]} to post the match of {op[3]}" for op in unmatched(rank)
+            )
+            stuck.append(f"rank {rank}: head batch #{first} [{', '.join(str(op[3]) for op in ops)}] waits for {waits}")
     if stuck:
-        raise _fail(schedule, "deadlock with batched sends/receives (each run of consecutive "
-                    "SEND/RECV actions completes only when all of it is matched)", stuck)
+        raise _fail(
+            schedule,
+            "deadlock with batched sends/receives (each run of consecutive "
+            "SEND/RECV actions completes only when all of it is matched)",
+            stuck,
+        )
 
 
 def validate(schedule: Schedule, *, p2p: str = "batched") -> Schedule:

@@ -38,8 +38,9 @@ _KEEPS_GRAPH: contextvars.ContextVar[bool] = contextvars.ContextVar("fshard_grad
 _functorch = torch._C._functorch
 
 
-def value_and_grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0,
-                   has_aux: bool = False, *, create_graph: bool = False) -> Callable[..., Any]:
+def value_and_grad(
+    f: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, *, create_graph: bool = False
+) -> Callable[..., Any]:
     """Returns ``g(*args) -> (value, grads)`` (or ``((value, aux), grads)`` with ``has_aux``).
 
     Args:
@@ -113,12 +114,21 @@ def _under_functorch(args: tuple) -> bool:
     """Whether a torch.func transform is running, or an argument is one of its wrappers."""
     if _functorch.peek_interpreter_stack() is not None:
         return True
-    return any(isinstance(x, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(x)
-               for x in tree_util.leaves(args))
+    return any(
+        isinstance(x, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(x) for x in tree_util.leaves(args)
+    )
 
 
-def _value_and_grad(f: Callable[..., Any], name: str, nums: tuple[int, ...], multi: bool, has_aux: bool,
-                    attach: bool, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+def _value_and_grad(
+    f: Callable[..., Any],
+    name: str,
+    nums: tuple[int, ...],
+    multi: bool,
+    has_aux: bool,
+    attach: bool,
+    args: tuple,
+    kwargs: dict,
+) -> tuple[Any, Any]:
     """One call of ``value_and_grad(f)``; ``attach``: keep the graph (higher order)."""
     args = list(args)
     # Flatten each differentiated argument once and keep its fresh leaves: the grads
@@ -127,8 +137,10 @@ def _value_and_grad(f: Callable[..., Any], name: str, nums: tuple[int, ...], mul
     fresh: dict[int, tuple[list[Any], Any]] = {}
     for i in nums:
         if not -len(args) <= i < len(args):
-            raise TypeError(f"value_and_grad({name}): argnums={nums if multi else nums[0]} asks for argument {i}, "
-                            f"but only {len(args)} positional argument(s) were given.")
+            raise TypeError(
+                f"value_and_grad({name}): argnums={nums if multi else nums[0]} asks for argument {i}, "
+                f"but only {len(args)} positional argument(s) were given."
+            )
         i = i % len(args)
         if i not in fresh:  # an index listed twice gets the same leaves (and grads) twice
             leaves, d = tree_util.tree_flatten(args[i])
@@ -142,7 +154,7 @@ def _value_and_grad(f: Callable[..., Any], name: str, nums: tuple[int, ...], mul
     finally:
         _KEEPS_GRAPH.reset(keeps)
         _DEPTH.reset(token)
-    value, aux = (out if has_aux else (out, None))
+    value, aux = out if has_aux else (out, None)
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         raise TypeError(
             f"value_and_grad({name}): the function must return a scalar tensor"
@@ -150,8 +162,11 @@ def _value_and_grad(f: Callable[..., Any], name: str, nums: tuple[int, ...], mul
             f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}."
         )
     wrt = [x for leaves in flat for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
-    grads = (torch.autograd.grad(value, wrt, allow_unused=True, create_graph=attach)
-             if wrt and value.requires_grad else [None] * len(wrt))
+    grads = (
+        torch.autograd.grad(value, wrt, allow_unused=True, create_graph=attach)
+        if wrt and value.requires_grad
+        else [None] * len(wrt)
+    )
     g_out = _grad_trees(flat, defs, grads)
     if not attach:
         value = meta_util.copy_meta(value, value.detach())
@@ -175,8 +190,9 @@ def _grad_trees(flat: list[list[Any]], defs: list[Any], grads: Sequence[torch.Te
     return results
 
 
-def grad(f: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
-         create_graph: bool = False) -> Callable[..., Any]:
+def grad(
+    f: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, *, create_graph: bool = False
+) -> Callable[..., Any]:
     """Like :func:`value_and_grad` but returns only the gradients (and aux with ``has_aux``)."""
     vg = value_and_grad(f, argnums, has_aux, create_graph=create_graph)
 

@@ -58,4 +58,5 @@ def _cast(tree: Any, dtype: torch.dtype | None) -> Any:
     if dtype is None:
         return tree
     return tree_util.tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
+    )

@@ -42,9 +42,14 @@ _COLLECTIVE_OPS = {
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_to_all_single.default,
 }
-_DOT_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.baddbmm.default, torch.ops.aten.linear.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+_DOT_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.linear.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
 
 checkpoint_policies: dict[str, Callable[[Any], bool] | None] = {
     "nothing_saveable": None,
@@ -61,8 +66,9 @@ def resolve_policy(policy: str | Callable[[Any], bool] | None) -> Callable[[Any]
     """
     if isinstance(policy, str):
         if policy not in checkpoint_policies:
-            raise ValueError(f"remat: unknown policy {policy!r}; choose one of {sorted(checkpoint_policies)} "
-                             f"or pass op -> bool.")
+            raise ValueError(
+                f"remat: unknown policy {policy!r}; choose one of {sorted(checkpoint_policies)} or pass op -> bool."
+            )
         return checkpoint_policies[policy]
     return policy
 
@@ -70,8 +76,10 @@ def resolve_policy(policy: str | Callable[[Any], bool] | None) -> Callable[[Any]
 def saves_gathers(policy: str | Callable[[Any], bool] | None) -> bool:
     """Whether ``policy`` saves an all-gather's result (so backward must not regather)."""
     policy = resolve_policy(policy)
-    return policy is not None and bool(policy(torch.ops._c10d_functional.all_gather_into_tensor.default)
-                                       or policy(torch.ops._c10d_functional.wait_tensor.default))
+    return policy is not None and bool(
+        policy(torch.ops._c10d_functional.all_gather_into_tensor.default)
+        or policy(torch.ops._c10d_functional.wait_tensor.default)
+    )
 
 
 def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = None) -> Callable[..., Any]:
@@ -127,8 +135,12 @@ def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = No
             # itself differentiated, which torch's selective checkpointing refuses ("only
             # allowed to backward once"): recompute everything instead (the same values).
             return checkpoint(replayable, *args, use_reentrant=False, **kwargs)
-        return checkpoint(replayable, *args, use_reentrant=False,
-                          context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy),
-                          **kwargs)
+        return checkpoint(
+            replayable,
+            *args,
+            use_reentrant=False,
+            context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy),
+            **kwargs,
+        )
 
     return wrapped

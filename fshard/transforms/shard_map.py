@@ -98,19 +98,26 @@ def _enter(name: str, body: lax.Body, args: tuple, in_specs: Any, reshard: bool)
     mesh = body.mesh
     specs = in_specs if not is_spec(in_specs) else tuple(in_specs for _ in args)
     values, treedef = tree_util.tree_flatten(list(args))
-    flat = tree_util.broadcast_prefix(list(specs) if isinstance(specs, tuple) else specs, list(args),
-                                      is_prefix_leaf=_is_spec_or_static, name=f"shard_map({name}) in_specs",
-                                      full_name="args")
+    flat = tree_util.broadcast_prefix(
+        list(specs) if isinstance(specs, tuple) else specs,
+        list(args),
+        is_prefix_leaf=_is_spec_or_static,
+        name=f"shard_map({name}) in_specs",
+        full_name="args",
+    )
     # DTensors already in their spec's layout (the usual case: params made by fs.shard)
     # need no check, and become their local blocks through one autograd node.
-    direct = [i for i, (x, spec) in enumerate(zip(values, flat))
-              if isinstance(x, DTensor) and _in_layout(x, spec, mesh)]
+    direct = [
+        i for i, (x, spec) in enumerate(zip(values, flat)) if isinstance(x, DTensor) and _in_layout(x, spec, mesh)
+    ]
     skip, paths, bad = set(direct), [], []
 
     def path_of(i: int) -> str:  # names for the error messages, made only when one is needed
         if not paths:
-            paths.extend(f"args[{p.split('.', 1)[0]}]" + (f".{p.split('.', 1)[1]}" if "." in p else "")
-                         for p in tree_util.zip_with_path(list(args))[0])
+            paths.extend(
+                f"args[{p.split('.', 1)[0]}]" + (f".{p.split('.', 1)[1]}" if "." in p else "")
+                for p in tree_util.zip_with_path(list(args))[0]
+            )
         return paths[i]
 
     for i, (x, spec) in enumerate(zip(values, flat)):
@@ -119,15 +126,28 @@ def _enter(name: str, body: lax.Body, args: tuple, in_specs: Any, reshard: bool)
         if isinstance(x, DTensor):
             have = placements_to_spec(x.placements, mesh, path=path_of(i))
             if have.padded(x.dim()) != spec.padded(x.dim()) and not reshard and not _same_layout(x, spec, mesh):
-                bad.append((path_of(i), spec, tuple(x.shape),
-                            [f"the DTensor is laid out as {have}; pass reshard=True to redistribute it"]))
+                bad.append(
+                    (
+                        path_of(i),
+                        spec,
+                        tuple(x.shape),
+                        [f"the DTensor is laid out as {have}; pass reshard=True to redistribute it"],
+                    )
+                )
         # A DTensor knows its own (possibly uneven, FSDP-style) layout; plain tensors must divide.
-        probs = (spec_problems(spec, tuple(x.shape), mesh, allow_uneven=isinstance(x, DTensor)) if spec is not None else
-                 ["a tensor argument needs a P(...) spec; None marks static (non-tensor) arguments"])
+        probs = (
+            spec_problems(spec, tuple(x.shape), mesh, allow_uneven=isinstance(x, DTensor))
+            if spec is not None
+            else ["a tensor argument needs a P(...) spec; None marks static (non-tensor) arguments"]
+        )
         if probs:
             bad.append((path_of(i), spec, tuple(x.shape), probs))
-    raise_spec_errors(f"shard_map({name}) in_specs", mesh, bad,
-                      "Make each spec match its argument (specs are pytree prefixes of the arguments).")
+    raise_spec_errors(
+        f"shard_map({name}) in_specs",
+        mesh,
+        bad,
+        "Make each spec match its argument (specs are pytree prefixes of the arguments).",
+    )
     locals_ = dict(zip(direct, _Locals.apply(*(values[i] for i in direct)))) if direct else {}
     out = []
     for i, (x, spec) in enumerate(zip(values, flat)):
@@ -212,8 +232,13 @@ def _as_dtensor(g: torch.Tensor, spec) -> DTensor:
     """The local cotangent ``g`` as a DTensor laid out by ``spec`` (its primal's)."""
     meta = spec.tensor_meta
     differentiable = g.requires_grad and torch.is_grad_enabled()  # a create_graph backward (grad of grad)
-    if (not differentiable and meta is not None and g.dtype == meta.dtype and g.is_contiguous()
-            and meta.stride == _contiguous(meta.shape)):
+    if (
+        not differentiable
+        and meta is not None
+        and g.dtype == meta.dtype
+        and g.is_contiguous()
+        and meta.stride == _contiguous(meta.shape)
+    ):
         return DTensor(g, spec, requires_grad=False)
     # A non-contiguous primal or cotangent, or one that must stay differentiable: torch's own
     # rule (global stride from the local one), through from_local's autograd node.
@@ -270,17 +295,22 @@ class _SplitCotangent(torch.autograd.Function):
 def _exit(name: str, body: lax.Body, out: Any, out_specs: Any) -> Any:
     mesh, check = body.mesh, body.check
     paths, values, treedef = tree_util.zip_with_path(out)
-    flat = tree_util.broadcast_prefix(out_specs, out, is_prefix_leaf=_is_spec_or_static,
-                                      name=f"shard_map({name}) out_specs", full_name="outputs")
+    flat = tree_util.broadcast_prefix(
+        out_specs, out, is_prefix_leaf=_is_spec_or_static, name=f"shard_map({name}) out_specs", full_name="outputs"
+    )
     bad = []
     for path, x, spec in zip(paths, values, flat):
         if isinstance(x, torch.Tensor):
-            probs = (spec_problems(spec, tuple(x.shape), mesh, allow_uneven=True) if spec is not None else
-                     ["a tensor output needs a P(...) spec; None marks static (non-tensor) outputs"])
+            probs = (
+                spec_problems(spec, tuple(x.shape), mesh, allow_uneven=True)
+                if spec is not None
+                else ["a tensor output needs a P(...) spec; None marks static (non-tensor) outputs"]
+            )
             if probs:
                 bad.append((f"outputs.{path}" if path != "<root>" else "output", spec, tuple(x.shape), probs))
-    raise_spec_errors(f"shard_map({name}) out_specs", mesh, bad,
-                      "Give each output a spec of at most its rank over the mesh's axes.")
+    raise_spec_errors(
+        f"shard_map({name}) out_specs", mesh, bad, "Give each output a spec of at most its rank over the mesh's axes."
+    )
     result = []
     for path, x, spec in zip(paths, values, flat):
         if not isinstance(x, torch.Tensor):
@@ -299,10 +329,13 @@ def _global_shape(body: lax.Body, x: torch.Tensor, spec: PartitionSpec) -> tuple
     from ``torch.autograd.grad`` and ``.grad``), so uneven FSDP shards come back whole;
     otherwise the local shape times the axis sizes (even splits, as JAX requires)."""
     m = meta_util.meta_of(x)
-    if (m.global_shape is not None and m.spec is not None and len(m.global_shape) == x.dim()
-            and m.spec.padded(x.dim()) == spec.padded(x.dim())
-            and tuple(b.stop - b.start for b in local_block(spec, m.global_shape, body.mesh, uneven=True))
-            == tuple(x.shape)):
+    if (
+        m.global_shape is not None
+        and m.spec is not None
+        and len(m.global_shape) == x.dim()
+        and m.spec.padded(x.dim()) == spec.padded(x.dim())
+        and tuple(b.stop - b.start for b in local_block(spec, m.global_shape, body.mesh, uneven=True)) == tuple(x.shape)
+    ):
         return m.global_shape
     return tuple(s * (body.mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, s in enumerate(x.shape))
 
@@ -366,8 +399,11 @@ def _check_promise(name: str, body: lax.Body, path: str, x: torch.Tensor, spec: 
         comm.one_at_a_time(group)  # nothing of fshard's may still be in flight on a gloo group
         dist.all_reduce(hi, dist.ReduceOp.MAX, group=group)
         dist.all_reduce(lo, dist.ReduceOp.MIN, group=group)
-        diff_t = torch.nan_to_num((hi - lo).abs().amax().reshape(1), nan=float("inf")) if d.numel() else \
-            torch.zeros(1, dtype=hi.dtype, device=hi.device)
+        diff_t = (
+            torch.nan_to_num((hi - lo).abs().amax().reshape(1), nan=float("inf"))
+            if d.numel()
+            else torch.zeros(1, dtype=hi.dtype, device=hi.device)
+        )
         rest = tuple(a for a in mesh.axis_names if a not in extra and mesh.shape[a] > 1)
         if rest:
             # Every rank decides alike: a promise broken in one group of `extra` (and kept in
@@ -385,4 +421,3 @@ def _check_promise(name: str, body: lax.Body, path: str, x: torch.Tensor, spec: 
             f"name the axes in its out_spec."
         )
     return _SplitCotangent.apply(x, n) if x.requires_grad else x
-

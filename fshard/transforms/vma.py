@@ -56,22 +56,48 @@ _AUTOGRAD_ENTRY = frozenset({torch.autograd.grad, torch.autograd.backward, torch
 # keeps the input's global shape and spec, not only its varying axes.
 _GRAD_GETTER = torch.Tensor.grad.__get__
 
-_SAME_VALUE = frozenset({
-    torch.Tensor.detach, torch.detach, torch.Tensor.clone, torch.clone, torch.Tensor.contiguous,
-    torch.Tensor.requires_grad_, torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda,
-    torch.Tensor.double, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
-    torch.Tensor.type_as, torch.Tensor.view_as, torch.Tensor.data.__get__,
-})
+_SAME_VALUE = frozenset(
+    {
+        torch.Tensor.detach,
+        torch.detach,
+        torch.Tensor.clone,
+        torch.clone,
+        torch.Tensor.contiguous,
+        torch.Tensor.requires_grad_,
+        torch.Tensor.to,
+        torch.Tensor.cpu,
+        torch.Tensor.cuda,
+        torch.Tensor.double,
+        torch.Tensor.float,
+        torch.Tensor.half,
+        torch.Tensor.bfloat16,
+        torch.Tensor.type_as,
+        torch.Tensor.view_as,
+        torch.Tensor.data.__get__,
+    }
+)
 
 # Python's conversions of a tensor's values to Python objects (the protocol methods and
 # their spelled-out forms): what they return carries no type, so a varying value that
 # goes through one can reach a replicated output unseen.
-_LEAVES_TYPES = frozenset({
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
-    torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__complex__,
-    torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose, torch.is_nonzero,
-    torch.Tensor.is_nonzero,
-})
+_LEAVES_TYPES = frozenset(
+    {
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.numpy,
+        torch.Tensor.__bool__,
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+        torch.Tensor.__index__,
+        torch.Tensor.__complex__,
+        torch.equal,
+        torch.Tensor.equal,
+        torch.allclose,
+        torch.Tensor.allclose,
+        torch.is_nonzero,
+        torch.Tensor.is_nonzero,
+    }
+)
 
 # Python entry points with no aten op of their own: the aten op whose schema they follow.
 _LOWERS_TO = {torch.Tensor.__setitem__: "index_put_"}
@@ -323,7 +349,7 @@ def _tag_outputs(func: Any, out: Any, leaves: list, metas: list, union: frozense
     if isinstance(out, torch.Tensor):
         _tag_output(func, out, leaves, metas, union)
         return
-    for o in (out if isinstance(out, (list, tuple)) else tree_util.leaves(out)):
+    for o in out if isinstance(out, (list, tuple)) else tree_util.leaves(out):
         if isinstance(o, torch.Tensor):
             _tag_output(func, o, leaves, metas, union)
 
@@ -332,8 +358,7 @@ def _tag_output(func: Any, o: torch.Tensor, leaves: list, metas: list, union: fr
     first, x0 = metas[0], leaves[0]
     if any(o is x for x in leaves):
         meta_util.set_vma(o, union)  # in place or returned as is: keep its layout
-    elif (first.global_shape is not None and o.shape == x0.shape
-          and (func in _SAME_VALUE or _same_memory(o, x0))):
+    elif first.global_shape is not None and o.shape == x0.shape and (func in _SAME_VALUE or _same_memory(o, x0)):
         meta_util.set_meta(o, meta_util.Meta(union, first.global_shape, first.spec))
     else:
         # Tagged even when invariant, so that later lookups stop at the attribute.
@@ -343,8 +368,7 @@ def _tag_output(func: Any, o: torch.Tensor, leaves: list, metas: list, union: fr
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """An alias of ``b`` with its geometry (``b[:]``, ``b.view(b.shape)``): the same value."""
     try:
-        return (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype
-                and a.device == b.device)
+        return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
     except RuntimeError:
         return False  # tensors without storage (functorch wrappers, fake tensors)
 

@@ -89,8 +89,9 @@ BUCKET_MB = 25.0
 _C10D = torch.ops._c10d_functional
 
 
-def collective_passes(bucket_mb: float | None = BUCKET_MB, reorder: bool = False,
-                      overlap: bool = True) -> dict[str, Any]:
+def collective_passes(
+    bucket_mb: float | None = BUCKET_MB, reorder: bool = False, overlap: bool = True
+) -> dict[str, Any]:
     """Inductor config patches that bucket and reorder ``fs.jit``'s collectives.
 
     Args:
@@ -120,13 +121,15 @@ def collective_passes(bucket_mb: float | None = BUCKET_MB, reorder: bool = False
         patches["reorder_for_peak_memory"] = False
     if reorder:
         opt = "aten_distributed_optimizations."
-        patches.update({
-            opt + "enable_overlap_scheduling": True,
-            opt + "compute_estimator": "analytical",
-            opt + "collective_estimator": "analytical",
-            opt + "collective_bucketing": False,
-            opt + "pre_bucketing_fsdp_collectives": False,
-        })
+        patches.update(
+            {
+                opt + "enable_overlap_scheduling": True,
+                opt + "compute_estimator": "analytical",
+                opt + "collective_estimator": "analytical",
+                opt + "collective_bucketing": False,
+                opt + "pre_bucketing_fsdp_collectives": False,
+            }
+        )
     return patches
 
 
@@ -136,7 +139,8 @@ def _post_passes(bucket_mb: float | None, overlap: bool) -> Any:
     from fshard.jit.passes.overlap import OverlapCollectives
 
     passes = ([BucketCollectives(bucket_mb)] if bucket_mb is not None else []) + (
-        [OverlapCollectives()] if overlap else [])
+        [OverlapCollectives()] if overlap else []
+    )
     return None if not passes else passes[0] if len(passes) == 1 else passes
 
 
@@ -183,8 +187,11 @@ _IN_FLIGHT = object()  # an in-flight bucket's wait point: found when it is merg
 
 def _kind(node: torch.fx.Node) -> tuple | None:
     """``(kind, group, dtype, ...)`` of a collective this pass can merge, else ``None``."""
-    if (node.op != "call_function" or len(node.users) != 1
-            or next(iter(node.users)).target is not _C10D.wait_tensor.default):
+    if (
+        node.op != "call_function"
+        or len(node.users) != 1
+        or next(iter(node.users)).target is not _C10D.wait_tensor.default
+    ):
         return None  # the merge rewrites a collective whose one user is its wait
     from torch._inductor.fx_passes.bucketing import _resolve_group_name
 
@@ -263,8 +270,7 @@ def _back_to_back_runs(graph: torch.fx.Graph, cap_bytes: int) -> list[tuple[str,
         inputs = node.all_input_nodes
         if node.target is _C10D.wait_tensor.default and inputs[0] in run:
             results.add(node)
-        elif (inputs and all(a in results for a in inputs) and node.op == "call_function"
-              and not _is_c10d(node)):
+        elif inputs and all(a in results for a in inputs) and node.op == "call_function" and not _is_c10d(node):
             results.add(node)  # a view or epilogue of the run's results (never another collective)
         elif _is_view(node) or (node.op == "call_function" and _feeds(node, key)):
             if any(a in results for a in inputs):
@@ -303,16 +309,26 @@ def _adjacent_waits(graph: torch.fx.Graph, waits: set) -> Any:
 
 def _even_splits(node: torch.fx.Node) -> bool:
     _, out_splits, in_splits, _ = node.args
-    return (isinstance(in_splits, (list, tuple)) and list(out_splits) == list(in_splits)
-            and len(set(in_splits)) == 1 and all(isinstance(s, int) for s in in_splits))
+    return (
+        isinstance(in_splits, (list, tuple))
+        and list(out_splits) == list(in_splits)
+        and len(set(in_splits)) == 1
+        and all(isinstance(s, int) for s in in_splits)
+    )
 
 
 def _merge(graph, bucket, fn, args_fn, wait_point) -> None:
     from torch._inductor.fx_passes.bucketing import process_collective_bucket
 
     group_name = bucket[0].args[-1]
-    process_collective_bucket(graph, bucket, fn, lambda ins: args_fn(bucket, ins), wait_insertion_point=wait_point,
-                              extra_graph_inps=[group_name] if isinstance(group_name, torch.fx.Node) else None)
+    process_collective_bucket(
+        graph,
+        bucket,
+        fn,
+        lambda ins: args_fn(bucket, ins),
+        wait_insertion_point=wait_point,
+        extra_graph_inps=[group_name] if isinstance(group_name, torch.fx.Node) else None,
+    )
 
 
 def _group_value(group_name):
@@ -331,8 +347,7 @@ def _all_gather_merge(ins: list[torch.Tensor], group_name, n: int, dtype: torch.
     sizes = [x.numel() for x in ins]
     flat = torch.cat([x.reshape(-1).to(dtype) for x in ins])
     out = _C10D.wait_tensor(_C10D.all_gather_into_tensor(flat, n, group_name)).view(n, -1)
-    return [part.reshape((n * x.shape[0],) + tuple(x.shape[1:]))
-            for part, x in zip(out.split(sizes, dim=1), ins)]
+    return [part.reshape((n * x.shape[0],) + tuple(x.shape[1:])) for part, x in zip(out.split(sizes, dim=1), ins)]
 
 
 def _all_to_all_args(bucket, ins) -> tuple:
@@ -351,8 +366,7 @@ def _all_to_all_merge(ins: list[torch.Tensor], group_name, n: int) -> list[torch
     return [part.reshape(x.shape) for part, x in zip(out.split(sizes, dim=1), ins)]
 
 
-def without_collective_passes(bucketing: bool = False, reorder: bool = False,
-                              overlap: bool = False) -> dict[str, Any]:
+def without_collective_passes(bucketing: bool = False, reorder: bool = False, overlap: bool = False) -> dict[str, Any]:
     """``fs.jit(options=...)`` that turns fshard's collective passes off (all of them by
     default; ``bucketing=True``, ``reorder=True`` or ``overlap=True`` keeps that one): for
     comparisons. Without the overlap pass, Inductor's ``reorder_for_peak_memory`` is back

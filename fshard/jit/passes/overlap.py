@@ -77,9 +77,27 @@ _ATEN = torch.ops.aten
 _MATMULS = frozenset({_ATEN.mm.default, _ATEN.addmm.default, _ATEN.bmm.default, _ATEN.baddbmm.default})
 # The ops that may move with a collective's start: they lay out its input (casts, padding,
 # flattening, concatenation of shards), no compute.
-_LAYOUT_OPS = frozenset({"cat", "_to_copy", "clone", "constant_pad_nd", "detach", "convert_element_type", "copy",
-                         "zeros", "zeros_like", "new_zeros", "empty", "empty_like", "new_empty", "full",
-                         "alias", "lift_fresh_copy", "contiguous"})
+_LAYOUT_OPS = frozenset(
+    {
+        "cat",
+        "_to_copy",
+        "clone",
+        "constant_pad_nd",
+        "detach",
+        "convert_element_type",
+        "copy",
+        "zeros",
+        "zeros_like",
+        "new_zeros",
+        "empty",
+        "empty_like",
+        "new_empty",
+        "full",
+        "alias",
+        "lift_fresh_copy",
+        "contiguous",
+    }
+)
 # Relative costs (ns per FLOP and per byte): only their ratio matters (it splits a window of
 # compute between collectives). Roughly one CPU core: 100 GFLOP/s, 10 GB/s.
 _NS_PER_FLOP, _NS_PER_BYTE = 0.01, 0.1
@@ -173,9 +191,14 @@ def _producers(coll: torch.fx.Node) -> list[torch.fx.Node]:
         if _is_barrier(n):  # it may mutate a graph input: what read the input before it stays before it
             chain.clear()
             continue
-        if (n.op == "call_function" and not _is_c10d(n) and not _is_barrier(n) and n.all_input_nodes
-                and (_is_view(n) or getattr(n.target, "_opname", None) in _LAYOUT_OPS)
-                and all(a.op in ("placeholder", "get_attr") or a in chain for a in n.all_input_nodes)):
+        if (
+            n.op == "call_function"
+            and not _is_c10d(n)
+            and not _is_barrier(n)
+            and n.all_input_nodes
+            and (_is_view(n) or getattr(n.target, "_opname", None) in _LAYOUT_OPS)
+            and all(a.op in ("placeholder", "get_attr") or a in chain for a in n.all_input_nodes)
+        ):
             chain.add(n)
     # Keep only those whose every use is in the set or the collective (from the last one back).
     for n in reversed([m for m in coll.graph.nodes if m in chain]):
@@ -193,8 +216,13 @@ def _epilogue(wait: torch.fx.Node) -> list[torch.fx.Node]:
         n = n.next
         if n.op != "call_function" or not n.all_input_nodes:
             continue
-        if (all(a is wait or a in ep for a in n.all_input_nodes) and not _is_barrier(n) and not _is_random(n)
-                and n.target not in _MATMULS and (not _is_c10d(n) or n.target is _WAIT)):
+        if (
+            all(a is wait or a in ep for a in n.all_input_nodes)
+            and not _is_barrier(n)
+            and not _is_random(n)
+            and n.target not in _MATMULS
+            and (not _is_c10d(n) or n.target is _WAIT)
+        ):
             ep[n] = None
     return list(ep)
 
@@ -291,7 +319,7 @@ def schedule(graph: torch.fx.Graph) -> bool:
         if s > due[k]:
             return _leave(f"no place to start {c.name} before its first use")
         # Later collectives of this group: the earliest one to be due bounds this one's share.
-        rest = chains[g][chains[g].index(k):]
+        rest = chains[g][chains[g].index(k) :]
         end = min(due[j] for j in rest)
         upto = max(j for j in rest if due[j] == end)
         if upto == k:  # every later one is due after this one
@@ -303,8 +331,17 @@ def schedule(graph: torch.fx.Graph) -> bool:
             w = max(w, min(ready_fixed[j], due[k]))  # the next one cannot start before then anyway
         w = min(max(w, s), due[k])
         start[k], wait_at[k] = s, w
-        log.debug("overlap: %s (%d B) was [%d, %d], ready %d, due %d -> [%d, %d]", c.name, _nbytes(c), opos[c],
-                  opos[waits[k]], ready_fixed[k], due[k], s, w)
+        log.debug(
+            "overlap: %s (%d B) was [%d, %d], ready %d, due %d -> [%d, %d]",
+            c.name,
+            _nbytes(c),
+            opos[c],
+            opos[waits[k]],
+            ready_fixed[k],
+            due[k],
+            s,
+            w,
+        )
         last_start, last_wait[g] = s, w
 
     # Rebuild the order: before fixed node i, the waits and starts placed there, in the
