@@ -68,8 +68,8 @@ def main() -> None:
         if not args.no_search:
             t0 = time.time()
             n = ests[0].layout.n_devices
-            res = plan.search(model, machine, n, batch, schedules=("1f1b", "interleaved", "zb"),
-                              max_microbatch_choices=5, top=3)
+            cfg = plan.SearchConfig(schedules=("1f1b", "interleaved", "zb"), max_microbatch_choices=5, top=3)
+            res = plan.search(model, machine, n, batch, config=cfg)
             if res.best is not None:
                 b = res.best
                 best = f"{b.layout.label()} ({b.tokens_per_s / n:,.0f}); searched {res.considered} in " \

@@ -92,7 +92,8 @@ def _paper_cases() -> dict[str, dict[str, Any]]:
 def _search_cases() -> dict[str, dict[str, Any]]:
     model = plan.get_model("llama3-8b", seq_len=8192)
     machine = attrs.evolve(plan.get_machine("h100"), memory_bytes=80 * GIB)
-    res = plan.search(model, machine, 16, 64, schedules=("1f1b", "interleaved"), max_microbatch_choices=3, top=3)
+    cfg = plan.SearchConfig(schedules=("1f1b", "interleaved"), max_microbatch_choices=3, top=3)
+    res = plan.search(model, machine, 16, 64, config=cfg)
     cases = {f"search 8B 16xH100 #{i}": dict(_record(e), label=e.layout.label()) for i, e in enumerate(res.ranked)}
     cases["search 8B 16xH100 summary"] = {"considered": res.considered, "rejected": dict(res.rejected)}
     return cases

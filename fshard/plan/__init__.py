@@ -5,7 +5,8 @@ Example:
     >>> machine = fs.plan.get_machine("h100")
     >>> est = fs.plan.estimate(model, machine, fs.plan.Layout({"fsdp": 64}, batch=1024))
     >>> est.step_s, est.peak_bytes, est.breakdown                       # doctest: +SKIP
-    >>> best = fs.plan.search(model, machine, n_devices=64, global_batch=1024, memory_limit=80e9)
+    >>> best = fs.plan.search(model, machine, n_devices=64, global_batch=1024, memory_limit=80e9,
+    ...                       config=fs.plan.SearchConfig(schedules=("1f1b",), top=5))
 
 Layers: :mod:`~fshard.plan.model` (models as data, traced or from a config),
 :mod:`~fshard.plan.machine` (machines as data), :mod:`~fshard.plan.layout`,
@@ -45,6 +46,7 @@ from fshard.plan.model import describe_transformer as describe_transformer
 from fshard.plan.model import get_model as get_model
 from fshard.plan.model import model_from_dict as model_from_dict
 from fshard.plan.probe import StepProbe as StepProbe
+from fshard.plan.search import SearchConfig as SearchConfig
 from fshard.plan.search import SearchResult as SearchResult
 from fshard.plan.search import search as search
 from fshard.plan.trace import Work as Work
@@ -65,6 +67,7 @@ __all__ = [
     "Machine",
     "ModelDesc",
     "PRESETS",
+    "SearchConfig",
     "SearchResult",
     "StepProbe",
     "Work",

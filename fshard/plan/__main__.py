@@ -25,7 +25,7 @@ from fshard.plan.layout import AXES, Layout, LayoutError
 from fshard.plan.machine import MACHINES, get_machine
 from fshard.plan.model import PRESETS, DescriptionError, get_model
 from fshard.plan.report import render
-from fshard.plan.search import SCHEDULES, search
+from fshard.plan.search import SCHEDULES, SearchConfig, search
 
 __all__ = ["main"]
 
@@ -163,9 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not est.fits:
                 print(f"does not fit: peak {est.peak_bytes / 2**30:.1f} GiB > limit {est.memory_limit / 2**30:.1f} GiB")
             return 0
-        res = search(
-            model, machine, args.devices, batch, limit, schedules=args.schedules, dtype=args.dtype, top=args.top
-        )
+        config = SearchConfig(schedules=args.schedules, dtype=args.dtype, top=args.top)
+        res = search(model, machine, args.devices, batch, limit, config=config)
     except (DescriptionError, LayoutError, ValueError) as e:
         print(f"python -m fshard.plan: error: {e}", file=sys.stderr)
         return 2

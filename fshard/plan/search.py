@@ -1,4 +1,4 @@
-"""``search(model, machine, n_devices, global_batch, memory_limit)``: rank the layouts.
+"""``search(model, machine, n_devices, global_batch, memory_limit, config=SearchConfig(...))``: rank the layouts.
 
 Enumerates every mesh whose axis sizes multiply to ``n_devices`` (pp up to the number of
 blocks, tp dividing the model's heads and at most one node, ep dividing its experts, the
@@ -11,8 +11,9 @@ limit, and sorts the rest by predicted step time.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import attrs
 
@@ -21,7 +22,7 @@ from fshard.plan.layout import Layout, LayoutError
 from fshard.plan.machine import Machine
 from fshard.plan.model import ModelDesc
 
-__all__ = ["SearchResult", "search", "SCHEDULES"]
+__all__ = ["SCHEDULES", "SearchConfig", "SearchResult", "search"]
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zb", "gpipe")
 
@@ -92,6 +93,81 @@ def _microbatch_choices(local: int, pp: int, limit: int) -> list[int]:
     return sorted({ds[round(i * (len(ds) - 1) / max(1, limit - 1))] for i in range(limit)})
 
 
+def _axes(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(str(a) for a in value)
+
+
+def _check_axes(inst: Any, attribute: Any, value: tuple[str, ...]) -> None:
+    from fshard.plan.layout import AXES
+
+    unknown = [a for a in value if a not in AXES]
+    if unknown:
+        raise ValueError(f"SearchConfig.axes: unknown axes {unknown} (known: {list(AXES)}); e.g. axes=('fsdp', 'tp')")
+
+
+def _check_count(inst: Any, attribute: Any, value: Any) -> None:
+    if value is None and attribute.name == "top":
+        return
+    least = 0 if attribute.name == "top" else 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"SearchConfig.{attribute.name} must be an int >= {least}, got {value!r}")
+
+
+@attrs.frozen
+class SearchConfig:
+    """What :func:`search` tries: the axes, schedules and knobs, and how much it keeps.
+
+    Attributes:
+      axes: mesh axes to consider (default all of ``fs.plan.AXES``).
+      schedules: pipeline schedules to consider with pp (default :data:`SCHEDULES`).
+      dtype: compute dtype (default None: the model's dtype).
+      remat, sequence_parallel, reshard: the choices to try for each knob.
+      max_microbatch_choices: at most this many microbatch counts per mesh, an int >= 1.
+      top: keep only the fastest ``top`` (None or 0: all).
+
+    Raises:
+      ValueError: an unknown axis, or a count that is not an int in range (named).
+    """
+
+    axes: tuple[str, ...] = attrs.field(
+        default=("pp", "dp", "fsdp", "ep", "tp"), converter=_axes, validator=_check_axes
+    )
+    schedules: tuple[str, ...] = attrs.field(default=SCHEDULES, converter=_axes)
+    dtype: str | None = None
+    remat: tuple[bool, ...] = attrs.field(default=(False, True), converter=tuple)
+    sequence_parallel: tuple[bool, ...] = attrs.field(default=(False, True), converter=tuple)
+    reshard: tuple[bool | None, ...] = attrs.field(default=(None, True, False), converter=tuple)
+    max_microbatch_choices: int = attrs.field(default=8, validator=_check_count)
+    top: int | None = attrs.field(default=None, validator=_check_count)
+
+
+_OPTIONS = tuple(f.name for f in attrs.fields(SearchConfig))
+
+
+def _config(config: SearchConfig | None, old: dict[str, Any]) -> SearchConfig:
+    """``config``, or one built from the deprecated keywords (each warned about once per call)."""
+    unknown = sorted(set(old) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"search() got unexpected keyword argument(s) {unknown}; the options are SearchConfig's {list(_OPTIONS)}"
+        )
+    if not old:
+        return config if config is not None else SearchConfig()
+    if config is not None:
+        raise TypeError(
+            f"search(): pass the options either as config=SearchConfig(...) or as the deprecated keywords "
+            f"{sorted(old)}, not both; e.g. config=attrs.evolve(config, {sorted(old)[0]}=...)"
+        )
+    for kw in old:
+        warnings.warn(
+            f"search(..., {kw}=...) is deprecated and goes in the next release; "
+            f"pass config=SearchConfig({kw}=...) instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return SearchConfig(**old)
+
+
 def search(
     model: ModelDesc,
     machine: Machine,
@@ -99,14 +175,8 @@ def search(
     global_batch: int,
     memory_limit: float | None = None,
     *,
-    axes: Sequence[str] = ("pp", "dp", "fsdp", "ep", "tp"),
-    schedules: Sequence[str] = SCHEDULES,
-    dtype: str | None = None,
-    remat: Sequence[bool] = (False, True),
-    sequence_parallel: Sequence[bool] = (False, True),
-    reshard: Sequence[bool | None] = (None, True, False),
-    max_microbatch_choices: int = 8,
-    top: int | None = None,
+    config: SearchConfig | None = None,
+    **deprecated: Any,
 ) -> SearchResult:
     """Enumerates layouts of ``n_devices`` for ``model``, keeps those that fit, ranks them.
 
@@ -116,25 +186,24 @@ def search(
       n_devices: devices to use (the product of the mesh sizes).
       global_batch: samples per optimizer step.
       memory_limit: bytes per device (optional; default the machine's memory less its reserve).
-      axes: mesh axes to consider (optional, default all).
-      schedules: pipeline schedules to consider with pp (optional).
-      dtype: compute dtype (optional; default ``"bfloat16"`` when the machine has a figure
-        for it and the model was described in it, else the model's dtype).
-      remat, sequence_parallel, reshard: the choices to try (optional).
-      max_microbatch_choices: at most this many microbatch counts per mesh (optional).
-      top: keep only the fastest ``top`` (optional, default all).
+      config: what to try and keep (optional, default ``SearchConfig()``: every axis,
+        schedule and knob).
+      **deprecated: :class:`SearchConfig`'s fields as keywords (``axes=``, ``top=``, ...),
+        as before it existed: each warns (DeprecationWarning) and goes in the next release.
 
     Returns:
       A :class:`SearchResult`.
 
     Raises:
       ValueError: ``n_devices`` or ``global_batch`` below 1.
+      TypeError: both ``config`` and deprecated keywords, or an unknown keyword.
     """
+    cfg = _config(config, deprecated)
     if not isinstance(n_devices, int) or n_devices < 1:
         raise ValueError(f"search: n_devices must be an int >= 1, got {n_devices!r}")
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"search: global_batch must be an int >= 1, got {global_batch!r}")
-    dtype = dtype or model.dtype
+    dtype = cfg.dtype or model.dtype
     limit = memory_limit if memory_limit is not None else machine.memory_bytes - machine.reserved_bytes
     fits: list[Estimate] = []
     rejected: Counter = Counter()
@@ -157,19 +226,22 @@ def search(
             best_unfit = est
         return None
 
-    for mesh in _meshes(model, machine, n_devices, global_batch, axes):
+    for mesh in _meshes(model, machine, n_devices, global_batch, cfg.axes):
         pp, tp, fsdp = mesh["pp"], mesh["tp"], mesh["fsdp"]
         local = global_batch // (mesh["dp"] * fsdp * mesh["ep"])
-        scheds: list[tuple[str, int | None]] = [(s, None) for s in schedules] if pp > 1 else [("1f1b", None)]
+        scheds: list[tuple[str, int | None]] = [(s, None) for s in cfg.schedules] if pp > 1 else [("1f1b", None)]
         # Knobs that only trade time for memory, fastest first: keep gathered parameters
         # (no reshard), free them (reshard), recompute blocks (remat). Once one fits, the
         # later ones can only be slower.
         knobs = [
-            (r, m) for m in remat for r in (reshard if fsdp > 1 else (None,)) if not (r is not None and r == (pp == 1))
+            (r, m)
+            for m in cfg.remat
+            for r in (cfg.reshard if fsdp > 1 else (None,))
+            if not (r is not None and r == (pp == 1))
         ]
         knobs.sort(key=lambda k: (k[1], {False: 0, None: 1 if pp == 1 else 0, True: 1}[k[0]]))
-        for (sched, virt), sp in itertools.product(scheds, sequence_parallel if tp > 1 else (False,)):
-            for m in _microbatch_choices(local, pp, max_microbatch_choices):
+        for (sched, virt), sp in itertools.product(scheds, cfg.sequence_parallel if tp > 1 else (False,)):
+            for m in _microbatch_choices(local, pp, cfg.max_microbatch_choices):
                 fitted_first = False
                 for j, (rs, rm) in enumerate(knobs):
                     layout = Layout(
@@ -192,5 +264,8 @@ def search(
                     break
     fits.sort(key=lambda e: (e.step_s, e.peak_bytes))
     return SearchResult(
-        ranked=tuple(fits[:top] if top else fits), rejected=dict(rejected), best_unfit=best_unfit, considered=considered
+        ranked=tuple(fits[: cfg.top] if cfg.top else fits),
+        rejected=dict(rejected),
+        best_unfit=best_unfit,
+        considered=considered,
     )

@@ -16,7 +16,8 @@ def llama():
 def test_search_returns_only_layouts_that_validate_and_fit(llama):
     h100 = plan.get_machine("h100")
     limit = 60 * 2**30
-    res = plan.search(llama, h100, 8, 32, limit, schedules=("1f1b", "interleaved"), max_microbatch_choices=4)
+    res = plan.search(llama, h100, 8, 32, limit,
+                      config=plan.SearchConfig(schedules=("1f1b", "interleaved"), max_microbatch_choices=4))
     assert len(res) > 10 and res.considered >= len(res)
     times = [e.step_s for e in res]
     assert times == sorted(times)
@@ -30,14 +31,51 @@ def test_search_returns_only_layouts_that_validate_and_fit(llama):
 
 
 def test_nothing_fits_a_tiny_limit(llama):
-    res = plan.search(llama, plan.get_machine("h100"), 8, 16, 1e9, schedules=("1f1b",), max_microbatch_choices=2)
+    res = plan.search(llama, plan.get_machine("h100"), 8, 16, 1e9,
+                      config=plan.SearchConfig(schedules=("1f1b",), max_microbatch_choices=2))
     assert len(res) == 0 and res.best is None
     assert res.best_unfit is not None and res.best_unfit.peak_bytes > 1e9
 
 
 def test_search_respects_the_axes_it_is_given(llama):
-    res = plan.search(llama, plan.get_machine("h100"), 8, 16, axes=("fsdp", "tp"), max_microbatch_choices=2)
+    res = plan.search(llama, plan.get_machine("h100"), 8, 16,
+                      config=plan.SearchConfig(axes=("fsdp", "tp"), max_microbatch_choices=2))
     assert len(res) and all(set(e.layout.shape) <= {"fsdp", "tp"} for e in res)
+
+
+def test_the_deprecated_keywords_warn_and_give_the_config_s_result(llama):
+    """The options as keywords (before SearchConfig) still work for one release: each warns,
+    naming itself and its replacement, and the result is the config's, layout for layout."""
+    h100 = plan.get_machine("h100")
+    kw = {"axes": ("fsdp", "tp", "pp"), "schedules": ["1f1b"], "max_microbatch_choices": 2, "top": 5}
+    with pytest.warns(DeprecationWarning) as caught:
+        old = plan.search(llama, h100, 8, 16, 60 * 2**30, **kw)
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == len(kw)
+    for name in kw:
+        assert any(f"{name}=..." in m and f"config=SearchConfig({name}=...)" in m for m in messages), messages
+    new = plan.search(llama, h100, 8, 16, 60 * 2**30, config=plan.SearchConfig(**kw))
+    assert len(new) == len(old) == 5
+    assert [(e.layout, e.step_s, e.peak_bytes) for e in old] == [(e.layout, e.step_s, e.peak_bytes) for e in new]
+    assert (old.considered, old.rejected) == (new.considered, new.rejected)
+
+
+def test_config_and_keywords_together_are_refused(llama):
+    h100 = plan.get_machine("h100")
+    with pytest.raises(TypeError, match="not both"):
+        plan.search(llama, h100, 8, 16, config=plan.SearchConfig(top=1), top=2)
+    with pytest.raises(TypeError, match="unexpected keyword.*'topp'"):
+        plan.search(llama, h100, 8, 16, topp=2)
+
+
+def test_search_config_checks_its_fields():
+    with pytest.raises(ValueError, match=r"SearchConfig.axes: unknown axes \['cp'\]"):
+        plan.SearchConfig(axes=("fsdp", "cp"))
+    with pytest.raises(ValueError, match="SearchConfig.max_microbatch_choices must be an int >= 1, got 0"):
+        plan.SearchConfig(max_microbatch_choices=0)
+    with pytest.raises(ValueError, match="SearchConfig.top must be an int >= 0, got -1"):
+        plan.SearchConfig(top=-1)
+    assert plan.SearchConfig(axes=["tp"]).axes == ("tp",)  # lists become tuples (hashable, frozen)
 
 
 def test_cli_prints_a_table_and_the_best(capsys):

@@ -46,7 +46,8 @@ def test_mesh_auto_runs_the_planners_best_layout(tmp_path):
     records = run_on_ranks(bodies.train, argv, world_size=2, timeout_s=240)
     last = json.loads(log.read_text())[-1]
     model = plan.describe_transformer(plan_cfg(records), seq_len=16)
-    res = plan.search(model, plan.load_machine(tmp_path / "machine.json"), 2, 8, axes=("pp", "dp", "fsdp", "tp"))
+    res = plan.search(model, plan.load_machine(tmp_path / "machine.json"), 2, 8,
+                      config=plan.SearchConfig(axes=("pp", "dp", "fsdp", "tp")))
     assert last["plan_layout"] == res.best.layout.label()
     assert records[0][-1]["loss"] < records[0][0]["loss"] + 1.0
 
