@@ -513,10 +513,9 @@ def via_host(group, device: torch.device) -> bool:
     That is the case of several ranks sharing one GPU through gloo (NCCL refuses two
     ranks on one device). gloo's ``send``/``recv`` hand the tensor's data pointer straight
     to the TCP transport, which would read device memory as host memory. Its collectives
-    on CUDA tensors (torch 2.11.0+cu130 on an H100, 2026-11-26: ``all_gather_into_tensor``
-    and DTensor's ``full_tensor`` over it) died of SIGSEGV in ``wait_tensor``
-    (bench/results/gpu_2026-11-26/). Staging costs what gloo's own CUDA path does: one
-    copy to the host and one back.
+    on CUDA tensors (``all_gather_into_tensor`` and DTensor's ``full_tensor`` over it) die
+    of SIGSEGV in ``wait_tensor`` (bench/gpu_checks/README.md). Staging costs what gloo's
+    own CUDA path does: one copy to the host and one back.
     """
     return device.type != "cpu" and backend_of(group, device.type) == "gloo"
 
@@ -585,10 +584,8 @@ def permute_async(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: 
     collective. Either way the exchange is logged as one ``"ppermute"`` whose bytes (and
     bytes on the wire) are those this rank sends to another rank.
 
-    Eager runs it too, not only ``fs.jit``: on gloo (2-core machine at load 10-16, a ring,
-    old and new interleaved, 2026-11-26) it took 0.22-0.95x the time of the
-    ``batch_isend_irecv`` it replaced on 2 ranks from 4 KiB to 8 MiB, and 0.53-0.98x on 4
-    ranks except at 1-2 MiB (0.93-1.5x over five runs: parity within the noise).
+    Eager runs it too, not only ``fs.jit``: on gloo it takes at most the time of a
+    ``batch_isend_irecv`` exchange (``bench/README.md``, "Host costs behind the code").
 
     Args:
       x: the tensor (same shape and dtype on every rank).

@@ -3,8 +3,8 @@
 One persistent :class:`~fshard.runtime.local.WorkerPool` per world size serves every
 test (starting ranks costs seconds; a test costs milliseconds). The ranks are forked
 from a ``forkserver`` that has imported torch and fshard once: spawning each rank
-imports them again, about 4 s of CPU per rank (32 s for an 8-rank pool on 2 cores,
-5 s from the forkserver), and the forkserver holds no threads or process groups, so
+imports them again, seconds of CPU per rank (``bench/README.md``, "Host costs behind the
+code"), and the forkserver holds no threads or process groups, so
 forking it is as clean as a spawn. A body that fails on
 any rank fails the test with that rank's traceback; a body that deadlocks is killed
 after its timeout and the failure shows where each rank was stuck. A pool that had to
@@ -64,9 +64,9 @@ def _pool(world_size: int) -> WorkerPool:
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive:
         # Takes effect when the forkserver starts (the first pool); later calls are no-ops.
-        # torch._dynamo too: every rank's first DTensor.from_local imports it (about 0.8 s of
-        # CPU per rank, once in the forkserver instead), and Inductor's compile_fx, which a
-        # rank's first fs.jit compile imports (about 0.9 s, aot_eager included). Neither
+        # torch._dynamo too: every rank's first DTensor.from_local imports it (most of a
+        # second of CPU per rank, once in the forkserver instead), and Inductor's compile_fx,
+        # which a rank's first fs.jit compile imports (as much, aot_eager included). Neither
         # starts a thread (transformers would: its model modules are imported per rank).
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
         pool = WorkerPool(world_size, start_method="forkserver", timeout_s=DEFAULT_TIMEOUT_S)
@@ -130,8 +130,8 @@ def release_pool_groups() -> None:
     made (``fshard.runtime.teardown.release_groups``), keeping each pool's default group.
 
     The suite calls it after each test module: a gloo group's transport thread wakes every
-    10 ms for as long as it lives, and a pool that kept every mesh of the suite ended up
-    burning about 0.6 of a core while idle. A pool that fails here is replaced.
+    10 ms for as long as it lives, and a pool that kept every mesh of the suite would burn
+    a large share of a core while idle. A pool that fails here is replaced.
     """
     import warnings
 

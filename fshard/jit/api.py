@@ -103,9 +103,9 @@ def jit(
         - A donated argument that a result took cannot be used after the call, as in JAX
           (which deletes it): any torch operation on it (DTensor methods too) raises
           :class:`DonatedTensorError` naming its path, instead of reading the result's
-          values. Its replacement costs about 3 us per tensor and 5 us per DTensor per
-          call. (``fs.optim.donate()``, in eager, updates in place instead: there the
-          argument is the result.)
+          values. Its replacement costs a few microseconds per tensor and call
+          (``bench/README.md``, "Host costs behind the code"). (``fs.optim.donate()``, in
+          eager, updates in place instead: there the argument is the result.)
         - A donated leaf that no result can take is left unchanged, with a warning naming
           it (JAX: "Some donated buffers were not usable"). Two differences, both towards
           caution: JAX also gives a donated buffer to a result of another shape with the

@@ -1,5 +1,4 @@
-"""Live aliases of a donated buffer: other tensors and NumPy arrays on its memory (issue 36,
-row 13).
+"""Live aliases of a donated buffer: other tensors and NumPy arrays on its memory.
 
 A donated argument's memory receives the call's result. A view of it (``x[1:]``), a NumPy
 array from ``x.numpy()``, ``x.data`` or a DLPack capsule taken before the call would then
@@ -18,7 +17,7 @@ live alias. Not seen: memory torch does not own (a tensor made by ``torch.from_n
 the NumPy array is no storage user) and a DTensor's local tensor object itself, held
 since a ``to_local()`` under ``no_grad`` (which returns it, not a view).
 
-Cost: one storage use count per donated tensor and call (about 1 us), more only when a
+Cost: one storage use count per donated tensor and call (about a microsecond), more only when a
 donated tensor shares its storage.
 """
 

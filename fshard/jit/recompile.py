@@ -1,5 +1,5 @@
 """``fs.jit``'s recompile limit: a warning at a function's first recompile naming the argument
-that changed, and past the limit an error or eager runs (issue 36, row 12).
+that changed, and past the limit an error or eager runs.
 
 Why: every new signature traces and compiles the function again (an Inductor compile takes
 seconds), and a non-tensor argument is part of the signature by value, so a Python float

@@ -205,8 +205,8 @@ def donate() -> Iterator[None]:
     JAX's buffer donation for the usual loop, where the old state and params are
     never used again. Outside this context every transform is pure and must allocate
     its new state and params; on CPU, where fresh memory costs page faults, donating
-    made an AdamW step about 2.5x cheaper (``bench/optim_step.py``). Updates and grads
-    are never overwritten.
+    makes an AdamW step much cheaper (``bench/README.md``, "Host costs behind the
+    code"). Updates and grads are never overwritten.
 
     Example:
       >>> with fs.optim.donate():  # doctest: +SKIP
@@ -245,8 +245,8 @@ def check_hparam(
 
 # Updates that one transform of a chain makes and the next one consumes are seen by no
 # one else, so the next transform may overwrite them instead of allocating new tensors.
-# On CPU, fresh allocations of this size cost more than the arithmetic (page faults:
-# measured 5.8 ms vs 0.35 ms for a 14 MB add), so this saves AdamW two of the five
+# On CPU, fresh allocations of this size cost more than the arithmetic (page faults;
+# bench/README.md, "Host costs behind the code"), so this saves AdamW two of the five
 # fresh trees a pure step would otherwise allocate, without giving up purity. The scope maps
 # id -> tensor and holds the tensors, so an id is never reused while the scope lives; it ends
 # when the outermost chain returns, so nothing handed back to the caller is ever overwritten.
@@ -319,8 +319,9 @@ def wrap_like(local: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     spec = getattr(ref, "_spec", None)
     if spec is not None and spec.tensor_meta is not None and spec.tensor_meta.dtype == local.dtype:
         # Same global shape, stride, dtype and placements as ref: share its spec. This is
-        # ~10x cheaper than from_local (measured 6 us vs 50-100 us a leaf), which matters
-        # because every transform wraps every leaf of every tree it returns.
+        # an order of magnitude cheaper than from_local (bench/README.md, "Host costs behind
+        # the code"), which matters because every transform wraps every leaf of every tree
+        # it returns.
         return DTensor(local, spec, requires_grad=False)
     with torch.no_grad():
         # run_check=False: every rank built its shard from its own inputs; nothing to verify.
@@ -380,9 +381,9 @@ def flatten_matching(what: str, first: tuple[str, Any], *others: tuple[str, Any]
 def _same_layout(a: Any, b: Any) -> bool:
     """``_layout(a) == _layout(b)``, without building the tuples on the common paths.
 
-    Every transform checks every leaf of two or three trees each step; building and
-    comparing layout tuples cost ~60 us per 50-leaf pair, a third of a step's Python
-    time. Plain tensors compare shapes; DTensors made by :func:`wrap_like` share their
+    Every transform checks every leaf of two or three trees each step, so building and
+    comparing layout tuples would be a large share of a step's Python time (``bench/README.md``,
+    "Host costs behind the code"). Plain tensors compare shapes; DTensors made by :func:`wrap_like` share their
     parameter's spec object, and one spec object means one shape, mesh and placements.
     """
     if type(a) is torch.Tensor and type(b) is torch.Tensor:

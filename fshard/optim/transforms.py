@@ -305,11 +305,11 @@ def _computed_once(*scalars: torch.Tensor) -> tuple[torch.Tensor, ...]:
     graph (fs.jit).
 
     Inductor inlines a pointwise scalar computation into every kernel that reads it, and
-    into the loop body there: Adam's two bias corrections (a ``pow`` each) were computed
-    again for every 16 elements of every leaf, 70 ``std::pow`` per vector step on the
-    bench's 35 leaves, and AdamW took 11.9 ms instead of 4.5 (``bench/optim_step.py``).
-    Stacked with zeros into a ``(k, 2)`` buffer, the scalars are computed once (Inductor
-    realizes that buffer; seen in the generated code, where the kernels load it), and read
+    into the loop body there: Adam's two bias corrections (a ``pow`` each) would be computed
+    again for every 16 elements of every leaf, which makes the compiled AdamW step more than
+    twice as slow (``bench/README.md``, "Host costs behind the code"). Stacked with zeros
+    into a ``(k, 2)`` buffer, the scalars are computed once (Inductor realizes that buffer:
+    in the generated code the kernels load it), and read
     back through a sum with 0 (exact), which Inductor unrolls into the loads. This relies
     on how Inductor lowers the stack; it changes no value whatever it does. Eagerly the
     scalars come back as given.
@@ -381,7 +381,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
                 _adam_traced(out, gl, ml, vl, state.count, b1, b2, eps)  # fs.jit: no value to read
             elif gl:
                 # One step counter per leaf, as the kernel increments each of them: views of
-                # one tensor, made in one call (a torch.tensor per leaf cost ~5 us each).
+                # one tensor, made in one call rather than a torch.tensor per leaf.
                 steps = list(torch.full((len(gl),), float(state.count), dtype=torch.float64).unbind())
                 _torch_adam(
                     out,

@@ -67,7 +67,7 @@ def _worker_main(
     # What the rank inherited (torch, fshard and the test harness's preloads: some 380k
     # objects) is never garbage: out of the collector's reach, a full collection (the
     # explicit gc.collect() of tests and teardown, and the automatic ones) costs
-    # milliseconds instead of about 0.15 s.
+    # milliseconds, not a large part of a second (bench/README.md, "Host costs behind the code").
     gc.freeze()
     # The test suite sets this: a task that returns with a collective still in flight
     # fails (the backend would keep writing its buffers after the test moved on).

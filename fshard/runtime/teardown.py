@@ -166,9 +166,9 @@ def release_groups() -> None:
 
     Why: each gloo group runs a transport thread that wakes every 10 ms for as long as the
     group lives, idle or not. A long-lived process that has made many meshes (a test
-    suite's worker ranks, a notebook) pays for all of them: measured on 4 ranks, 10
-    two-axis meshes (30 groups per rank) kept 0.08-0.12 of a core busy doing nothing,
-    0.002-0.012 after this. The next ``make_mesh`` builds its groups again (milliseconds).
+    suite's worker ranks, a notebook) pays for all of them, a share of a core busy doing
+    nothing (``bench/README.md``, "Host costs behind the code"). The next ``make_mesh`` builds
+    its groups again (milliseconds).
 
     Collective: every rank calls it, with no collective of those groups in flight on any
     rank (it completes fshard's own first). Meshes made before it cannot be used after it.

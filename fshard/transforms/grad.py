@@ -2,8 +2,9 @@
 
 Built on ``torch.autograd.grad`` (not ``torch.func.grad``): it composes with the
 collectives' autograd functions and with DTensor, and avoids ``torch.func.grad``'s
-fixed ~3 ms per call. The fshard collectives also work under ``torch.func`` (their
-autograd functions use ``setup_context``), for users who want ``vmap(grad(...))``.
+fixed cost per call (``bench/README.md``, "Host costs behind the code"). The fshard
+collectives also work under ``torch.func`` (their autograd functions use
+``setup_context``), for users who want ``vmap(grad(...))``.
 
 Higher-order gradients: a call made while another ``fs.grad`` / ``fs.value_and_grad``
 runs its function (a contextvar counts them) keeps its arguments attached to the
@@ -132,8 +133,8 @@ def _value_and_grad(
     """One call of ``value_and_grad(f)``; ``attach``: keep the graph (higher order)."""
     args = list(args)
     # Flatten each differentiated argument once and keep its fresh leaves: the grads
-    # are taken w.r.t. exactly these (a second flatten after the call cost ~50 us
-    # per 50-leaf tree per step).
+    # are taken w.r.t. exactly these (a second flatten after the call would cost host
+    # time per leaf and step).
     fresh: dict[int, tuple[list[Any], Any]] = {}
     for i in nums:
         if not -len(args) <= i < len(args):
@@ -244,7 +245,7 @@ def _fresh_leaf(x: Any, name: str, argnum: int, tree: Any, k: int, attach: bool)
     spec = getattr(x, "_spec", None)
     if isinstance(x, DTensor) and spec is not None:
         # DTensor.detach() runs DTensor's dispatch (sharding propagation) for a metadata
-        # change; the new leaf shares x's spec as fs.optim's wrap_like does (~10x cheaper).
+        # change; the new leaf shares x's spec as fs.optim's wrap_like does (much cheaper).
         leaf = DTensor(x._local_tensor.detach(), spec, requires_grad=True)
     else:
         leaf = x.detach().requires_grad_(True)

@@ -208,9 +208,8 @@ class _Locals(torch.autograd.Function):
 
     Backward gives each local cotangent its primal's layout, as ``to_local``'s backward
     does, but shares the primal's spec instead of building a DTensorSpec and a
-    ``from_local`` node per leaf (together ~40 us a leaf, every step: on a GPU, where a
-    small model's step is bound by such host work, that was most of fshard's gap to
-    ``fully_shard``).
+    ``from_local`` node per leaf: host work per leaf and step, which bounds a small model's
+    step on a GPU (``bench/README.md``, "Host costs behind the code").
     """
 
     @staticmethod

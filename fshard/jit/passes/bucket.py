@@ -28,30 +28,28 @@ What runs (Inductor's post-grad passes; sources in ``torch/_inductor/fx_passes``
 
   Torch's own FX bucketing (``bucket_all_gathers_fx``, ``bucket_reduce_scatters_fx``,
   ``bucket_all_reduces_fx``: ``bucketing.greedy_bucket_collective_by_mb``) is not used, for
-  two reasons. It merges any independent collectives of a kind up to the cap: on
-  ``bench/jit_step.py``'s FSDP step at 25 MB (its selection run on the captured graph),
-  all 8 all-gathers (forward gathers and backward regathers) into one, which gathers every
-  parameter once at the start of the step and keeps it to the end (no reshard after
-  forward, no prefetch overlap), and the same selection over the 5 reduce-scatters (NCCL's
-  ``reduce_scatter_tensor``; gloo's all-to-alls it does not touch) makes one, after the
-  last gradient. And its
+  two reasons. It merges any independent collectives of a kind up to the cap: on an FSDP
+  step that fits under the cap, every all-gather (forward gathers and backward regathers)
+  into one, which gathers every parameter once at the start of the step and keeps it to
+  the end (no reshard after forward, no prefetch overlap), and every reduce-scatter (NCCL's
+  ``reduce_scatter_tensor``; gloo's all-to-alls it does not touch) into one, after the last
+  gradient (``bench/README.md``, "Collective merging and reordering under Inductor"). And its
   merged all-gather (``all_gather_merge_fn_to_trace``, also the ``custom_ops`` mode and the
   overlap scheduler's bucketer) copies this rank's input to ``rank * numel`` of the output:
   a constant of the compiling rank in the compiled graph, which Inductor's cache (its key
-  does not hold the rank) and fs.jit's once-per-host compile hand to the other ranks (seen:
-  the module rank 1 compiled gathers from offset 18, rank 1's slot, and rank 0 ran it from
-  the cache; gloo's values were still right, but the graph is rank 1's). The merge here
+  does not hold the rank) and fs.jit's once-per-host compile hand to the other ranks, so
+  one rank would run a graph compiled for another. The merge here
   gathers a concatenation and takes each input's columns (rank-free).
 - :class:`fshard.jit.passes.overlap.OverlapCollectives` (on), after bucketing, in the same
   ``post_grad_custom_post_pass`` list: fshard's own overlap scheduling of CPU (gloo)
   collectives. It keeps the compute's order and the collectives' order, one collective in
   flight per group, and moves each start as early and each wait as late as that allows,
   sharing the compute between consecutive collectives of a group by their bytes (see its
-  module docstring): on the FSDP step, each layer's reduce-scatter now runs behind the
+  module docstring): on the FSDP step, each layer's reduce-scatter runs behind the
   next layer's backward instead of before it. With it, Inductor's ``reorder_for_peak_memory``
-  is off: it runs after the post-grad passes and moved every collective's start back next
-  to its wait (until 2026-11-27 the compiled code kept none of the pass's overlap; the
-  whole-step peak-memory tests, tests/test_jit_memory.py, pass without it).
+  is off: it runs after the post-grad passes and would move every collective's start back
+  next to its wait, undoing the overlap (the whole-step peak-memory tests,
+  tests/test_jit_memory.py, pass without it).
 - Torch's overlap scheduling (off; ``collective_passes(reorder=True)`` turns it on):
   ``aten_distributed_optimizations.enable_overlap_scheduling`` moves collectives' starts
   earlier and their waits later, behind independent compute, and pins that order for

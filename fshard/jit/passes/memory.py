@@ -2,21 +2,21 @@
 than eager does (:func:`memory_passes`, config patches that ``fs.jit(options=...)`` overrides).
 
 A captured step is forward, backward and optimizer in one graph, so a choice that Inductor
-makes for a kernel's locality can move an allocation across the whole backward. Two did,
-on ``bench/jit_memory.py``'s steps (2 gloo ranks, live CPU tensor bytes per rank):
+makes for a kernel's locality can move an allocation across the whole backward. Two do
+(``bench/README.md``, "fs.jit", the peak-memory target, has the counts per rank):
 
-- ``reorder_for_locality`` (off here): it moved kernels next to their consumers across
-  forward, backward and optimizer and kept their buffers alive meanwhile.
+- ``reorder_for_locality`` (off here): it moves kernels next to their consumers across
+  forward, backward and optimizer and keeps their buffers alive meanwhile.
 - Concatenation into a collective's flat buffer (:class:`LateConcat`, on). On CPU Inductor
   lowers every ``aten.cat`` to a ``ConcatKernel``: the producers of its inputs that are
   Inductor kernels write straight into slices of the output, so the output is allocated
   where the *first* such producer runs. ``fs.parallel``'s DDP bucket is the concatenation
-  of every layer's gradients, built by eager after the last layer's backward; the compiled
-  graph allocated it (12 MiB of the bench model's 13.2 MiB of gradients) before the first
-  layer's backward, because that layer's bias and norm gradients (sums: Inductor kernels)
-  were written into it. The matrix gradients (``mm``: extern kernels) were copied in at the
-  concatenation as in eager, so nothing was saved for the 12 MiB held across the backward:
-  the replicate step's peak was 7 % above eager's. FSDP's per-layer flat gradient (the
+  of every layer's gradients, built by eager after the last layer's backward; compiled as
+  is, it would be allocated (nearly all of the model's gradients) before the first layer's
+  backward, because that layer's bias and norm gradients (sums: Inductor kernels) are
+  written into it. The matrix gradients (``mm``: extern kernels) are still copied in at the
+  concatenation as in eager, so nothing is saved for the buffer held across the backward:
+  the replicate step's peak rises above eager's. FSDP's per-layer flat gradient (the
   reduce-scatter's input) is the same pattern over one layer's backward.
   :class:`LateConcat` makes such a concatenation one opaque ``fshard::concat`` call
   (``torch.cat``), which allocates its output where the graph concatenates, as eager does;

@@ -41,19 +41,13 @@ collective this pass does not know how to move (several waits, a use before the 
 non-CPU tensor: NCCL's overlap is the job of torch's overlap scheduling) is left as it is.
 Nodes that mutate or have side effects stay barriers that nothing crosses.
 
-Measured (``bench/README.md``, "Overlap scheduling of gloo collectives"; shared 2-core
-machine at load 4-14, so noisy): on ``bench/jit_step.py``'s FSDP step the compiled step
-with the pass took 0.99 (median; 0.977-1.014 in 5 runs) of the one without, and peak memory per rank
-did not grow (``bench/jit_memory.py``). Little was there to gain: a 3 MB gloo all-to-all
-between two ranks of one host takes 2.4-3.4 ms, so hiding the two exposed reduce-scatters
-and part of a regather saves ~5-10 ms of a 352 ms quiet step; the ranks' compute alone
-takes ~302 ms of CPU per rank and step on 2 cores. Those measurements were taken while
-Inductor's ``reorder_for_peak_memory`` (which runs after this pass) moved every start back
-next to its wait, undoing the pass; ``collective_passes`` now turns it off with the pass.
-Since, on a quiet machine (2026-11-27 05:12 UTC): **0.989** of the step without the pass
-(384.6 against 391.7 ms, one run; ``bench/README.md``, "Targets of issue 17"), and the
-opt-in Inductor test finds the reduce-scatters behind 4 and 12 matrix products. On more
-cores per rank there is more to hide.
+Inductor's ``reorder_for_peak_memory`` runs after this pass and would move every start back
+next to its wait, undoing it, so ``collective_passes`` turns it off with the pass; the
+opt-in Inductor test checks that the compiled code keeps the reduce-scatters behind matrix
+products. What the pass gains on gloo is a hidden collective's wire time, which on one host
+is small beside the compute; on more cores per rank there is more to hide. Its step time
+and peak memory are measured in ``bench/README.md``, "Overlap scheduling of gloo
+collectives".
 """
 
 from __future__ import annotations
