@@ -20,10 +20,10 @@ torch.set_num_threads(1)
 def pytest_configure(config):
     # Registered here too, so that the mark is known when pytest-xdist is not installed.
     config.addinivalue_line("markers", "xdist_group(name): tests that pytest-xdist runs on one worker")
-    # FSHARD_TEST_CPU_PROFILE=path: per test, wall time against the CPU it caused (tests/_cpu_profile.py).
+    # FSHARD_TEST_CPU_PROFILE=path: per test, wall time against the CPU it caused (tests/_harness/_cpu_profile.py).
     path = os.environ.get("FSHARD_TEST_CPU_PROFILE")
     if path:
-        from _cpu_profile import CpuProfile
+        from _harness._cpu_profile import CpuProfile
 
         config.pluginmanager.register(CpuProfile(path), "fshard-cpu-profile")
 
@@ -157,5 +157,5 @@ def _no_jax_here(request):
                     f"tests/conftest.py's _JAX_IN_PROCESS, which runs last", pytrace=False)
 
 
-# Fresh processes forked from an interpreter that has imported torch and fshard (tests/_zygote.py).
-from _zygote import zygotes  # noqa: E402, F401
+# Fresh processes forked from an interpreter that has imported torch and fshard (tests/_harness/_zygote.py).
+from _harness._zygote import zygotes  # noqa: E402, F401

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from _examples import example
-from _procs import run_together
+from _harness._examples import example
+from _harness._procs import run_together
 from fshard.testing import free_port, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,9 +19,9 @@ import pytest
 
 from fshard.testing import free_port, run_on_ranks
 
-import _zygote
-from _examples import example
-from _procs import run_together
+from _harness import _zygote
+from _harness._examples import example
+from _harness._procs import run_together
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -204,7 +204,7 @@ def _env() -> dict[str, str]:
 
 def test_script_one_process_prints_progress_and_a_sample(zygotes, tmp_path):
     log = tmp_path / "log.json"
-    # `python train_lm.py ...` in a process forked from the zygote (tests/_zygote.py: torch and
+    # `python train_lm.py ...` in a process forked from the zygote (tests/_harness/_zygote.py: torch and
     # fshard imported once per session); the script under torchrun below starts fresh ones.
     (run,) = _zygote.run_together(zygotes, [[str(EXAMPLES / "train_lm.py"), "--steps", "6", "--log-every", "2",
                                              "--sample-chars", "40", "--log-json", str(log)]],
@@ -222,7 +222,7 @@ def test_script_under_torchrun(zygotes, tmp_path):
         else shutil.which("torchrun")
     log = tmp_path / "log.json"
     # A mesh that does not fit the ranks, on two ranks in torchrun's environment (forked from
-    # the zygote, tests/_zygote.py: fs.init() connects them as under torchrun), while the
+    # the zygote, tests/_harness/_zygote.py: fs.init() connects them as under torchrun), while the
     # real torchrun job below starts up (torchrun, then two ranks importing torch).
     port = str(free_port())
     bad = [zygotes.start([str(EXAMPLES / "train_lm.py"), "--mesh", "fsdp=4"], cwd=tmp_path,

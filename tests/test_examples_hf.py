@@ -22,7 +22,7 @@ TINY = ["--steps", "3", "--dtype", "float64", "--dim", "16", "--layers", "2", "-
 
 
 def _run(argv: list[str]) -> dict:
-    from _examples import example
+    from _harness._examples import example
 
     return example("finetune_hf").main(argv)
 

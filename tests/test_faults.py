@@ -3,7 +3,7 @@ a collective-heavy step of examples/train_lm.py (FSDP over 4 ranks, remat, a blo
 flight), under ``fs.run_local`` and under torchrun (3 ranks there). Every other rank must stop within 60 s with
 an error that names the lost rank, and no process may be left behind.
 
-The fault comes from tests/_faults.py, which wraps ``fs.parallel.scan_layers`` so that the
+The fault comes from tests/_harness/_faults.py, which wraps ``fs.parallel.scan_layers`` so that the
 victim faults at its N-th block call (here the middle of step 3's forward).
 """
 
@@ -23,7 +23,7 @@ import fshard as fs
 from fshard.testing import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _faults  # noqa: E402
+from _harness import _faults  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -57,7 +57,7 @@ def _left_behind(pid_dir: Path) -> list[int]:
 
 def _faulty_train(argv: list[str], kind: str, pid_dir: str) -> list[dict]:
     """One rank of fs.run_local: arm the fault, then the example's main."""
-    from _examples import example
+    from _harness._examples import example
 
     train_lm = example("train_lm")
     _faults.arm(kind, VICTIM, AT_CALL, pid_dir)
@@ -92,7 +92,7 @@ def test_rank_fault_under_torchrun_stops_every_rank_and_names_it(kind, tmp_path)
            "OMP_NUM_THREADS": "1", "FSHARD_TEST_FAULT": f"{kind}:{VICTIM}:{AT_CALL}",
            "FSHARD_TEST_PID_DIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(TORCHRUN_NPROC),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "tests" / "_faults.py"),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "tests" / "_harness" / "_faults.py"),
            *TORCHRUN_ARGV]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

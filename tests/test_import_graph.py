@@ -127,7 +127,7 @@ def test_every_group_owner_registers_with_the_runtime():
 
 def test_nothing_imports_the_examples_or_puts_them_on_sys_path():
     """Issue 30: the main job is a library call; tests and bench load an example from its file
-    (tests/_examples.py, bench/_examples.py), never as a module on sys.path."""
+    (tests/_harness/_examples.py, bench/_examples.py), never as a module on sys.path."""
     found = []
     for folder in ("fshard", "tests", "bench", "tools"):
         for p in (ROOT / folder).rglob("*.py"):

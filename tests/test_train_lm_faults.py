@@ -24,8 +24,8 @@ import torch
 import fshard as fs
 from fshard.testing import run_on_ranks
 
-import _zygote
-from _examples import example
+from _harness import _zygote
+from _harness._examples import example
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -177,7 +177,7 @@ def test_resume_from_another_models_checkpoint_names_the_fields_and_changes_noth
 
 def _scripts(zygotes, *argvs: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
     """Runs ``python train_lm.py ARGV`` for each argv, all at once, in processes forked from the
-    zygote (tests/_zygote.py: torch and fshard imported once per session); their results in order."""
+    zygote (tests/_harness/_zygote.py: torch and fshard imported once per session); their results in order."""
     return _zygote.run_together(zygotes, [[str(EXAMPLES / "train_lm.py"), *argv] for argv in argvs], cwd=cwd,
                                 env=_zygote.env(), timeout_s=180)
 

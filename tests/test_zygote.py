@@ -1,4 +1,4 @@
-"""tests/_zygote.py: a program forked from the zygote sees and ends as under a fresh ``python``.
+"""tests/_harness/_zygote.py: a program forked from the zygote sees and ends as under a fresh ``python``.
 
 The teardown tests (tests/mesh/test_mesh_teardown.py) rely on it: the program is
 ``__main__`` with its argv, cwd and environment, and its process exits through
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import textwrap
 
-import _zygote
+from _harness import _zygote
 
 _PROGRAM = textwrap.dedent("""
     import atexit, os, sys, threading, time

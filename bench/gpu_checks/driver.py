@@ -121,7 +121,7 @@ def _nothing() -> None:
 def _stop_forkserver() -> None:
     """Stops :func:`_preloaded`'s forkserver and waits for it, so that the CPU time of the
     checks (its children) counts as this process's children's, as fresh interpreters' did
-    (``getrusage``, tests/_cpu_profile.py's ``reaped``)."""
+    (``getrusage``, tests/_harness/_cpu_profile.py's ``reaped``)."""
     from multiprocessing import forkserver
 
     with contextlib.suppress(AttributeError, OSError):  # private API (CPython 3.8-3.13)

@@ -538,7 +538,7 @@ def test_a_dtype_mismatch_on_resume_is_one_line_and_a_checkpoint_error(tmp_path)
 
 
 def _train_lm(argv: list[str]) -> list[dict]:
-    from _examples import example
+    from _harness._examples import example
 
     return example("train_lm").main(argv)
 

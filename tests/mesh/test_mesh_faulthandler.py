@@ -16,7 +16,7 @@ import torch.distributed as dist
 import fshard as fs
 from fshard.testing import free_port, run_on_ranks
 
-import _zygote
+from _harness import _zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -86,7 +86,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _start_torchrun_like(zygotes, mode: str):
-    # Forked from a zygote (tests/_zygote.py), which has not enabled faulthandler either.
+    # Forked from a zygote (tests/_harness/_zygote.py), which has not enabled faulthandler either.
     env = _zygote.env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
     env.pop("PYTHONFAULTHANDLER", None)

@@ -4,7 +4,7 @@ finalizes aborts the process (docs/reliability.md, "The abort at exit").
 
 The abort itself is a race (``tools/exit_loop.py`` measures it); these tests pin the
 mechanism that removes it. Each runs a real program in fresh processes (forked from a
-zygote that has imported torch and fshard, tests/_zygote.py: the program runs as
+zygote that has imported torch and fshard, tests/_harness/_zygote.py: the program runs as
 ``__main__`` and its process exits through the interpreter's normal path, atexit and
 finalization) and lets it exit normally; a hook the program registers *before* fshard's (atexit runs them last-in,
 first-out, so it runs after fshard's teardown) reports, as the interpreter is about to
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fshard.testing import free_port
 
-import _zygote
+from _harness import _zygote
 
 TIMEOUT_S = 180
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 def train_lm():
-    from _examples import example
+    from _harness._examples import example
 
     return example("train_lm")
 

@@ -1,4 +1,4 @@
-"""The zygote process of tests/_zygote.py (kept apart: it must import neither pytest nor the
+"""The zygote process of tests/_harness/_zygote.py (kept apart: it must import neither pytest nor the
 tests' helpers, only what a fresh ``python`` would have plus :data:`PRELOAD`)."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _serve(path: str) -> None:
                 conn.close()
                 continue
             # Frozen, the zygote's objects (torch's and fshard's modules) are not traversed
-            # by the child's collections: see tests/_zygote.py.
+            # by the child's collections: see tests/_harness/_zygote.py.
             gc.freeze()
             pid = os.fork()
             if pid == 0:

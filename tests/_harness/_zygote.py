@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Read when used (torchrun's variables, fshard's call-time switches, the tests' own), so
 # they may differ between a zygote and its children.
 CALL_TIME = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -217,8 +217,8 @@ def zygotes():
 
 def run_together(zygotes: Zygotes, argvs: list[list[str]], *, cwd: Path | str, env: dict[str, str],
                  timeout_s: float = 120) -> list[subprocess.CompletedProcess]:
-    """Like tests/_procs.run_together for ``python ARGV`` programs, forked from a zygote."""
-    from _procs import finish_together
+    """Like tests/_harness/_procs.run_together for ``python ARGV`` programs, forked from a zygote."""
+    from ._procs import finish_together
 
     children = [zygotes.start(argv, env=env, cwd=cwd) for argv in argvs]
     return finish_together(children, timeout_s, kill=Child.kill)

@@ -1,9 +1,9 @@
-"""Fault injection for tests/test_faults.py: a rank of examples/train_lm.py killed or raising mid-step.
+"""Fault injection for tests/integration/test_faults.py: a rank of examples/train_lm.py killed or raising mid-step.
 
 Used two ways: imported (``arm`` in an ``fs.run_local`` rank), and as a script standing in
 for ``examples/train_lm.py`` under torchrun::
 
-    FSHARD_TEST_FAULT=kill:2:7 FSHARD_TEST_PID_DIR=/tmp/x torchrun ... tests/_faults.py --mesh fsdp=4 ...
+    FSHARD_TEST_FAULT=kill:2:7 FSHARD_TEST_PID_DIR=/tmp/x torchrun ... tests/_harness/_faults.py --mesh fsdp=4 ...
 
 ``kind:rank:call``: on ``rank``, the ``call``-th block evaluation of that process (forward
 and, with remat, recomputation) SIGKILLs the process (``kill``) or raises
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN_LM = ROOT / "examples" / "train_lm.py"
 
 
