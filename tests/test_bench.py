@@ -5,7 +5,7 @@ capture, ``fullgraph=True`` where the script asks for it, then the captured grap
 no AOTAutograd, no code generation; three times cheaper than ``aot_eager`` here, and the
 capture is the part of a ``--compiled`` path that rots), so that the paths cannot rot. For
 fs.jit's sides ``"eager"`` runs fs.jit's own capture as it is, as the default Inductor path
-compiles it (no Dynamo pass over it; tests/test_jit.py covers that path). Each
+compiles it (no Dynamo pass over it; tests/jit/test_jit.py covers that path). Each
 side trains from the same initial weights on the same data, so its losses (or parameters)
 must match its eager counterpart's: a compiled side that computed something else would
 make its timing meaningless. The full-size runs and their numbers are in bench/README.md.

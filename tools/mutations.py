@@ -213,33 +213,33 @@ MUTATIONS: tuple[Mutation, ...] = (
         "_F.all_to_all_single(wire, recv_from, send_to, group.group_name)",
         "_F.all_to_all_single(wire, send_to, recv_from, group.group_name)",
         ("tests/test_comm.py::test_permute_values_zeros_and_log_on_4_ranks",
-         "tests/test_jit_p2p.py::test_jit_ppermute_values_grads_and_comm_log_equal_eager_float64"),
+         "tests/jit/test_jit_p2p.py::test_jit_ppermute_values_grads_and_comm_log_equal_eager_float64"),
         "ppermute's all-to-all sends to the source and receives from the destination (a ring runs backwards)"),
     Mutation(
         "jit_donation_copy_dropped", "fshard/jit/api.py",
         "by_leaf[j].copy_(o.to_local() if isinstance(o, DTensor) else o)", "pass",
-        ("tests/test_jit_donate.py::test_donated_results_equal_undonated_and_are_the_arguments",),
+        ("tests/jit/test_jit_donate.py::test_donated_results_equal_undonated_and_are_the_arguments",),
         "fs.jit(donate_argnums=...) returns the donated arguments without computing the results into them"),
     Mutation(
         "jit_overlap_two_in_flight", "fshard/jit/passes/overlap.py",
         "s = max(ready_fixed[k], last_start, last_wait.get(g, 0))", "s = max(ready_fixed[k], last_start)",
-        ("tests/test_jit_overlap.py::test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward",),
+        ("tests/jit/test_jit_overlap.py::test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward",),
         "fs.jit's overlap scheduling starts a collective before the previous one on its gloo group was waited"),
     Mutation(
         "jit_overlap_waits_at_first_use", "fshard/jit/passes/overlap.py",
         "        if upto == k:  # every later one is due after this one\n",
         "        if True:\n",
-        ("tests/test_jit_overlap.py::test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward",),
+        ("tests/jit/test_jit_overlap.py::test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward",),
         "fs.jit's overlap scheduling waits for each collective at its first use, leaving none for the next"),
     Mutation(
         "jit_concat_in_place", "fshard/jit/passes/memory.py",
         '"post_grad_custom_pre_pass": LateConcat()', '"post_grad_custom_pre_pass": None',
-        ("tests/test_jit_memory.py::test_jit_inductor_allocates_a_collectives_flat_buffer_where_the_graph_concatenates_float64",),
+        ("tests/jit/test_jit_memory.py::test_jit_inductor_allocates_a_collectives_flat_buffer_where_the_graph_concatenates_float64",),
         "fs.jit lets Inductor allocate a collective's flat buffer (the DDP bucket) before the backward"),
     Mutation(
         "jit_p2p_collective_split_from_wait", "fshard/jit/p2p.py",
         "if any(seg[f] != seg[n] for f in family):", "if False:",
-        ("tests/test_jit_p2p.py::test_jit_p2p_split_keeps_transfers_in_order_and_collectives_whole",),
+        ("tests/jit/test_jit_p2p.py::test_jit_p2p_split_keeps_transfers_in_order_and_collectives_whole",),
         "fs.jit's Inductor path for pipelines compiles a collective in one region and its wait in a later one"),
     # --- pipelines (fshard/sched) -----------------------------------------------------------
     Mutation(
@@ -258,19 +258,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "adam_bias_correction_dropped", "fshard/optim/transforms.py",
         "torch.full((len(gl),), float(state.count), dtype=torch.float64)",
         "torch.full((len(gl),), float(state.count) + 1e9, dtype=torch.float64)",
-        ("tests/test_optim.py::test_matches_torch_optim_float64",),
+        ("tests/optim/test_optim.py::test_matches_torch_optim_float64",),
         "Adam's step count is huge, so 1 - b^t = 1: no bias correction"),
     Mutation(
         "checkpoint_rename_skipped", "fshard/checkpoint/_save.py",
         "        _dirs.commit(tmp, path)\n",
         "        _dirs.commit(tmp, path) if not os.path.lexists(path) else None\n",
-        ("tests/test_checkpoint.py::test_save_replaces_checkpoint_and_refuses_foreign_directories",),
+        ("tests/checkpoint/test_checkpoint.py::test_save_replaces_checkpoint_and_refuses_foreign_directories",),
         "a save over an existing checkpoint writes its temporary directory but never renames it into place"),
     Mutation(
         "checkpoint_temp_kept_on_failure", "fshard/checkpoint/_save.py",
         "        if rank == 0:\n            shutil.rmtree(tmp, ignore_errors=True)\n",
         "        if rank == 0:\n            pass\n",
-        ("tests/test_checkpoint.py::test_exception_mid_write_keeps_previous_checkpoint",),
+        ("tests/checkpoint/test_checkpoint.py::test_exception_mid_write_keeps_previous_checkpoint",),
         "a failed save leaves its temporary directory behind"),
     Mutation(
         "spec_divisibility_check_disabled", "fshard/mesh/placement.py",

@@ -12,7 +12,7 @@ A CPU dry run compiles with ``backend="aot_eager"``: the same capture (Dynamo an
 AOTAutograd, collectives and all) and the same parity assertion, without Inductor's code
 generation. On the CPU that is C++ (a cold compile of this step costs 40-90 s of the
 suite's time), which is not what a GPU runs (Triton) and so proves nothing about it;
-Inductor on the CPU with collectives is tested by tests/test_jit.py.
+Inductor on the CPU with collectives is tested by tests/jit/test_jit.py.
 
     python bench/gpu_checks/check_jit.py [--cpu-dry-run] [--result out.json]
 """

@@ -49,7 +49,7 @@ What runs (Inductor's post-grad passes; sources in ``torch/_inductor/fx_passes``
   next layer's backward instead of before it. With it, Inductor's ``reorder_for_peak_memory``
   is off: it runs after the post-grad passes and would move every collective's start back
   next to its wait, undoing the overlap (the whole-step peak-memory tests,
-  tests/test_jit_memory.py, pass without it).
+  tests/jit/test_jit_memory.py, pass without it).
 - Torch's overlap scheduling (off; ``collective_passes(reorder=True)`` turns it on):
   ``aten_distributed_optimizations.enable_overlap_scheduling`` moves collectives' starts
   earlier and their waits later, behind independent compute, and pins that order for
@@ -114,7 +114,7 @@ def collective_passes(
         # Inductor's scheduler reorders its nodes for peak memory after the post-grad passes
         # (torch 2.13: on by default), and moved every collective's start down next to its
         # wait (an output buffer allocated later): the overlap pass's order was undone in the
-        # compiled code (tests/test_jit_overlap.py's Inductor test: no matrix product left
+        # compiled code (tests/jit/test_jit_overlap.py's Inductor test: no matrix product left
         # between any start and its wait).
         patches["reorder_for_peak_memory"] = False
     if reorder:

@@ -3,10 +3,10 @@
 (issue 17's "compiled vs eager parity for every collective").
 
 Eager is the reference here: eager against JAX is ``tests/conformance/``'s job. ``ppermute``
-has its own tests in ``tests/test_jit.py`` (its capture is a special case). Each rank runs
+has its own tests in ``tests/jit/test_jit.py`` (its capture is a special case). Each rank runs
 every case in one task, with ``backend=None``: the captured graph run as it is, so that a
 wrong capture of a collective or of its transpose shows without paying for a compile per
-case (Inductor's handling of the collectives is ``tests/test_jit.py``'s).
+case (Inductor's handling of the collectives is ``tests/jit/test_jit.py``'s).
 """
 
 import pytest
@@ -129,7 +129,7 @@ def test_jit_checked_promise_that_types_do_not_prove_is_a_clear_error():
 
 
 # The cases no other test compiles (the others are in the aot_eager / Inductor steps of
-# tests/test_jit.py): through Dynamo and AOTAutograd, one task per rank for all four.
+# tests/jit/test_jit.py): through Dynamo and AOTAutograd, one task per rank for all four.
 _NOT_COMPILED_ELSEWHERE = ("pmax", "pmin", "all_to_all", "axis_index")
 
 

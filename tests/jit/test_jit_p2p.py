@@ -3,7 +3,7 @@ graph) and ``fs.sched.pipeline_step`` (``fshard.p2p_batch`` nodes; under Inducto
 cut at the transfers and the compute between them compiled region by region,
 ``fshard/jit/p2p.py``), against eager and a single-process reference.
 
-Moved from tests/test_jit.py. Inductor pipeline steps (cold cache, 2026-11-27, load 5-7):
+Moved from tests/jit/test_jit.py. Inductor pipeline steps (cold cache, 2026-11-27, load 5-7):
 1F1B 35-61 s and ZB-H1 2-6 s of wall time, the ZB-H1 one reusing most of 1F1B's compiled
 regions; both together 30-35 s of CPU, about 9 s of it in the ranks and the rest in
 Inductor's C++ compiler processes (which FSHARD_TEST_CPU_PROFILE's ``live`` column does not

@@ -2,7 +2,7 @@
 
 Compiling on CPU is slow: every test compiles tiny shapes, most with the ``aot_eager``
 backend (Dynamo + AOTAutograd, no code generation); a few run Inductor (collectives).
-Point-to-point transfers (ppermute, pipeline steps) are tested in tests/test_jit_p2p.py.
+Point-to-point transfers (ppermute, pipeline steps) are tested in tests/jit/test_jit_p2p.py.
 """
 
 import logging

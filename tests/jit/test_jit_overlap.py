@@ -205,7 +205,7 @@ def test_overlap_keeps_values_and_comm_log_float64(order):
     # state), and DDP's bucketed all-reduces: the captured step with the pass equals eager,
     # and comm_log counts the same collectives and bytes. (value_and_grad outside shard_map:
     # test_overlap_moves_reduce_scatter_waits_behind_the_next_layers_backward checks it on the
-    # graph whose order it reads. The captured step without the pass is tests/test_jit.py's.)
+    # graph whose order it reads. The captured step without the pass is tests/jit/test_jit.py's.)
     for err, logs in run_on_ranks(_parity, order, world_size=2, timeout_s=300):
         assert err["on"] <= 1e-12, err
         assert logs["on"] == logs["eager"], logs
@@ -360,7 +360,7 @@ def _code_structure(code):
 
 @pytest.mark.skipif(not os.environ.get("FSHARD_TEST_INDUCTOR_STEP"), reason=(
     "Inductor's C++ compilation of a whole forward+backward+AdamW step, cold, takes 100 s on the shared "
-    "2-core machine at load 7 (as tests/test_jit.py's whole-step Inductor tests); set "
+    "2-core machine at load 7 (as tests/jit/test_jit.py's whole-step Inductor tests); set "
     "FSHARD_TEST_INDUCTOR_STEP=1 to run it. The other tests here check the pass on the captured graph."))
 def test_overlap_order_survives_inductor_float64():
     # Under Inductor (the pass is one of fs.jit's post-grad passes), the compiled code keeps

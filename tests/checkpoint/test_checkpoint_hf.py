@@ -17,7 +17,7 @@ import fshard as fs
 from fshard.checkpoint import CheckpointError, CheckpointNotFoundError
 from fshard.testing import run_on_ranks
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "parallel"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "parallel"))
 import hf_models  # noqa: E402
 
 PLANS = {"gpt2": fs.parallel.HF_GPT2_TP_PLAN, "llama": fs.parallel.HF_LLAMA_TP_PLAN}
