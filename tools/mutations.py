@@ -149,12 +149,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "psum_transpose_is_psum", "fshard/lax.py",
         "        return _apply(_Pvary, g, ctx.ax), None\n",
         "        return _psum_raw(g, ctx.ax), None\n",
-        ("tests/test_shard_map.py::test_tensor_parallel_grads_checked_equal_unchecked_and_reference",),
+        ("tests/transforms/test_shard_map.py::test_tensor_parallel_grads_checked_equal_unchecked_and_reference",),
         "psum's backward sums the cotangent again instead of passing it through"),
     Mutation(
         "pvary_insertion_skipped", "fshard/transforms/vma.py",
         "    return lax.pvary(x, axes) if axes else x\n", "    return x\n",
-        ("tests/test_shard_map.py::test_data_parallel_grads_checked_implicit_equal_unchecked_explicit_and_reference",),
+        ("tests/transforms/test_shard_map.py::test_data_parallel_grads_checked_implicit_equal_unchecked_explicit_and_reference",),
         "checked mode no longer sums an invariant value's gradient over the axes it meets"),
     Mutation(
         "inplace_lift_skipped", "fshard/transforms/vma.py",
