@@ -85,7 +85,9 @@ def per_rank(target: str, steps: int, profile: str | None) -> dict:
 
         argv = ["--mesh", f"fsdp={world}", "--jit", "--steps", str(steps), "--quiet", "--sample-chars", "0"]
         if prof is not None:  # the first step only: wrap the jitted step's first call
-            orig = train_lm.make_jit_train_step
+            import fshard.recipes.step as recipe_step  # the trainer composes its step from this module's name
+
+            orig = recipe_step.make_jit_train_step
 
             def wrapped(*a, **k):
                 step = orig(*a, **k)
@@ -101,7 +103,7 @@ def per_rank(target: str, steps: int, profile: str | None) -> dict:
                     finally:
                         prof.disable()
                 return once
-            train_lm.make_jit_train_step = wrapped
+            recipe_step.make_jit_train_step = wrapped
         records = train_lm.main(argv)
         times = [r["step_time_s"] for r in records]
     else:

@@ -213,7 +213,7 @@ def test_script_reports_bad_checkpoint_and_nonfinite_loss_in_one_line(zygotes, s
      r"step 3: .* the first non-finite gradient is 'layers.3.attention.wq.weight' \(on rank 1\)"),
 ])
 def test_nonfinite_step_stops_naming_step_and_first_leaf(mesh, inject, says):
-    with pytest.raises(train_lm.NonFiniteError, match=says + r"; stopped before the update"):
+    with pytest.raises(fs.recipes.NonFiniteError, match=says + r"; stopped before the update"):
         run_on_ranks(_train, STEPS + ["--mesh", mesh, "--inject-nonfinite", inject], world_size=2)
 
 

@@ -31,6 +31,7 @@ from fshard.models.mlp import (
 from fshard.models.mlp import (
     mlp_stack_init as mlp_stack_init,
 )
+from fshard.models.sample import generate as generate
 from fshard.models.transformer import (
     TransformerConfig as TransformerConfig,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "block",
     "embed",
     "feed_forward",
+    "generate",
     "head",
     "mlp",
     "mlp_apply",

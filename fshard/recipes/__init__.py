@@ -17,17 +17,33 @@ from fshard.recipes.model import LayeredModel as LayeredModel
 from fshard.recipes.model import transformer as transformer
 from fshard.recipes.pipeline import Pipeline as Pipeline
 from fshard.recipes.roles import Roles as Roles
+from fshard.recipes.script import run_script as run_script
+from fshard.recipes.step import ComposedStep as ComposedStep
 from fshard.recipes.step import TrainStep as TrainStep
 from fshard.recipes.step import build_train_step as build_train_step
+from fshard.recipes.step import compose_train_step as compose_train_step
+from fshard.recipes.trainer import CheckpointConfig as CheckpointConfig
+from fshard.recipes.trainer import ConfigError as ConfigError
+from fshard.recipes.trainer import TrainConfig as TrainConfig
+from fshard.recipes.trainer import TrainResult as TrainResult
+from fshard.recipes.trainer import train as train
 
 __all__ = [
+    "CheckpointConfig",
+    "ComposedStep",
+    "ConfigError",
     "Injection",
     "LayeredModel",
     "NonFinite",
     "NonFiniteError",
     "Pipeline",
     "Roles",
+    "TrainConfig",
+    "TrainResult",
     "TrainStep",
     "build_train_step",
+    "compose_train_step",
+    "run_script",
+    "train",
     "transformer",
 ]

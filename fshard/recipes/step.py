@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import attrs
 import torch
 
 from fshard import tree as tree_util
@@ -40,10 +41,12 @@ from fshard.recipes.roles import Roles, check_batch
 from fshard.transforms import shard_map, value_and_grad
 
 __all__ = [
+    "ComposedStep",
     "TrainStep",
     "apply_gradients",
     "build_train_step",
     "clip_by_global_norm",
+    "compose_train_step",
     "global_norm",
     "init_params",
     "make_grad_fn",
@@ -339,6 +342,77 @@ def param_order(model: LayeredModel, dtype: torch.dtype = torch.float32) -> dict
     return {p: i for i, p in enumerate(paths)}
 
 
+@attrs.frozen
+class ComposedStep:
+    """What :func:`compose_train_step` built: the step and the pieces a training loop needs
+    around it (the trainer in :mod:`fshard.recipes.trainer` uses them all).
+
+    Attributes:
+      step: ``step(params, opt_state, inputs, targets) -> (params, opt_state, loss,
+        grad_norm, report)`` (see :func:`build_train_step`).
+      model: the model, resolved for ``roles``.
+      roles: the layout's roles on the mesh.
+      specs: the parameters' specs (on a pipeline: of the blocks this rank holds).
+      pipe: the pipeline (schedule, stage placement), or None without a ``pp`` axis.
+      order: parameter path -> place in the model's tree.
+      optimizer: the optimizer the step applies.
+    """
+
+    step: TrainStep
+    model: LayeredModel
+    roles: Roles
+    specs: Any
+    pipe: Pipeline | None
+    order: dict[str, int]
+    optimizer: GradientTransformation
+
+    def init_state(self, seed: int) -> tuple[Any, Any]:
+        """``(params, opt_state)``: the parameters as shards (equal on every mesh to
+        ``model.init(seed, ...)`` in one process) and the optimizer's state for them."""
+        params, _ = init_params(self.model, self.roles, seed, self.pipe)
+        return params, self.optimizer.init(params)
+
+
+def compose_train_step(
+    model: ModelLike,
+    layout: Layout,
+    optimizer: GradientTransformation,
+    *,
+    mesh: Mesh | None = None,
+    max_norm: float = 0.0,
+    jit_backend: str | None = None,
+    inject: Injection | None = None,
+) -> ComposedStep:
+    """:func:`build_train_step`, returning the pieces too (a :class:`ComposedStep`).
+
+    ``inject`` is a testing aid (:class:`~fshard.recipes.faults.Injection`): the step makes
+    the loss or one gradient non-finite at the step it names. The other arguments, and the
+    errors, are :func:`build_train_step`'s.
+    """
+    layout.validate()
+    mesh = layout.mesh() if mesh is None else mesh
+    roles = Roles.of(layout, mesh)
+    model = resolve_model(model, roles)
+    check_batch(layout.batch, layout.microbatches, mesh, roles)
+    with torch.device("meta"):
+        shapes = model.init(0, roles.master_dtype)
+    pipe = None
+    if roles.pp_axis is not None:
+        pipe = Pipeline.build(layout.schedule, mesh, len(shapes["layers"]), layout.microbatches, layout.virtual, model)
+        shapes = pipe.keep_held(shapes)
+    specs = model.specs(shapes, roles)
+    order, inject = param_order(model, roles.master_dtype), inject or Injection()
+    if jit_backend is not None:
+        step = make_jit_train_step(
+            model, roles, specs, optimizer, layout.microbatches, max_norm, inject, order, jit_backend, pipe
+        )
+    elif pipe is not None:
+        step = make_pipeline_step(model, roles, pipe, optimizer, max_norm, inject, order)
+    else:
+        step = make_train_step(model, roles, specs, optimizer, layout.microbatches, max_norm, inject, order)
+    return ComposedStep(step, model, roles, specs, pipe, order, optimizer)
+
+
 def build_train_step(
     model: ModelLike,
     layout: Layout,
@@ -377,30 +451,5 @@ def build_train_step(
       LayoutError: the layout does not fit the mesh, the model or the batch; the message
         names the field and the sizes.
     """
-    layout.validate()
-    mesh = layout.mesh() if mesh is None else mesh
-    roles = Roles.of(layout, mesh)
-    model = resolve_model(model, roles)
-    check_batch(layout.batch, layout.microbatches, mesh, roles)
-    with torch.device("meta"):
-        shapes = model.init(0, roles.master_dtype)
-    pipe = None
-    if roles.pp_axis is not None:
-        pipe = Pipeline.build(layout.schedule, mesh, len(shapes["layers"]), layout.microbatches, layout.virtual, model)
-        shapes = pipe.keep_held(shapes)
-    specs = model.specs(shapes, roles)
-    order, inject = param_order(model, roles.master_dtype), Injection()
-    if jit_backend is not None:
-        step = make_jit_train_step(
-            model, roles, specs, optimizer, layout.microbatches, max_norm, inject, order, jit_backend, pipe
-        )
-    elif pipe is not None:
-        step = make_pipeline_step(model, roles, pipe, optimizer, max_norm, inject, order)
-    else:
-        step = make_train_step(model, roles, specs, optimizer, layout.microbatches, max_norm, inject, order)
-
-    def init_state(seed: int) -> tuple[Any, Any]:
-        params, _ = init_params(model, roles, seed, pipe)
-        return params, optimizer.init(params)
-
-    return init_state, step
+    composed = compose_train_step(model, layout, optimizer, mesh=mesh, max_norm=max_norm, jit_backend=jit_backend)
+    return composed.init_state, composed.step

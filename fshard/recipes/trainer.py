@@ -1,0 +1,290 @@
+"""The training loop around a composed step: resume, steps, non-finite steps, checkpoints.
+
+:func:`train` is what a training script calls once its model, layout, optimizer and data
+are known: it composes the step (:func:`~fshard.recipes.step.compose_train_step`), builds
+or resumes the state, runs the steps with a progress display, skips or stops at a step that
+is not finite, and saves checkpoints. ``examples/train_lm.py`` is a command line over it;
+``examples/train_custom.py`` calls it for a model of its own.
+
+Checkpoints hold ``{"params", "opt", "step", "model"}``: ``model`` is the caller's ``meta``
+(a small dict describing the model, e.g. ``attrs.asdict(cfg)``), compared before anything
+else is read, so that resuming another model's checkpoint is refused with the differing
+fields named and the checkpoint left untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from fshard import checkpoint as ckpt
+from fshard.mesh.mesh import Mesh
+from fshard.optim.base import GradientTransformation
+from fshard.parallel.layout import Layout, LayoutError
+from fshard.recipes.faults import Injection, NonFiniteError
+from fshard.recipes.model import ModelLike
+from fshard.recipes.progress import Progress
+from fshard.recipes.step import ComposedStep, compose_train_step
+
+__all__ = ["CheckpointConfig", "ConfigError", "TrainConfig", "TrainResult", "train"]
+
+# step -> (inputs, targets): the global batch of that step (the same on every rank).
+BatchAt = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class ConfigError(LayoutError):
+    """Settings that do not fit together, this world size or the checkpoint being resumed;
+    reported without a traceback, as a ``LayoutError`` is."""
+
+
+@attrs.frozen
+class CheckpointConfig:
+    """Where and when :func:`train` saves, and whether it resumes.
+
+    Attributes:
+      directory: the checkpoint's directory (None: no checkpoints).
+      every: also save every this many steps (0: at the end only).
+      background: write the periodic saves in the background while training goes on (the
+        last save is complete before :func:`train` returns).
+      resume: continue from ``directory`` if it holds a checkpoint.
+      hint: what the user should give when the checkpoint holds another model (the end of
+        that error's message), e.g. the command line's flags.
+    """
+
+    directory: str | None = None
+    every: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    background: bool = False
+    resume: bool = False
+    hint: str = "the settings it was trained with, or another checkpoint directory"
+
+    def __attrs_post_init__(self) -> None:
+        if (self.every or self.resume) and not self.directory:
+            raise ConfigError(f"CheckpointConfig(every={self.every}, resume={self.resume}) needs a directory")
+
+
+@attrs.frozen
+class TrainConfig:
+    """The loop's settings (the layout and the optimizer are :func:`train`'s arguments).
+
+    Attributes:
+      steps: the run's total optimizer steps (a resumed run goes on to this many).
+      seed: seeds the initial parameters.
+      max_norm: clip the gradients' global norm to this (0: no clipping).
+      jit_backend: compile the step with ``fs.jit`` and this ``torch.compile`` backend.
+      skip_nonfinite: skip (do not apply) a step whose loss or gradients are not finite,
+        and go on; default: raise :class:`~fshard.recipes.faults.NonFiniteError`.
+      stop_at: end this run after this step (saving a checkpoint), as a preempted job would.
+      checkpoint: where and when to save.
+      log_every: print a line every this many steps when tqdm is not installed.
+      progress: show progress (rank 0).
+      profile: measure one step's peak memory and the median step time
+        (``fs.plan.StepProbe``; the result's ``probe``).
+    """
+
+    steps: int = attrs.field(validator=attrs.validators.ge(1))
+    seed: int = 0
+    max_norm: float = 0.0
+    jit_backend: str | None = None
+    skip_nonfinite: bool = False
+    stop_at: int | None = None
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log_every: int = 25
+    progress: bool = True
+    profile: bool = False
+
+
+@attrs.frozen
+class TrainResult:
+    """What :func:`train` ran: the final state, one record per step run, and the step's pieces.
+
+    Attributes:
+      params, opt_state: the state after the last step.
+      records: per step ``{"step", "loss", "tokens_per_s", "lr", "grad_norm",
+        "step_time_s"}`` (and ``"skipped"`` for a skipped step); the same on every rank.
+      start, end: the steps run are ``start + 1 .. end`` (``start`` > 0 after a resume).
+      composed: the :class:`~fshard.recipes.step.ComposedStep` (roles, pipeline, ...).
+      probe: the ``fs.plan.StepProbe`` with ``config.profile``, else None.
+    """
+
+    params: Any
+    opt_state: Any
+    records: list[dict[str, Any]]
+    start: int
+    end: int
+    composed: ComposedStep
+    probe: Any = None
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    pass
+
+
+def train(
+    model: ModelLike,
+    layout: Layout,
+    optimizer: GradientTransformation,
+    batch_at: BatchAt,
+    config: TrainConfig,
+    *,
+    mesh: Mesh | None = None,
+    meta: dict[str, Any] | None = None,
+    lr_at: Callable[[int], Any] | None = None,
+    inject: Injection | None = None,
+    say: Callable[..., None] = _quiet,
+) -> TrainResult:
+    """Trains ``model`` on ``layout`` for ``config.steps`` steps (collective: every rank calls it).
+
+    Args:
+      model: a ``LayeredModel``, or ``roles -> LayeredModel`` (``fs.recipes.transformer(cfg)``).
+      layout: the ``fs.parallel.Layout``; ``layout.batch`` is the global batch per step.
+      optimizer: an ``fs.optim`` transformation.
+      batch_at: ``step -> (inputs, targets)``, the global batch of step ``step`` (0-based).
+      config: the loop's settings.
+      mesh: the mesh (default ``layout.mesh()``).
+      meta: a small dict describing the model, saved with checkpoints and compared on resume.
+      lr_at: ``step -> learning rate``, for the records (the optimizer counts its own steps).
+      inject: a testing aid: make the loss or one gradient non-finite at a step.
+      say: where messages go (rank 0's ``print``; default: nowhere).
+
+    Returns:
+      a :class:`TrainResult`.
+
+    Raises:
+      LayoutError: the layout does not fit the mesh, the model or the batch.
+      ConfigError: ``inject`` names no parameter of the model, or the checkpoint being
+        resumed holds another model (each differing field named; the checkpoint is kept).
+      NonFiniteError: a step was not finite and ``config.skip_nonfinite`` is off; the
+        message names the step and the first non-finite gradient's parameter path.
+      fs.checkpoint.CheckpointError: the checkpoint is incomplete or corrupt.
+    """
+    inject = inject or Injection()
+    composed = compose_train_step(
+        model, layout, optimizer, mesh=mesh, max_norm=config.max_norm, jit_backend=config.jit_backend, inject=inject
+    )
+    if inject.where != "loss" and inject.where not in composed.order:
+        raise ConfigError(
+            f"inject: no parameter {inject.where!r}; parameters are e.g. {', '.join(list(composed.order)[:3])}"
+        )
+    params, opt_state = composed.init_state(config.seed)
+    start, ck = 0, config.checkpoint
+    if ck.resume and _has_checkpoint(ck.directory):
+        params, opt_state, start = _load(ck, params, opt_state, meta or {})
+        say(f"resumed from {ck.directory} at step {start}")
+    elif ck.resume:
+        say(f"no checkpoint in {ck.directory} yet: starting from step 0")
+    _announce(composed, layout, config, say)
+    step_fn, probe = composed.step, None
+    if config.profile:
+        from fshard.plan.probe import StepProbe  # the planner's measuring aid: only when asked
+
+        probe = StepProbe(warmup=min(2, config.steps // 3))
+        step_fn = probe.wrap(step_fn)  # one step's peak memory, profiled
+    end = min(config.steps, config.stop_at) if config.stop_at is not None else config.steps
+    progress = Progress(start, config.steps, config.progress, config.log_every)
+    loop = _Loop(step_fn, batch_at, config, meta or {}, lr_at, inject, say)
+    params, opt_state, records = loop.run(params, opt_state, range(start, end), composed.roles.mesh.device, progress)
+    progress.close()
+    if ck.directory and end > start:
+        _save(ck.directory, params, opt_state, end, meta or {})
+        say(f"checkpoint: {ck.directory} (step {end})")
+    return TrainResult(params, opt_state, records, start, end, composed, probe)
+
+
+def _announce(composed: ComposedStep, layout: Layout, config: TrainConfig, say: Callable[..., None]) -> None:
+    if config.jit_backend:
+        say(f"fs.jit (backend {config.jit_backend}): the first step traces and compiles the train step")
+    elif composed.pipe is not None:
+        pipe = composed.pipe
+        say(
+            f"pipeline: schedule {pipe.schedule.name!r}, {pipe.schedule.n_stages} stages, "
+            f"{layout.microbatches} microbatches; blocks per stage {[list(b) for b in pipe.layers]}"
+        )
+
+
+@attrs.define
+class _Loop:
+    step_fn: Callable[..., Any]
+    batch_at: BatchAt
+    config: TrainConfig
+    meta: dict[str, Any]
+    lr_at: Callable[[int], Any] | None
+    inject: Injection
+    say: Callable[..., None]
+
+    def run(
+        self, params: Any, opt_state: Any, steps: range, device: torch.device, progress: Progress
+    ) -> tuple[Any, Any, list[dict[str, Any]]]:
+        records: list[dict[str, Any]] = []
+        ck = self.config.checkpoint
+        for step in steps:
+            inputs, targets = self.batch_at(step)
+            self.inject.current = step + 1
+            t0 = time.perf_counter()
+            params, opt_state, loss, grad_norm, bad = self.step_fn(
+                params, opt_state, inputs.to(device), targets.to(device)
+            )
+            loss_value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)  # waits for the step
+            dt = time.perf_counter() - t0
+            records.append(
+                {
+                    "step": step + 1,
+                    "loss": loss_value,
+                    "tokens_per_s": inputs.numel() / dt,
+                    "lr": None if self.lr_at is None else float(self.lr_at(step)),
+                    "grad_norm": grad_norm,
+                    "step_time_s": dt,
+                }
+            )
+            if bad is not None:
+                if not self.config.skip_nonfinite:
+                    raise NonFiniteError(
+                        f"step {step + 1}: {bad}; stopped before the update (skip_nonfinite skips such steps instead)"
+                    )
+                records[-1]["skipped"] = str(bad)
+                self.say(
+                    f"step {step + 1}: skipped (skip_nonfinite): {bad}; the parameters and the optimizer "
+                    f"state are left as they were"
+                )
+            progress.update(records[-1])
+            if ck.every and (step + 1) % ck.every == 0 and step + 1 < steps.stop:
+                assert ck.directory is not None  # CheckpointConfig's check
+                _save(ck.directory, params, opt_state, step + 1, self.meta, blocking=not ck.background)
+        return params, opt_state, records
+
+
+def _save(path: str, params: Any, opt_state: Any, step: int, meta: dict[str, Any], *, blocking: bool = True) -> None:
+    # Every rank writes its own shards; a crash mid-save keeps the previous checkpoint.
+    # blocking=False returns once the values are in CPU memory; the next save or load waits.
+    ckpt.save(path, {"params": params, "opt": opt_state, "step": step, "model": meta}, blocking=blocking)
+
+
+def _load(ck: CheckpointConfig, params: Any, opt_state: Any, meta: dict[str, Any]) -> tuple[Any, Any, int]:
+    # The small "model" entry first: another model's checkpoint is refused before its
+    # tensors are read (onto this run's mesh, which may differ from the one that wrote it).
+    assert ck.directory is not None
+    saved_meta = ckpt.load(ck.directory, like={"model": meta})["model"]
+    if saved_meta != meta:
+        diff = ", ".join(
+            f"{k} {saved_meta.get(k)!r} (this run: {meta.get(k)!r})"
+            for k in sorted(set(meta) | set(saved_meta))
+            if saved_meta.get(k) != meta.get(k)
+        )
+        raise ConfigError(
+            f"resume: the checkpoint at {ck.directory} holds another model: {diff}. Give {ck.hint}. "
+            f"The checkpoint is left as it is."
+        )
+    saved = ckpt.load(ck.directory, like={"params": params, "opt": opt_state, "step": 0})
+    return saved["params"], saved["opt"], int(saved["step"])
+
+
+def _has_checkpoint(path: str | None) -> bool:
+    if path is None:
+        return False
+    try:
+        ckpt.read_metadata(path)
+        return True
+    except ckpt.CheckpointNotFoundError:
+        return False
