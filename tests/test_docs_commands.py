@@ -92,9 +92,6 @@ NOT_RUN_HERE = {
     r"PYTHONPATH=\. nice -n 19 python bench/plan_validate\.py .*": "the validation runs, 10-20 minutes; "
                                                                    "tests/plan checks each predicted quantity",
     r"PYTHONPATH=\. python bench/plan_validate\.py --report .*": "prints the table the run above saved",
-    r"R=bench/results/\S+; PYTHONPATH=\. python \$R/repred\.py .*": "re-predicts saved validation runs in 4 "
-                                                                  "variants, about a minute; reported in "
-                                                                  "docs/plan.md, not checked",
     r"PYTHONPATH=\. python bench/plan_paper\.py": "40 s of search against published runs; its table is in "
                                                   "docs/plan.md and is reported, not checked",
 }
