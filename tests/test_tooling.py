@@ -40,8 +40,8 @@ def test_ruff_is_clean_on_the_package():
 # The files CONTRIBUTING.md's toy-parallelism walkthrough says to touch (new ones marked).
 TOY_PARALLELISM_FILES = {
     "fshard/parallel/layout.py", "fshard/parallel/toy.py (new)", "fshard/parallel/__init__.py",
-    "fshard/recipes/roles.py", "fshard/recipes/step.py", "fshard/plan/shards.py", "fshard/plan/comm.py",
-    "fshard/plan/estimate.py", "tests/parallel/", "tests/recipes/test_recipes_step.py", "tests/plan/",
+    "fshard/recipes/roles.py", "fshard/recipes/step.py", "fshard/plan/axes/toy.py (new)",
+    "fshard/plan/axes/__init__.py", "tests/parallel/", "tests/recipes/test_recipes_step.py", "tests/plan/",
     "docs/concepts.md", "docs/<name>.md (new)",
 }
 

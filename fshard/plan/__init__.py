@@ -9,9 +9,10 @@ Example:
     ...                       config=fs.plan.SearchConfig(schedules=("1f1b",), top=5))
 
 Layers: :mod:`~fshard.plan.model` (models as data, traced or from a config),
-:mod:`~fshard.plan.machine` (machines as data), :mod:`~fshard.plan.layout`,
-:mod:`~fshard.plan.shards` and :mod:`~fshard.plan.comm` (sizes and collectives from the
-spec rules), :mod:`~fshard.plan.estimate`, :mod:`~fshard.plan.search`,
+:mod:`~fshard.plan.machine` (machines as data), :mod:`~fshard.plan.axes` (one module
+per parallelism: its checks, choices, collectives and memory, behind one registry),
+:mod:`~fshard.plan.layout`, :mod:`~fshard.plan.shards` and :mod:`~fshard.plan.comm` (sizes
+and collectives from the spec rules), :mod:`~fshard.plan.estimate`, :mod:`~fshard.plan.search`,
 :mod:`~fshard.plan.calibrate`, :mod:`~fshard.plan.probe` (measuring a real run).
 """
 

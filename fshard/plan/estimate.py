@@ -38,11 +38,20 @@ import functools
 import math
 import numbers
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import Any
 
 import attrs
 
-from fshard.plan.comm import Collective, collective_time, p2p_counts, pipeline_payload, step_collectives
+from fshard.plan.axes import RULES
+from fshard.plan.axes.pp import held_peak, held_states, held_states_of, schedule_of
+from fshard.plan.comm import (
+    Collective,
+    collective_time,
+    flat_step,
+    p2p_counts,
+    pipeline_payload,
+    step_collectives,
+)
 from fshard.plan.layout import Layout, check_layout, layout_schedule
 from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
@@ -121,14 +130,23 @@ def model_flops(model: ModelDesc) -> float:
     return (6 * n + attn) * model.seq_len
 
 
+def _split_div(layout: Layout) -> int:
+    return math.prod(r.split_divisor(layout) for r in RULES)
+
+
+def _rest_div(layout: Layout) -> int:
+    return math.prod(r.rest_divisor(layout) for r in RULES)
+
+
 def _work(layer: LayerDesc, phase: str, layout: Layout, model: ModelDesc) -> tuple[float, float, float]:
-    """(flops, bytes, kernels) per sample of one call of ``layer``'s ``phase`` on one rank."""
+    """(flops, bytes, kernels) per sample of one call of ``layer``'s ``phase`` on one rank:
+    the axis rules divide its split part and its rest (tensor parallelism; the rest too
+    with sequence parallelism)."""
     w, s = getattr(layer, phase), getattr(layer, phase + "_split")
-    tp = layout.tp
-    rep_div = tp if layout.sequence_parallel else 1
+    split_div, rest_div = _split_div(layout), _rest_div(layout)
     k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
-    flops = (w.flops - s.flops) / rep_div + s.flops / tp
-    nbytes = ((w.bytes - s.bytes) / rep_div + s.bytes / tp) * k
+    flops = (w.flops - s.flops) / rest_div + s.flops / split_div
+    nbytes = ((w.bytes - s.bytes) / rest_div + s.bytes / split_div) * k
     return flops, nbytes, w.ops
 
 
@@ -152,17 +170,13 @@ def _phase_time(
 
 
 def _act_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
-    """Saved-for-backward bytes per sample of one layer call on one rank."""
+    """Saved-for-backward bytes per sample of one layer call on one rank: the split part
+    divided, the rest kept, plus what the axis rules add (sequence parallelism's copies)."""
     k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
-    tp = layout.tp
-    split = layer.act_split / tp
+    split = layer.act_split / _split_div(layout)
     rest = layer.act_bytes - layer.act_split
-    if layout.sequence_parallel:
-        # Measured on fshard's TP block (saved_tensors_hooks, tp=2): with SP autograd keeps
-        # what it keeps without SP, plus half a whole activation per region entry: the
-        # sequence-dim all-gather's result is not contiguous, so the matmuls save a
-        # contiguous copy while the gathered buffer stays alive too.
-        rest += layer.tp_enter * layer.out_bytes / 2
+    for r in RULES:
+        rest += r.saved_extra(layer, layout)
     return (split + rest) * k
 
 
@@ -171,14 +185,14 @@ def _wgrad_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
     (tensor parallelism divides the split part; sequence parallelism the rest too)."""
     k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
     rest = layer.wgrad_bytes - layer.wgrad_split
-    return (layer.wgrad_split / layout.tp + rest / (layout.tp if layout.sequence_parallel else 1)) * k
+    return (layer.wgrad_split / _split_div(layout) + rest / _rest_div(layout)) * k
 
 
 def _boundary_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
     """Bytes per sample of the activation a layer hands on, on one rank (what remat keeps
     and a pipeline sends): sequence parallelism splits it over tp."""
     k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
-    return layer.out_bytes * k / (layout.tp if layout.sequence_parallel else 1)
+    return layer.out_bytes * k / _rest_div(layout)
 
 
 @functools.lru_cache(maxsize=8)
@@ -281,7 +295,7 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
     L = block.count
     b = layout.microbatch_size
     K = layout.microbatches
-    pb, rb = DTYPE_BYTES[layout.dtype], DTYPE_BYTES[layout.master_dtype]
+    rb = DTYPE_BYTES[layout.master_dtype]
 
     fwd = {i: _phase_time(machine, layout, model, layer, "fwd", b) for i, layer in enumerate(model.layers)}
     bwd = {
@@ -308,16 +322,16 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
     # backward (every other layer's reduction pending), the optimizer (its temporaries).
     roots = [i for i in range(len(model.layers)) if i != rep]
     sh = {i: layer_shards(model.layers[i], layout) for i in range(len(model.layers))}
-    fsdp, tmp = layout.fsdp, machine.comm_temporaries
-    copies = fsdp > 1 or layout.dtype != layout.master_dtype
-    gathered_root = sum(sh[i].gathered for i in roots) * pb if copies else 0.0
-    block_gathered = sh[rep].gathered * pb if copies else 0.0
-    in_flight = min(L, layout.prefetch + 1) if fsdp > 1 else 0  # the regather and its prefetch
-    if layout.resharding or layout.remat:
-        gathered_fwd = min(L, layout.prefetch + 1) * block_gathered
-    else:  # kept from forward to backward
-        gathered_fwd = L * block_gathered
-    gathered_fwd += tmp * in_flight * sh[rep].gathered * pb  # the backend's gather buffers
+    step_parts = flat_step(model, layout)
+    # parameter copies for compute (FSDP's gathers, a cast), by the axis rules
+    gathered_root = block_gathered = gathered_fwd = 0.0
+    for r in RULES:
+        g_root, g_block, g_fwd = r.gathered(step_parts, machine)
+        gathered_root, block_gathered, gathered_fwd = (
+            gathered_root + g_root,
+            block_gathered + g_block,
+            gathered_fwd + g_fwd,
+        )
     root_acts = sum(_act_bytes(model.layers[i], layout, model) * b * model.layers[i].count for i in roots)
     block_acts = _act_bytes(block, layout, model) * b
     if layout.remat:
@@ -327,20 +341,13 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
     else:
         acts = root_acts + L * block_acts
     full_grads = sum(sh[i].gathered * model.layers[i].count for i in range(len(model.layers))) * rb
-    block_grads = sh[rep].gathered * rb
     # Accumulation keeps the unreduced gradients of every group between microbatches.
     acc = full_grads if K > 1 else 0.0
-    if fsdp > 1:
-        # The block in backward makes its full-size gradients while one reduce-scatter, the
-        # previous block's, is in flight (fs.parallel's Groups.reduce finishes it when the
-        # next one starts), holding one full-size buffer: its input until the wait on NCCL;
-        # on gloo the input goes when the all-to-all completes, its receive buffer (as
-        # large) at the wait.
-        pending = block_grads + min(1, L - 1) * block_grads
-    elif layout.dp > 1:  # DDP: autograd's gradients, then the bucket they are copied into
-        pending = full_grads
-    else:
-        pending = 0.0
+    # The full-size gradients waiting for a reduction at the last block's backward (FSDP's
+    # block in flight, DDP's whole set), by the axis rules.
+    pending = 0.0
+    for r in RULES:
+        pending += r.pending_grads(step_parts, full_grads)
     persistent = {"params": master_bytes, "optimizer": 2 * master_bytes, "w_pending": 0.0}
     at_bwd_start = {
         **persistent,
@@ -349,9 +356,9 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
         "activations": acts,
         "grad_buffers": acc,
     }
-    # At the last block's backward the other blocks' gradients are reduced to shards; the
-    # root group's reduction waits until the end of backward.
-    reduced = (L - 1) * layer_shards(block, layout).local * rb if fsdp > 1 else master_bytes
+    # At the last block's backward the gradients an axis reduces in backward are shards
+    # already (FSDP's reduce-scatters); else every gradient exists at full size.
+    reduced = next((g for r in RULES if (g := r.reduced_grads(step_parts)) is not None), master_bytes)
     at_bwd_end = {
         **persistent,
         "grads": reduced,
@@ -399,58 +406,8 @@ def _peaks(schedule_key: tuple) -> tuple[int, ...]:
     return simulate(_build(schedule_key)).peak_activations
 
 
-def held_states(schedule: Any) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per rank, ``(chunks alive, chunks between their I and their W)`` after each change,
-    walking the rank's actions in list order (a rank runs them one after another, so the
-    order of these events does not depend on the costs).
-
-    A chunk (stage, microbatch) is alive from the start of its F to the end of its W or
-    full B (as ``fs.sched.simulate``'s peak counts it); it is between I and W from the
-    end of its I to the end of its W: then it also holds the gradients that I captured
-    for W (``LayerDesc.wgrad_bytes``). At the end of an action its releases come before
-    the next action's acquisitions.
-
-    Args:
-      schedule: an ``fs.sched.Schedule`` (compute-only or lowered).
-
-    Returns:
-      One tuple of states per rank, starting at ``(0, 0)``.
-    """
-    from fshard.sched.ir import Kind
-
-    out = []
-    for actions in schedule.actions:
-        alive = pending = 0
-        states = [(0, 0)]
-        for a in actions:
-            parts = [p for p in a.parts if p.kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
-            if not parts:
-                continue
-            alive += sum(p.kind is Kind.F for p in parts)
-            states.append((alive, pending))
-            pending += sum(p.kind is Kind.I for p in parts) - sum(p.kind is Kind.W for p in parts)
-            alive -= sum(p.kind in (Kind.B, Kind.W) for p in parts)
-            states.append((alive, pending))
-        out.append(tuple(states))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=1024)
-def _held_states(schedule_key: tuple) -> tuple[tuple[tuple[int, int], ...], ...]:
-    return held_states(_build(schedule_key))
-
-
-def held_peak(states: Sequence[tuple[int, int]], act_bytes: float, wgrad_bytes: float) -> tuple[int, int]:
-    """The state of ``states`` (one rank's, from :func:`held_states`) that holds the most
-    bytes, a chunk alive costing ``act_bytes`` and one between its I and W ``wgrad_bytes``
-    more: ``(chunks alive, chunks between I and W)`` then."""
-    return max(states, key=lambda s: (s[0] * act_bytes + s[1] * wgrad_bytes, s))
-
-
 def _build(key: tuple) -> Any:
-    from fshard.plan.layout import _schedule
-
-    return _schedule(*key)
+    return schedule_of(key)
 
 
 # Stage costs are rounded to 1/RESOLUTION of the forward cost before simulating (the
@@ -713,8 +670,8 @@ def _pipeline_memory(
     wgrad_per_chunk = 0.0
     for s in held:
         sh = stage_shards(model, layout, stages[s])
-        if layout.fsdp > 1 or layout.dtype != layout.master_dtype:
-            gathered += sh.gathered * pb
+        for rule in RULES:  # parameter copies for compute (StageFSDP's gather, a cast)
+            gathered += rule.stage_gathered(layout, sh)
         stage_grads += sh.gathered * rb
         a = 0.0
         for i, k in stages[s]:
@@ -730,7 +687,7 @@ def _pipeline_memory(
     if layout.remat:  # one block recomputed at a time during backward
         act_per_chunk += _act_bytes(model.layers[rep], layout, model) * b
     key = (layout.schedule, layout.pp, layout.microbatches, layout.virtual)
-    peak_chunks, w_pending = held_peak(_held_states(key)[r], act_per_chunk, wgrad_per_chunk)
+    peak_chunks, w_pending = held_peak(held_states_of(key)[r], act_per_chunk, wgrad_per_chunk)
     acts = peak_chunks * act_per_chunk
     persistent = {"params": master_bytes, "optimizer": 2 * master_bytes, "w_pending": 0.0}
     # The executor sums each microbatch's gradients (of the gathered parameters, in the

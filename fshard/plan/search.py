@@ -1,9 +1,10 @@
 """``search(model, machine, n_devices, global_batch, memory_limit, config=SearchConfig(...))``: rank the layouts.
 
-Enumerates every mesh whose axis sizes multiply to ``n_devices`` (pp up to the number of
-blocks, tp dividing the model's heads and at most one node, ep dividing its experts, the
-data axes dividing the batch), and for each the schedules, microbatch counts, remat,
-reshard and sequence-parallel choices that apply; estimates each
+Enumerates every mesh whose axis sizes multiply to ``n_devices`` (each axis rule of
+:data:`fshard.plan.axes.RULES` gives its sizes: pp up to the number of blocks, tp dividing
+the model's heads and at most one node, ep dividing its experts; the data axes divide the
+batch), and for each the microbatch counts, remat and the choices the rules add (schedules,
+reshard, sequence parallelism); estimates each
 (:func:`fshard.plan.estimate`), drops those whose peak memory per rank is above the
 limit, and sorts the rest by predicted step time.
 """
@@ -11,14 +12,16 @@ limit, and sorts the rest by predicted step time.
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections import Counter
 from typing import Any, Iterable, Sequence
 
 import attrs
 
+from fshard.plan.axes import RULES
 from fshard.plan.estimate import Estimate, estimate
-from fshard.plan.layout import Layout, LayoutError
+from fshard.plan.layout import AXES, Layout, LayoutError
 from fshard.plan.machine import Machine
 from fshard.plan.model import ModelDesc
 
@@ -64,24 +67,21 @@ def _divisors(n: int) -> list[int]:
 
 
 def _meshes(model: ModelDesc, machine: Machine, n: int, batch: int, axes: Sequence[str]) -> Iterable[dict[str, int]]:
-    tps = [t for t in _divisors(n) if all(d % t == 0 for d in model.tp_divides) and t <= machine.devices_per_node]
-    eps = [e for e in _divisors(n) if e == 1 or (model.n_experts and model.n_experts % e == 0)]
-    for tp in tps if "tp" in axes else [1]:
-        for ep in eps if "ep" in axes else [1]:
-            rest = n // (tp * ep) if n % (tp * ep) == 0 else 0
-            if not rest:
-                continue
-            for pp in _divisors(rest) if "pp" in axes else [1]:
-                if pp > model.n_blocks:
-                    continue
-                data = rest // pp
-                for dp in _divisors(data) if "dp" in axes else [1]:
-                    fsdp = data // dp
-                    if "fsdp" not in axes and fsdp > 1:
-                        continue
-                    if batch % (dp * fsdp * ep):
-                        continue
-                    yield {"pp": pp, "dp": dp, "fsdp": fsdp, "ep": ep, "tp": tp}
+    """Every mesh of ``n`` devices over ``axes``: each axis rule in turn (:data:`RULES`'
+    order) picks a size from the devices left, an axis not searched keeps 1; the axes that
+    split the batch must divide it."""
+
+    def pick(k: int, rest: int, mesh: dict[str, int]) -> Iterable[dict[str, int]]:
+        if k == len(RULES):
+            if rest == 1 and batch % math.prod(mesh[r.name] for r in RULES if r.splits_batch) == 0:
+                yield {a: mesh[a] for a in AXES}
+            return
+        r = RULES[k]
+        for size in r.sizes(model, machine, rest) if r.name in axes else [1]:
+            if rest % size == 0:
+                yield from pick(k + 1, rest // size, {**mesh, r.name: size})
+
+    yield from pick(0, n, {})
 
 
 def _microbatch_choices(local: int, pp: int, limit: int) -> list[int]:
@@ -98,8 +98,6 @@ def _axes(value: Iterable[str]) -> tuple[str, ...]:
 
 
 def _check_axes(inst: Any, attribute: Any, value: tuple[str, ...]) -> None:
-    from fshard.plan.layout import AXES
-
     unknown = [a for a in value if a not in AXES]
     if unknown:
         raise ValueError(f"SearchConfig.axes: unknown axes {unknown} (known: {list(AXES)}); e.g. axes=('fsdp', 'tp')")
@@ -227,20 +225,17 @@ def search(
         return None
 
     for mesh in _meshes(model, machine, n_devices, global_batch, cfg.axes):
-        pp, tp, fsdp = mesh["pp"], mesh["tp"], mesh["fsdp"]
-        local = global_batch // (mesh["dp"] * fsdp * mesh["ep"])
-        scheds: list[tuple[str, int | None]] = [(s, None) for s in cfg.schedules] if pp > 1 else [("1f1b", None)]
+        pp = mesh["pp"]
+        local = global_batch // math.prod(mesh[r.name] for r in RULES if r.splits_batch)
+        choices: dict[str, list] = {"schedule": [("1f1b", None)], "sequence_parallel": [False], "reshard": [None]}
+        for rule in RULES:
+            choices.update(rule.choices(cfg, mesh))
         # Knobs that only trade time for memory, fastest first: keep gathered parameters
         # (no reshard), free them (reshard), recompute blocks (remat). Once one fits, the
         # later ones can only be slower.
-        knobs = [
-            (r, m)
-            for m in cfg.remat
-            for r in (cfg.reshard if fsdp > 1 else (None,))
-            if not (r is not None and r == (pp == 1))
-        ]
+        knobs = [(r, m) for m in cfg.remat for r in choices["reshard"]]
         knobs.sort(key=lambda k: (k[1], {False: 0, None: 1 if pp == 1 else 0, True: 1}[k[0]]))
-        for (sched, virt), sp in itertools.product(scheds, cfg.sequence_parallel if tp > 1 else (False,)):
+        for (sched, virt), sp in itertools.product(choices["schedule"], choices["sequence_parallel"]):
             for m in _microbatch_choices(local, pp, cfg.max_microbatch_choices):
                 fitted_first = False
                 for j, (rs, rm) in enumerate(knobs):

@@ -1,0 +1,87 @@
+"""Data parallelism (``dp``: DDP, or HSDP's replica axis over FSDP shards) in the planner.
+
+- The search: any divisor of the devices left; the data axes together divide the batch.
+- Collectives: the loss mean over every data axis (``fs.parallel.DATA_AXES``), and the
+  gradients' reduction over dp: without FSDP, DDP's all-reduce (``scan_layers``' buckets
+  of :data:`BUCKET_BYTES`, or one per layer group with gradient accumulation, or one per
+  pipeline stage); with FSDP (HSDP), the all-reduce of each reduce-scattered shard.
+- Memory: without FSDP, the full gradients wait for their all-reduce (autograd's, then
+  the bucket they are copied into).
+"""
+
+from __future__ import annotations
+
+from fshard.plan.axes.base import AxisRule, Collective, Step, flat_bytes
+
+__all__ = ["BUCKET_BYTES", "DATA", "buckets"]
+
+BUCKET_BYTES = 25 * 2**20  # scan_layers' DDP bucket
+
+
+def buckets(layer_bytes: int, n_layers: int) -> list[int]:
+    """Layers per DDP bucket, in backward order: a bucket is sent once it reaches
+    :data:`BUCKET_BYTES` or at layer 0."""
+    out, cur = [], 0
+    for i in range(n_layers - 1, -1, -1):
+        cur += 1
+        if cur * layer_bytes >= BUCKET_BYTES or i == 0:
+            out.append(cur)
+            cur = 0
+    return out
+
+
+class DataParallel(AxisRule):
+    name = "dp"
+    splits_batch = True
+
+    def collectives(self, step: Step, phase: str) -> list[Collective]:
+        layout = step.layout
+        if phase == "loss" and layout.data_axes:
+            nbytes = 8 if step.pipeline or layout.dtype == "float64" else 4
+            return [Collective("psum", layout.data_axes, nbytes, 1, "loss mean")]
+        if phase != "replicas":
+            return []
+        sh, rdt, da = step.shards, layout.master_dtype, ("dp",)
+        assert sh is not None
+        if step.pipeline:
+            if layout.fsdp > 1:
+                if layout.dp > 1:
+                    return [Collective("psum", da, flat_bytes(sh.flat, rdt), 1, "hsdp all-reduce stage")]
+                return []
+            if layout.data_axes:
+                hide = None if step.last else "bwd"
+                return [
+                    Collective(
+                        "psum", layout.data_axes, flat_bytes(sh.local, rdt), 1, "pipeline all-reduce stage", hide
+                    )
+                ]
+            return []
+        if layout.dp == 1:
+            return []
+        root = step.root
+        assert root is not None
+        L = step.model.layers[step.model.repeated].count
+        if layout.fsdp > 1:  # HSDP: the shard's all-reduce over dp, at the end of backward
+            return [
+                Collective("psum", da, flat_bytes(sh.flat, rdt), L, "hsdp all-reduce block"),
+                Collective("psum", da, flat_bytes(root.flat, rdt), 1, "hsdp all-reduce root"),
+            ]
+        out = []
+        layer = flat_bytes(sh.local, rdt)
+        if layout.microbatches > 1:  # with accumulation: one all-reduce per group
+            out.append(Collective("psum", da, layer, L - 1, "ddp all-reduce block", "bwd"))
+            out.append(Collective("psum", da, layer, 1, "ddp all-reduce block"))
+        else:
+            groups = buckets(layer, L)
+            for j, n_layers in enumerate(groups):
+                last = j == len(groups) - 1
+                out.append(Collective("psum", da, layer * n_layers, 1, "ddp bucket", None if last else "bwd"))
+        out.append(Collective("psum", da, flat_bytes(root.local, rdt), 1, "ddp all-reduce root"))
+        return out
+
+    def pending_grads(self, step: Step, full_grads: float) -> float:
+        # DDP: autograd's gradients, then the bucket they are copied into
+        return full_grads if step.layout.fsdp == 1 and step.layout.dp > 1 else 0.0
+
+
+DATA = DataParallel()

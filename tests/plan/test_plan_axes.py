@@ -1,0 +1,58 @@
+"""fs.plan's one home per parallelism: plan/axes/<name>.py, one row of RULES each, and the
+planner's engines ask every row (so a new parallelism is one file plus its row)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import fshard.plan as plan
+import fshard.plan.comm as comm
+import fshard.plan.layout as layout_mod
+from fshard.parallel.layout import AXES, DATA_AXES
+from fshard.plan.axes import RULES, AxisRule, Collective, rule
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_rule_per_axis_each_in_its_own_module():
+    assert sorted(r.name for r in RULES) == sorted(AXES)
+    assert {r.name for r in RULES if r.splits_batch} == set(DATA_AXES)
+    assert [r.name for r in RULES if r.takes_rest] == ["fsdp"]
+    assert [r.name for r in RULES if r.gathers_params] == ["fsdp"]
+    files = {"dp": "data", "fsdp": "fsdp", "tp": "tp", "pp": "pp", "ep": "ep"}
+    for r in RULES:
+        assert type(r).__module__ == f"fshard.plan.axes.{files[r.name]}"
+        assert (ROOT / "fshard" / "plan" / "axes" / f"{files[r.name]}.py").exists()
+    assert rule("tp").name == "tp"
+    with pytest.raises(KeyError, match="no rule for axis 'cp'"):
+        rule("cp")
+
+
+class _Toy(AxisRule):
+    """A toy parallelism on the dp axis: refuses odd batches, and sums one scalar per step."""
+
+    name = "toy"
+
+    def check(self, layout, model):
+        if layout.batch % 2:
+            raise plan.LayoutError(f"Layout.batch {layout.batch} must be even for toy")
+
+    def collectives(self, step, phase):
+        return [Collective("psum", ("dp",), 4, 1, "toy")] if phase == "loss" else []
+
+
+def test_a_new_rule_is_asked_by_the_engines(monkeypatch):
+    model = plan.get_model("llama3-8b", seq_len=1024)
+    lay = plan.Layout({"dp": 2, "fsdp": 2}, batch=8)
+    before = plan.step_collectives(model, lay)
+    monkeypatch.setattr(comm, "RULES", RULES + (_Toy(),))
+    monkeypatch.setattr(layout_mod, "RULES", RULES + (_Toy(),))
+    after = plan.step_collectives(model, lay)
+    assert [c for c in after if c.what == "toy"] == [Collective("psum", ("dp",), 4, 1, "toy")]
+    assert [c for c in after if c.what != "toy"] == before
+    pipe = plan.Layout({"pp": 2, "dp": 2}, batch=8, microbatches=4)
+    assert sum(c.what == "toy" for c in plan.step_collectives(model, pipe, pp_rank=1)) == 1
+    with pytest.raises(plan.LayoutError, match="must be even for toy"):
+        plan.check_layout(plan.Layout({"fsdp": 1}, batch=7), model)
