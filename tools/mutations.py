@@ -18,7 +18,7 @@ reported as an error.
 
 The table is data: keep each ``old`` snippet short and unique, and list the cheapest
 tests that should catch the fault first (``-x`` stops at the first failure).
-``tests/test_mutations_table.py`` checks that every snippet still exists exactly once.
+``tests/integration/test_mutations_table.py`` checks that every snippet still exists exactly once.
 """
 
 from __future__ import annotations

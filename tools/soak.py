@@ -47,7 +47,7 @@ MESHES: dict[str, tuple[str, ...]] = {
     "fsdp_remat": ("--mesh", "fsdp=4", "--remat"),
     "pp_dp_dualpipev": ("--mesh", "pp=2,dp=2", "--schedule", "dualpipev", "--layers", "4"),
     # Every rank on fsdp (the example's default mesh), for any --nproc: a quick check of the
-    # soak itself (tests/test_soak.py runs it on 2 ranks). Not in the default cycle.
+    # soak itself (tests/integration/test_soak.py runs it on 2 ranks). Not in the default cycle.
     "fsdp": (),
 }
 CYCLE = tuple(m for m in MESHES if m != "fsdp")  # the meshes a soak cycles through by default

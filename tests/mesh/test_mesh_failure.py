@@ -1,6 +1,6 @@
 """fshard.runtime.failure: what an uncaught error on a torchrun rank says (cause or casualty).
 
-The end-to-end check, under torchrun, is tests/test_faults.py; here the hook runs in this
+The end-to-end check, under torchrun, is tests/integration/test_faults.py; here the hook runs in this
 process against an in-memory store, so each branch is seen deterministically.
 """
 

@@ -12,7 +12,7 @@ nbclient = pytest.importorskip("nbclient", reason="pip install fshard[test] (nbf
 pytest.importorskip("ipykernel", reason="pip install fshard[test] (nbformat, nbclient, ipykernel)")
 from traitlets.config import Config  # noqa: E402  (nbclient's dependency)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "examples" / "notebook.ipynb"
 
 

@@ -21,7 +21,7 @@ import torch
 
 from fshard.testing import run_on_ranks
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 TINY = dict(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16)
 RTOL = 1e-4  # fp32, a few steps: compiled and eager round differently
 

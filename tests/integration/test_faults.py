@@ -22,10 +22,10 @@ import pytest
 import fshard as fs
 from fshard.testing import free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, where the _harness package is
 from _harness import _faults  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 # 4 blocks, remat: 8 block calls per step (4 forward, 4 recomputed); call 19 is step 3's 3rd block.

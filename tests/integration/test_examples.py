@@ -23,7 +23,7 @@ from _harness import _zygote
 from _harness._examples import example
 from _harness._procs import run_together
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 # A tiny model (4 blocks, so that pp=2 with a V schedule has a block per stage) in float64.

@@ -16,7 +16,7 @@ from fshard.testing import run_on_ranks
 
 pytest.importorskip("transformers", reason="pip install fshard[hf]")
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = ["--steps", "3", "--dtype", "float64", "--dim", "16", "--layers", "2", "--heads", "4", "--seq-len", "16",
         "--batch-size", "4", "--sample-tokens", "8", "--quiet"]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "bench" / "gpu_checks" / "run.sh"
 CHECKS = ["nccl_init", "init_sharded", "train_lm", "offload", "gloo_cuda_ranks", "fully_shard_overhead", "jit"]
 
