@@ -40,7 +40,7 @@ from _harness._examples import example
 from _harness._procs import run_together
 from fshard.testing import free_port, run_on_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXAMPLES = ROOT / "examples"
 example("train_lm")  # a rank's error may be train_lm's ConfigError: unpickled here
@@ -59,11 +59,11 @@ NOT_RUN_HERE = {
                                                                     "constraints (the [test] extra holds [viz]'s packages)",
     r"python -m pytest -q": "the suite itself; .ci/run runs the README's test command verbatim",
     r"python tools/mutations\.py": ".ci/run runs it after the suite (it reruns test files on mutated copies; "
-                                   "tests/test_mutations_table.py checks its table)",
+                                   "tests/integration/test_mutations_table.py checks its table)",
     # docs/reliability.md: the crash hunt's long runs, rerunnable by hand.
     r"ulimit -c unlimited": "a shell builtin: core files for the hunts that follow it in the same shell",
     r"(GLIBC_TUNABLES=\S+ LD_PRELOAD=\S+ PYTHONMALLOC=debug |taskset -c 0 )?(nice -n (10|19) )?"
-    r"python tools/soak\.py --minutes \d+ .*": "a soak of 30 minutes to hours; tests/test_soak.py runs "
+    r"python tools/soak\.py --minutes \d+ .*": "a soak of 30 minutes to hours; tests/integration/test_soak.py runs "
                                               "tools/soak.py end to end on a tiny run",
     r"PYTHONPATH=\. nice -n 10 python tools/stress_(overlap|micro)\.py .*": "a stress hunt of hours; the "
                                                                         "pattern it stresses is pinned by "

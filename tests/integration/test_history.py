@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FSHARD = ROOT / "fshard"
 
 # Each pattern, with what it catches. Measurement history, not rules: a default or a fixed

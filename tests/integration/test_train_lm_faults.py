@@ -2,7 +2,7 @@
 asynchronous checkpoint save, a truncated or corrupted checkpoint, a checkpoint of another
 model, and a NaN or inf loss or gradient.
 
-The runs are the tiny float64 model of tests/test_examples.py. A killed save must leave the
+The runs are the tiny float64 model of tests/integration/test_examples.py. A killed save must leave the
 previous checkpoint's files unchanged byte for byte, and ``--resume`` must continue the loss
 curve of an uninterrupted run exactly; a bad checkpoint must stop ``--resume`` with an error
 that names the data file and the key (or the model's differing fields) and change nothing.
@@ -27,7 +27,7 @@ from fshard.testing import run_on_ranks
 from _harness import _zygote
 from _harness._examples import example
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 train_lm = example("train_lm")  # ranks' errors are train_lm's classes: unpickled here
 
