@@ -17,7 +17,8 @@ every wait on one (``wait_tensor``), and every :func:`mark` the caller made (e.g
 3's compute starts"), in program order. Sequence positions, not wall times, so the
 order is deterministic.
 
-``log.wire`` counts the bytes each rank puts on the wire (what it sends): the minimum of
+``log.wire`` counts the bytes each rank puts on the wire (what it sends,
+``fshard._wire.wire_bytes`` of its ``CollectiveKind``, the planner's count too): the minimum of
 the algorithm a collective needs (ring all-reduce, direct all-gather / all-to-all), and
 for gloo's native ``reduce_scatter_tensor`` the all-reduce it really runs. On gloo,
 :func:`reduce_scatter_async` is lowered to ``all_to_all_single`` plus a local sum
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fshard import _contract
+from fshard._wire import REDUCE_KINDS, CollectiveKind, c10d_kind, wire_bytes
 from fshard.runtime import teardown
 
 __all__ = [
@@ -137,12 +139,7 @@ _GROUP_AXES: dict[str, tuple[str, ...]] = {}
 _CALL_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("fshard_call_axes", default=None)
 # The kind a lowered collective is logged as (a reduce-scatter run as an all-to-all).
 _CALL_KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar("fshard_call_kind", default=None)
-_KINDS = {
-    _F.all_gather_into_tensor.default: "all_gather",
-    _F.reduce_scatter_tensor.default: "psum_scatter",
-    _F.all_to_all_single.default: "all_to_all",
-}
-_REDUCE_KINDS = {"sum": "psum", "avg": "pmean", "max": "pmax", "min": "pmin"}
+_REDUCE_KINDS = {op: kind.value for op, kind in REDUCE_KINDS.items()}  # c10d op name -> comm_log's kind
 
 
 def register_group(group, axes: Sequence[str]) -> None:
@@ -163,38 +160,37 @@ class _LogMode(TorchDispatchMode):
             if entry is not None and entry[0]() is args[0]:
                 _append(attrs.evolve(entry[1], what="wait"))
             return func(*args, **kwargs)
-        kind = _KINDS.get(func)
-        if kind is None and (func is _F.all_reduce.default or func is _F.all_reduce_.default):
-            kind = _REDUCE_KINDS.get(args[1], "all_reduce")
+        kind = c10d_kind(func, args)
         if kind is None:
             return func(*args, **kwargs)
         x = args[0]
         axes = _CALL_AXES.get() or _GROUP_AXES.get(args[-1], (args[-1],))
-        wire = _wire_bytes(func, args)
-        event = record(_CALL_KIND.get() or kind, axes, x.numel() * x.element_size(), wire=wire)
+        wire = _wire_bytes(kind, args, x.device.type)
+        event = record(_CALL_KIND.get() or kind.value, axes, x.numel() * x.element_size(), wire=wire)
         out = func(*args, **kwargs)
         if event is not None and isinstance(out, torch.Tensor):
             self._issued[id(out)] = (weakref.ref(out), event)
         return out
 
 
-def _wire_bytes(func, args) -> int:
-    """Bytes this rank sends for one functional collective (see the module docstring)."""
+def _wire_bytes(kind: CollectiveKind, args: tuple, device: str) -> int:
+    """Bytes this rank sends for one functional collective (see the module docstring):
+    ``fshard._wire.wire_bytes`` of its kind, but for an all-to-all's own split (it may be
+    uneven) and gloo's reduce-scatter, which runs an all-reduce."""
     x, name = args[0], args[-1]
     nb = x.numel() * x.element_size()
-    if func is _F.all_gather_into_tensor.default:
-        return (args[1] - 1) * nb
+    if kind is CollectiveKind.ALL_GATHER:
+        return wire_bytes(kind, nb, args[1])
     group = _resolve_group(name)
     n = group.size()
-    if func is _F.all_to_all_single.default:
+    if kind is CollectiveKind.ALL_TO_ALL:
         splits = args[2]
         rows = x.shape[0] if x.dim() else 1
         mine = splits[group.rank()] if splits else rows // n
         return nb - nb * mine // max(rows, 1)
-    if func is _F.reduce_scatter_tensor.default and not _is_gloo(group, x.device.type):
-        return nb * (n - 1) // n
-    # all-reduce (ring minimum), and gloo's reduce-scatter, which is an all-reduce.
-    return 2 * nb * (n - 1) // n
+    if kind is CollectiveKind.PSUM_SCATTER and _is_gloo(group, device):
+        kind = CollectiveKind.PSUM
+    return wire_bytes(kind, nb, n)
 
 
 def _resolve_group(name: str):

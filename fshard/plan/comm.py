@@ -11,7 +11,8 @@ sends and receives counted on the lowered schedule itself, and the loss reductio
 ``comm_log`` on traced steps.
 
 :func:`collective_time` turns one into seconds with the ring formulas (tree for small
-all-reduces) over the link the mesh axes use::
+all-reduces) over the link the mesh axes use, the hops and bytes per hop of
+``fshard._wire.ring_hops`` (what ``comm_log``'s wire bytes count)::
 
     all_gather    (n - 1) * (a + x / B)              x: this rank's input
     psum_scatter  (n - 1) * (a + x / (n B))          x: the full input
@@ -27,6 +28,7 @@ import math
 from collections import Counter
 from typing import Iterable
 
+from fshard._wire import ring_hops
 from fshard.plan.axes import RULES
 from fshard.plan.axes.base import Collective, LayerShards, Step
 from fshard.plan.axes.data import BUCKET_BYTES
@@ -157,19 +159,18 @@ def collective_time(machine: Machine, layout: Layout, c: Collective) -> float:
     if n <= 1:
         return 0.0
     level = "intra" if span <= machine.devices_per_node else "inter"
+    if c.kind not in _TIMED:
+        raise ValueError(f"collective_time: unknown kind {c.kind!r}")
     kind = {"pmax": "psum", "send": "ppermute", "recv": "ppermute", "broadcast": "psum"}.get(c.kind, c.kind)
     link = machine.link(kind, level)
     a, B, x = link.latency, link.bandwidth, float(c.nbytes)
-    if c.kind == "all_gather":
-        return (n - 1) * (a + x / B)
-    if c.kind == "psum_scatter":
-        return (n - 1) * (a + x / (n * B))
+    hops, share = ring_hops(c.kind, n)  # fshard._wire: the algorithm comm_log's wire bytes count
+    ring = hops * (a + x / (share * B))
     if c.kind in ("psum", "pmax"):
-        ring = 2 * (n - 1) * (a + x / (n * B))
         tree = 2 * math.ceil(math.log2(n)) * a + 2 * x / B
         return min(ring, tree)
-    if c.kind in ("send", "recv"):
-        return a + x / B
-    if c.kind == "broadcast":
-        return math.ceil(math.log2(n)) * (a + x / B)
-    raise ValueError(f"collective_time: unknown kind {c.kind!r}")
+    return ring
+
+
+# The kinds the machine files have links for (pmax, send, recv and broadcast borrow one).
+_TIMED = ("all_gather", "psum_scatter", "psum", "pmax", "send", "recv", "broadcast")

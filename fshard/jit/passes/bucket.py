@@ -76,6 +76,9 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from fshard import _wire
+from fshard._wire import CollectiveKind as K
+from fshard._wire import c10d_kind
 from fshard.jit import fx
 
 __all__ = ["collective_passes", "without_collective_passes", "BucketCollectives", "BUCKET_MB"]
@@ -169,17 +172,17 @@ class BucketCollectives(CustomGraphPass):
                 wait_point = _adjacent_waits(graph, {next(iter(c.users)) for c in bucket})
                 if wait_point is None:
                     continue
-            if kind == "all_gather":
+            if kind is K.ALL_GATHER:
                 _merge(graph, bucket, _all_gather_merge, _all_gather_args, wait_point)
-            elif kind == "all_to_all":
+            elif kind is K.ALL_TO_ALL:
                 _merge(graph, bucket, _all_to_all_merge, _all_to_all_args, wait_point)
-            elif kind == "reduce_scatter":
+            elif kind is K.PSUM_SCATTER:
                 b.merge_reduce_scatter_bucket(graph, bucket, "default", wait_insertion_point=wait_point)
             else:
                 b.merge_all_reduce_bucket(graph, bucket, wait_insertion_point=wait_point)
 
 
-_SOURCE_HASH = get_hash_for_files((__file__, fx.__file__))
+_SOURCE_HASH = get_hash_for_files((__file__, fx.__file__, _wire.__file__))
 _IN_FLIGHT = object()  # an in-flight bucket's wait point: found when it is merged
 
 
@@ -197,14 +200,15 @@ def _kind(node: torch.fx.Node) -> tuple | None:
     if not isinstance(val, torch.Tensor):
         return None  # no metadata to size it by
     dtype = (val.dtype, val.device)  # a group may carry CPU (gloo) and CUDA (NCCL) collectives
-    if node.target is _C10D.all_gather_into_tensor.default:
-        return ("all_gather", _resolve_group_name(node.args[2]), dtype)
-    if node.target is _C10D.all_to_all_single.default and _even_splits(node):
-        return ("all_to_all", _resolve_group_name(node.args[3]), dtype, len(node.args[2]))
-    if node.target is _C10D.reduce_scatter_tensor.default:
-        return ("reduce_scatter", _resolve_group_name(node.args[3]), node.args[1], dtype)
-    if node.target is _C10D.all_reduce.default:
-        return ("all_reduce", _resolve_group_name(node.args[2]), node.args[1], dtype)
+    kind = c10d_kind(node.target, tuple(node.args))
+    if kind is K.ALL_GATHER:
+        return (kind, _resolve_group_name(node.args[2]), dtype)
+    if kind is K.ALL_TO_ALL and _even_splits(node):
+        return (kind, _resolve_group_name(node.args[3]), dtype, len(node.args[2]))
+    if kind is K.PSUM_SCATTER:
+        return (kind, _resolve_group_name(node.args[3]), node.args[1], dtype)
+    if kind is not None and node.target is _C10D.all_reduce.default:  # out of place only
+        return (K.ALL_REDUCE, _resolve_group_name(node.args[2]), node.args[1], dtype)
     return None
 
 
