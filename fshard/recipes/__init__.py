@@ -15,6 +15,7 @@ from fshard.recipes.faults import NonFinite as NonFinite
 from fshard.recipes.faults import NonFiniteError as NonFiniteError
 from fshard.recipes.model import LayeredModel as LayeredModel
 from fshard.recipes.model import transformer as transformer
+from fshard.recipes.module import ModuleModel as ModuleModel
 from fshard.recipes.pipeline import Pipeline as Pipeline
 from fshard.recipes.roles import Roles as Roles
 from fshard.recipes.script import run_script as run_script
@@ -34,6 +35,7 @@ __all__ = [
     "ConfigError",
     "Injection",
     "LayeredModel",
+    "ModuleModel",
     "NonFinite",
     "NonFiniteError",
     "Pipeline",

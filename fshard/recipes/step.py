@@ -49,6 +49,7 @@ __all__ = [
     "compose_train_step",
     "global_norm",
     "init_params",
+    "jit_train_step",
     "make_grad_fn",
     "make_jit_train_step",
     "make_pipeline_step",
@@ -306,8 +307,32 @@ def make_jit_train_step(
         def grads_of(params, tokens, targets):
             return microbatch_grads(grad_fn, params, tokens, targets, microbatches)
 
-    def compiled(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = grads_of(params, tokens, targets)
+    return jit_train_step(grads_of, eager, opt, roles, max_norm, inject, backend)
+
+
+def jit_train_step(
+    grads_of: Callable[[Any, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]],
+    eager: TrainStep,
+    opt: GradientTransformation,
+    roles: Roles,
+    max_norm: float,
+    inject: Injection,
+    backend: str,
+    extra: tuple[Any, ...] = (),
+) -> TrainStep:
+    """The step ``grads_of`` -> clip -> ``opt`` as one ``fs.jit`` graph, falling back to the
+    ``eager`` step (the same step, uncompiled) for a step with an injected fault and to
+    report a non-finite one (see :func:`make_jit_train_step`).
+
+    Args:
+      grads_of: ``(params, inputs, targets, *extra) -> (loss, grads)`` on global values.
+      eager: the eager train step of the same model and layout.
+      extra: more arguments of ``grads_of`` (a module's buffers): the graph takes them as
+        inputs, since it bakes in no tensor as a constant.
+    """
+
+    def compiled(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor, *more: Any):
+        loss, grads = grads_of(params, tokens, targets, *more)
         # With a pipeline each pp rank holds other layers: their squared norms add over pp.
         norm = optim_global_norm(grads, sum_over=roles.pp_axis or ())
         if max_norm > 0:
@@ -324,7 +349,7 @@ def make_jit_train_step(
     def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
         if inject.active:
             return eager(params, opt_state, tokens, targets)
-        new_params, new_state, loss, norm = jitted(params, opt_state, tokens, targets)
+        new_params, new_state, loss, norm = jitted(params, opt_state, tokens, targets, *extra)
         norm_value = float(norm)
         loss_value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
         if not (math.isfinite(norm_value) and math.isfinite(loss_value)):
@@ -350,27 +375,22 @@ class ComposedStep:
     Attributes:
       step: ``step(params, opt_state, inputs, targets) -> (params, opt_state, loss,
         grad_norm, report)`` (see :func:`build_train_step`).
-      model: the model, resolved for ``roles``.
+      init_state: ``init_state(seed) -> (params, opt_state)``: the parameters as shards
+        (equal on every mesh to the one-process values) and the optimizer's state for them.
+      model: the model (a ``LayeredModel`` resolved for ``roles``, or a ``ModuleModel``).
       roles: the layout's roles on the mesh.
       specs: the parameters' specs (on a pipeline: of the blocks this rank holds).
       pipe: the pipeline (schedule, stage placement), or None without a ``pp`` axis.
       order: parameter path -> place in the model's tree.
-      optimizer: the optimizer the step applies.
     """
 
     step: TrainStep
-    model: LayeredModel
+    init_state: Callable[[int], tuple[Any, Any]]
+    model: Any
     roles: Roles
     specs: Any
     pipe: Pipeline | None
     order: dict[str, int]
-    optimizer: GradientTransformation
-
-    def init_state(self, seed: int) -> tuple[Any, Any]:
-        """``(params, opt_state)``: the parameters as shards (equal on every mesh to
-        ``model.init(seed, ...)`` in one process) and the optimizer's state for them."""
-        params, _ = init_params(self.model, self.roles, seed, self.pipe)
-        return params, self.optimizer.init(params)
 
 
 def compose_train_step(
@@ -392,8 +412,11 @@ def compose_train_step(
     layout.validate()
     mesh = layout.mesh() if mesh is None else mesh
     roles = Roles.of(layout, mesh)
-    model = resolve_model(model, roles)
     check_batch(layout.batch, layout.microbatches, mesh, roles)
+    inject = inject or Injection()
+    if hasattr(model, "compose"):  # a model that composes its own step (fs.recipes.ModuleModel)
+        return model.compose(layout, roles, optimizer, max_norm, jit_backend, inject)
+    model = resolve_model(model, roles)
     with torch.device("meta"):
         shapes = model.init(0, roles.master_dtype)
     pipe = None
@@ -401,7 +424,7 @@ def compose_train_step(
         pipe = Pipeline.build(layout.schedule, mesh, len(shapes["layers"]), layout.microbatches, layout.virtual, model)
         shapes = pipe.keep_held(shapes)
     specs = model.specs(shapes, roles)
-    order, inject = param_order(model, roles.master_dtype), inject or Injection()
+    order = param_order(model, roles.master_dtype)
     if jit_backend is not None:
         step = make_jit_train_step(
             model, roles, specs, optimizer, layout.microbatches, max_norm, inject, order, jit_backend, pipe
@@ -410,7 +433,12 @@ def compose_train_step(
         step = make_pipeline_step(model, roles, pipe, optimizer, max_norm, inject, order)
     else:
         step = make_train_step(model, roles, specs, optimizer, layout.microbatches, max_norm, inject, order)
-    return ComposedStep(step, model, roles, specs, pipe, order, optimizer)
+
+    def init_state(seed: int) -> tuple[Any, Any]:
+        params, _ = init_params(model, roles, seed, pipe)
+        return params, optimizer.init(params)
+
+    return ComposedStep(step, init_state, model, roles, specs, pipe, order)
 
 
 def build_train_step(
