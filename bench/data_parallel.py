@@ -102,7 +102,7 @@ def _fshard_step(mode: str, cfg: TransformerConfig, mesh, bucket_mb: float = 25.
         specs, axes = fs.parallel.fsdp_specs(params, "d"), dict(axis="d")
     else:
         specs, axes = fs.parallel.replicate_specs(params), dict(axis=None, replicate_axis="d")
-    loop_kw = dict(axes, bucket_bytes=int(bucket_mb * 2**20)) if mode != "fsdp" else axes
+    loop_kw = dict(axes, config=fs.parallel.ScanConfig(bucket_bytes=int(bucket_mb * 2**20))) if mode != "fsdp" else axes
     sharded = fs.shard(params, specs, mesh, uneven=True)
     opt = fs.optim.adamw(1e-3, weight_decay=0.01)
     state = opt.init(sharded)

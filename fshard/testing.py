@@ -243,7 +243,11 @@ def transformer_train_step(
         raise ValueError(f"transformer_train_step: mode={mode!r}; use 'fsdp' or 'replicate'.")
     opt = fs.optim.adamw(lr, weight_decay=weight_decay)
 
-    loop = dict(axes, bucket_bytes=bucket_bytes) if bucket_bytes is not None and mode == "replicate" else axes
+    loop = (
+        dict(axes, config=fs.parallel.ScanConfig(bucket_bytes=bucket_bytes))
+        if bucket_bytes is not None and mode == "replicate"
+        else axes
+    )
 
     def loss_fn(p, tok, tgt):
         root = fs.parallel.gather_params({k: v for k, v in p.items() if k != "layers"}, **axes)

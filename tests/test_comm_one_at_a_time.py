@@ -59,12 +59,13 @@ def _hsdp_steps(mode: str):
     else:  # ddp: one bucket per layer, so several all-reduces are started during backward
         specs, axes = fs.parallel.replicate_specs(params), dict(axis=None, replicate_axis="d")
     sharded = fs.shard(params, specs, mesh, uneven=True)
-    loop_axes = dict(axes, bucket_bytes=1) if mode == "ddp" else axes
+    bucket = dict(bucket_bytes=1) if mode == "ddp" else {}
+    loop_axes = dict(axes, config=fs.parallel.ScanConfig(prefetch=2, **bucket))
 
     def body(p, x, y):
         h = x @ fs.parallel.gather_params(p["lin"], **axes)["w"]
         h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"], p["layers"], h,
-                                    prefetch=2, **loop_axes)
+                                    **loop_axes)
         return fs.lax.pmean(((h - y) ** 2).mean(), data)
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(data), P(data)), out_specs=P()))
@@ -176,7 +177,8 @@ def _remat_block_with_collective(policy):
         return h + 0.1 * torch.tanh(fs.lax.pmean(h, "d"))
 
     def body(p, x, y):
-        h = fs.parallel.scan_layers(blk, p["layers"], x, axis="d", prefetch=2, remat=True, remat_policy=policy)
+        h = fs.parallel.scan_layers(blk, p["layers"], x, axis="d",
+                                    config=fs.parallel.ScanConfig(prefetch=2, remat=True, remat_policy=policy))
         return fs.lax.pmean(((h - y) ** 2).mean(), "d")
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("d"), P("d")), out_specs=P()))

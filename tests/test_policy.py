@@ -103,7 +103,7 @@ def _fsdp_loss(p, tokens, targets, cfg, policy):
                                      policy=policy)
     x = embed(root, tokens, cfg)                                              # (b, T, D), param dtype
     x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], x, axis="fsdp",
-                                policy=policy)
+                                config=fs.parallel.ScanConfig(policy=policy))
     logits = policy.cast_output(head(root, x, cfg))                           # (b, T, V), fp32
     return fs.lax.pmean(F.cross_entropy(logits.flatten(0, 1), targets.flatten()), "fsdp")
 

@@ -80,7 +80,8 @@ def _run(offload: bool, steps: int, device_type: str) -> dict[str, Any]:
     def body(p, x, y):
         root = fs.parallel.gather_params(p["proj"], axis="fsdp", offload=offload)
         seen_devices.add(root["w"].device.type)
-        h = fs.parallel.scan_layers(block, p["layers"], x @ root["w"], axis="fsdp", offload=offload)
+        h = fs.parallel.scan_layers(block, p["layers"], x @ root["w"], axis="fsdp",
+                                    config=fs.parallel.ScanConfig(offload=offload))
         return fs.lax.pmean(((h - y) ** 2).mean(), "fsdp")
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("fsdp"), P("fsdp")), out_specs=P()))

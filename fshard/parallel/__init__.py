@@ -17,6 +17,7 @@ from fshard.parallel.module_tp import tp_apply as tp_apply
 from fshard.parallel.scan import fsdp_loop as fsdp_loop
 from fshard.parallel.scan import gather_params as gather_params
 from fshard.parallel.scan import scan_layers as scan_layers
+from fshard.parallel.scan_config import ScanConfig as ScanConfig
 from fshard.parallel.specs import fsdp_specs as fsdp_specs
 from fshard.parallel.specs import hsdp_specs as hsdp_specs
 from fshard.parallel.specs import match_specs as match_specs
@@ -40,6 +41,7 @@ from fshard.parallel.tp import vocab_parallel_embed as vocab_parallel_embed
 __all__ = [
     "GradAccumulator",
     "scan_layers",
+    "ScanConfig",
     "fsdp_loop",
     "gather_params",
     "fsdp_specs",

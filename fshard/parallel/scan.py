@@ -34,12 +34,16 @@ from torch.distributed.tensor import DTensor
 
 from fshard import lax
 from fshard import tree as tree_util
+from fshard._deprecated import config_from_keywords
 from fshard.parallel.groups import Gather, Groups, Sink, saved_as_tokens
+from fshard.parallel.scan_config import DEFAULT, ScanConfig
 from fshard.transforms.policy import Policy
 from fshard.transforms.remat import remat as remat_fn
 from fshard.transforms.remat import saves_gathers
 
-__all__ = ["scan_layers", "gather_params", "fsdp_loop", "offload_shards"]
+__all__ = ["scan_layers", "gather_params", "fsdp_loop", "offload_shards", "ScanConfig"]
+
+_NO_POLICY = Policy()
 
 
 def _as_axes(axis: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -205,18 +209,10 @@ def scan_layers(
     *,
     axis: str | Sequence[str] | None = "fsdp",
     replicate_axis: str | Sequence[str] | None = None,
-    prefetch: int = 1,
-    reshard_after_forward: bool | int | str | Sequence[str] = True,
-    remat: bool = False,
-    remat_policy: Any = None,
-    policy: Policy | None = None,
-    dim: int | None = None,
-    forward_prefetch: Sequence[Sequence[int]] | None = None,
-    backward_prefetch: Sequence[Sequence[int]] | None = None,
-    bucket_bytes: int = 25 * 2**20,
+    config: ScanConfig | None = None,
     accumulate: Any = None,
     sync: bool | str = True,
-    offload: bool = False,
+    **deprecated: Any,
 ) -> Any:
     """Runs ``x = block_fn(layer_params[i], x)`` for every layer with FSDP-style gathering.
 
@@ -231,51 +227,18 @@ def scan_layers(
         replication (DDP).
       replicate_axis: mesh axis (or axes) over which parameters are replicated and
         gradients all-reduced (DDP, or HSDP together with ``axis``).
-      prefetch: how many layers ahead the forward all-gathers run.
-      reshard_after_forward: ``True``: free gathered parameters after each layer's
-        forward and gather them again in backward (2 all-gathers per layer instead of
-        1). ``False``: keep them until the layer's backward. A mesh axis name (or tuple
-        of names) from ``axis``: keep them sharded over that smaller group only (FSDP2's
-        int ``reshard_after_forward``): each rank keeps a copy of its ``1/k`` slice of
-        the gathered layer, ``k`` the group's size, and backward's regather is one
-        all-gather over that group (e.g. with ``axis=("fsdp_out", "fsdp_in")`` and
-        ``"fsdp_in"`` the ranks of one node: inter-node traffic only in forward). An int
-        ``k`` means the trailing axes of ``axis`` whose sizes multiply to ``k``
-        (``mesh.shape["fsdp_in"]`` above); ``1`` means ``False`` (with a warning) and
-        the full size ``True``, as in FSDP2. On a single axis only those two exist: split
-        it (``make_mesh({"fsdp_out": 2, "fsdp_in": 2})``, ``axis=("fsdp_out", "fsdp_in")``).
-      remat: recompute each layer in backward (activation checkpointing); its gather
-        is redone inside the recomputation.
-      remat_policy: a :func:`fshard.remat` policy for ``remat``. One that saves
-        collectives (``"save_collectives"``, ``"dots_saveable"``) keeps each block's
-        gathered parameters from forward to its backward (no regather there); one that
-        does not redoes the gather inside the recomputation.
-      policy: mixed precision (gather in ``param_dtype``, reduce in ``reduce_dtype``).
-      dim: the sharded dim of every leaf (default: inferred per leaf).
-      forward_prefetch: explicit lists: ``forward_prefetch[i]`` = layers whose gathers
-        start when layer i starts (overrides ``prefetch``).
-      backward_prefetch: ``backward_prefetch[i]`` = layers whose regathers start when
-        layer i's backward starts (default: ``[i - 1]``).
-      bucket_bytes: replicate (DDP) only: consecutive layers' gradients share one
-        all-reduce up to this size (default 25 MiB, as DDP).
+      config: the loop's options, a :class:`~fshard.parallel.ScanConfig` (default
+        ``ScanConfig()``): prefetch, reshard_after_forward, remat and remat_policy, policy
+        (mixed precision), dim, forward_prefetch, backward_prefetch, bucket_bytes, offload.
+        Build it once, outside the step. Those options as keywords of ``scan_layers``
+        (``scan_layers(..., remat=True)``) still work for this release, with a
+        ``DeprecationWarning``: pass ``config=ScanConfig(remat=True)``.
       accumulate: a :class:`~fshard.parallel.GradAccumulator` for gradient accumulation.
       sync: with ``accumulate``, ``False`` skips the reduction and keeps the unreduced
         gradient in the accumulator (the returned shard grads are zeros); ``True`` adds
         the accumulated gradients and reduces once; ``"reduce_scatter"`` (HSDP)
         reduce-scatters over ``axis`` every microbatch but defers the all-reduce over
         ``replicate_axis`` to the ``True`` microbatch.
-      offload: CPU offload (FSDP2's ``CPUOffloadPolicy``). The shards in
-        ``layer_params`` live on the CPU (so does the optimizer state made from them;
-        :func:`offload_shards` moves a sharded pytree there, pinned when CUDA is
-        available). Each layer's flat shard buffer is built on the host (in pinned
-        memory when the mesh computes on CUDA) and copied to the mesh's device without
-        blocking just before its all-gather, so the copy is prefetched with the gather;
-        gathered parameters, activations and the reduction run on the device, and the
-        reduced shard gradients are copied back to the CPU at the end of backward (one
-        synchronization for all layers): the gradients returned for these leaves live on
-        the CPU. Partial reshard slices stay on the device. Tested on CPU meshes only
-        (where the copies are no-ops); the CUDA path is unverified:
-        ``bench/gpu_checks/offload_check.py`` checks it on a GPU machine.
 
     Returns:
       The output of the last layer.
@@ -285,11 +248,24 @@ def scan_layers(
         sub-group of ``axis`` (the message lists the valid values and the remedy) or a
         partial one with ``remat``; ``offload=True`` with shards not on the CPU, or CPU
         shards on a GPU mesh without ``offload``.
-      TypeError: ``reshard_after_forward`` of another type.
+      TypeError: an old option keyword together with ``config`` (both are named), or an
+        unknown keyword; an option of the wrong type (from :class:`ScanConfig`).
       RuntimeError: called outside a shard_map body.
     """
+    if deprecated:
+        config = config_from_keywords("scan_layers", ScanConfig, config, deprecated)
+    elif config is None:
+        config = DEFAULT
     if len(layer_params) == 0:
         return x
+    # Read once: the names below are the options' (and tools/mutations.py's snippets').
+    prefetch, reshard_after_forward, remat, remat_policy = (
+        config.prefetch,
+        config.reshard_after_forward,
+        config.remat,
+        config.remat_policy,
+    )
+    forward_prefetch, backward_prefetch = config.forward_prefetch, config.backward_prefetch
     body = lax.BODY.get()
     if body is None:
         raise RuntimeError("fs.parallel layer loops run inside a shard_map body (they issue collectives).")
@@ -309,13 +285,13 @@ def scan_layers(
         flat_layers,
         shard_axes,
         rep_axes,
-        [_shard_dims(ls, shard_axes, dim) for ls in flat_layers],
-        policy or Policy(),
-        bucket_bytes,
+        [_shard_dims(ls, shard_axes, config.dim) for ls in flat_layers],
+        config.policy or _NO_POLICY,
+        config.bucket_bytes,
         accumulate,
         sync,
         post_axes=keep_axes,
-        offload=offload,
+        offload=config.offload,
     )
     n_layers = len(flat_layers)
     all_leaves = [x for ls in flat_layers for x in ls]

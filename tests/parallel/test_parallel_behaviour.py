@@ -127,7 +127,7 @@ def _flat(timeline, layer_of_bytes):
 
 
 def _step_timeline(shape, axis, cfg):
-    """One FSDP step of the 4-layer MLP with ``scan_layers(**cfg)``.
+    """One FSDP step of the 4-layer MLP with ``scan_layers(config=ScanConfig(**cfg))``.
 
     Returns (flat timeline, loss error, max grad error, per-layer forward block runs,
     bytes autograd saved outside scan_layers' own hooks).
@@ -145,7 +145,7 @@ def _step_timeline(shape, axis, cfg):
         return _block(lp, h)
 
     def body(p, a, b):
-        h = fs.parallel.scan_layers(block, p, a, axis=axis, **cfg)
+        h = fs.parallel.scan_layers(block, p, a, axis=axis, config=fs.parallel.ScanConfig(**cfg))
         return fs.lax.pmean(((h - b) ** 2).mean(), axis)
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(axis), P(axis)), out_specs=P()))
@@ -338,7 +338,8 @@ def _reshard_body(shape, axis, raf):
     seen = []
 
     def body(p, a, b):
-        h = fs.parallel.scan_layers(lambda lp, z: _block(lp, z, seen), p, a, axis=axis, reshard_after_forward=raf)
+        h = fs.parallel.scan_layers(lambda lp, z: _block(lp, z, seen), p, a, axis=axis,
+                                    config=fs.parallel.ScanConfig(reshard_after_forward=raf))
         return fs.lax.pmean(((h - b) ** 2).mean(), axis)
 
     f = fs.shard_map(body, mesh=mesh, in_specs=(specs, P(axis), P(axis)), out_specs=P())
@@ -427,7 +428,8 @@ def _placement_body(shape, axis, how, hidden):
                    for i in range(2) for k, d in zip(("w1", "w2"), dims[i]))
 
     def body(p, a, b):
-        h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"], p, a, axis=axis, dim=scan_dim)
+        h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"], p, a, axis=axis,
+                                    config=fs.parallel.ScanConfig(dim=scan_dim))
         return fs.lax.pmean(((h - b) ** 2).mean(), axis)
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(axis), P(axis)), out_specs=P()))
@@ -495,7 +497,7 @@ def _offload_body(shape, axis, offload, policy_dtype):
         root = fs.parallel.gather_params(p["root"], axis=axis, offload=offload, policy=policy)
         h = a.to(policy_dtype or a.dtype) @ root["w"]
         h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"], p["layers"], h,
-                                    axis=axis, offload=offload, policy=policy)
+                                    axis=axis, config=fs.parallel.ScanConfig(offload=offload, policy=policy))
         return fs.lax.pmean(((h.double() - b) ** 2).mean(), axis)
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(axis), P(axis)), out_specs=P()))
@@ -618,7 +620,7 @@ def _fsdp_run(shape, axis, replicate):
     def body(p, a, b):
         root = fs.parallel.gather_params(p["root"], axis=axis, replicate_axis=replicate)
         h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"], p["layers"], a @ root["w"],
-                                    axis=axis, replicate_axis=replicate, prefetch=2)
+                                    axis=axis, replicate_axis=replicate, config=fs.parallel.ScanConfig(prefetch=2))
         return fs.lax.pmean(((h - b) ** 2).mean(), data)
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(data), P(data)), out_specs=P()))

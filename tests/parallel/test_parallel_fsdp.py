@@ -48,8 +48,9 @@ def _loss(p, tokens, targets, cfg, axes, data_axes, raf, remat):
     root = {k: v for k, v in p.items() if k != "layers"}
     root = fs.parallel.gather_params(root, **axes)
     x = embed(root, tokens, cfg)                                              # (b, T, D)
-    x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], x,
-                                reshard_after_forward=raf, remat=remat, **axes)
+    loop = fs.parallel.ScanConfig(reshard_after_forward=raf, remat=remat, offload=axes.get("offload", False))
+    x = fs.parallel.scan_layers(lambda lp, h: block(lp, h, cfg), p["layers"], x, config=loop,
+                                **{k: v for k, v in axes.items() if k != "offload"})
     logits = head(root, x, cfg)                                               # (b, T, V)
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     return fs.lax.pmean(loss, data_axes)

@@ -328,6 +328,7 @@ def _accumulate(mode, raf, deferred="all", defer="none", order="outside"):
         specs, axes = fs.parallel.replicate_specs(params), dict(axis=None, replicate_axis="d", bucket_bytes=1)
     sharded = fs.shard(params, specs, mesh, uneven=True)
     root_axes = {k: v for k, v in axes.items() if k != "bucket_bytes"}
+    options = {k: v for k, v in axes.items() if k == "bucket_bytes"}
 
     groups = DEFERRED[deferred]
     # Consecutive layers that defer alike share one layer loop (sync is per loop).
@@ -340,8 +341,9 @@ def _accumulate(mode, raf, deferred="all", defer="none", order="outside"):
         h = x @ fs.parallel.gather_params(p["lin"], accumulate=acc, sync=sync_of("root"), **root_axes)["w"]
         for run in runs:
             h = fs.parallel.scan_layers(lambda lp, z: torch.relu(z @ lp["w1"]) @ lp["w2"],
-                                        [p["layers"][i] for i in run], h, reshard_after_forward=raf,
-                                        accumulate=acc, sync=sync_of(run[0]), **axes)
+                                        [p["layers"][i] for i in run], h, accumulate=acc, sync=sync_of(run[0]),
+                                        config=fs.parallel.ScanConfig(reshard_after_forward=raf, **options),
+                                        **root_axes)
         return fs.lax.pmean(((h - y) ** 2).mean(), data)
 
     in_specs = (specs, P(data), P(data), None, None)
@@ -483,7 +485,7 @@ def _prefetch_order(forward_prefetch, n_layers):
     try:
         def body(p, x):
             out = fs.parallel.scan_layers(lambda lp, h: torch.tanh(h @ lp["w"]), p, x, axis="d",
-                                          forward_prefetch=forward_prefetch)
+                                          config=fs.parallel.ScanConfig(forward_prefetch=forward_prefetch))
             return fs.lax.pmean(out.sum(), "d")
 
         step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P("d")), out_specs=P()))
@@ -531,7 +533,7 @@ def _twice_2d(raf, steps, axes=AXES2D):
 
     def body(p, x, y):
         h = fs.parallel.scan_layers(lambda lp, z: _block(lp, _block(lp, z)), p, x, axis=axes,
-                                    reshard_after_forward=raf)
+                                    config=fs.parallel.ScanConfig(reshard_after_forward=raf))
         return fs.lax.pmean(((h - y) ** 2).mean(), axes)
 
     step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=(specs, P(axes), P(axes)), out_specs=P()))
@@ -610,8 +612,9 @@ def _raf_error(shape, axis, raf, remat=False):
     layers = [{"w": torch.ones(4, 4, dtype=torch.float64)}]
     specs = fs.parallel.fsdp_specs(layers, axis)
     sharded = fs.shard(layers, specs, mesh)
-    f = fs.shard_map(lambda p, x: fs.parallel.scan_layers(lambda lp, h: h @ lp["w"], p, x, axis=axis,
-                                                          reshard_after_forward=raf, remat=remat).sum(),
+    f = fs.shard_map(lambda p, x: fs.parallel.scan_layers(
+                         lambda lp, h: h @ lp["w"], p, x, axis=axis,
+                         config=fs.parallel.ScanConfig(reshard_after_forward=raf, remat=remat)).sum(),
                      mesh=mesh, in_specs=(specs, P()), out_specs=P(), check=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -810,7 +813,7 @@ def _alive_body(raf):
         return torch.tanh(z @ lp["w"])
 
     def body(p, a):
-        return fs.parallel.scan_layers(layer, p, a, axis="d", reshard_after_forward=raf)
+        return fs.parallel.scan_layers(layer, p, a, axis="d", config=fs.parallel.ScanConfig(reshard_after_forward=raf))
 
     x = torch.randn(4, 4, generator=g, dtype=torch.float64)
     f = fs.shard_map(body, mesh=mesh, in_specs=(specs, P("d")), out_specs=P("d"))

@@ -62,7 +62,7 @@ def _train(model, layout, sp, steps, check=True, raf=True, dim=16, remat=False, 
     # through DTensor's own gather below, an independent check of the same layout.
     init_diff = local_block_diff(sharded, params, specs, mesh, uneven=True)
     body, ref_loss_fn, batch, in_axes = _MODELS[model](cfg, axes, data_axes, sp, dict(
-        reshard_after_forward=raf, remat=remat, **axes))
+        config=fs.parallel.ScanConfig(reshard_after_forward=raf, remat=remat), **axes))
     in_specs = (specs, P(in_axes), P(in_axes))
     if order == "outside":  # value_and_grad(shard_map(f))
         step = fs.value_and_grad(fs.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(), check=check))
