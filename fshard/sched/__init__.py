@@ -29,6 +29,8 @@ from fshard.sched.lower import lower as lower
 from fshard.sched.plot import plot as plot
 from fshard.sched.registry import build_schedule as build_schedule
 from fshard.sched.registry import resolve_name as resolve_name
+from fshard.sched.runtime import Executor as Executor
+from fshard.sched.runtime import ExecutorConfig as ExecutorConfig
 from fshard.sched.simulate import SimReport as SimReport
 from fshard.sched.simulate import Span as Span
 from fshard.sched.simulate import simulate as simulate
@@ -40,6 +42,8 @@ from fshard.sched.validate import validate as validate
 
 __all__ = [
     "Action",
+    "Executor",
+    "ExecutorConfig",
     "Kind",
     "Schedule",
     "ScheduleError",

@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections import deque
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
@@ -50,7 +52,7 @@ from fshard import tree as tree_util
 from fshard.sched.ir import Action, Kind, Schedule, ScheduleError
 from fshard.sched.split import SplitBackward, differentiable, grad, wants_grad
 
-__all__ = ["Executor", "tracing"]
+__all__ = ["Executor", "ExecutorConfig", "tracing"]
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 _SENDS = (Kind.SEND_F, Kind.SEND_B)
@@ -197,14 +199,132 @@ class _Saved:
         self.x, self.root, self.wrt, self.split = x, root, wrt, None
 
 
-class Executor:
-    """Runs ``schedule.actions[rank]`` for one step.
+_HOOK_KINDS = (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD)
 
-    Args:
-        schedule: a lowered, validated schedule.
+
+def _hooks(value: Mapping[Kind, Callable[[int, Any], None]] | None) -> dict[Kind, Callable[[int, Any], None]]:
+    hooks = dict(value or {})
+    for kind, fn in hooks.items():
+        if kind not in _HOOK_KINDS or not callable(fn):
+            raise TypeError(
+                f"ExecutorConfig.hooks[{kind!r}]={fn!r}: hooks map Kind.UNSHARD, Kind.RESHARD or "
+                f"Kind.REDUCE_GRAD to fn(stage, executor); the schedule's other actions run without hooks."
+            )
+    return hooks
+
+
+def _non_negative_int(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"ExecutorConfig.{attribute.name}={value!r}: must be an int >= 0.")
+
+
+@attrs.frozen(kw_only=True)
+class ExecutorConfig:
+    """Where one rank runs its part of a schedule (rank, group, axis, device), and how.
+
+    Attributes:
         rank: this rank's index on the pipeline axis.
         group: the pipeline axis' process group.
         axis: the pipeline axis name (for comm_log).
+        device: where stage inputs and received tensors live (transfers go through host
+            memory where the group's backend cannot move ``device`` tensors itself:
+            gloo with CUDA tensors).
+        hooks: ``{Kind.UNSHARD | RESHARD | REDUCE_GRAD: fn(stage, executor)}`` (default none).
+        prefetch: receives kept posted ahead of their place in the list (gloo only;
+            default 2).
+        stages: optional per-stage parameter view (FSDP at stage level,
+            :class:`fshard.sched.stage_fsdp.StageShards`): ``stages.forward(s, leaves)``
+            gives the leaves ``stage_fn`` sees and a context to run it in;
+            ``stages.backward_done(s)`` is called after each B/I/W of stage ``s``.
+
+    Raises:
+        ValueError: ``rank`` or ``prefetch`` not an int >= 0.
+        TypeError: a hook for another kind of action, or one that is not callable.
+    """
+
+    rank: int = attrs.field(validator=_non_negative_int)
+    group: Any
+    axis: str
+    device: torch.device
+    hooks: dict[Kind, Callable[[int, Any], None]] = attrs.field(factory=dict, converter=_hooks)
+    prefetch: int = attrs.field(default=2, validator=_non_negative_int)
+    stages: Any = None
+
+
+_CONFIG_FIELDS = frozenset(attrs.fields_dict(ExecutorConfig))
+
+
+def _args(
+    stage_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any],
+    params: Mapping[int, tuple[list[Any], Any]],
+    inputs: Sequence[Any],
+    targets: Sequence[Any],
+    seed: float,
+) -> tuple[Any, ...]:
+    return stage_fn, loss_fn, params, inputs, targets, seed
+
+
+def _old_args(
+    rank: int,
+    group: Any,
+    axis: str,
+    stage_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any],
+    params: Mapping[int, tuple[list[Any], Any]],
+    inputs: Sequence[Any],
+    targets: Sequence[Any],
+    seed: float,
+    device: torch.device,
+    hooks: Mapping[Kind, Callable[[int, Any], None]] | None = None,
+    prefetch: int = 2,
+    stages: Any = None,
+) -> tuple[tuple[Any, ...], ExecutorConfig]:
+    config = ExecutorConfig(
+        rank=rank, group=group, axis=axis, device=device, hooks=hooks, prefetch=prefetch, stages=stages
+    )
+    return (stage_fn, loss_fn, params, inputs, targets, seed), config
+
+
+def _bind(args: tuple[Any, ...], kwargs: dict[str, Any], config: ExecutorConfig | None) -> tuple[Any, ...]:
+    """``(stage_fn, loss_fn, params, inputs, targets, seed, config)`` from either form of
+    ``Executor``'s arguments; the old one (placement and options beside the data) warns."""
+    if config is not None:
+        old = sorted(_CONFIG_FIELDS & set(kwargs))
+        if old:
+            given = ", ".join(f"{k}=..." for k in old)
+            raise TypeError(
+                f"Executor: both config= and the old keyword(s) {given} were given; put them in the "
+                f"config: config=attrs.evolve(config, {given})."
+            )
+        try:
+            return (*_args(*args, **kwargs), config)
+        except TypeError as e:
+            raise TypeError(f"{e}".replace("_args()", "Executor()")) from None
+    try:
+        data, config = _old_args(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"{e}".replace("_old_args()", "Executor()") + "; Executor takes (schedule, stage_fn, loss_fn, params, "
+            "inputs, targets, seed, config=ExecutorConfig(rank=..., group=..., axis=..., device=...))."
+        ) from None
+    options = [k for k in ("hooks", "prefetch", "stages") if k in kwargs]
+    given = ", ".join(f"{k}=..." for k in ("rank", "group", "axis", "device", *options))
+    warnings.warn(
+        f"Executor: rank, group, axis, device{''.join(', ' + k for k in options)} as arguments of Executor are "
+        f"deprecated and will be removed in the next release; pass Executor(schedule, stage_fn, loss_fn, "
+        f"params, inputs, targets, seed, config=ExecutorConfig({given})).",
+        DeprecationWarning,
+        stacklevel=3,  # the caller of Executor(...)
+    )
+    return (*data, config)
+
+
+class Executor:
+    """Runs ``schedule.actions[config.rank]`` for one step.
+
+    Args:
+        schedule: a lowered, validated schedule.
         stage_fn: ``stage_fn(params, x, stage) -> y``.
         loss_fn: ``loss_fn(y_last, target) -> scalar``.
         params: per held stage, ``(leaves, treedef)``; leaves that require grad get one.
@@ -212,16 +332,11 @@ class Executor:
         targets: per microbatch, the loss target pytree.
         seed: the gradient seeded at every microbatch loss: the one place losses are
             scaled (1 / (n_microbatches * data-parallel size)).
-        device: where stage inputs and received tensors live (transfers go through host
-            memory where the group's backend cannot move ``device`` tensors itself:
-            gloo with CUDA tensors).
-        hooks: ``{Kind.UNSHARD | RESHARD | REDUCE_GRAD: fn(stage, executor)}`` (optional).
-        prefetch: receives kept posted ahead of their place in the list (gloo only;
-            optional, default 2).
-        stages: optional per-stage parameter view (FSDP at stage level,
-            :class:`fshard.sched.stage_fsdp.StageShards`): ``stages.forward(s, leaves)``
-            gives the leaves ``stage_fn`` sees and a context to run it in;
-            ``stages.backward_done(s)`` is called after each B/I/W of stage ``s``.
+        config: an :class:`ExecutorConfig`: this rank, the pipeline group, axis and
+            device, and the hooks, receive prefetch and stage view. The old form,
+            ``Executor(schedule, rank, group, axis, stage_fn, loss_fn, params, inputs,
+            targets, seed, device, hooks=, prefetch=, stages=)``, still works for this
+            release, with a ``DeprecationWarning``.
 
     Attributes (after :meth:`run`):
         grads: per held stage, one gradient (or None) per leaf, summed over microbatches.
@@ -233,33 +348,30 @@ class Executor:
         spans: ``(action, start_s, end_s)`` per compute action (its input waits
             excluded), in seconds from the start of :meth:`run`.
         n_sends, n_recvs, bytes_sent, bytes_received: payload transfers (no headers).
+
+    Raises:
+        TypeError: ``config`` together with an old keyword (both named), or arguments
+            that fit neither form.
     """
 
     def __init__(
         self,
         schedule: Schedule,
-        rank: int,
-        group: Any,
-        axis: str,
-        stage_fn: Callable[..., Any],
-        loss_fn: Callable[..., Any],
-        params: Mapping[int, tuple[list[Any], Any]],
-        inputs: Sequence[Any],
-        targets: Sequence[Any],
-        seed: float,
-        device: torch.device,
-        hooks: Mapping[Kind, Callable[[int, Executor], None]] | None = None,
-        prefetch: int = 2,
-        stages: Any = None,
+        *args: Any,
+        config: ExecutorConfig | None = None,
+        **kwargs: Any,
     ) -> None:
+        stage_fn, loss_fn, params, inputs, targets, seed, config = _bind(args, kwargs, config)
+        rank, group, axis, device = config.rank, config.group, config.axis, config.device
+        self.config = config
         self.schedule, self.rank, self.group, self.axis = schedule, rank, group, axis
         self.stage_fn, self.loss_fn, self.params = stage_fn, loss_fn, params
         self.inputs, self.targets, self.seed, self.device = inputs, targets, seed, device
         # Where transfers live: the device, or host memory where the backend's
         # point-to-point cannot read the device (gloo with CUDA tensors).
         self.wire = torch.device("cpu") if comm.via_host(group, device) else device
-        self.hooks = dict(hooks or {})
-        self.stages = stages
+        self.hooks = dict(config.hooks)
+        self.stages = config.stages
         self.last = schedule.n_stages - 1
         self.grads: dict[int, list[torch.Tensor | None]] = {
             s: [None] * len(leaves) for s, (leaves, _) in params.items()
@@ -280,7 +392,7 @@ class Executor:
         self._owned: set[tuple[int, int]] = set()  # accumulators this executor allocated
         self._unposted = deque(a for a in schedule.actions[rank] if a.kind in (Kind.RECV_F, Kind.RECV_B))
         self._posted: set[Action] = set()
-        self.prefetch = prefetch if dist.get_backend(group) == "gloo" else 0
+        self.prefetch = config.prefetch if dist.get_backend(group) == "gloo" else 0
         self.traced = tracing()
         self._post_batch = _Traced.post if self.traced else _Once.post
         self._header_sends: list[Any] = []  # while tracing: the real header sends in flight

@@ -34,7 +34,7 @@ from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.sharding import spec_of
 from fshard.sched.ir import Action, Kind, Schedule
 from fshard.sched.lower import add_reduce_grad, add_unshard_reshard, lower
-from fshard.sched.runtime import Executor, tracing
+from fshard.sched.runtime import Executor, ExecutorConfig, tracing
 from fshard.sched.stage_fsdp import StageFSDP, StageShards
 from fshard.sched.validate import validate
 from fshard.transforms.shard_map import set_global_shape
@@ -233,18 +233,15 @@ def pipeline_step(
             hooks.update({Kind.UNSHARD: shards.unshard, Kind.RESHARD: shards.reshard})
         executor = Executor(
             prepared,
-            rank,
-            mesh.group(axis),
-            axis,
             stage_fn,
             loss_fn,
             held,
             inputs,
             targets,
             1.0 / (m * n_data),
-            mesh.device,
-            hooks=hooks,
-            stages=shards,
+            config=ExecutorConfig(
+                rank=rank, group=mesh.group(axis), axis=axis, device=mesh.device, hooks=hooks, stages=shards
+            ),
         )
         with mesh:
             executor.run()
