@@ -8,10 +8,11 @@ random config (no hub access needed), trained as a pure function of its paramete
     torchrun --nproc-per-node 4 examples/finetune_hf.py --model gpt2 --mesh dp=2,fsdp=2
     torchrun --nproc-per-node 4 examples/finetune_hf.py --model llama --mesh fsdp=2,tp=2
 
-What runs: ``fs.nn.functionalize(model)`` splits the module into ``apply`` and a parameter
-tree; ``fs.parallel.tp_apply`` splits it by a plan (``HF_LLAMA_TP_PLAN``/``HF_GPT2_TP_PLAN``)
-over ``tp``; ``fs.parallel.fsdp_apply`` gathers each block's shards just before it runs over
-``fsdp`` and all-reduces gradients over ``dp``. Tokens are bytes (vocabulary 256) of the
+What runs: ``fs.recipes.ModuleModel`` and ``build_train_step`` on an ``fs.parallel.Layout``.
+The recipe functionalizes the module (``fs.nn.functionalize``: ``apply`` and a parameter
+tree), splits it by a plan (``HF_LLAMA_TP_PLAN``/``HF_GPT2_TP_PLAN``) over ``tp`` with
+``fs.parallel.tp_apply``, and with ``fs.parallel.fsdp_apply`` gathers each block's shards
+just before it runs over ``fsdp`` and all-reduces gradients over ``dp``. Tokens are bytes (vocabulary 256) of the
 bundled text. At the end, ``fs.checkpoint.save_hf`` writes ``--out``, rank 0 reloads it with
 ``transformers.AutoModelForCausalLM.from_pretrained``, checks that its logits equal the
 trained parameters', and generates a sample. The global batch of step ``s`` depends only on
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,7 +34,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fshard as fs
-from fshard import P
 
 DATA = Path(__file__).resolve().parent / "data" / "kjv_shakespeare.txt"
 AXES = ("dp", "fsdp", "tp")  # outermost first, whatever order --mesh names them in
@@ -99,22 +98,9 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype):
     return LlamaForCausalLM(cfg).to(dtype)
 
 
-def layout(model_kind: str, shape: dict[str, int], apply: Any, params: Any) -> tuple[Any, Any, tuple[str, ...]]:
-    """The wrapped apply, the parameter specs and the data axes for this mesh."""
-    plan = fs.parallel.HF_GPT2_TP_PLAN if model_kind == "gpt2" else fs.parallel.HF_LLAMA_TP_PLAN
-    fsdp = "fsdp" if "fsdp" in shape else None
-    if "tp" in shape:
-        apply = fs.parallel.tp_apply(apply, plan, "tp")
-        specs = fs.parallel.tp_specs(params, plan, "tp", fsdp_axis=fsdp)
-    elif fsdp:
-        specs = fs.parallel.fsdp_specs(params, "fsdp")
-    else:
-        specs = fs.parallel.replicate_specs(params)
-    data = tuple(a for a in ("dp", "fsdp") if a in shape)
-    if data:  # per-block FSDP over fsdp, gradient all-reduce over dp (HSDP with both)
-        apply = fs.parallel.fsdp_apply(apply, blocks=BLOCKS[model_kind], axis=fsdp,
-                                       replicate_axis="dp" if "dp" in shape else None)
-    return apply, specs, data
+def lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross-entropy, the mean over this rank's rows: ``out.logits`` is (b, T, 256)."""
+    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
 
 
 def batch(data: torch.Tensor, step: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,32 +119,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     mesh = fs.make_mesh(shape)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     dtype = DTYPES[args.dtype]
-    n_data = math.prod(shape.get(a, 1) for a in ("dp", "fsdp"))
-    if args.batch_size % n_data:
-        raise SystemExit(f"--batch-size {args.batch_size} does not split over {n_data} data ranks.")
     data = torch.frombuffer(bytearray(DATA.read_bytes()), dtype=torch.uint8).long()
 
     model = build_model(args, dtype)
-    apply, params, _ = fs.nn.functionalize(model)
-    wrapped, specs, data_axes = layout(args.model, shape, apply, params)
-    sharded = fs.shard(params, specs, mesh, uneven=True)
-    opt = fs.optim.adamw(args.lr, weight_decay=0.01)
-    state = opt.init(sharded)
-
-    def loss_fn(p, tokens, targets):  # per device: local shards, this rank's rows
-        logits = wrapped(p, tokens).logits  # (b, T, 256)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return fs.lax.pmean(loss, data_axes) if data_axes else loss
-
-    rows = P(data_axes or None)
-    step = fs.shard_map(fs.value_and_grad(loss_fn), mesh=mesh, in_specs=(specs, rows, rows),
-                        out_specs=(P(), specs))
+    plan = fs.parallel.HF_GPT2_TP_PLAN if args.model == "gpt2" else fs.parallel.HF_LLAMA_TP_PLAN
+    recipe = fs.recipes.ModuleModel(model, lm_loss, blocks=BLOCKS[args.model], tp_plan=plan, name=args.model)
+    layout = fs.parallel.Layout(shape, batch=args.batch_size, dtype=args.dtype)
+    init_state, step = fs.recipes.build_train_step(recipe, layout, fs.optim.adamw(args.lr, weight_decay=0.01),
+                                                   mesh=mesh)
+    sharded, state = init_state(args.seed)  # the module's values, as shards
     records = []
     for s in range(1, args.steps + 1):
         tokens, targets = batch(data, s, args)
-        loss, grads = step(sharded, tokens, targets)
-        updates, state = opt.update(grads, state, sharded)
-        sharded = fs.optim.apply_updates(sharded, updates)
+        sharded, state, loss, _, _ = step(sharded, state, tokens, targets)
         records.append({"step": s, "loss": loss.item()})
         if rank0 and not args.quiet and (s == 1 or s % 10 == 0 or s == args.steps):
             print(f"step {s:4d}  loss {loss.item():.4f}", flush=True)
@@ -189,4 +162,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    fs.recipes.run_script(main, "finetune_hf.py")  # a layout that does not fit: one line, exit code 2
