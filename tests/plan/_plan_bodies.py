@@ -18,20 +18,19 @@ def traced_step(argv: list[str]) -> dict:
     import torch.distributed as dist
 
     import fshard as fs
+    from fshard.recipes.step import compose_train_step
 
     T = train_lm()
     args = T.parse_args(argv)
     mesh = fs.make_mesh(T.parse_mesh(args.mesh, dist.get_world_size()))
     corpus = T.CharCorpus.load(args.data)
-    cfg, roles, model, pipe, microbatches = T.configure(args, mesh, corpus)
-    params, specs = fs.recipes.step.init_params(model, roles, args.seed, pipe)
-    opt = T.make_optimizer(args)
-    state = opt.init(params)
-    order = {p: i for i, p in enumerate(fs.tree.zip_with_path(params)[0])}
-    inject = args.inject_nonfinite  # none: the flag is not given
-    recipe = fs.recipes.step
-    step = (recipe.make_pipeline_step(model, roles, pipe, opt, args.grad_clip, inject, order) if pipe is not None else
-            recipe.make_train_step(model, roles, specs, opt, microbatches, args.grad_clip, inject, order))
+    cfg = T.model_config(args, corpus)
+    microbatches = args.microbatches or (2 * mesh.shape["pp"] if "pp" in mesh.shape else 1)
+    layout = T.plan_layout(args, dict(mesh.shape), microbatches)
+    composed = compose_train_step(fs.recipes.transformer(cfg), layout, T.make_optimizer(args), mesh=mesh,
+                                  max_norm=args.grad_clip)
+    params, state = composed.init_state(args.seed)
+    step = composed.step
     tokens, targets = corpus.batch(0, args.batch_size, args.seq_len, args.seed)
     params, state = step(params, state, tokens, targets)[:2]
     with fs.comm_log() as log:
