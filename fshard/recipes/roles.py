@@ -102,7 +102,7 @@ class Roles:
         if layout.offload:
             raise LayoutError(
                 "Layout.offload: the recipes do not offload yet; use fs.parallel.offload_shards "
-                "with scan_layers(offload=True) in a step of your own, or leave offload out"
+                "with scan_layers(config=ScanConfig(offload=True)) in a step of your own, or leave offload out"
             )
         roles = cls.for_mesh(
             mesh,

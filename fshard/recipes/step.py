@@ -33,7 +33,7 @@ from fshard.optim.base import GradientTransformation, apply_updates, donate
 from fshard.optim.clipping import global_norm as optim_global_norm
 from fshard.parallel.accumulate import GradAccumulator
 from fshard.parallel.layout import Layout
-from fshard.parallel.scan import gather_params, scan_layers
+from fshard.parallel.scan import ScanConfig, gather_params, scan_layers
 from fshard.recipes.faults import Injection, NonFinite, first_nonfinite
 from fshard.recipes.model import LayeredModel, ModelLike, resolve_model
 from fshard.recipes.pipeline import Pipeline, make_pipeline_grads
@@ -84,7 +84,16 @@ def per_device_loss(
     axes = roles.group_axes(acc, sync)
     root = gather_params({k: v for k, v in params.items() if k != "layers"}, **axes)
     x = model.embed(root, tokens)  # (b, T, D)
-    x = scan_layers(model.block, params["layers"], x, **roles.layer_loop(), **axes)
+    x = scan_layers(
+        model.block,
+        params["layers"],
+        x,
+        axis=roles.shard_axis,
+        replicate_axis=roles.replicate_axis,
+        config=ScanConfig(policy=roles.policy, **roles.layer_loop()),
+        accumulate=acc,
+        sync=sync,
+    )
     loss = model.loss(model.head(root, x), targets)
     if not roles.data_axes:  # e.g. tp only: every rank holds the whole batch
         return loss
