@@ -97,9 +97,9 @@ def _sustained(
     the slowest rank. With more ranks than cores, a rank's own per-call times (their mean,
     or their mean over the ranks) are too fast: a rank that finishes its burst early leaves
     its core to the others, so their later calls run faster than they would if all kept
-    computing. On a quiet 2-core host with 4 ranks, bursts of 5 matrix products of 384^2
-    timed 23-65 GFLOP/s per rank (mean of the ranks' means) where 60 back to back gave
-    15-25 (2026-11-27; ``tests/plan/test_plan_measure.py`` has the rule on sleeps).
+    computing: short bursts time a core to itself, well above the rate of long ones
+    (docs/plan.md, "Figures behind the planner's rules";
+    ``tests/plan/test_plan_measure.py`` has the rule on sleeps).
     Without a process group, ``fn``'s time on this process.
     """
     for _ in range(2):
@@ -114,9 +114,8 @@ def _sustained(
     sync()
     per_call = _median_over_ranks((time.perf_counter() - t0) / repeat, device)
     # 1.25: the calls of a short burst run a little slower than those of a long one (cold
-    # caches), and a count sized exactly made most first bursts 5-15 % short, each then run
-    # again (single process, 2026-11-27: 2.2 s in _sustained for a quick calibration, against
-    # 1.25 s with the count from one call).
+    # caches), and a count sized exactly made most first bursts a little short, each then run
+    # again (docs/plan.md, "Figures behind the planner's rules").
     count = max(repeat, math.ceil(_BURST_MARGIN * min_s / max(per_call, 1e-9)))
     for _ in range(_BURST_TRIES):
         barrier()
@@ -266,7 +265,7 @@ def calibrate(
     pair.append(torch.empty_like(pair[0]))
     t = _sustained(lambda: pair[1].copy_(pair[0]), repeat=repeat, sync=sync, barrier=barrier, device=device)
     mem_bw = 2 * pair[0].numel() * pair[0].element_size() / t
-    pair.clear()  # 128 MiB: not kept for the timings that follow
+    pair.clear()  # the two large buffers: not kept for the timings that follow
 
     efficiency, layer_overhead, call_overhead, fit_note = 1.0, 0.0, 0.0, "block fit skipped"
     if block is not False and "float32" in flops:
@@ -389,11 +388,10 @@ def _optimizer_fit(
     Timed on replicated DTensor leaves over ``mesh`` (as train_lm's parameters are: every
     op goes through DTensor's dispatch) at :data:`OPTIMIZER_POINTS` (a block's matrices
     are 2^16 to 2^18 elements), as :func:`_sustained` times it, the median of rounds
-    taken in turn (three; one when ``quick``). On 4 ranks sharing 2 cores (2026-11-27)
-    train_lm's update of its 53 leaves (3.3 M elements) took 55 ms replicated and 27 ms
-    sharded over 4, against 39 and 21 ms from the traced kernels at the copy's bandwidth
-    with the per-leaf cost of small leaves: the difference scales with the bytes, at
-    about 0.6 of the copy's bandwidth.
+    taken in turn (three; one when ``quick``). Why a share of the copy's bandwidth: on
+    ranks sharing cores, train_lm's update ran slower than its traced kernels at the copy's
+    bandwidth with the per-leaf cost of small leaves, by a difference that scales with the
+    bytes, not the leaves (docs/plan.md, "Figures behind the planner's rules").
     """
     from fshard import optim
     from fshard.mesh.sharding import shard
@@ -526,11 +524,11 @@ def _block_fit(
     is the median of rounds taken in turn (five; one when ``quick``), so that a drift of
     the machine's speed moves every point alike.
 
-    Why three unknowns: measured on 4 ranks sharing 2 cores (2026-11-27), 1, 2 and 4 blocks
-    per call took 44, 68 and 107 ms at 1 sample and 103, 183 and 351 ms at 4: about 20 ms
-    per call, 20 ms per block and sample, and almost nothing per block besides. A fit of one
-    block at two ``b`` put the whole 20 ms per call on every layer's forward and backward,
-    which a flat step pays once per microbatch and a pipeline stage not at all.
+    Why three unknowns: on ranks sharing cores, a call's time is a fixed part per call plus
+    a part per block and sample, with almost nothing per block besides. A fit of one block
+    at two ``b`` put the whole per-call cost on every layer's forward and backward, which a
+    flat step pays once per microbatch and a pipeline stage not at all (docs/plan.md,
+    "Figures behind the planner's rules").
     """
     import optree
 
@@ -566,8 +564,8 @@ def _block_fit(
         for n in (1, 2, 4)
     }
     # Up to 4 blocks per call: the per-layer cost is the small difference of per-block
-    # times, which 1 and 2 blocks left to noise (three calibrations minutes apart fitted
-    # 5.2, 10.3 and 9.6 ms per layer call, 9.2, 0 and 2.0 ms per step-body call). At most
+    # times, which 1 and 2 blocks left to noise (calibrations minutes apart fitted costs
+    # that differed by as much as the costs themselves; docs/plan.md, as above). At most
     # 4 block-samples per point; four points, so that the fit of three unknowns averages.
     points = BLOCK_POINTS
     xs = {b: torch.randn(b, T, cfg.dim, generator=g).to(device) for _, b in points}
@@ -779,12 +777,11 @@ def _overlap(mesh: Any, sync, barrier, quick: bool = False) -> float:
 
     Each of the three (compute alone, gather alone, both) is timed as :func:`_sustained`
     times it, the median of rounds taken in turn (five; one when ``quick``): the share is
-    a difference of times, and single short timings of each (as before 2026-11-27) gave
-    0.26, 0.0 and 0.89 in three calibrations of one quiet 2-core machine minutes apart; the
-    compute loop is sized to last as long as the gather. Four calibrations in a row, 4 ranks
-    on 2 cores, then gave 0.22, 0.01, 0.11 and 0.13 with three rounds, and 24 with five
-    0-0.36 (median 0.08): with every core computing, gloo's transfers take cores from the
-    compute rather than hide behind it.
+    a difference of times, which single short timings of each left to noise (calibrations
+    of one quiet machine minutes apart spread over most of [0, 1]); the compute loop is
+    sized to last as long as the gather. With every core computing, gloo's transfers take
+    cores from the compute rather than hide behind it, so the share comes out small on ranks
+    sharing cores (docs/plan.md, "Figures behind the planner's rules").
     """
     from fshard import comm
 
@@ -809,8 +806,8 @@ def _overlap(mesh: Any, sync, barrier, quick: bool = False) -> float:
         h.wait()
 
     # As long as the gather alone: the share is a difference over the shorter of the two,
-    # which a short compute loop (8 products: 6 ms against a 20-60 ms gather on 4 ranks
-    # sharing 2 cores) makes a fifth as precise.
+    # which a short compute loop (the 8 products it starts from: a fraction of the gather's
+    # time on ranks sharing cores) makes far less precise.
     reps = 8
     tg = _sustained(gather, repeat=5, sync=sync, barrier=barrier, device=mesh.device)
     tc = _sustained(compute, repeat=5, sync=sync, barrier=barrier, device=mesh.device)
@@ -839,9 +836,9 @@ def _sync_overhead(mesh: Any, sync, barrier, quick: bool = False) -> float:
     :func:`_sustained` times it, the median of rounds taken in turn (five; one when
     ``quick``). On a device every rank has its own, this is about 0. With more ranks than
     cores, a rank that reaches the collective waits for peers the scheduler has preempted
-    in favour of other ranks' compute: on 4 ranks sharing 2 cores (2026-11-27) the tp=2
-    layouts of ``bench/plan_validate.py`` ran 110-185 ms over the estimate, with their
-    all-reduces at the idle link's time.
+    in favour of other ranks' compute: the tp=2 layouts of ``bench/plan_validate.py`` ran
+    well over the estimate with their all-reduces at the idle link's time (docs/plan.md,
+    "Figures behind the planner's rules").
     """
     from fshard import comm
 

@@ -223,8 +223,8 @@ def _exposed(machine: Machine, layout: Layout, c: Collective, window: dict[str |
     """Seconds of ``c`` (all its calls) the step waits for. ``machine.overlap`` is the share
     of the shorter of a collective and the compute beside it that runs hidden (what
     ``calibrate`` measures: an all-gather beside a loop as long as it); charging it as the
-    share of the compute window that hides communication, as before 2026-11-27, hid every
-    FSDP collective shorter than ``overlap`` times its block, however small ``overlap``."""
+    share of the compute window that hides communication would hide every FSDP collective
+    shorter than ``overlap`` times its block, however small ``overlap``."""
     if c.hide is None:
         return _blocking(machine, layout, c)
     t = collective_time(machine, layout, c) * c.count
@@ -236,12 +236,13 @@ def _blocking(machine: Machine, layout: Layout, c: Collective) -> float:
     flat step, the machine's cost per blocking call of peers out of step (CPU ranks
     sharing cores).
 
-    Not in pipelines: on 4 ranks sharing 2 cores (2026-11-27, ``bench/plan_validate.py``,
-    run ``v1``) the flat ``fsdp=2,tp=2`` layouts ran 20-29 % over the estimate without the
-    calibrated 1.6 ms per call, and the ``pp=2,tp=2`` ones within 7 % of it, 14-31 % under
-    it with the cost. (A pipeline's tp ranks start each action together on the activation
-    they both receive, and its blocked ranks leave their cores to the others; a flat
-    step's FSDP gathers run beside its TP all-reduces on gloo's threads.)
+    Not in pipelines: on ranks sharing cores (``bench/plan_validate.py``), the flat
+    ``fsdp=2,tp=2`` layouts ran well over the estimate without the calibrated cost per
+    call, and the ``pp=2,tp=2`` ones close to it without the cost and under it with the
+    cost (docs/plan.md, "Figures behind the planner's rules"). (A pipeline's tp ranks start
+    each action together on the activation they both receive, and its blocked ranks leave
+    their cores to the others; a flat step's FSDP gathers run beside its TP all-reduces on
+    gloo's threads.)
     """
     sync = machine.sync_overhead(_ranks_per_node(machine, layout)) if layout.pp == 1 else 0.0
     return c.count * (collective_time(machine, layout, c) + sync)
@@ -426,11 +427,11 @@ def simulate_pipeline(
     input gradients between stages is as slow as its slowest link). Not the largest of
     each kind over the ranks: ranks that split their backward differently then add up to a
     rank slower than any. fshard's runtime leaves the first stage's I empty (no input
-    gradient to send) and does its whole backward in W: measured ``(35.9, 0.1, 46.8)`` and
-    ``(41.3, 31.1, 17.2)`` ms on the two ranks of ``pp=2,tp=2 zb m=8``, whose kind-wise
-    largest, 119 ms per microbatch against 90 on the slower rank, simulated a bubble 20
-    points above the measured one (2026-11-27). Costs are rounded to 1/200 of the forward
-    cost (the simulator computes in exact fractions; similar layouts share a run).
+    gradient to send) and does its whole backward in W: the kind-wise largest of the two
+    ranks of a ``pp=2,tp=2 zb`` run was far slower than its slower rank, and simulated a
+    bubble far above the one it ran at (docs/plan.md, "Figures behind the planner's
+    rules"). Costs are rounded to 1/200 of the forward cost (the simulator computes in
+    exact fractions; similar layouts share a run).
 
     Args:
       layout: a layout with pp > 1.
@@ -552,9 +553,9 @@ def pipeline_transfer(machine: Machine, layout: Layout, model: ModelDesc) -> tup
     posting costs nothing. On CPU nodes (gloo) a rank posts its transfers from its own
     thread: the point-to-point latency is its host time per posted op, and the edge carries
     the bytes' time only, as the receive was posted ahead (the runtime's prefetch). Charging
-    the latency on both, as before 2026-11-27, put it twice on a 1F1B step's critical path
-    per microbatch: with the F, I and W each rank measured, the ``pp=2,tp=2`` m=8 runs
-    simulated at 6-7 points more bubble than they measured.
+    the latency on both puts it twice on a 1F1B step's critical path per microbatch: fed
+    each rank's timed F, I and W, the simulator then put the ``pp=2,tp=2`` runs' bubble
+    several points too high (docs/plan.md, "Figures behind the planner's rules").
     """
     full = collective_time(machine, layout, Collective("send", ("pp",), pipeline_payload(model, layout)))
     if not machine.cores_per_node:
@@ -616,7 +617,7 @@ def _shared_core_pipeline(
     Where the cores stay saturated (busy ranks at least the cores) every busy share is
     consistent, the step comes out at the ranks' work over the cores, and the fixed point
     keeps the bubble shape of the fixed-cost schedule, which is what the measured spans
-    showed (docs/plan.md, "Model changes of 2026-11-27"). On GPUs, or with a core per rank,
+    showed (docs/plan.md, "Model changes", item 2). On GPUs, or with a core per rank,
     the speed-up is 1: one simulation.
     """
     m, rpn = layout.microbatches, _ranks_per_node(machine, layout)

@@ -237,8 +237,8 @@ class Machine:
 
     def sync_overhead(self, ranks_per_node: int | None = None) -> float:
         """Seconds a blocking collective call costs beyond its link time on one rank: the
-        calibrated figure while a node's ranks outnumber its cores, if they did when it
-        was measured (else it measured nothing of the kind), or on a device; else 0."""
+        calibrated figure while a node's ranks outnumber its cores, if they did at
+        calibration (else it timed nothing of the kind), or on a device; else zero."""
         if self.cores_per_node and ranks_per_node and ranks_per_node <= self.cores_per_node:
             return 0.0
         if self.cores_per_node and self.calibrated_ranks and self.calibrated_ranks <= self.cores_per_node:
@@ -246,7 +246,7 @@ class Machine:
         return self.sync_overhead_s
 
     def share(self, ranks_per_node: float | None) -> float:
-        """CPU machines: this rank's share of the speed measured at calibration (1 on GPUs),
+        """CPU machines: this rank's share of the speed timed at calibration (one on GPUs),
         when ``ranks_per_node`` ranks compute at once (a mean, so not always a whole number:
         a pipeline's ranks idle in its bubble)."""
         if not self.cores_per_node or not ranks_per_node:

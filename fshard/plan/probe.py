@@ -14,7 +14,8 @@ the others alone:
   tensor whose last reference a gloo worker thread drops (a collective's input, held by
   its work object) is never seen freed, and the profiler's own running total stays too
   high by that tensor from then on, by whole buffers at random from run to run (the
-  same fsdp=4 remat step measured 28.5 to 59.3 MiB). The probe therefore also watches,
+  same remat step's peak about doubled from one run to another; docs/plan.md, "Figures
+  behind the planner's rules"). The probe therefore also watches,
   with a dispatch mode, when every storage an op creates dies, on whichever thread, and
   puts the missing frees back at that time (:func:`peak_from_events`); an allocation
   whose address is allocated again before any free was seen is freed at the latest then.
