@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections import Counter
 from typing import Any, Iterable, Sequence
 
 import attrs
 
+from fshard._deprecated import config_from_keywords
 from fshard.plan.axes import RULES
 from fshard.plan.estimate import Estimate, estimate
 from fshard.plan.layout import AXES, Layout, LayoutError
@@ -139,33 +139,6 @@ class SearchConfig:
     top: int | None = attrs.field(default=None, validator=_check_count)
 
 
-_OPTIONS = tuple(f.name for f in attrs.fields(SearchConfig))
-
-
-def _config(config: SearchConfig | None, old: dict[str, Any]) -> SearchConfig:
-    """``config``, or one built from the deprecated keywords (each warned about once per call)."""
-    unknown = sorted(set(old) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"search() got unexpected keyword argument(s) {unknown}; the options are SearchConfig's {list(_OPTIONS)}"
-        )
-    if not old:
-        return config if config is not None else SearchConfig()
-    if config is not None:
-        raise TypeError(
-            f"search(): pass the options either as config=SearchConfig(...) or as the deprecated keywords "
-            f"{sorted(old)}, not both; e.g. config=attrs.evolve(config, {sorted(old)[0]}=...)"
-        )
-    for kw in old:
-        warnings.warn(
-            f"search(..., {kw}=...) is deprecated and goes in the next release; "
-            f"pass config=SearchConfig({kw}=...) instead",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-    return SearchConfig(**old)
-
-
 def search(
     model: ModelDesc,
     machine: Machine,
@@ -196,7 +169,10 @@ def search(
       ValueError: ``n_devices`` or ``global_batch`` below 1.
       TypeError: both ``config`` and deprecated keywords, or an unknown keyword.
     """
-    cfg = _config(config, deprecated)
+    if deprecated:
+        cfg = config_from_keywords("search", SearchConfig, config, deprecated)
+    else:
+        cfg = config if config is not None else SearchConfig()
     if not isinstance(n_devices, int) or n_devices < 1:
         raise ValueError(f"search: n_devices must be an int >= 1, got {n_devices!r}")
     if not isinstance(global_batch, int) or global_batch < 1:
