@@ -194,9 +194,9 @@ def _wire_bytes(kind: CollectiveKind, args: tuple, device: str) -> int:
 
 
 def _resolve_group(name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-    return _resolve_process_group(name)
+    return _resolve_process_group(GroupName(name))
 
 
 @contextlib.contextmanager

@@ -346,7 +346,7 @@ def load_state(module: nn.Module, params: Tree, buffers: Tree | None = None) -> 
       ValueError: missing or unexpected names (all listed), or a shape that differs
         (each listed with its path and both shapes).
     """
-    targets = [("params", params, dict(module.named_parameters()))]
+    targets: list[tuple[str, Any, dict[str, torch.Tensor]]] = [("params", params, dict(module.named_parameters()))]
     if buffers is not None:
         targets.append(("buffers", buffers, dict(module.named_buffers())))
     for what, tree, own in targets:

@@ -158,7 +158,8 @@ def _broadcast(pre, val, path, out, is_prefix_leaf, name, full_name, full_is_lea
         return
     pre_leaf = optree.tree_is_leaf(pre)
     val_leaf = (full_is_leaf is not None and full_is_leaf(val)) or optree.tree_is_leaf(val)
-    mismatch, kind = None, ValueError
+    mismatch = None
+    kind: type[Exception] = ValueError
     if pre_leaf or val_leaf:
         kind = TypeError  # a wrong kind of spec (a str, a tuple) rather than a wrong shape of tree
     if pre_leaf:

@@ -133,7 +133,7 @@ class SaveLock:
     def held(self) -> bool:
         """Whether the lock file still names this save (someone may have removed it by hand)."""
         owner = _read(self.path)
-        return bool(owner) and owner.get("token") == self.token
+        return owner is not None and bool(owner) and owner.get("token") == self.token
 
     def release(self) -> None:
         """Removes the lock file if it is still this save's; never raises."""

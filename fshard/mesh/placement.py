@@ -81,7 +81,7 @@ def _axes_text(axes: Sequence[str], mesh: Mesh) -> str:
 
 
 def raise_spec_errors(
-    what: str, mesh: Mesh, bad: list[tuple[str, object, Sequence[int], list[str]]], remedy: str
+    what: str, mesh: Mesh, bad: Sequence[tuple[str, object, Sequence[int], list[str]]], remedy: str
 ) -> None:
     """Raises one ValueError (TypeError when every problem is a wrong kind) listing every bad leaf.
 

@@ -184,19 +184,19 @@ def init_sharded(
     raise_spec_errors("fs.init_sharded", mesh, bad, "Fix the spec, or change the parameter's shape.")
 
     leaf_node: dict[int, list[int]] = {}  # node -> leaf indices (tied leaves share a node)
-    by_storage = {}
+    by_storage: dict[Any, list[int]] = {}
     for n, key in enumerate(tracer.group_of):
         by_storage.setdefault(key, []).append(n)
     for i, x in enumerate(meta_leaves):
         if isinstance(x, torch.Tensor):
-            n = tracer.node_of.get(id(x))
-            if n is None:  # e.g. nn.Parameter(t): a new object over the same storage
-                n = next(
+            node = tracer.node_of.get(id(x))
+            if node is None:  # e.g. nn.Parameter(t): a new object over the same storage
+                node = next(
                     m
                     for m in reversed(by_storage[_storage_key(x)])
                     if tracer.keep[m].shape == x.shape and tracer.keep[m].stride() == x.stride()
                 )
-            leaf_node.setdefault(n, []).append(i)
+            leaf_node.setdefault(node, []).append(i)
 
     group_last: dict[int, int] = {}
     for k, (_, targs, tk, outs) in enumerate(tracer.ops):

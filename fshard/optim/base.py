@@ -404,7 +404,7 @@ def _layout(x: Any) -> tuple[Any, ...]:
 
 def _describe_layout(x: Any) -> str:
     if isinstance(x, DTensor):
-        names = x.device_mesh.mesh_dim_names or tuple(range(x.device_mesh.ndim))
+        names: tuple[object, ...] = x.device_mesh.mesh_dim_names or tuple(range(x.device_mesh.ndim))
         where = ", ".join(f"{n}: {p}" for n, p in zip(names, x.placements))
         try:
             from fshard.mesh.sharding import spec_of

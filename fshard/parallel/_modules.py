@@ -61,7 +61,8 @@ def module_paths(module: nn.Module) -> dict[str, nn.Module]:
 
 def nearest_names(module: nn.Module, path: str) -> str:
     """Where ``path`` stops resolving, and what exists there (for error messages)."""
-    node, done = module, []
+    node = module
+    done: list[str] = []
     for part in path.split("."):
         child = node._modules.get(part)
         if child is None:

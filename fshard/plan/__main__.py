@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
             print(est.explain())
-            if not est.fits:
+            if est.memory_limit is not None and not est.fits:
                 print(f"does not fit: peak {est.peak_bytes / 2**30:.1f} GiB > limit {est.memory_limit / 2**30:.1f} GiB")
             return 0
         config = SearchConfig(schedules=args.schedules, dtype=args.dtype, top=args.top)

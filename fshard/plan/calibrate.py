@@ -728,7 +728,7 @@ def _collectives(mesh: Any, quick: bool, sync, barrier) -> tuple[dict[str, dict[
             x = torch.ones(max(n, nbytes // 4), device=mesh.device)
             x = x[: x.numel() // n * n]
             nb = x.numel() * 4
-            runs = {
+            runs: dict[str, tuple[Callable[[], object], int]] = {
                 "all_gather": (lambda: comm.all_gather(x, group, n, axes=(axis,)), nb),
                 "psum_scatter": (lambda: comm.reduce_scatter(x, group, n, axes=(axis,)), nb),
                 "psum": (lambda: comm.all_reduce(x, group, "sum", axes=(axis,)), nb),

@@ -310,7 +310,7 @@ def _estimate_flat(model: ModelDesc, machine: Machine, layout: Layout, limit: fl
     call = machine.call_overhead(_ranks_per_node(machine, layout))
     compute = K * (call + sum((fwd[i] + bwd[i]) * layer.count for i, layer in enumerate(model.layers)))
     colls = step_collectives(model, layout)
-    window = {"fwd": fwd[rep], "bwd": bwd[rep]}
+    window: dict[str | None, float] = {"fwd": fwd[rep], "bwd": bwd[rep]}
     exposed = sum(_exposed(machine, layout, c, window) for c in colls)
 
     all_layers = [(i, layer.count) for i, layer in enumerate(model.layers)]
@@ -509,7 +509,7 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
     blk_b = _phase_time(machine, layout, model, model.layers[rep], "bwd_input", b) + _phase_time(
         machine, layout, model, model.layers[rep], "bwd_weight", b
     )
-    window = {"fwd": blk_f, "bwd": blk_b}
+    window: dict[str | None, float] = {"fwd": blk_f, "bwd": blk_b}
     outside = max(sum(_exposed(machine, layout, c, window) for c in colls if not c.pipeline) for colls in colls_by_rank)
     # CPU nodes: each send and receive the rank posts costs it host time outside its compute
     # actions (gloo runs them from the rank's own thread: the runtime's _post / _prefetch,

@@ -20,7 +20,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import attrs
 
@@ -64,6 +64,16 @@ class Link:
     def check(self, where: str) -> None:
         _positive(f"{where}.bandwidth", self.bandwidth)
         _positive(f"{where}.latency", self.latency, allow_zero=True)
+
+
+def _dict(d: Mapping[str, Any]) -> dict[str, Any]:
+    """``dict(d)``, typed: mypy's attrs plugin cannot infer a generic ``converter=dict``."""
+    return dict(d)
+
+
+def _tuple(xs: Iterable[Any]) -> tuple[Any, ...]:
+    """``tuple(xs)``, typed, as :func:`_dict`."""
+    return tuple(xs)
 
 
 @attrs.frozen
@@ -128,10 +138,10 @@ class Machine:
 
     name: str
     memory_bytes: float
-    flops: Mapping[str, float] = attrs.field(converter=dict)
+    flops: Mapping[str, float] = attrs.field(converter=_dict)
     mem_bandwidth: float
     devices_per_node: int
-    links: Mapping[str, Link] = attrs.field(converter=dict)
+    links: Mapping[str, Link] = attrs.field(converter=_dict)
     matmul_efficiency: float = 1.0
     mem_efficiency: float = 1.0
     op_overhead_s: float = 0.0
@@ -148,7 +158,7 @@ class Machine:
     calibrated_ranks: int = 0
     reserved_bytes: float = 0.0
     comm_temporaries: float = 0.0
-    sources: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    sources: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
     notes: str = ""
 
     def __attrs_post_init__(self) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import attrs
 import torch
@@ -178,6 +178,11 @@ class LayerDesc:
             _num(f"{where}.tp_extra[{i}].bytes", nbytes)
 
 
+def _tuple(xs: Iterable[Any]) -> tuple[Any, ...]:
+    """``tuple(xs)``, typed: mypy's attrs plugin cannot infer a generic ``converter=tuple``."""
+    return tuple(xs)
+
+
 @attrs.frozen
 class ModelDesc:
     """A model for the planner: its layers in order, per sample of ``seq_len`` tokens.
@@ -199,8 +204,8 @@ class ModelDesc:
     seq_len: int
     hidden: int
     dtype: str
-    layers: tuple[LayerDesc, ...] = attrs.field(converter=tuple)
-    tp_divides: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    layers: tuple[LayerDesc, ...] = attrs.field(converter=_tuple)
+    tp_divides: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
     n_experts: int = 0
     published_params: int = 0
 

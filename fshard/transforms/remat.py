@@ -111,7 +111,7 @@ def remat(f: Callable[..., Any], policy: str | Callable[[Any], bool] | None = No
 
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
             return f(*args, **kwargs)  # torch.func's grad transforms: checkpoint would raise
         # The recomputation runs during backward, outside the shard_map body and outside
         # the fs.grad calls that enclosed the first run: carry the body (mesh, checked mode)

@@ -110,7 +110,8 @@ def _enter(name: str, body: lax.Body, args: tuple, in_specs: Any, reshard: bool)
     direct = [
         i for i, (x, spec) in enumerate(zip(values, flat)) if isinstance(x, DTensor) and _in_layout(x, spec, mesh)
     ]
-    skip, paths, bad = set(direct), [], []
+    skip, bad = set(direct), []
+    paths: list[str] = []
 
     def path_of(i: int) -> str:  # names for the error messages, made only when one is needed
         if not paths:
