@@ -104,7 +104,8 @@ def _check(src: str, path: str, md: Metadata, keys: Sequence[str], leaves: Seque
             f"the checkpoint '{src}' is incomplete or corrupt: the data of {len(bad)} keys is "
             f"missing: {short_list(bad)}. Found: {'; '.join(reasons[:5])}."
         )
-    mismatches, dtypes = [], {}
+    mismatches: list[str] = []
+    dtypes: dict[tuple[Any, Any], list[str]] = {}
     for k, x in zip(keys, leaves):
         meta = stored[k]
         if isinstance(meta, BytesStorageMetadata):

@@ -180,7 +180,8 @@ def _report_at_exit() -> None:
         print(f"fshard: error at exit: {e}", file=stream, flush=True)
         for s in (sys.stdout, stream):
             try:
-                s.flush()
+                if s is not None:
+                    s.flush()
             except Exception:
                 pass
         os._exit(1)  # atexit cannot change the exit status otherwise

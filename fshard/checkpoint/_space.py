@@ -51,7 +51,7 @@ def free_bytes(directory: str) -> int | None:
 def _chain(e: BaseException) -> Iterable[BaseException]:
     """``e``, its causes and contexts, and each rank's error inside DCP's CheckpointException."""
     seen: set[int] = set()
-    todo = [e]
+    todo: list[BaseException | None] = [e]
     while todo:
         x = todo.pop()
         if x is None or id(x) in seen:

@@ -251,7 +251,7 @@ def _checked_size(name: str, size: Any) -> int:
     return int(size)
 
 
-def _timeout_overrides(axes: Mapping[str, int], world: int, backend: str) -> dict[str, Any]:
+def _timeout_overrides(axes: Mapping[str, int], world: int, backend: str) -> dict[int | str, Any]:
     """``init_device_mesh``'s ``backend_override``: the world's timeout for each axis whose
     groups torch would otherwise create with its own 30-minute default.
 
@@ -269,7 +269,7 @@ def _timeout_overrides(axes: Mapping[str, int], world: int, backend: str) -> dic
         return {}
     timeout = process.group_timeout()
     world_reuses_default = not (torch.cuda.is_available() and backend == "gloo")
-    out: dict[str, Any] = {}
+    out: dict[int | str, Any] = {}
     for name, size in axes.items():
         if size == world and world_reuses_default:
             continue
