@@ -1,8 +1,10 @@
 """``fs.jit``: the whole per-device step (forward, gradient, optimizer, collectives) as one
 captured graph, compiled by Inductor or any ``torch.compile`` backend (``docs/jit.md``).
 
-Modules: :mod:`~fshard.jit.api` (``jit``, capture, signatures, compile, donation's contract),
-:mod:`~fshard.jit.donation` (live aliases of donated buffers), :mod:`~fshard.jit.recompile`
+Modules: :mod:`~fshard.jit.api` (``jit`` and ``Jitted``: a call's trace, cache and run),
+:mod:`~fshard.jit.capture` (signatures, the capture error), :mod:`~fshard.jit.compile` (the
+compiled region), :mod:`~fshard.jit.donation` (donation's contract and the live aliases of
+donated buffers), :mod:`~fshard.jit.recompile`
 (the recompile limit and its messages), :mod:`~fshard.jit.p2p` (regions between
 point-to-point transfers), :mod:`~fshard.jit.passes` (Inductor graph passes: ``bucket``,
 ``overlap``, ``memory``) and :mod:`~fshard.jit.fx` (the fx helpers they share).

@@ -85,7 +85,7 @@ _TENSOR_FIELDS = {
 
 def _leaf_change(a: tuple, b: tuple) -> str:
     """How one leaf's signature entry changed from ``a`` to ``b`` (entries as in
-    ``fshard.jit.api._tensor_sig``, or ``("static", type, value)``), with the usual fix."""
+    ``fshard.jit.capture._tensor_sig``, or ``("static", type, value)``), with the usual fix."""
     if a[0] == "static" and b[0] == "static":
         if a[1] is not b[1]:
             return f"Python {a[1].__name__} {a[2]!r} -> {b[1].__name__} {b[2]!r} is a compile-time constant"

@@ -7,18 +7,15 @@ result gives the original model's logits exactly. Bad checkpoints name the first
 """
 
 import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from _harness import hf_models  # noqa: E402
 
 import fshard as fs
 from fshard.checkpoint import CheckpointError, CheckpointNotFoundError
 from fshard.testing import run_on_ranks
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "parallel"))
-import hf_models  # noqa: E402
 
 PLANS = {"gpt2": fs.parallel.HF_GPT2_TP_PLAN, "llama": fs.parallel.HF_LLAMA_TP_PLAN}
 

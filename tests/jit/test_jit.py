@@ -522,7 +522,7 @@ def test_jit_hoists_the_input_slices_of_inputs_the_graph_does_not_mutate():
     # its views inside (the compiled graph must see the aliasing).
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fshard.jit.api import _hoist_input_views
+    from fshard.jit.compile import _hoist_input_views
 
     gm = make_fx(_slice_and_mutate)(torch.ones(6), torch.ones(6))
     prologue, main = _hoist_input_views(gm)

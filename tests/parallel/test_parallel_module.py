@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _harness import hf_models
 
 import fshard as fs
 from fshard import P
 from fshard.testing import run_on_ranks
-
-import hf_models
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 STEPS, LR, WD = 2, 1e-2, 0.1  # the second step's AdamW update reads the first one's moments

@@ -14,7 +14,7 @@ from fshard.testing import run_on_ranks
 
 pytest.importorskip("transformers", reason="pip install fshard[hf]")
 
-from parallel.hf_models import BLOCKS, MODELS, batch  # noqa: E402
+from _harness.hf_models import BLOCKS, MODELS, batch  # noqa: E402
 
 ROWS, STEPS = 4, 3
 PLANS = {"gpt2": "HF_GPT2_TP_PLAN", "llama": "HF_LLAMA_TP_PLAN"}

@@ -1,4 +1,4 @@
-"""Small random Hugging Face models for the fs.parallel module tests (no hub access).
+"""Small random Hugging Face models for the module, checkpoint and recipe tests (no hub access).
 
 GPT-2 (Conv1D layers, tied ``lm_head``/``wte``, biases) and Llama (Linear layers, GQA,
 rotary buffers, untied head), 2 layers, float64, dropout off.
