@@ -557,10 +557,38 @@ def _is_stopped(pid: int) -> bool:
     return state in ("T", "t")
 
 
-def _trim_stack(text: str) -> str:
-    # faulthandler prints innermost frame first; keep the frames a reader needs.
+def _trim_stack(text: str, current_lines: int = 40, other_lines: int = 60) -> str:
+    """faulthandler's dump of every thread, cut to what a reader needs.
+
+    Each thread's stack is printed innermost frame first, newest thread first, so the
+    thread that crashed (``Current thread``, often the oldest: the main thread) can come
+    after a long list of idle ones (thread pools, tqdm's monitor). It goes first, with up to
+    ``current_lines`` lines; the other threads follow with ``other_lines`` lines in all.
+    """
     lines = [ln for ln in text.splitlines() if ln.strip()]
-    return "\n".join(lines[:40])
+    head: list[str] = []
+    blocks: list[list[str]] = []
+    for ln in lines:
+        if ln.startswith(("Thread 0x", "Current thread 0x")):
+            blocks.append([ln])
+        elif blocks:
+            blocks[-1].append(ln)
+        else:
+            head.append(ln)
+    if not blocks:
+        return "\n".join(lines[:current_lines])
+    current = [b for b in blocks if b[0].startswith("Current thread")]
+    out = head + [ln for b in current for ln in b[:current_lines]]
+    budget, left = other_lines, 0
+    for b in (b for b in blocks if not b[0].startswith("Current thread")):
+        if budget <= 0:
+            left += 1
+            continue
+        out += b[:budget]
+        budget -= len(b[:budget])
+    if left:
+        out.append(f"(and {left} more thread(s))")
+    return "\n".join(out)
 
 
 def run_local(

@@ -124,3 +124,20 @@ def test_without_init_a_crashing_process_prints_no_python_stack(torchrun_like):
     returncode, stderr = torchrun_like("plain")
     assert returncode == -11, (returncode, stderr[-3000:])
     assert "_crash_in_native_code" not in stderr
+
+
+def test_the_crashing_thread_comes_first_however_many_threads_precede_it():
+    """faulthandler lists the newest thread first, so the main thread that crashed can come
+    after many idle ones (a rank's thread pools, tqdm's monitor): the report puts it first."""
+    from fshard.runtime.local import _trim_stack
+
+    idle = "".join(f"Thread 0x{i:04x} (most recent call first):\n  File \"pool.py\", line 81 in _worker\n"
+                   f"  File \"threading.py\", line 982 in run\n" for i in range(30))
+    dump = ("Fatal Python error: Segmentation fault\n\n" + idle
+            + "Current thread 0xbeef (most recent call first):\n  File \"t.py\", line 1 in _crash_in_native_code\n")
+    text = _trim_stack(dump)
+    lines = text.splitlines()
+    assert lines[:3] == ["Fatal Python error: Segmentation fault", "Current thread 0xbeef (most recent call first):",
+                         '  File "t.py", line 1 in _crash_in_native_code']
+    assert "Thread 0x0000" in text and text.endswith("(and 10 more thread(s))")
+    assert _trim_stack("no header\nat all") == "no header\nat all"
