@@ -28,7 +28,7 @@ from fshard.parallel.specs import fsdp_specs, replicate_specs
 from fshard.parallel.tp import tp_specs
 from fshard.recipes.faults import Injection
 from fshard.recipes.roles import Roles
-from fshard.recipes.step import ComposedStep, TrainStep, apply_gradients, jit_train_step
+from fshard.recipes.step import ComposedStep, TrainStep, jit_train_step, step_from_grads
 from fshard.transforms import shard_map, value_and_grad
 
 __all__ = ["ModuleModel"]
@@ -137,13 +137,7 @@ def compose_module_step(
     paths = tree_util.zip_with_path(params)[0]
     order = {path: i for i, path in enumerate(paths)}
 
-    def eager(params: Any, opt_state: Any, inputs: torch.Tensor, targets: torch.Tensor):
-        loss, grads = grads_of(params, inputs, targets, buffers)
-        params, opt_state, norm, bad = apply_gradients(
-            params, opt_state, inject.grads(grads), loss, optimizer, roles, max_norm, order
-        )
-        return params, opt_state, loss, norm, bad
-
+    eager = step_from_grads(grads_of, optimizer, roles, max_norm, inject, order, buffers)
     step: TrainStep = eager
     if jit_backend is not None:
         # The graph is traced without the fault injection: a step with one runs eagerly.

@@ -56,6 +56,7 @@ __all__ = [
     "make_train_step",
     "microbatch_grads",
     "param_order",
+    "step_from_grads",
     "per_device_loss",
 ]
 
@@ -218,6 +219,29 @@ def microbatch_grads(
     return sum(losses) / microbatches, grads
 
 
+def step_from_grads(
+    grads_of: Callable[..., tuple[torch.Tensor, Any]],
+    opt: GradientTransformation,
+    roles: Roles,
+    max_norm: float,
+    inject: Injection,
+    order: dict[str, int],
+    *extra: Any,
+) -> TrainStep:
+    """The eager train step around ``grads_of(params, inputs, targets, *extra) -> (loss, grads)``:
+    the injected gradient fault, then :func:`apply_gradients` (clip, one optimizer step, or
+    nothing at all for a step that is not finite)."""
+
+    def step(params: Any, opt_state: Any, inputs: torch.Tensor, targets: torch.Tensor):
+        loss, grads = grads_of(params, inputs, targets, *extra)
+        params, opt_state, norm, bad = apply_gradients(
+            params, opt_state, inject.grads(grads), loss, opt, roles, max_norm, order
+        )
+        return params, opt_state, loss, norm, bad
+
+    return step
+
+
 def make_train_step(
     model: LayeredModel,
     roles: Roles,
@@ -235,14 +259,10 @@ def make_train_step(
     """
     grad_fn = make_grad_fn(model, roles, specs, inject.loss)
 
-    def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = microbatch_grads(grad_fn, params, tokens, targets, microbatches)
-        params, opt_state, norm, bad = apply_gradients(
-            params, opt_state, inject.grads(grads), loss, opt, roles, max_norm, order
-        )
-        return params, opt_state, loss, norm, bad
+    def grads_of(params: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return microbatch_grads(grad_fn, params, tokens, targets, microbatches)
 
-    return step
+    return step_from_grads(grads_of, opt, roles, max_norm, inject, order)
 
 
 def make_pipeline_step(
@@ -263,16 +283,7 @@ def make_pipeline_step(
     all-gather per step, kept over the microbatches, and their gradients reduce-scattered
     once per step (then all-reduced over dp for HSDP).
     """
-    pipeline_grads = make_pipeline_grads(model, roles, pipe, inject)
-
-    def step(params: Any, opt_state: Any, tokens: torch.Tensor, targets: torch.Tensor):
-        loss, grads = pipeline_grads(params, tokens, targets)
-        params, opt_state, norm, bad = apply_gradients(
-            params, opt_state, inject.grads(grads), loss, opt, roles, max_norm, order
-        )
-        return params, opt_state, loss, norm, bad
-
-    return step
+    return step_from_grads(make_pipeline_grads(model, roles, pipe, inject), opt, roles, max_norm, inject, order)
 
 
 def make_jit_train_step(
