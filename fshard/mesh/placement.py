@@ -11,11 +11,13 @@ import itertools
 import math
 from typing import Sequence
 
+import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fshard.mesh.mesh import Mesh
 from fshard.mesh.spec import P, PartitionSpec
+from fshard.runtime import simulate
 
 __all__ = [
     "spec_problems",
@@ -24,6 +26,8 @@ __all__ = [
     "spec_to_placements",
     "placements_to_spec",
     "shard_shape",
+    "take_block",
+    "block_shape",
 ]
 
 
@@ -131,6 +135,30 @@ def local_block(
         chunk = size // n
         out.append(slice(i * chunk, (i + 1) * chunk))
     return tuple(out)
+
+
+def take_block(
+    x: torch.Tensor, spec: PartitionSpec, mesh: Mesh, *, uneven: bool = False, device=None, copy: bool = False
+) -> torch.Tensor:
+    """This rank's block of the global tensor ``x`` (each rank's own, under ``fs.simulate``),
+    on ``device`` (default: ``x``'s), a contiguous copy when ``copy``."""
+    return simulate.per_rank(_take)(x, spec, mesh, mesh.coordinate(), uneven, device, copy)
+
+
+def _take(x, spec, mesh, coord, uneven, device, copy):
+    block = x[local_block(spec, x.shape, mesh, coord, uneven=uneven)]
+    if device is not None or copy:
+        block = block.to(device or block.device, copy=copy)
+    return block.contiguous() if copy else block
+
+
+def block_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, *, uneven: bool = False) -> tuple[int, ...]:
+    """The shape of this rank's block (a per-rank int where it differs, under ``fs.simulate``)."""
+    return tuple(simulate.per_rank(_block_shape)(spec, tuple(shape), mesh, mesh.coordinate(), uneven))
+
+
+def _block_shape(spec, shape, mesh, coord, uneven):
+    return [b.stop - b.start for b in local_block(spec, shape, mesh, coord, uneven=uneven)]
 
 
 def shard_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
-from fshard.mesh.placement import local_block, raise_spec_errors, spec_problems, uneven_problems
+from fshard.mesh.placement import raise_spec_errors, spec_problems, take_block, uneven_problems
 from fshard.mesh.sharding import make_dtensor
 from fshard.mesh.spec import is_spec
 
@@ -216,8 +216,7 @@ def init_sharded(
     def finish(n: int) -> None:
         full = values[n]
         for i in leaf_node[n]:
-            block = full.detach()[local_block(flat_specs[i], full.shape, mesh, uneven=uneven)]
-            local = block.to(mesh.device, copy=True).contiguous()
+            local = take_block(full.detach(), flat_specs[i], mesh, uneven=uneven, device=mesh.device, copy=True)
             out_leaves[i] = make_dtensor(local, flat_specs[i], mesh, full.shape)
 
     with torch.no_grad():

@@ -17,11 +17,11 @@ from torch.distributed.tensor import DTensor
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.placement import (
-    local_block,
     placements_to_spec,
     raise_spec_errors,
     spec_problems,
     spec_to_placements,
+    take_block,
     uneven_problems,
 )
 from fshard.mesh.spec import PartitionSpec, is_spec
@@ -125,8 +125,7 @@ def shard(tree: Any, specs: Any, mesh: Mesh | None = None, *, uneven: bool = Fal
         if isinstance(x, DTensor):
             out.append(_redistribute(x, spec, mesh))
         elif _is_tensor(x):
-            block = x.detach()[local_block(spec, x.shape, mesh, uneven=uneven)]
-            local = block.to(mesh.device, copy=True).contiguous()
+            local = take_block(x.detach(), spec, mesh, uneven=uneven, device=mesh.device, copy=True)
             local.requires_grad_(x.requires_grad)
             out.append(make_dtensor(local, spec, mesh, x.shape))
         else:

@@ -114,6 +114,11 @@ def register_before_shutdown(fn: Callable[[], None]) -> None:
         _BEFORE_SHUTDOWN.append(fn)
 
 
+def owns_default_group() -> bool:
+    """Whether fshard started the default group (``fs.init`` or the one-rank group)."""
+    return _STATE["owned"]
+
+
 def at_exit_enabled() -> bool:
     """Whether the hook is wanted (``FSHARD_TEARDOWN_AT_EXIT=0`` turns it off)."""
     return os.environ.get("FSHARD_TEARDOWN_AT_EXIT", "1") != "0"

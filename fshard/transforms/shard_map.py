@@ -27,7 +27,14 @@ from fshard import comm, lax
 from fshard import meta as meta_util
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
-from fshard.mesh.placement import local_block, placements_to_spec, raise_spec_errors, spec_problems, spec_to_placements
+from fshard.mesh.placement import (
+    block_shape,
+    placements_to_spec,
+    raise_spec_errors,
+    spec_problems,
+    spec_to_placements,
+    take_block,
+)
 from fshard.mesh.sharding import make_dtensor
 from fshard.mesh.spec import PartitionSpec, is_spec
 from fshard.transforms.vma import VmaMode, storage_address
@@ -268,7 +275,7 @@ def _to_local(x: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> torch.Tensor:
         # gathered gradient on every rank (Shard -> Replicate in backward).
         rep = DTensor.from_local(x, mesh.device_mesh, [Replicate()] * len(mesh.axis_names), run_check=False)
         return rep.redistribute(mesh.device_mesh, placements).to_local()
-    return x[local_block(spec, x.shape, mesh)].to(mesh.device)
+    return take_block(x, spec, mesh, device=mesh.device)
 
 
 class _SplitCotangent(torch.autograd.Function):
@@ -334,7 +341,7 @@ def _global_shape(body: lax.Body, x: torch.Tensor, spec: PartitionSpec) -> tuple
         and m.spec is not None
         and len(m.global_shape) == x.dim()
         and m.spec.padded(x.dim()) == spec.padded(x.dim())
-        and tuple(b.stop - b.start for b in local_block(spec, m.global_shape, body.mesh, uneven=True)) == tuple(x.shape)
+        and block_shape(spec, m.global_shape, body.mesh, uneven=True) == tuple(x.shape)
     ):
         return m.global_shape
     return tuple(s * (body.mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, s in enumerate(x.shape))

@@ -1,0 +1,299 @@
+"""``fs.simulate(n)``: a whole mesh of ``n`` ranks in one process.
+
+Built on torch's ``LocalTensorMode`` (every tensor holds one block per simulated rank, and
+DTensor ops and collectives run on all of them) and the ``fake`` process-group backend
+(groups exist, nothing crosses a wire). fshard adds no collective implementation of its
+own; where torch's simulation would differ from real ranks, a small shim below fixes it on
+fshard's side, each listed in ``docs/simulate.md``:
+
+- ``ring_sum``: a sum over ranks adds in gloo's ring order, so a ``psum`` over 4 ranks is
+  bit-identical to gloo's (torch's simulation folds in rank order).
+- ``refuse_rank_branch``: comparing a per-rank int (a mesh coordinate) in a way whose answer
+  differs per rank raises, naming the user's line (torch's simulation answers ``False``).
+
+Per-rank Python is the one thing a simulation cannot run: ``if dist.get_rank() == 0`` or
+``if int(fs.lax.axis_index("dp")) == 0`` would take one branch for all ranks. Such a
+branch raises :class:`RankBranchError` naming the line, never a silently wrong result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import linecache
+import operator
+import traceback
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from fshard.runtime import teardown
+
+__all__ = ["simulate", "Simulation", "RankBranchError", "active", "world_size", "per_rank", "rank_tensor", "host_int"]
+
+_T = TypeVar("_T")
+_ACTIVE: list["Simulation"] = []
+
+
+class RankBranchError(RuntimeError):
+    """Per-rank Python under ``fs.simulate``: a value that differs per rank was used where one
+    host value is needed (a branch, ``int(...)``, a shape), at the line named in the message."""
+
+
+def _user_line() -> str:
+    """``file:line: code`` of the innermost frame outside fshard and torch."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        f = frame.filename
+        if "/fshard/" in f or "/torch/" in f or "contextlib" in f or "/attr/" in f:
+            continue
+        code = (frame.line or linecache.getline(f, frame.lineno or 0)).strip()
+        return f"{f}:{frame.lineno}: {code}"
+    return "<unknown>"
+
+
+def _branch_error(what: str, values: dict[int, Any]) -> RankBranchError:
+    shown = ", ".join(f"rank {r}: {v}" for r, v in sorted(values.items()))
+    return RankBranchError(
+        f"fs.simulate: {what} differs per rank ({shown}) at {_user_line()}. A simulation runs "
+        f"one Python program for every rank, so per-rank Python (a branch on the rank, "
+        f"int(fs.lax.axis_index(...)), dist.get_rank()) cannot be simulated. Write it as "
+        f"tensor code (torch.where(fs.lax.axis_index(axis) == 0, a, b)), or run on real ranks "
+        f"(fs.run_local / torchrun)."
+    )
+
+
+# --- shims over torch's simulation ---------------------------------------------------------
+def _ring_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum gloo's ring all-reduce computes (torch 2.13's gloo, measured): the flat
+    buffer is cut into n chunks of ``ceil(numel / n)`` elements rounded up to even; chunk c
+    adds the ranks' values starting at rank c-1 and going down the ring (c-1, c-2, ..., c)."""
+    n = len(tensors)
+    if n <= 2 or not tensors[0].is_floating_point():
+        return functools.reduce(operator.add, tensors)  # exact, or the same in any order
+    flat = [t.reshape(-1) for t in tensors]
+    numel = flat[0].numel()
+    chunk = -(-numel // n)
+    chunk += chunk % 2
+    out = torch.empty_like(flat[0])
+    for c in range(n):
+        lo, hi = min(c * chunk, numel), min((c + 1) * chunk, numel)
+        if lo == hi:
+            continue
+        acc = flat[(c - 1) % n][lo:hi].clone()
+        for k in range(2, n + 1):
+            acc = acc + flat[(c - k) % n][lo:hi]
+        out[lo:hi] = acc
+    return out.view(tensors[0].shape)
+
+
+def _install_shims() -> Callable[[], None]:
+    from torch.distributed._local_tensor import LocalIntNode
+    from torch.distributed._local_tensor import _c10d as local_c10d
+
+    saved_reduce = local_c10d._local_reduce
+    saved = {name: getattr(LocalIntNode, name) for name in ("eq", "ne")}
+
+    def reduce(reduce_op, tensors):
+        if reduce_op in ("sum", dist.ReduceOp.SUM):
+            return _ring_sum(list(tensors))
+        if reduce_op in ("avg", dist.ReduceOp.AVG):
+            return _ring_sum(list(tensors)) / len(tensors)
+        return saved_reduce(reduce_op, tensors)
+
+    def compare(name: str, op: Callable[[int, int], bool]):
+        def method(self, other):
+            from torch.distributed._local_tensor import _int_on_rank
+
+            answers = {r: op(v, _int_on_rank(other, r)) for r, v in self._local_ints.items()}
+            if len(set(answers.values())) > 1:
+                raise _branch_error(f"the comparison {self} {name} {other}", answers)
+            return torch._C._get_constant_bool_symnode(next(iter(answers.values())))
+
+        return method
+
+    local_c10d._local_reduce = reduce
+    LocalIntNode.eq = compare("==", operator.eq)
+    LocalIntNode.ne = compare("!=", operator.ne)
+
+    def undo() -> None:
+        local_c10d._local_reduce = saved_reduce
+        for name, fn in saved.items():
+            setattr(LocalIntNode, name, fn)
+
+    return undo
+
+
+# --- the context ------------------------------------------------------------------------------
+class Simulation:
+    """``n`` ranks in this process; see :func:`simulate`."""
+
+    def __init__(self, world_size: int) -> None:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"fs.simulate(world_size={world_size!r}): world_size must be an int >= 1.")
+        self.world_size = world_size
+        self.mode: Any = None
+        self._undo: Callable[[], None] | None = None
+
+    def __repr__(self) -> str:
+        state = "active" if self.mode is not None else "inactive"
+        return f"fs.simulate({self.world_size}; {state})"
+
+    def __enter__(self) -> "Simulation":
+        from torch.distributed._local_tensor import LocalTensorMode, local_tensor_mode
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if _ACTIVE or local_tensor_mode() is not None:
+            raise RuntimeError(
+                f"fs.simulate({self.world_size}): a simulation is already active "
+                f"({_ACTIVE[-1] if _ACTIVE else 'a LocalTensorMode'}); simulations do not nest. "
+                f"Leave it first (fs.simulate(...).__exit__() in a notebook)."
+            )
+        if dist.is_initialized() and dist.get_world_size() == 1 and teardown.owns_default_group():
+            teardown.shutdown()  # the one-rank group fshard made for a plain process: made again on demand
+        if dist.is_initialized():
+            raise RuntimeError(
+                f"fs.simulate({self.world_size}) inside a real process group "
+                f"({dist.get_backend()}, rank {dist.get_rank()} of {dist.get_world_size()}): "
+                f"a simulation needs this process to itself. Call it outside fs.run_local / "
+                f"torchrun, or call fs.shutdown() first."
+            )
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
+        try:
+            self.mode = LocalTensorMode(self.world_size)
+            self.mode.__enter__()
+            self._undo = _install_shims()
+        except BaseException:
+            self.mode = None
+            dist.destroy_process_group()
+            raise
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.mode is None:
+            return
+        _ACTIVE.remove(self)
+        try:
+            if self._undo is not None:
+                self._undo()
+            self.mode.__exit__(*exc) if exc else self.mode.__exit__(None, None, None)
+        finally:
+            self.mode = None
+            teardown.shutdown()
+
+
+def simulate(world_size: int) -> Simulation:
+    """``n`` ranks in this one process: meshes, sharded values, ``shard_map`` and training
+    steps run as on ``world_size`` real ranks, and every rank's block stays in memory.
+
+    Use it as a context manager, or enter it for the rest of a notebook::
+
+        with fs.simulate(4):
+            mesh = fs.make_mesh({"fsdp": 4})
+            ...
+
+        fs.simulate(8).__enter__()   # top of a notebook
+
+    Values and gradients are the same as on real gloo ranks, bit for bit (float32/64):
+    ``tests/runtime/test_simulate.py`` runs each feature both ways. Tensors made inside the
+    simulation hold one block per rank; ``fs.inspect(x)`` shows them.
+
+    Args:
+      world_size: the number of simulated ranks.
+
+    Returns:
+      A :class:`Simulation`; entering it starts a ``fake`` process group and torch's
+      ``LocalTensorMode``, leaving it destroys both (meshes made inside cannot be used after).
+
+    Raises:
+      RuntimeError: a real process group exists (inside ``fs.run_local``/torchrun), or a
+        simulation is already active.
+    """
+    return Simulation(world_size)
+
+
+def active() -> Simulation | None:
+    """The active simulation, or ``None`` on real ranks."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def world_size() -> int | None:
+    """The simulated world size, or ``None`` on real ranks."""
+    return _ACTIVE[-1].world_size if _ACTIVE else None
+
+
+def per_rank(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """``fn`` run once per simulated rank, its arguments' per-rank values (blocks, mesh
+    coordinates) given to each run, and the results combined (a tensor per rank, an int that
+    differs per rank as a per-rank int). On real ranks, ``fn`` itself. ``fn`` must not issue
+    collectives."""
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+
+    return maybe_run_for_local_tensor(fn)
+
+
+def rank_tensor(fn: Callable[[int], torch.Tensor], rank: int | None = None) -> torch.Tensor:
+    """A tensor whose block on each rank r is ``fn(r)``; on real ranks ``fn(rank)``."""
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    mode = enabled_local_tensor_mode()
+    if mode is not None:
+        return mode.rank_map(fn)
+    return fn(dist.get_rank() if rank is None else rank)
+
+
+def host_int(value: Any, what: str) -> int:
+    """``value`` as one host int: a per-rank int whose ranks agree, else :class:`RankBranchError`."""
+    if isinstance(value, torch.SymInt):
+        node = value.node
+        local = getattr(node, "_local_ints", None)
+        if local is not None:
+            if len(set(local.values())) > 1:
+                raise _branch_error(what, dict(local))
+            return next(iter(local.values()))
+        return int(node.maybe_as_int() if hasattr(node, "maybe_as_int") else value)
+    return int(value)
+
+
+@contextlib.contextmanager
+def outside() -> Iterator[None]:
+    """Runs the block with torch's simulation off (plain tensors, real coordinates of rank 0)."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    with maybe_disable_local_tensor_mode():
+        yield
+
+
+def run_simulated(fn: Callable[..., Any], *args: Any, world_size: int, **kwargs: Any) -> list[Any]:
+    """``fn(*args, **kwargs)`` under ``fs.simulate(world_size)``, its result split per rank:
+    the same list :func:`fshard.run_local` returns for the same program on real ranks.
+
+    A tensor of the result gives each rank its own block; a per-rank int, each rank its int.
+
+    Raises:
+      TypeError: the result holds a DTensor (its mesh ends with the simulation); return
+        ``fs.gather(x)`` or ``x.to_local()``, as a program for ``run_local`` does.
+    """
+    from torch.distributed._local_tensor import LocalIntNode, LocalTensor
+    from torch.distributed.tensor import DTensor
+
+    with simulate(world_size):
+        out = fn(*args, **kwargs)
+
+        def block(x: Any, r: int) -> Any:
+            if isinstance(x, DTensor):
+                raise TypeError(
+                    "fs.runtime.simulate.run_simulated: the result holds a DTensor, whose mesh ends "
+                    "with the simulation; return fs.gather(x) or x.to_local()."
+                )
+            if isinstance(x, LocalTensor):
+                return x._local_tensors[r].clone()
+            if isinstance(x, torch.SymInt) and isinstance(x.node, LocalIntNode):
+                return x.node._local_ints[r]
+            return x
+
+        import optree
+
+        per_rank = [optree.tree_map(lambda x, r=r: block(x, r), out, none_is_leaf=True) for r in range(world_size)]
+    return per_rank
