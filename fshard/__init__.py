@@ -68,6 +68,7 @@ from fshard.mesh import (
     visualize_sharding as visualize_sharding,
 )
 from fshard.parallel.specs import match_specs as match_specs
+from fshard.runtime.simulation import simulate as simulate
 from fshard.transforms import grad as grad
 from fshard.transforms import remat as remat
 from fshard.transforms import shard_map as shard_map

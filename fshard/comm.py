@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fshard import _contract
 from fshard._wire import REDUCE_KINDS, CollectiveKind, c10d_kind, wire_bytes
-from fshard.runtime import teardown
+from fshard.runtime import simulation, teardown
 
 __all__ = [
     "CommLog",
@@ -602,39 +602,63 @@ def permute_async(x: torch.Tensor, group, sends: Sequence[tuple[int, int]], me: 
             f"unique destinations (a permutation)."
         )
     x = x.contiguous()
-    dst = next((d for s, d in sends if s == me), None)
-    src = next((s for s, d in sends if d == me), None)
-    keep = "copy" if dst == me else ("recv" if src is not None else "zeros")
+    n, numel = group.size(), x.numel()
+    # This rank's part, from its group rank: per rank under fs.simulate, where ``me`` differs.
+    keep = simulation.per_rank(_keep_code)(sends, me)
     post = _Received(x, keep)
     if all(s == d for s, d in sends):  # every rank knows it: nobody issues the collective
         record("ppermute", axes, 0, wire=0)
         return Handle.done(post(x))
-    n, numel = group.size(), x.numel()
-    send_to = [numel if r == dst != me else 0 for r in range(n)]
-    recv_from = [numel if r == src != me else 0 for r in range(n)]
+    send_to = simulation.per_rank(_split_sizes)(sends, me, n, numel, True)
+    recv_from = simulation.per_rank(_split_sizes)(sends, me, n, numel, False)
     one_at_a_time(group)
     _contract.enter(group, "ppermute", x, axes, extra=tuple(v for pair in sends for v in pair))
-    flat = x.view(-1)
-    wire, back = _stage(group, flat if dst not in (None, me) else flat[:0])
+    wire, back = _stage(group, simulation.per_rank(_sent)(x.view(-1), sends, me))
     with _named(axes, "ppermute"):
         received = _F.all_to_all_single(wire, recv_from, send_to, group.group_name)
     return Handle(received, _restaged(x, post, back), group=group)
 
 
+_RECV, _COPY, _ZEROS = 0, 1, 2
+
+
+def _keep_code(sends: Sequence[tuple[int, int]], me: int) -> int:
+    """What group rank ``me`` of a permute keeps: the elements it receives (``_RECV``), a copy
+    of its own (``_COPY``: a pair ``(me, me)``), or zeros (``_ZEROS``: nothing received)."""
+    if any(s == me == d for s, d in sends):
+        return _COPY
+    return _RECV if any(d == me for _, d in sends) else _ZEROS
+
+
+def _split_sizes(sends: Sequence[tuple[int, int]], me: int, n: int, numel: int, sending: bool) -> list[int]:
+    """``me``'s split sizes for the permute's all-to-all: ``numel`` elements to its destination
+    (``sending``) or from its source, 0 for every other group rank and for a pair ``(me, me)``."""
+    peer = next((d for s, d in sends if s == me) if sending else (s for s, d in sends if d == me), None)
+    return [numel if r == peer != me else 0 for r in range(n)]
+
+
+def _sent(flat: torch.Tensor, sends: Sequence[tuple[int, int]], me: int) -> torch.Tensor:
+    """What ``me`` hands the all-to-all: all of ``flat`` if it sends to another rank, else nothing."""
+    dst = next((d for s, d in sends if s == me), None)
+    return flat if dst not in (None, me) else flat[:0]
+
+
 class _Received:
-    """What a rank of :func:`permute_async` keeps (``keep``): the received elements in
-    ``x``'s shape (``"recv"``), a copy of ``x`` (``"copy"``: a pair ``(me, me)``), or
-    zeros (``"zeros"``: nothing received)."""
+    """What a rank of :func:`permute_async` keeps (``keep``, see :func:`_keep_code`)."""
 
     __slots__ = ("x", "keep")
 
-    def __init__(self, x: torch.Tensor, keep: str) -> None:
+    def __init__(self, x: torch.Tensor, keep: int) -> None:
         self.x, self.keep = x, keep
 
     def __call__(self, received: torch.Tensor) -> torch.Tensor:
-        if self.keep == "recv":
-            return received.view(self.x.shape)
-        return self.x.clone() if self.keep == "copy" else torch.zeros_like(self.x)
+        return simulation.per_rank(_kept)(received, self.x, self.keep)
+
+
+def _kept(received: torch.Tensor, x: torch.Tensor, keep: int) -> torch.Tensor:
+    if keep == _RECV:
+        return received.view(x.shape)
+    return x.clone() if keep == _COPY else torch.zeros_like(x)
 
 
 def _drain() -> None:

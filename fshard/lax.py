@@ -39,6 +39,7 @@ from fshard import _contract, comm
 from fshard import meta as _meta
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh
+from fshard.runtime import simulation
 
 __all__ = [
     "all_gather",
@@ -659,8 +660,12 @@ def axis_index(axis_name: str | Sequence[str]) -> torch.Tensor:
     value is meant (seeds, Python control flow).
     """
     body, ax = _axes("axis_index", axis_name)
-    i = torch.tensor(ax.me, dtype=torch.int64, device="cpu")
+    i = simulation.per_rank(_index_tensor)(ax.me)  # under fs.simulate, each rank's own index
     return set_vma(i, frozenset(ax.names)) if body.check else i
+
+
+def _index_tensor(me: int) -> torch.Tensor:
+    return torch.tensor(me, dtype=torch.int64, device="cpu")
 
 
 def axis_size(axis_name: str | Sequence[str]) -> int:

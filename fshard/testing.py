@@ -36,9 +36,12 @@ import torch
 
 from fshard._ports import free_port  # noqa: F401 - re-exported: tests and tools use it here
 from fshard.runtime.local import WorkerPool
+from fshard.runtime.simulation import run_simulated
 
 __all__ = [
     "run_on_ranks",
+    "run_simulated",
+    "assert_bitwise_equal",
     "shutdown_pools",
     "release_pool_groups",
     "assert_close",
@@ -190,6 +193,34 @@ def assert_close(actual: Any, expected: Any, *, rtol: float = 1.3e-6, atol: floa
             if not math.isclose(a, e, rel_tol=rtol, abs_tol=atol):
                 raise AssertionError(f"{what} at '{path}': {a} != {e}")
         elif a != e:
+            raise AssertionError(f"{what} at '{path}': {a!r} != {e!r}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bitwise_equal(actual: Any, expected: Any, *, what: str = "value") -> None:
+    """Every leaf equal bit for bit (tensors: same dtype, shape and bits, NaNs equal; floats:
+    equal or both NaN), naming the first differing path: a simulated run against a real one."""
+    from fshard import tree as tree_util
+
+    a_paths, a_leaves, a_def = tree_util.zip_with_path(actual)
+    _, e_leaves, e_def = tree_util.zip_with_path(expected)
+    if a_def != e_def:
+        raise AssertionError(f"{what}: structures differ:\n  actual   {a_def}\n  expected {e_def}")
+    for path, a, e in zip(a_paths, a_leaves, e_leaves):
+        if isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor):
+            if not (a.dtype == e.dtype and a.shape == e.shape and torch.equal(_bits(a), _bits(e))):
+                diff = (a.double() - e.double()).abs().max().item() if a.shape == e.shape and a.numel() else None
+                raise AssertionError(
+                    f"{what} at '{path}': not bitwise equal (dtype {a.dtype} vs {e.dtype}, shape "
+                    f"{tuple(a.shape)} vs {tuple(e.shape)}, max |diff| {diff})"
+                )
+        elif isinstance(a, float) and isinstance(e, float):
+            if not (a == e or (math.isnan(a) and math.isnan(e))):
+                raise AssertionError(f"{what} at '{path}': {a!r} != {e!r}")
+        elif type(a) is not type(e) or a != e:
             raise AssertionError(f"{what} at '{path}': {a!r} != {e!r}")
 
 

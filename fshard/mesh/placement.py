@@ -17,7 +17,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fshard.mesh.mesh import Mesh
 from fshard.mesh.spec import P, PartitionSpec
-from fshard.runtime import simulate
+from fshard.runtime import simulation
 
 __all__ = [
     "spec_problems",
@@ -142,7 +142,7 @@ def take_block(
 ) -> torch.Tensor:
     """This rank's block of the global tensor ``x`` (each rank's own, under ``fs.simulate``),
     on ``device`` (default: ``x``'s), a contiguous copy when ``copy``."""
-    return simulate.per_rank(_take)(x, spec, mesh, mesh.coordinate(), uneven, device, copy)
+    return simulation.per_rank(_take)(x, spec, mesh, mesh.coordinate(), uneven, device, copy)
 
 
 def _take(x, spec, mesh, coord, uneven, device, copy):
@@ -154,7 +154,7 @@ def _take(x, spec, mesh, coord, uneven, device, copy):
 
 def block_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, *, uneven: bool = False) -> tuple[int, ...]:
     """The shape of this rank's block (a per-rank int where it differs, under ``fs.simulate``)."""
-    return tuple(simulate.per_rank(_block_shape)(spec, tuple(shape), mesh, mesh.coordinate(), uneven))
+    return tuple(simulation.per_rank(_block_shape)(spec, tuple(shape), mesh, mesh.coordinate(), uneven))
 
 
 def _block_shape(spec, shape, mesh, coord, uneven):

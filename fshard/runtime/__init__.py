@@ -20,6 +20,18 @@ from fshard.runtime.local import (
     run_local as run_local,
 )
 from fshard.runtime.process import init as init
+from fshard.runtime.simulation import RankBranchError as RankBranchError
+from fshard.runtime.simulation import simulate as simulate
 from fshard.runtime.teardown import shutdown as shutdown
 
-__all__ = ["init", "shutdown", "run_local", "WorkerPool", "RankTimeoutError", "RankExitError", "UnpicklableResultError"]
+__all__ = [
+    "init",
+    "shutdown",
+    "run_local",
+    "simulate",
+    "RankBranchError",
+    "WorkerPool",
+    "RankTimeoutError",
+    "RankExitError",
+    "UnpicklableResultError",
+]

@@ -22,6 +22,8 @@ import contextlib
 import functools
 import linecache
 import operator
+import os
+import sys
 import traceback
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -41,14 +43,30 @@ class RankBranchError(RuntimeError):
     host value is needed (a branch, ``int(...)``, a shape), at the line named in the message."""
 
 
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+
+
 def _user_line() -> str:
-    """``file:line: code`` of the innermost frame outside fshard and torch."""
-    for frame in reversed(traceback.extract_stack()[:-1]):
+    """``file:line: code`` of the innermost frame outside fshard, torch and installed
+    packages, then (when the value came from inside fshard) fshard's innermost line."""
+    stack = traceback.extract_stack()[:-1]
+    inner = next(
+        (
+            f
+            for f in reversed(stack)
+            if f.filename.startswith(_LIBRARY_DIRS[0]) and not f.filename.endswith("simulation.py")
+        ),
+        None,
+    )
+    for frame in reversed(stack):
         f = frame.filename
-        if "/fshard/" in f or "/torch/" in f or "contextlib" in f or "/attr/" in f:
+        if f.startswith(_LIBRARY_DIRS) or "site-packages" in f or f.startswith(sys.prefix) or "<frozen" in f:
             continue
         code = (frame.line or linecache.getline(f, frame.lineno or 0)).strip()
-        return f"{f}:{frame.lineno}: {code}"
+        where = f"{f}:{frame.lineno}: {code}"
+        if inner is not None:
+            where += f" (inside fshard: {os.path.relpath(inner.filename, _LIBRARY_DIRS[0])}:{inner.lineno})"
+        return where
     return "<unknown>"
 
 
@@ -92,7 +110,7 @@ def _install_shims() -> Callable[[], None]:
     from torch.distributed._local_tensor import _c10d as local_c10d
 
     saved_reduce = local_c10d._local_reduce
-    saved = {name: getattr(LocalIntNode, name) for name in ("eq", "ne")}
+    saved: dict[str, Any] = {name: getattr(LocalIntNode, name) for name in ("eq", "ne")}
 
     def reduce(reduce_op, tensors):
         if reduce_op in ("sum", dist.ReduceOp.SUM):
@@ -112,16 +130,101 @@ def _install_shims() -> Callable[[], None]:
 
         return method
 
+    import torch.distributed._local_tensor as local_tensor
+
+    saved_set_rng = local_tensor._set_rng_state
+
+    def set_rng_state(*states):
+        saved_set_rng(*states)
+        for g, state in _OP_GENERATORS:  # before each rank's run of the op: same_generator
+            g.set_state(state)
+
+    def refuse(what: str):
+        def method(self, *args):
+            raise _branch_error(what.format(self=self), dict(self._local_ints))
+
+        return method
+
+    saved_get_rank = dist.get_rank
+
+    def get_rank(group=None):  # refuse_rank_branch: dist.get_rank() is the per-rank int it is
+        if group is None or group is dist.GroupMember.WORLD:
+            mode = local_tensor.enabled_local_tensor_mode()
+            if mode is not None:
+                return torch.SymInt(LocalIntNode({r: r for r in mode.ranks}))
+        return saved_get_rank(group)
+
     local_c10d._local_reduce = reduce
+    for name, what in (("int_", "int({self})"), ("guard_int", "the int {self}"), ("expect_size", "the size {self}")):
+        saved.setdefault(name, getattr(LocalIntNode, name, None))
+        setattr(LocalIntNode, name, refuse(what))
+    dist.get_rank = get_rank
+    local_tensor._set_rng_state = set_rng_state
     LocalIntNode.eq = compare("==", operator.eq)
     LocalIntNode.ne = compare("!=", operator.ne)
 
     def undo() -> None:
         local_c10d._local_reduce = saved_reduce
+        local_tensor._set_rng_state = saved_set_rng
+        dist.get_rank = saved_get_rank
         for name, fn in saved.items():
-            setattr(LocalIntNode, name, fn)
+            if fn is None:
+                delattr(LocalIntNode, name)
+            else:
+                setattr(LocalIntNode, name, fn)
 
     return undo
+
+
+# The generators of the op being run per rank, and their state before it (see _mode_class).
+_OP_GENERATORS: list[tuple[torch.Generator, torch.Tensor]] = []
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
+
+
+def _mode_class() -> type:
+    """torch's ``LocalTensorMode`` with two shims in its dispatch.
+
+    - ``same_generator``: an op given ``generator=g`` runs once per rank; each run must start
+      from ``g``'s state before the op, as each real rank's own ``g`` does (torch's
+      simulation hands the ranks one generator in turn, so rank 1 drew rank 0's next values).
+    - ``plain_collective``: a collective on plain tensors only (made before the simulation,
+      or from plain tensors only) would reach the fake backend, which returns its input:
+      a functional collective gets the tensor as every rank's block (a plain tensor is the
+      same on every rank); an in-place one raises.
+    """
+    import torch.utils._pytree as pytree
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+    class _Mode(LocalTensorMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if self._disable:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            if func.namespace in _COLLECTIVE_NAMESPACES:
+                tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+                if tensors and not any(isinstance(a, LocalTensor) for a in tensors):
+                    if func._schema.is_mutable:
+                        raise RuntimeError(
+                            f"fs.simulate: {func} on a tensor that holds no per-rank blocks (made "
+                            f"outside the simulation) at {_user_line()}; make it inside fs.simulate."
+                        )
+                    flat = [self._every_rank(a) if isinstance(a, torch.Tensor) else a for a in flat]
+                    args, kwargs = pytree.tree_unflatten(flat, spec)
+            generators = [a for a in flat if isinstance(a, torch.Generator)]
+            if not generators:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            _OP_GENERATORS[:] = [(g, g.get_state()) for g in generators]
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                _OP_GENERATORS.clear()
+
+        def _every_rank(self, t: torch.Tensor) -> torch.Tensor:
+            with self.disable():
+                return LocalTensor({r: t.clone() for r in self.ranks})
+
+    return _Mode
 
 
 # --- the context ------------------------------------------------------------------------------
@@ -140,7 +243,7 @@ class Simulation:
         return f"fs.simulate({self.world_size}; {state})"
 
     def __enter__(self) -> "Simulation":
-        from torch.distributed._local_tensor import LocalTensorMode, local_tensor_mode
+        from torch.distributed._local_tensor import local_tensor_mode
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         if _ACTIVE or local_tensor_mode() is not None:
@@ -160,7 +263,7 @@ class Simulation:
             )
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
         try:
-            self.mode = LocalTensorMode(self.world_size)
+            self.mode = _mode_class()(self.world_size)
             self.mode.__enter__()
             self._undo = _install_shims()
         except BaseException:
@@ -284,7 +387,7 @@ def run_simulated(fn: Callable[..., Any], *args: Any, world_size: int, **kwargs:
         def block(x: Any, r: int) -> Any:
             if isinstance(x, DTensor):
                 raise TypeError(
-                    "fs.runtime.simulate.run_simulated: the result holds a DTensor, whose mesh ends "
+                    "fs.runtime.simulation.run_simulated: the result holds a DTensor, whose mesh ends "
                     "with the simulation; return fs.gather(x) or x.to_local()."
                 )
             if isinstance(x, LocalTensor):
