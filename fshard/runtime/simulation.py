@@ -160,8 +160,8 @@ def _install_shims() -> Callable[[], None]:
         setattr(LocalIntNode, name, refuse(what))
     dist.get_rank = get_rank
     local_tensor._set_rng_state = set_rng_state
-    LocalIntNode.eq = compare("==", operator.eq)
-    LocalIntNode.ne = compare("!=", operator.ne)
+    setattr(LocalIntNode, "eq", compare("==", operator.eq))  # noqa: B010 - a method, patched
+    setattr(LocalIntNode, "ne", compare("!=", operator.ne))  # noqa: B010
 
     def undo() -> None:
         local_c10d._local_reduce = saved_reduce
