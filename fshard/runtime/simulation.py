@@ -8,8 +8,11 @@ fshard's side, each listed in ``docs/simulate.md``:
 
 - ``ring_sum``: a sum over ranks adds in gloo's ring order, so a ``psum`` over 4 ranks is
   bit-identical to gloo's (torch's simulation folds in rank order).
-- ``refuse_rank_branch``: comparing a per-rank int (a mesh coordinate) in a way whose answer
-  differs per rank raises, naming the user's line (torch's simulation answers ``False``).
+- ``refuse_rank_branch``: comparing a per-rank int (a mesh coordinate, an uneven block's
+  size) in Python in a way whose answer differs per rank raises, naming the user's line
+  (torch's simulation answers ``False`` for ``==``, raises a bare AssertionError for ``<``);
+  the comparisons torch's C++ makes (a LocalTensor's sizes, autograd's shape checks) keep
+  torch's answer.
 
 Per-rank Python is the one thing a simulation cannot run: ``if dist.get_rank() == 0`` or
 ``if int(fs.lax.axis_index("dp")) == 0`` would take one branch for all ranks. Such a
@@ -110,7 +113,9 @@ def _install_shims() -> Callable[[], None]:
     from torch.distributed._local_tensor import _c10d as local_c10d
 
     saved_reduce = local_c10d._local_reduce
-    saved: dict[str, Any] = {name: getattr(LocalIntNode, name) for name in ("eq", "ne")}
+    compared = {"eq": ("==", operator.eq), "ne": ("!=", operator.ne), "lt": ("<", operator.lt)}
+    compared |= {"le": ("<=", operator.le), "gt": (">", operator.gt), "ge": (">=", operator.ge)}
+    saved: dict[str, Any] = {name: getattr(LocalIntNode, name) for name in compared}
 
     def reduce(reduce_op, tensors):
         if reduce_op in ("sum", dist.ReduceOp.SUM):
@@ -119,10 +124,16 @@ def _install_shims() -> Callable[[], None]:
             return _ring_sum(list(tensors)) / len(tensors)
         return saved_reduce(reduce_op, tensors)
 
-    def compare(name: str, op: Callable[[int, int], bool]):
+    def compare(method_name: str, name: str, op: Callable[[int, int], bool]):
+        torch_answer = saved[method_name]
+
         def method(self, other):
             from torch.distributed._local_tensor import _int_on_rank
 
+            if not sys._getframe(1).f_code.co_filename.endswith(_SYM_NODE_FILE):
+                # Asked by torch's C++ (a LocalTensor's sizes, autograd's shape checks), not
+                # by Python: torch's answer, which its simulation is built around.
+                return torch_answer(self, other)
             answers = {r: op(v, _int_on_rank(other, r)) for r, v in self._local_ints.items()}
             if len(set(answers.values())) > 1:
                 raise _branch_error(f"the comparison {self} {name} {other}", answers)
@@ -160,8 +171,8 @@ def _install_shims() -> Callable[[], None]:
         setattr(LocalIntNode, name, refuse(what))
     dist.get_rank = get_rank
     local_tensor._set_rng_state = set_rng_state
-    setattr(LocalIntNode, "eq", compare("==", operator.eq))  # noqa: B010 - a method, patched
-    setattr(LocalIntNode, "ne", compare("!=", operator.ne))  # noqa: B010
+    for name, (symbol, op) in compared.items():
+        setattr(LocalIntNode, name, compare(name, symbol, op))
 
     def undo() -> None:
         local_c10d._local_reduce = saved_reduce
@@ -175,6 +186,9 @@ def _install_shims() -> Callable[[], None]:
 
     return undo
 
+
+# Python's comparison of a SymInt reaches LocalIntNode through this file's magic methods.
+_SYM_NODE_FILE = os.path.join("fx", "experimental", "sym_node.py")
 
 # The generators of the op being run per rank, and their state before it (see _mode_class).
 _OP_GENERATORS: list[tuple[torch.Generator, torch.Tensor]] = []
