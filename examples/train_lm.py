@@ -12,6 +12,7 @@ fsdp (shard) and tp (tensor parallel), any product equal to the number of ranks:
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh fsdp=2,tp=2   # FSDP x Megatron TP
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh pp=2,fsdp=2   # 1F1B pipeline x FSDP
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh pp=2,tp=2 --schedule zbv --layers 4
+    python examples/train_lm.py --simulate 4 --mesh dp=2,fsdp=2        # 4 ranks in one process
 
 ``--jit`` compiles the whole step (forward, backward, clipping, AdamW, collectives) with
 ``fs.jit``: ``--mesh fsdp=2 --jit`` (Inductor), ``--jit aot_eager`` (no code generation).
@@ -66,6 +67,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run = p.add_argument_group("layout")
     run.add_argument("--mesh", default=None, help="axis=size,... over all ranks, axes pp, dp, fsdp, tp; e.g. "
                      "dp=2,fsdp=2; 'auto': the planner (fs.plan) picks the layout (default: every rank on fsdp)")
+    run.add_argument("--simulate", type=int, default=None, metavar="N", help="run N ranks in this one process "
+                     "(fs.simulate): the same loss curve as `torchrun --nproc-per-node N`")
     run.add_argument("--machine", default=None, help="machine for the planner: h100, a100 or a machine file "
                      "(default: this host's, from fs.plan.calibrate, measured on first use and saved)")
     run.add_argument("--schedule", default="1f1b", help="pipeline schedule with pp: gpipe, 1f1b, interleaved, bfs, "
@@ -119,6 +122,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for need, flag in ((args.checkpoint_every, "--checkpoint-every"), (args.resume, "--resume")):
         if need and not args.checkpoint_dir:
             p.error(f"{flag} needs --checkpoint-dir")
+    if args.simulate is not None and (args.simulate < 1 or args.mesh == "auto" or args.jit):
+        p.error("--simulate N needs N >= 1, and neither --mesh auto (it measures real links) nor --jit")
     try:
         resolve_name(args.schedule)
     except ValueError as e:
@@ -198,9 +203,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     Callable from Python too, e.g. ``fs.run_local(main, ["--mesh", "fsdp=2"], world_size=2)``.
     """
     args = parse_args(argv)
-    fs.init()  # torchrun's environment -> process group (nccl on GPUs, gloo on CPUs); no-op alone
+    with fs.runtime.started(args.simulate):  # torchrun's group (nccl/gloo), none, or --simulate's N ranks
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     world = dist.get_world_size() if dist.is_initialized() else 1
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = fs.runtime.is_rank0()
     say = print if rank0 and not args.quiet else (lambda *a, **k: None)
     config = train_config(args)  # before --mesh auto rewrites args.mesh: it decides the profiling
     corpus = CharCorpus.load(args.data)
@@ -214,13 +223,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         n_params = sum(x.numel() for x in fs.tree.leaves(transformer_init(cfg, 0)))
     say(f"mesh {dict(mesh.shape)} on {world} rank(s), {args.dtype}; {n_params:,} parameters; "
         f"{len(corpus.ids):,} characters, vocabulary {corpus.vocab_size}")
-    run = train(fs.recipes.transformer(cfg), layout, make_optimizer(args),
+    result = train(fs.recipes.transformer(cfg), layout, make_optimizer(args),
                 lambda step: corpus.batch(step, args.batch_size, args.seq_len, args.seed), config,
                 mesh=mesh, meta=attrs.asdict(cfg), lr_at=lr_schedule(args), inject=args.inject_nonfinite, say=say)
-    records = run.records
-    if run.probe is not None and records:  # the planner's prediction next to what this run measured
+    records = result.records
+    if result.probe is not None and records and not args.simulate:  # the prediction next to the measurement
         machine = planning.machine(args.machine, world, cfg)
-        records[-1].update(planning.predicted_vs_measured(cfg, layout, machine, run.probe, records,
+        records[-1].update(planning.predicted_vs_measured(cfg, layout, machine, result.probe, records,
                                                           seq_len=args.seq_len))
         say(planning.prediction_line(records[-1]))
     if args.log_json and rank0:
@@ -229,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         say(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over steps "
             f"{records[0]['step']}-{records[-1]['step']}")
     if args.sample_chars and not args.quiet:
-        full = gather_full(run.params, run.composed.pipe)  # collective: every rank takes part, rank 0 samples
+        full = gather_full(result.params, result.composed.pipe)  # collective: every rank takes part, rank 0 samples
         if rank0:
             ids = generate(full, cfg, corpus.encode(args.prompt), args.sample_chars, seed=args.seed,
                            n_real=corpus.vocab_size)

@@ -46,6 +46,7 @@ from fshard.jit.donation import (
     _take_donor,
 )
 from fshard.jit.recompile import JitRecompileLimitError, JitRecompileWarning, Recompiles, check_options
+from fshard.runtime import simulation
 
 __all__ = ["jit", "Jitted", "JitCaptureError", "DonatedTensorError", "JitRecompileLimitError", "JitRecompileWarning"]
 
@@ -259,6 +260,12 @@ class Jitted:
         return self._entry(*self._signature(args, kwargs)).graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if simulation.active() is not None:
+            raise RuntimeError(
+                f"fs.jit({self.__name__}) under {simulation.active()}: a compiled step cannot run on simulated "
+                f"ranks (torch.compile does not trace LocalTensor programs). Call the eager step there, "
+                f"and fs.jit on real ranks (fs.run_local / torchrun)."
+            )
         key, call_args, leaves, treedef = self._signature(args, kwargs)
         entry = self._entry(key, call_args, leaves, treedef)
         if entry.eager:

@@ -32,6 +32,7 @@ from fshard.optim.base import (
     map_updates,
     to_locals,
 )
+from fshard.runtime import simulation
 
 __all__ = ["global_norm", "clip_by_global_norm"]
 
@@ -162,14 +163,23 @@ def _mesh_sum_squares(group: list[tuple[str, DTensor]], acc: torch.dtype) -> tor
                 dims.add(i)
         sharded_on.append(dims)
     reduce_dims = sorted(set().union(*sharded_on))
-    # A leaf counts where it is at index 0 of every reduced dim it is replicated over.
-    counted = [x for (_, x), dims in zip(group, sharded_on) if all(coord[d] == 0 for d in reduce_dims if d not in dims)]
-    local = to_locals(counted)
-    device = to_locals([group[0][1]])[0].device
-    total = _sum_squares(local, acc).to(device) if local else torch.zeros((), dtype=acc, device=device)
+    locals_ = to_locals([x for _, x in group])
+    # Which leaves count depends on this rank's coordinates: one run per rank under fs.simulate.
+    total = simulation.per_rank(_counted_sum_squares)(
+        locals_, sharded_on, reduce_dims, list(coord), acc, locals_[0].device
+    )
     for pg in _groups_over(mesh, reduce_dims):
         total = _all_reduce_sum(total, pg)
     return total
+
+
+def _counted_sum_squares(
+    locals_: list[torch.Tensor], sharded_on: list[set[int]], reduce_dims: list[int], coord: list[int], acc, device
+) -> torch.Tensor:
+    """This rank's sum of squares over the leaves it counts: a leaf counts where it is at
+    index 0 of every reduced mesh dim it is replicated over (once per replica group)."""
+    counted = [t for t, dims in zip(locals_, sharded_on) if all(coord[d] == 0 for d in reduce_dims if d not in dims)]
+    return _sum_squares(counted, acc).to(device) if counted else torch.zeros((), dtype=acc, device=device)
 
 
 def _groups_over(mesh: Any, dims: list[int]) -> list[Any]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from fshard.models import TransformerConfig
 from fshard.parallel.layout import Layout
 from fshard.recipes.trainer import ConfigError
+from fshard.runtime.process import is_rank0
 
 __all__ = ["auto_layout", "machine", "predicted_vs_measured", "prediction_line"]
 
@@ -35,7 +36,7 @@ def machine(name: str | None, world: int, block: TransformerConfig | None = None
     found = None
     if name:
         found = plan.get_machine(name)
-    elif not dist.is_initialized() or dist.get_rank() == 0:
+    elif is_rank0():
         path = plan.default_machine_path()
         found = plan.load_machine(path) if path.exists() else None
     if world > 1:

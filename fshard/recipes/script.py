@@ -6,12 +6,11 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 from fshard.checkpoint import CheckpointError
 from fshard.parallel.layout import LayoutError
 from fshard.recipes.data import DataError
 from fshard.recipes.faults import NonFiniteError
+from fshard.runtime.process import is_rank0
 
 __all__ = ["run_script"]
 
@@ -36,7 +35,7 @@ def run_script(main: Callable[[], Any], prog: str) -> None:
     try:
         main()
     except (LayoutError, DataError, NonFiniteError, CheckpointError) as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if is_rank0():
             print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, (LayoutError, DataError)) else 1)
     except Exception as e:

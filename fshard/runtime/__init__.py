@@ -20,6 +20,8 @@ from fshard.runtime.local import (
     run_local as run_local,
 )
 from fshard.runtime.process import init as init
+from fshard.runtime.process import is_rank0 as is_rank0
+from fshard.runtime.process import started as started
 from fshard.runtime.simulation import RankBranchError as RankBranchError
 from fshard.runtime.simulation import simulate as simulate
 from fshard.runtime.teardown import shutdown as shutdown

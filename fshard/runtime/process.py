@@ -11,6 +11,7 @@ CUDA is available (so one process computes on the GPU, as ``torchrun
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -21,7 +22,15 @@ import torch.distributed as dist
 
 from fshard.runtime import failure, teardown
 
-__all__ = ["init", "ensure_initialized", "enable_fault_stacks", "group_timeout", "DEFAULT_TIMEOUT"]
+__all__ = [
+    "init",
+    "started",
+    "is_rank0",
+    "ensure_initialized",
+    "enable_fault_stacks",
+    "group_timeout",
+    "DEFAULT_TIMEOUT",
+]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _FALLBACK_TIMEOUT_S = 300.0
@@ -221,3 +230,31 @@ def ensure_initialized(n_ranks_wanted: int) -> None:
         )
     dist.init_process_group(_default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=_env_timeout())
     teardown.install_at_exit(owned=True)  # one rank's gloo group has worker threads too
+
+
+def is_rank0() -> bool:
+    """Whether this process speaks for the job (prints, writes logs): rank 0 of the default
+    group, a process with no group, or the process of an ``fs.simulate`` (which is every rank).
+
+    Use it where a script says ``dist.get_rank() == 0``: under ``fs.simulate`` that branch is
+    per-rank Python and raises.
+    """
+    from fshard.runtime import simulation
+
+    if simulation.active() is not None or not dist.is_initialized():
+        return True
+    return dist.get_rank() == 0
+
+
+def started(simulate: int | None = None) -> contextlib.AbstractContextManager:
+    """The process group a script runs in: ``fs.simulate(simulate)`` when given (n ranks in
+    this process), else :func:`init`'s (torchrun's, or none for one process) and a no-op context.
+
+    Usage: ``with fs.runtime.started(args.simulate): ...`` at the top of a script's ``main``.
+    """
+    if simulate:
+        from fshard.runtime.simulation import simulate as simulated
+
+        return simulated(simulate)
+    init()
+    return contextlib.nullcontext()
