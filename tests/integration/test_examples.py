@@ -96,6 +96,22 @@ def test_loss_curve_is_the_same_on_every_mesh(mesh, reference, tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in written)
 
 
+# --simulate 4 in this process: the stored curves of 4 real ranks (pipelines: see docs/simulate.md).
+SIMULATED = ["fsdp=4", "dp=2,fsdp=2", "fsdp=2,tp=2", "dp=4"]
+
+
+@pytest.mark.parametrize("mesh", SIMULATED)
+def test_simulate_flag_gives_the_curve_of_real_ranks(mesh):
+    got = _losses(_train(TINY + ["--simulate", "4", "--mesh", mesh] + MESHES[mesh]))
+    _assert_stored_curve(mesh, got)
+
+
+def test_simulate_flag_equals_torchrun_bit_for_bit():
+    argv = TINY + ["--mesh", "dp=2,fsdp=2"]
+    real = run_on_ranks(_train, argv, world_size=4)[0]
+    assert _losses(_train(argv + ["--simulate", "4"])) == _losses(real)
+
+
 @pytest.mark.parametrize("first, second", [
     (("pp=2,fsdp=2", 4), ("fsdp=2", 2)),   # pipeline -> no pipeline
     (("dp=2,tp=2", 4), ("fsdp=1", 1)),     # 4 ranks -> 1
