@@ -46,6 +46,7 @@ from fshard.mesh import (
 from fshard.mesh import (
     init_sharded as init_sharded,
 )
+from fshard.mesh import inspect as inspect
 from fshard.mesh import (
     make_mesh as make_mesh,
 )

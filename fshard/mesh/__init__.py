@@ -49,7 +49,8 @@ __all__ = [
     "UnpicklableResultError",
 ]
 
+from fshard.mesh.inspect import inspect as inspect
 from fshard.mesh.sharded_init import init_sharded as init_sharded
 from fshard.mesh.visualize import visualize_sharding as visualize_sharding
 
-__all__ += ["init_sharded", "visualize_sharding"]
+__all__ += ["init_sharded", "visualize_sharding", "inspect"]

@@ -17,16 +17,34 @@ from fshard.mesh.placement import local_block
 from fshard.mesh.sharding import _mesh_of, spec_of
 from fshard.mesh.spec import PartitionSpec
 
-__all__ = ["visualize_sharding", "sharding_grid"]
+__all__ = ["visualize_sharding", "sharding_grid", "rank_grid"]
+
+
+def rank_grid(mesh: Mesh) -> torch.Tensor:
+    """The mesh's global ranks as a plain tensor of the mesh's shape.
+
+    Under ``fs.simulate`` the device mesh's rank tensor is a per-rank tensor (the same on
+    every rank); indexing it gives per-rank values, so the grid is read from one rank's copy.
+    """
+    ranks = mesh.device_mesh.mesh
+    local = getattr(ranks, "_local_tensors", None)
+    if local is not None:
+        ranks = next(iter(local.values()))
+    return ranks
 
 
 def sharding_grid(shape, spec: PartitionSpec, mesh: Mesh) -> dict[tuple[tuple[int, int], ...], list[int]]:
-    """``{((start, stop) per dim): [global ranks holding it]}`` for every block of the layout."""
+    """``{((start, stop) per dim): [global ranks holding it]}`` for every block of the layout.
+
+    A dim its axes do not divide is cut like ``torch.chunk`` (an uneven DTensor's blocks);
+    where they divide it, both cuts are the same.
+    """
     grid: dict[tuple[tuple[int, int], ...], list[int]] = {}
-    ranks = mesh.device_mesh.mesh
+    ranks = rank_grid(mesh)
+    uneven = any(shape[d] % mesh.axis_size(spec.dim_axes(d)) for d in range(len(spec)) if spec.dim_axes(d))
     for idx in itertools.product(*(range(s) for s in ranks.shape)):
         coord = dict(zip(mesh.axis_names, idx))
-        block = local_block(spec, shape, mesh, coord)
+        block = local_block(spec, shape, mesh, coord, uneven=uneven)
         key = tuple((s.start, s.stop) for s in block)
         grid.setdefault(key, []).append(int(ranks[idx]))
     return grid
