@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Partial
 
-from fshard.runtime import teardown
+from fshard.runtime import simulation, teardown
 from fshard.runtime.process import group_timeout
 
 __all__ = [
@@ -134,8 +134,10 @@ def group() -> Any | None:
     """The checkpoint process group, created on first use; ``None`` without torch.distributed.
 
     Creating it is collective, which is fine because save and load are collective.
+    Under ``fs.simulate`` also ``None``: the one process plays rank 0's part, and DCP runs
+    once per simulated rank (``fshard.checkpoint._simulated``).
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or simulation.active() is not None:
         return None
     key = id(dist.group.WORLD)
     g = _GROUPS.get(key)

@@ -54,6 +54,7 @@ from fshard.checkpoint._common import (
 )
 from fshard.mesh.placement import local_block
 from fshard.mesh.sharding import _mesh_of, make_dtensor, spec_of
+from fshard.runtime import simulation
 
 __all__ = ["load_hf", "save_hf"]
 
@@ -178,21 +179,36 @@ def load_hf(path_or_state_dict: Any, like: Any, *, strict: bool = True) -> Any:
     for k, x in zip(keys, leaves):
         if isinstance(x, DTensor):
             spec, mesh = spec_of(x), _mesh_of(x)
-            index = local_block(spec, x.shape, mesh, uneven=True)
-            local = src.read(names[k], index).to(device=x.device, dtype=x.dtype).contiguous()
-            if local.shape != x.to_local().shape:
-                raise CheckpointError(
-                    f"load_hf: '{k}': this rank's block of {tuple(x.shape)} under {spec} is "
-                    f"{tuple(x.to_local().shape)}, but the slice read is {tuple(local.shape)}."
-                )
+            # per rank: under fs.simulate each simulated rank reads its own block
+            local = simulation.per_rank(_read_block)(
+                src, names[k], k, spec, x.shape, mesh, mesh.coordinate(), x.to_local()
+            )
             v = make_dtensor(local, spec, mesh, x.shape)
         elif isinstance(x, torch.Tensor):
-            v = src.read(names[k], None).to(device=x.device, dtype=x.dtype, copy=True)
+            v = simulation.per_rank(_read_whole)(src, names[k], x)
         else:
             out.append(x)
             continue
         out.append(v.requires_grad_(x.requires_grad) if x.requires_grad else v)
     return tree_util.tree_unflatten(treedef, out)
+
+
+def _read_block(
+    src: _Source, name: str, k: str, spec: Any, shape: Any, mesh: Any, coord: dict[str, int], block: torch.Tensor
+) -> torch.Tensor:
+    """One rank's block of ``name`` (the rank at ``coord``, whose template block is ``block``)."""
+    index = local_block(spec, shape, mesh, coord, uneven=True)
+    local = src.read(name, index).to(device=block.device, dtype=block.dtype).contiguous()
+    if local.shape != block.shape:
+        raise CheckpointError(
+            f"load_hf: '{k}': this rank's block of {tuple(shape)} under {spec} is "
+            f"{tuple(block.shape)}, but the slice read is {tuple(local.shape)}."
+        )
+    return local
+
+
+def _read_whole(src: _Source, name: str, x: torch.Tensor) -> torch.Tensor:
+    return src.read(name, None).to(device=x.device, dtype=x.dtype, copy=True)
 
 
 def _split_first(name: str) -> tuple[str, str] | None:
@@ -310,7 +326,7 @@ def _gather(
         if rank != 0 or error is not None:
             continue
         try:
-            t = full.detach().to("cpu").contiguous()
+            t = _rank0_block(full.detach()).to("cpu").contiguous()
         except Exception as e:  # e.g. out of host memory
             error = CheckpointError(
                 f"save_hf: '{k}' could not be copied to CPU memory on rank 0: "
@@ -324,6 +340,12 @@ def _gather(
         files[-1][k] = t
         size += nbytes
     return files, error
+
+
+def _rank0_block(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's value of ``t``: under ``fs.simulate``, its block (a file holds plain tensors)."""
+    blocks = getattr(t, "_local_tensors", None)
+    return blocks[0] if blocks is not None else t
 
 
 def _write_hf(

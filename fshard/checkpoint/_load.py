@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor
 
 from fshard import tree as tree_util
-from fshard.checkpoint import _dirs
+from fshard.checkpoint import _dirs, _simulated
 from fshard.checkpoint._checksums import VerifyingReader, read_checksums
 from fshard.checkpoint._common import (
     CheckpointError,
@@ -34,6 +34,7 @@ from fshard.checkpoint._common import (
 )
 from fshard.checkpoint._save import wait
 from fshard.checkpoint._verify import incomplete_keys as _incomplete_keys
+from fshard.runtime import simulation
 
 __all__ = ["load", "read_metadata"]
 
@@ -207,8 +208,13 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
     except (CheckpointError, ValueError) as e:
         error = e
     agree(error, g)
-    state_dict = {k: _empty_like(x) for k, x in zip(keys, leaves)}
-    _read(state_dict, src, path, g, checksums)
+    if _simulated.active():  # fs.simulate: DCP reads once per simulated rank
+        per_rank = _simulated.empty_per_rank(keys, leaves)
+        _read(per_rank, src, path, g, checksums)
+        state_dict = {k: _simulated.combine(k, x, per_rank) for k, x in zip(keys, leaves)}
+    else:
+        state_dict = {k: _empty_like(x) for k, x in zip(keys, leaves)}
+        _read(state_dict, src, path, g, checksums)
     out = []
     for k, x in zip(keys, leaves):
         v = state_dict[k]
@@ -218,8 +224,12 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
     return tree_util.tree_unflatten(treedef, out)
 
 
-def _read(state_dict: dict[str, Any], src: str, path: str, g: Any, checksums: dict[str, dict[str, int]] | None) -> None:
+def _read(state_dict: Any, src: str, path: str, g: Any, checksums: dict[str, dict[str, int]] | None) -> None:
+    """DCP's read into ``state_dict`` (under ``fs.simulate`` a list: every rank's)."""
     try:
+        if isinstance(state_dict, list):
+            _simulated.load_per_rank(state_dict, [VerifyingReader(src, checksums) for _ in state_dict])
+            return
         with single_process_quiet(g):
             dcp.load(state_dict, storage_reader=VerifyingReader(src, checksums), process_group=g, no_dist=g is None)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
@@ -227,6 +237,13 @@ def _read(state_dict: dict[str, Any], src: str, path: str, g: Any, checksums: di
 
 
 def _load_flat(path: str) -> dict[str, Any]:
+    if _simulated.active():  # full values, the same on every rank: plain tensors
+        with simulation.outside():
+            return _load_flat_here(path)
+    return _load_flat_here(path)
+
+
+def _load_flat_here(path: str) -> dict[str, Any]:
     src = _dirs.resolve(path)
     md = _read_metadata(src, path, None)
     keys = list(md.state_dict_metadata)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from fshard.checkpoint import _dirs, _lock, _space
+from fshard.checkpoint import _dirs, _lock, _simulated, _space
 from fshard.checkpoint._checksums import ChecksumWriter, write_checksums, write_manifest
 from fshard.checkpoint._common import (
     CheckpointError,
@@ -285,7 +285,11 @@ def save(path: str | os.PathLike, tree: Any, *, blocking: bool = True) -> Pendin
         done.set_result(None)
         return PendingSave(path, done)
     try:
-        staged = {k: _stage(v) for k, v in state_dict.items()}
+        staged: Any = (
+            _simulated.per_rank_state_dicts(state_dict, copy=True)
+            if _simulated.active()
+            else {k: _stage(v) for k, v in state_dict.items()}
+        )
         _register_at_exit()
         future = _executor().submit(_write_and_commit, staged, tmp, path, g, rank, lock, needed)
     except BaseException:
@@ -320,13 +324,19 @@ def _begin(path: str, needed: int) -> tuple[Any, str | None, CheckpointError | N
         return None, None, CheckpointError(f"cannot save to '{path}': {e}")
 
 
-def _write_and_commit(
-    state_dict: dict[str, Any], tmp: str, path: str, g: Any, rank: int, lock: Any, needed: int
-) -> None:
-    """Every rank writes its part into ``tmp``; rank 0 checks it and commits it; the lock goes last."""
+def _write_and_commit(state_dict: Any, tmp: str, path: str, g: Any, rank: int, lock: Any, needed: int) -> None:
+    """Every rank writes its part into ``tmp``; rank 0 checks it and commits it; the lock goes last.
+
+    ``state_dict``: this rank's, or under ``fs.simulate`` a list with every rank's
+    (``_simulated.per_rank_state_dicts``, made on the caller's thread for a background save).
+    """
     try:
-        writer = _write(state_dict, tmp, path, g, rank, needed)
-        checksums = _all_ranks(writer.checksums, g)
+        if isinstance(state_dict, dict) and _simulated.active():
+            state_dict = _simulated.per_rank_state_dicts(state_dict)
+        writers = _write(state_dict, tmp, path, g, rank, needed)
+        checksums = (
+            [w.checksums for w in writers] if isinstance(state_dict, list) else _all_ranks(writers[0].checksums, g)
+        )
         error = _commit(tmp, path, checksums, lock, needed) if rank == 0 else None
         agree(error, g)  # every rank returns only once the rename is done
     finally:
@@ -334,15 +344,23 @@ def _write_and_commit(
             lock.release()
 
 
-def _write(state_dict: dict[str, Any], tmp: str, path: str, g: Any, rank: int, needed: int) -> ChecksumWriter:
-    """DCP's write of every rank's part; raises on every rank when any rank's write failed."""
+def _write(state_dict: Any, tmp: str, path: str, g: Any, rank: int, needed: int) -> list[ChecksumWriter]:
+    """DCP's write of every rank's part; raises on every rank when any rank's write failed.
+
+    Returns:
+      This rank's writer; under ``fs.simulate`` (``state_dict`` a list) every rank's.
+    """
     try:
+        if isinstance(state_dict, list):  # fs.simulate: DCP once per simulated rank
+            writers = [ChecksumWriter(tmp) for _ in state_dict]
+            _simulated.save_per_rank(state_dict, writers)
+            return writers
         # DCP gathers every rank's write errors and raises on all of them, and returns
         # only after rank 0 has written the metadata, that is, after every rank's data.
         writer = ChecksumWriter(tmp)
         with single_process_quiet(g):
             dcp.save(state_dict, storage_writer=writer, process_group=g, no_dist=g is None)
-        return writer
+        return [writer]
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
