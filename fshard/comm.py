@@ -438,11 +438,12 @@ def reduce_scatter_async(x: torch.Tensor, group, n: int, op: str = "sum", *, axe
     On gloo it runs as ``all_to_all_single`` (chunk j to group rank j) and the received
     chunks are reduced locally in ``wait()``: gloo's own ``reduce_scatter_tensor`` is an
     all-reduce plus a slice, twice the bytes on the wire (and it ignores ``op``).
-    Other backends use their reduce-scatter.
+    Other backends use their reduce-scatter; ``fs.simulate``'s (``"fake"``) takes gloo's
+    path, so that the simulated ranks add the chunks in the order gloo ranks do.
     """
     one_at_a_time(group)
     _contract.enter(group, "psum_scatter", x, axes, op=op, n=n)
-    if n > 1 and backend_of(group, x.device.type) == "gloo":
+    if n > 1 and backend_of(group, x.device.type) in ("gloo", "fake"):
         rows = [x.shape[0] // n] * n
         wire, back = _stage(group, x)
         with _named(axes, "psum_scatter"):
