@@ -109,7 +109,7 @@ def _ring_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _install_shims() -> Callable[[], None]:
-    from torch.distributed._local_tensor import LocalIntNode
+    from torch.distributed._local_tensor import LocalIntNode, LocalTensor
     from torch.distributed._local_tensor import _c10d as local_c10d
 
     saved_reduce = local_c10d._local_reduce
@@ -165,7 +165,25 @@ def _install_shims() -> Callable[[], None]:
                 return torch.SymInt(LocalIntNode({r: r for r in mode.ranks}))
         return saved_get_rank(group)
 
+    # reuse_mode: an op on a LocalTensor that reaches the tensor's own dispatch (the mode is
+    # off the stack while it handles an op: the storage aliasing of every view op lands here)
+    # runs in a fresh LocalTensorMode, whose entry copies every rank's RNG state and patches
+    # DeviceMesh and torch's random functions, then undoes it: half of a simulated step's time.
+    # The active simulation's mode, pushed once more, runs it the same way.
+    saved_dispatch = LocalTensor.__dict__["__torch_dispatch__"]
+
+    def dispatch(cls, func, types, args=(), kwargs=None):
+        meta = _metadata(func, args)
+        if meta is not _NOT_METADATA:
+            return meta
+        sim = _ACTIVE[-1] if _ACTIVE else None
+        if sim is None or sim.mode is None:
+            return saved_dispatch.__get__(None, cls)(func, types, args, kwargs)
+        with sim.mode.reentered():
+            return func(*args, **(kwargs or {}))
+
     local_c10d._local_reduce = reduce
+    LocalTensor.__torch_dispatch__ = classmethod(torch._disable_dynamo(dispatch))
     for name, what in (("int_", "int({self})"), ("guard_int", "the int {self}"), ("expect_size", "the size {self}")):
         saved.setdefault(name, getattr(LocalIntNode, name, None))
         setattr(LocalIntNode, name, refuse(what))
@@ -176,6 +194,7 @@ def _install_shims() -> Callable[[], None]:
 
     def undo() -> None:
         local_c10d._local_reduce = saved_reduce
+        LocalTensor.__torch_dispatch__ = saved_dispatch
         local_tensor._set_rng_state = saved_set_rng
         dist.get_rank = saved_get_rank
         for name, fn in saved.items():
@@ -189,6 +208,28 @@ def _install_shims() -> Callable[[], None]:
 
 # Python's comparison of a SymInt reaches LocalIntNode through this file's magic methods.
 _SYM_NODE_FILE = os.path.join("fx", "experimental", "sym_node.py")
+
+_NOT_METADATA = object()
+
+
+def _metadata(func, args) -> Any:
+    """``metadata_fast_path``: a LocalTensor's strides, storage offset or numel, read from its
+    blocks. torch's simulation runs these queries like any op (once per rank, saving and
+    restoring every rank's RNG state, pytree walks), and the storage aliasing of every view
+    op asks for all three: a third of a simulated step. Same answer, without the op loop."""
+    from torch.distributed._local_tensor import LocalTensor, _combine_rank_results
+
+    read = _METADATA_READS.get(func)
+    if read is None or len(args) != 1 or type(args[0]) is not LocalTensor:
+        return _NOT_METADATA
+    return _combine_rank_results({r: read(t) for r, t in args[0]._local_tensors.items()}, None)
+
+
+_METADATA_READS: dict[Any, Callable[[torch.Tensor], Any]] = {
+    torch.ops.aten.sym_stride.default: lambda t: t.stride(),
+    torch.ops.aten.sym_storage_offset.default: lambda t: t.storage_offset(),
+    torch.ops.aten.sym_numel.default: lambda t: t.numel(),
+}
 
 # The generators of the op being run per rank, and their state before it (see _mode_class).
 _OP_GENERATORS: list[tuple[torch.Generator, torch.Tensor]] = []
@@ -212,6 +253,9 @@ def _mode_class() -> type:
     class _Mode(LocalTensorMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            meta = _metadata(func, args) if not kwargs else _NOT_METADATA
+            if meta is not _NOT_METADATA:
+                return meta
             if self._disable:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             flat, spec = pytree.tree_flatten((args, kwargs))
@@ -237,6 +281,25 @@ def _mode_class() -> type:
         def _every_rank(self, t: torch.Tensor) -> torch.Tensor:
             with self.disable():
                 return LocalTensor({r: t.clone() for r in self.ranks})
+
+        @contextlib.contextmanager
+        def reentered(self) -> Iterator[None]:
+            """This mode pushed once more, for an op on a LocalTensor while it is off the
+            dispatch stack (inside its own handler): see ``reuse_mode``."""
+            from torch.distributed._local_tensor import get_local_tensor_mode_list
+            from torch.utils._python_dispatch import TorchDispatchMode
+
+            modes, was_off = get_local_tensor_mode_list(), self._disable
+            modes.append(self)
+            self.enable_()
+            TorchDispatchMode.__enter__(self)
+            try:
+                yield
+            finally:
+                TorchDispatchMode.__exit__(self, None, None, None)
+                modes.pop()
+                if was_off:
+                    self.disable_()
 
     return _Mode
 
