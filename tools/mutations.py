@@ -105,7 +105,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the layer loop assumes every leaf is sharded on dim 0"),
     Mutation(
         "partial_reshard_keeps_a_view", "fshard/parallel/groups.py",
-        "return buf.view(self._pk, -1)[self._pidx].clone()", "return buf.view(self._pk, -1)[self._pidx]",
+        "return buf.view(self._pk, -1).select(0, self._pidx).clone()", "return buf.view(self._pk, -1).select(0, self._pidx)",
         (f"{B}::test_reshard_after_forward_frees_gathered_storage_and_regathers",),
         "reshard_after_forward=k keeps a view, so the whole gathered buffer stays alive"),
     Mutation(

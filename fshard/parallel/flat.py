@@ -18,6 +18,7 @@ from typing import Sequence
 import attrs
 import torch
 
+from fshard.runtime import simulation
 from fshard.transforms.shard_map import global_shape, input_spec
 
 __all__ = [
@@ -82,7 +83,7 @@ def gathered_shape(x: torch.Tensor, shard_axes: tuple[str, ...], mesh) -> tuple[
         return None
     if spec is None:
         return tuple(shape)
-    out, coord = list(shape), mesh.coordinate()
+    cuts = []
     for d in range(len(spec)):
         # Size-1 axes split nothing, so their place in the order does not matter (and
         # DTensor placements do not keep it).
@@ -94,10 +95,25 @@ def gathered_shape(x: torch.Tensor, shard_axes: tuple[str, ...], mesh) -> tuple[
                 f"gathered axes {shard_axes} must come last (minor) on that dim, e.g. "
                 f"P(({', '.join(repr(a) for a in others + list(shard_axes))},))."
             )
-        for a in others:  # this rank's torch.chunk block, major to minor (as fs.shard cuts it)
-            c = -(-out[d] // mesh.shape[a])
-            lo = min(coord[a] * c, out[d])
+        cuts.append(others)
+    coord = mesh.coordinate()
+    sizes = [mesh.shape[a] for others in cuts for a in others]
+    # The block depends on this rank's coordinates: one run per rank under fs.simulate.
+    return simulation.per_rank(_blocks)(
+        tuple(shape), [len(o) for o in cuts], sizes, [coord[a] for o in cuts for a in o]
+    )
+
+
+def _blocks(shape: tuple[int, ...], counts: list[int], sizes: list[int], coords: list[int]) -> tuple[int, ...]:
+    """``shape`` cut, on dim ``d``, by the ``counts[d]`` next axes (their ``sizes`` and this
+    rank's ``coords``), major to minor: this rank's nested torch.chunk block, as fs.shard cuts it."""
+    out, k = list(shape), 0
+    for d, count in enumerate(counts):
+        for size, at in zip(sizes[k : k + count], coords[k : k + count]):
+            c = -(-out[d] // size)
+            lo = min(at * c, out[d])
             out[d] = min(lo + c, out[d]) - lo
+        k += count
     return tuple(out)
 
 
@@ -160,9 +176,8 @@ def flatten(
         if dtype is not None and x.is_floating_point():
             x = x.to(dtype)
         x = x.movedim(d, 0) if x.dim() else x.reshape(1)
-        if x.shape[0] < r:  # uneven shard: pad to the common row count
-            x = torch.cat([x, x.new_zeros(r - x.shape[0], *x.shape[1:])])
-        parts.append(x.reshape(-1))
+        # Uneven shards differ in rows per rank: padded in one run per rank under fs.simulate.
+        parts.append(simulation.per_rank(_pad_rows)(x, r).reshape(-1))
     if pin:
         # Built straight into page-locked memory: only a copy from pinned memory to the GPU
         # is asynchronous; from pageable memory the host would stall on a staging copy.
@@ -170,6 +185,13 @@ def flatten(
         out = torch.empty(sum(p.numel() for p in parts), dtype=out_dtype, pin_memory=True)
         return torch.cat(parts, out=out) if len(parts) > 1 else out.copy_(parts[0])
     return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` padded with zero rows (dim 0) to ``rows``: an uneven shard to the common row count."""
+    if x.shape[0] < rows:
+        x = torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+    return x
 
 
 def to_compute(flat: torch.Tensor, device: torch.device) -> torch.Tensor:

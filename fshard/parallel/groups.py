@@ -193,7 +193,8 @@ class Groups:
         group hold the ``k`` consecutive slices, so an all-gather over ``post_axes`` (in
         that group's rank order) puts the buffer back together exactly.
         """
-        return buf.view(self._pk, -1)[self._pidx].clone()
+        # select, not [ ]: under fs.simulate the index is a per-rank int, which [ ] cannot take.
+        return buf.view(self._pk, -1).select(0, self._pidx).clone()
 
     # --- backward: regather for saved tensors -----------------------------------------
     def start_regather(self, i: int) -> None:

@@ -404,8 +404,9 @@ def tp_embed(
     pos = params["pos_embeddings"]["weight"][:T]  # (T, D)
     if sequence_parallel:
         t = x.shape[1]
-        r = lax.axis_index(axis)
-        pos = sp_params(pos, axis)[r * t : (r + 1) * t]  # (T / tp, D)
+        # The mesh's int (a per-rank int under fs.simulate, which slicing cannot take; narrow can).
+        r = lax.BODY.get().mesh.axis_index(axis)
+        pos = sp_params(pos, axis).narrow(0, r * t, t)  # (T / tp, D)
     return tp_dropout(x + pos, cfg, axis, training=training, split=sequence_parallel)
 
 
