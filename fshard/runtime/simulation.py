@@ -49,6 +49,10 @@ class RankBranchError(RuntimeError):
 _LIBRARY_DIRS = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
 
 
+# fshard's dispatch layers: the line of an op passing through them is the caller's, not theirs.
+_DISPATCH_FILES = ("simulation.py", os.path.join("transforms", "vma.py"))
+
+
 def _user_line() -> str:
     """``file:line: code`` of the innermost frame outside fshard, torch and installed
     packages, then (when the value came from inside fshard) fshard's innermost line."""
@@ -57,7 +61,7 @@ def _user_line() -> str:
         (
             f
             for f in reversed(stack)
-            if f.filename.startswith(_LIBRARY_DIRS[0]) and not f.filename.endswith("simulation.py")
+            if f.filename.startswith(_LIBRARY_DIRS[0]) and not f.filename.endswith(_DISPATCH_FILES)
         ),
         None,
     )
@@ -212,6 +216,14 @@ _SYM_NODE_FILE = os.path.join("fx", "experimental", "sym_node.py")
 _NOT_METADATA = object()
 
 
+def _one_host_value(t: Any) -> None:
+    """Raises :class:`RankBranchError` when the blocks of the 1-element LocalTensor ``t`` differ:
+    Python is about to read it as one host value (a branch, ``int()``, ``.item()``)."""
+    values = {r: b.item() for r, b in t._local_tensors.items()}
+    if len({repr(v) for v in values.values()}) > 1:
+        raise _branch_error("a tensor read as a host value (bool(), int(), float(), .item())", values)
+
+
 def _metadata(func, args) -> Any:
     """``metadata_fast_path``: a LocalTensor's strides, storage offset or numel, read from its
     blocks. torch's simulation runs these queries like any op (once per rank, saving and
@@ -256,6 +268,8 @@ def _mode_class() -> type:
             meta = _metadata(func, args) if not kwargs else _NOT_METADATA
             if meta is not _NOT_METADATA:
                 return meta
+            if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], LocalTensor):
+                _one_host_value(args[0])  # refuse_rank_branch: bool(t), t.item(), int(t) of a per-rank tensor
             if self._disable:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             flat, spec = pytree.tree_flatten((args, kwargs))
