@@ -176,6 +176,25 @@ def test_a_branch_on_the_rank_is_an_error_naming_the_line():
             fs.shard_map(body, mesh=mesh, in_specs=P("a"), out_specs=P("a"))(fs.shard(torch.ones(2), P("a"), mesh))
 
 
+def test_a_branch_on_a_per_rank_tensor_is_an_error_naming_the_line():
+    with fs.simulate(2):
+        mesh = fs.make_mesh({"a": 2})
+
+        def body(x):
+            if fs.lax.axis_index("a") == 0:  # the line the message names
+                return x
+            return -x
+
+        def same(x):  # a host value that every rank agrees on is fine
+            return x * float(fs.lax.psum(fs.lax.axis_index("a"), "a"))
+
+        x = fs.shard(torch.ones(2), P("a"), mesh)
+        with pytest.raises(RankBranchError, match=r"test_simulate\.py:\d+: if fs\.lax\.axis_index\(\"a\"\) == 0"):
+            fs.shard_map(body, mesh=mesh, in_specs=P("a"), out_specs=P("a"))(x)
+        assert torch.equal(fs.gather(fs.shard_map(same, mesh=mesh, in_specs=P("a"), out_specs=P("a"))(x)),
+                           torch.ones(2))
+
+
 def test_dist_get_rank_is_the_per_rank_int_a_branch_on_it_is_an_error():
     import torch.distributed as dist
 
