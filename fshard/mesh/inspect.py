@@ -85,14 +85,14 @@ def inspect(x: Any, *, name: str | None = None, max_values: int = 16, show: bool
     """
     if not isinstance(max_values, int) or isinstance(max_values, bool) or max_values < 0:
         raise ValueError(f"fs.inspect(max_values={max_values!r}): max_values must be an int >= 0.")
-    if torch.compiler.is_compiling():
+    paths, leaves, _ = tree_util.zip_with_path(x)
+    if _tracing(leaves):
         raise RuntimeError(
             "fs.inspect inside fs.jit / torch.compile: a compiled step cannot print per-rank "
             "values. Call fs.inspect on the step's inputs or outputs, outside the compiled step."
         )
     body = meta.BODY.get()
     sim = simulation.active()
-    paths, leaves, _ = tree_util.zip_with_path(x)
     bare = isinstance(x, torch.Tensor) or len(leaves) == 1 and paths[0] in ("", "<root>")
     rows: list[tuple[str, ...]] = []
     meshes: list[Mesh] = []
@@ -121,6 +121,16 @@ def inspect(x: Any, *, name: str | None = None, max_values: int = 16, show: bool
     return text
 
 
+def _tracing(leaves: list[Any]) -> bool:
+    """Inside ``torch.compile`` or ``fs.jit``'s capture (``make_fx``: a proxy mode, fake tensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    if torch.compiler.is_compiling() or get_proxy_mode() is not None:
+        return True
+    return any(isinstance(t, torch.Tensor) and is_fake(t) for t in leaves)
+
+
 # --- one leaf ------------------------------------------------------------------------------
 def _leaf_rows(
     path: str, leaf: Any, body: meta.Body | None, rank: int | None, world: int, max_values: int
@@ -137,7 +147,7 @@ def _leaf_rows(
         text = repr(leaf)
         text = text if len(text) <= 80 else text[:77] + "..."
         here = _ALL if rank is None else str(rank)
-        return [(path, here, "", "", type(leaf).__name__, "", "", "", text, text, "1")], None
+        return [(path, here, "", "", type(leaf).__name__, "", "", "", text, text, "value")], None
     mesh: Mesh | None = None
     invariant = False
     if isinstance(leaf, DTensor):
@@ -277,16 +287,17 @@ def _gather_rows(rows: list[tuple[str, ...]], rank: int, world: int) -> list[tup
 
 
 def _collapse(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
-    """A leaf whose value is invariant by type and the same block on every rank: one row
-    (``rank all``); invariant by type but differing blocks: every row, flagged."""
+    """A leaf that is invariant by type (or a Python value) and the same on every rank: one
+    row (``rank all``); invariant by type but differing blocks: every row, flagged."""
     out: list[tuple[str, ...]] = []
     by_leaf: dict[str, list[tuple[str, ...]]] = {}
     for row in rows:
         by_leaf.setdefault(row[0], []).append(row)
     for leaf_rows in by_leaf.values():
-        invariant = all(r[10] for r in leaf_rows)
+        kinds = {r[10] for r in leaf_rows}
+        invariant = kinds == {"1"}
         same = len({r[9] for r in leaf_rows}) == 1 and len({r[3] for r in leaf_rows}) == 1
-        if invariant and len(leaf_rows) > 1 and same:
+        if kinds <= {"1", "value"} and len(leaf_rows) > 1 and same:
             out.append(leaf_rows[0][:1] + (_ALL, "") + leaf_rows[0][3:9])
         elif invariant and len(leaf_rows) > 1:
             out += [r[:5] + (r[5] + " (typed invariant, blocks differ)",) + r[6:9] for r in leaf_rows]
@@ -308,11 +319,13 @@ def _title(name: str | None, body: meta.Body | None, sim: Any, world: int, meshe
 
 
 def _render(title: str, rows: list[tuple[str, ...]], bare: bool) -> str:
+    if not rows:
+        return f"{title}\n(no leaves)"
     keep = [i for i, c in enumerate(_COLUMNS) if not (bare and c == "leaf") and any(r[i] for r in rows)]
     keep = keep or [_COLUMNS.index("block")]
     head = [_COLUMNS[i] for i in keep]
     body = [[r[i] for i in keep] for r in rows]
-    widths = [max(len(h), *(len(r[j]) for r in body)) for j, h in enumerate(head)]
+    widths = [max([len(h), *(len(r[j]) for r in body)]) for j, h in enumerate(head)]
     lines = [title, "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in body]

@@ -20,7 +20,7 @@ def _program(n):
     big = fs.shard(torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4), P("dp"), mesh)
     texts = {
         "outside": fs.inspect(x, name="x", show=False),
-        "tree": fs.inspect({"x": x, "big": big, "note": "a string"}, show=False),
+        "tree": fs.inspect({"x": x, "big": big, "note": "a string", "idx": mesh.axis_index("dp")}, show=False),
         "uneven": fs.inspect(fs.shard(torch.arange(5.0), P(("dp", "tp")), mesh, uneven=True), show=False),
         "grid": fs.visualize_sharding(x, use_color=False),
     }
@@ -38,6 +38,12 @@ def _program(n):
         return a
 
     fs.shard_map(unchecked, mesh=mesh, in_specs=P("dp", "tp"), out_specs=P("dp", "tp"), check=False)(x)
+
+    def loss(a):
+        texts["grad"] = fs.inspect(a, show=False)  # under value_and_grad: the primal's blocks
+        return fs.lax.psum((a**2).sum(), ("dp", "tp"))
+
+    fs.value_and_grad(fs.shard_map(loss, mesh=mesh, in_specs=P("dp", "tp"), out_specs=P()))(x)
     return texts
 
 
@@ -82,6 +88,10 @@ def test_simulated_table_has_every_rank_block_shape_vma_spec_and_global_shape():
     assert big[0]["block"] == big[1]["block"] and big[2]["block"].startswith("min 128 max 255")
     assert [(row["rank"], row["block"]) for row in tree if row["leaf"] == "note"] == [("all", "'a string'")]
     assert len([row for row in tree if row["leaf"] == "x"]) == 4
+    # A per-rank int (a mesh coordinate): each rank's value.
+    assert [(row["rank"], row["block"]) for row in tree if row["leaf"] == "idx"] == [
+        ("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")
+    ]
 
     # An uneven layout, cut like torch.chunk axis after axis: 5 -> 3, 2 over dp -> 2, 1, 1, 1.
     assert [row["shape"] for row in _table(t["uneven"])] == ["(2,)", "(1,)", "(1,)", "(1,)"]
@@ -102,6 +112,9 @@ def test_simulated_table_has_every_rank_block_shape_vma_spec_and_global_shape():
     assert [(row["rank"], row["vma"], row["block"]) for row in rows if row["leaf"] == "closed"] == [
         ("all", "{}", "[7, 7]")
     ]
+
+    assert [row["block"] for row in _table(t["grad"])] == blocks
+    assert all(row["vma"] == "{dp, tp}" for row in _table(t["grad"]))
 
     unchecked = t["unchecked"]
     assert "unchecked (vma not tracked)" in unchecked.splitlines()[0]
@@ -127,7 +140,7 @@ def test_real_ranks_gather_the_table_to_rank_0_with_the_simulation_rows():
     real = run_on_ranks(_program, 4, world_size=4)
     sim = _simulated()
     assert real[0]["outside"].splitlines()[0] == "fs.inspect(x): outside a body, on Mesh(dp=2, tp=2; cpu); 4 ranks"
-    for name in ("outside", "tree", "uneven", "body", "unchecked"):
+    for name in ("outside", "tree", "uneven", "body", "unchecked", "grad"):
         assert all(r[name] is None for r in real[1:]), name  # rank 0 only
         assert _rows(real[0][name]) == _rows(sim[name]), name
     assert real[0]["grid"] == sim["grid"]
@@ -150,3 +163,16 @@ def test_outside_a_process_group_shows_this_process():
 def test_bad_max_values_names_the_parameter():
     with pytest.raises(ValueError, match=r"max_values=-1.*int >= 0"):
         fs.inspect(torch.ones(2), max_values=-1)
+
+
+def test_an_empty_tree_says_so():
+    assert fs.inspect({}, show=False).splitlines()[1:] == ["(no leaves)"]
+
+
+def test_refused_inside_fs_jit_naming_the_fix():
+    def step(x):
+        fs.inspect(x)
+        return x * 2
+
+    with pytest.raises(fs.JitCaptureError, match="fs.inspect inside fs.jit.*outside the compiled step"):
+        fs.jit(step)(torch.ones(3))
