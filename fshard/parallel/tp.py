@@ -34,6 +34,7 @@ from fshard import tree as tree_util
 from fshard.mesh.spec import P, PartitionSpec
 from fshard.models.transformer import TransformerConfig, attention, feed_forward
 from fshard.parallel.specs import match_specs
+from fshard.runtime import simulation
 
 __all__ = [
     "MLP_STACK_TP_PLAN",
@@ -311,13 +312,46 @@ def tp_rng(axis: str, device: torch.device):
     # A host int (manual_seed takes one), from the mesh: int(lax.axis_index(...)) would
     # leave checked mode's types (every P() output then verified at run time). The masks
     # vary because the value they drop from does (split=True), so the seed needs no type.
-    seed = int(torch.randint(0, 2**62, (1,))) + lax.BODY.get().mesh.axis_index(axis)
+    # per_rank: under fs.simulate each rank reads its own draw (and the mesh's int is per rank).
+    seed = simulation.per_rank(int)(torch.randint(0, 2**62, (1,))) + lax.BODY.get().mesh.axis_index(axis)
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.default_generator.manual_seed(seed)
-        if devices:
-            torch.cuda.manual_seed(seed)
+    with _seeded(seed, devices):
         yield
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, devices: list[torch.device]):
+    """Inside, torch's RNG (CPU and ``devices``) seeded with ``seed``; outside, as before.
+
+    Under ``fs.simulate`` ``seed`` is a per-rank int and each rank draws from its own
+    generator state (torch's simulation keeps one per rank and sets it before each rank's
+    run of an op): each rank's state is seeded with its seed here, and every rank's state
+    is put back after, as ``fork_rng`` puts back a real rank's.
+    """
+    from torch.distributed._local_tensor import _get_rng_state, enabled_local_tensor_mode
+
+    def seed_all(value: int) -> None:
+        torch.default_generator.manual_seed(value)
+        if devices:
+            torch.cuda.manual_seed(value)
+
+    mode = enabled_local_tensor_mode()
+    states = mode._per_rank_rng_states if mode is not None else None
+    if not states:  # real ranks (or a simulation without per-rank states)
+        with torch.random.fork_rng(devices=devices):
+            seed_all(simulation.host_int(seed, "tp_rng's seed"))
+            yield
+        return
+    saved = dict(states)
+    try:
+        for r in sorted(states):
+            with torch.random.fork_rng(devices=devices):
+                seed_all(seed.node._local_ints[r] if isinstance(seed, torch.SymInt) else seed)
+                states[r] = _get_rng_state()
+        yield
+    finally:
+        states.clear()
+        states.update(saved)  # in place: a nested simulation may share this dict
 
 
 def tp_transformer_block(

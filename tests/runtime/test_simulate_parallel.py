@@ -110,6 +110,28 @@ def _tp(n, order, sequence_parallel):
     return fs.gather(value), fs.gather(grads)
 
 
+def _tp_dropout(n, sequence_parallel):
+    """tp_transformer_block with dropout (training): the residual dropouts draw from the shared
+    RNG (per rank inside tp_rng with SP), the attention probabilities per rank (tp_rng's seed
+    per rank); the draw after the step checks every rank's RNG was put back."""
+    from fshard.models import TransformerConfig, transformer_init
+
+    cfg = TransformerConfig(vocab_size=32, dim=16, n_layers=1, n_heads=4, max_seq_len=8, dropout=0.25)
+    torch.manual_seed(5)  # the shared stream every rank starts from
+    mesh = fs.make_mesh({"tp": n})
+    params = transformer_init(cfg, 0, dtype=torch.float64)["layers"][0]
+    specs = fs.parallel.tp_specs({"layers": [params]}, fs.parallel.TRANSFORMER_TP_PLAN, "tp")["layers"][0]
+
+    def loss(p, x):
+        y = fs.parallel.tp_transformer_block(p, x, cfg, "tp", sequence_parallel=sequence_parallel, training=True)
+        return fs.lax.pmean(y.pow(2).mean(), "tp") if sequence_parallel else y.pow(2).mean()
+
+    x_spec = P(None, "tp") if sequence_parallel else P()
+    step = fs.value_and_grad(fs.shard_map(loss, mesh=mesh, in_specs=(specs, x_spec), out_specs=P()))
+    value, grads = step(fs.shard(params, specs, mesh), _data(99, 2, 8, 16))
+    return fs.gather(value), fs.gather(grads), torch.rand(3)
+
+
 def _ep(n, order, tp):
     """A two-layer MoE stack through moe_ffn over ``ep`` (n / 2 with tp=2 inside each expert),
     the router FSDP-gathered over ``ep`` like the dense parameters."""
@@ -172,6 +194,8 @@ PROGRAMS = {  # name: (program, args after n, world sizes)
     "ddp_microbatches": (_loop, ("ddp", "inside"), (2,), dict(microbatches=2)),
     **{f"tp_{o}": (_tp, (o, False), (4,)) for o in ORDERS},
     **{f"tp_sp_{o}": (_tp, (o, True), (4,)) for o in ORDERS},
+    "tp_dropout": (_tp_dropout, (False,), (2, 4)),
+    "tp_sp_dropout": (_tp_dropout, (True,), (2, 4)),
     **{f"ep_{o}": (_ep, (o, False), (2,)) for o in ORDERS},
     "ep_tp": (_ep, ("inside", True), (4,)),
     "recipe_fsdp4_uneven": (_recipe, ("fsdp=4", {"prefetch": 2, "reshard": False}), (4,)),
@@ -183,7 +207,16 @@ CASES = [(name, n) for name, (_, _, sizes, *_) in PROGRAMS.items() for n in size
 
 def _run(name, n, runner):
     fn, args, _, *kw = PROGRAMS[name]
-    return runner(fn, n, *args, world_size=n, **(kw[0] if kw else {}))
+    if runner is not run_simulated:
+        return runner(fn, n, *args, world_size=n, **(kw[0] if kw else {}))
+    # fs.run_local's ranks compute on one thread each, and a CPU reduction's order depends on
+    # the thread count (layer_norm's weight grad differs in the last bit): the same here.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return runner(fn, n, *args, world_size=n, **(kw[0] if kw else {}))
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name, n", CASES, ids=[f"{name}-{n}" for name, n in CASES])
