@@ -64,7 +64,8 @@ def inspect(x: Any, *, name: str | None = None, max_values: int = 16, show: bool
     Under ``fs.simulate`` every rank's block is in this process. On real ranks it is a
     collective over the default group (with its timeout): every rank calls it, rank 0
     prints the table and returns it, the other ranks return ``None``. Outside a process
-    group it shows this process's value.
+    group it shows this process's value. A body prints each time it runs: under
+    ``fs.remat`` also when backward recomputes it.
 
     Args:
       x: a tensor (DTensor, a body's local tensor, a plain tensor) or a pytree of them;
@@ -105,7 +106,7 @@ def inspect(x: Any, *, name: str | None = None, max_values: int = 16, show: bool
         else:
             rank, world = 0, 1
         for path, leaf in zip(paths, leaves):
-            leaf_rows, mesh = _leaf_rows("" if bare else _path_text(path), leaf, body, rank, world, max_values)
+            leaf_rows, mesh = _leaf_rows("" if bare else _path_text(path), leaf, body, rank, max_values)
             rows += leaf_rows
             if mesh is not None and mesh not in meshes:
                 meshes.append(mesh)
@@ -133,7 +134,7 @@ def _tracing(leaves: list[Any]) -> bool:
 
 # --- one leaf ------------------------------------------------------------------------------
 def _leaf_rows(
-    path: str, leaf: Any, body: meta.Body | None, rank: int | None, world: int, max_values: int
+    path: str, leaf: Any, body: meta.Body | None, rank: int | None, max_values: int
 ) -> tuple[list[tuple[str, ...]], Mesh | None]:
     """Rows ``(leaf, rank, coord, shape, dtype, vma, spec, global, block, hash, invariant)``
     of one leaf: every rank's under a simulation (``rank`` None), else this rank's."""
