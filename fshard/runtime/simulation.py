@@ -13,6 +13,8 @@ fshard's side, each listed in ``docs/simulate.md``:
   (torch's simulation answers ``False`` for ``==``, raises a bare AssertionError for ``<``);
   the comparisons torch's C++ makes (a LocalTensor's sizes, autograd's shape checks) keep
   torch's answer.
+- ``broadcast_root``: a broadcast over a group whose ranks are not 0..k-1 takes its root's
+  block (torch's simulation reads the group rank of the root as a world rank).
 
 Per-rank Python is the one thing a simulation cannot run: ``if dist.get_rank() == 0`` or
 ``if int(fs.lax.axis_index("dp")) == 0`` would take one branch for all ranks. Such a
@@ -183,10 +185,24 @@ def _install_shims() -> Callable[[], None]:
         sim = _ACTIVE[-1] if _ACTIVE else None
         if sim is None or sim.mode is None:
             return saved_dispatch.__get__(None, cls)(func, types, args, kwargs)
-        with sim.mode.reentered():
+        # The innermost simulation mode: a pipeline coordinate's own (fshard.sched.simulated).
+        modes = local_tensor.get_local_tensor_mode_list()
+        mode = modes[-1] if modes and hasattr(modes[-1], "reentered") else sim.mode
+        with mode.reentered():
             return func(*args, **(kwargs or {}))
 
+    saved_broadcast = local_c10d._local_broadcast_
+
+    def broadcast(tensors, process_group_so, root_rank, *rest):
+        # broadcast_root: c10d passes the root as its rank in the group, torch's simulation
+        # reads it as a world rank (the pp group [0, 2] of pp=2,dp=2 took rank 1's block).
+        group = process_group_so
+        if isinstance(group, torch._C.ScriptObject):
+            group = dist.ProcessGroup.unbox(group)
+        return saved_broadcast(tensors, process_group_so, dist.get_process_group_ranks(group)[root_rank], *rest)
+
     local_c10d._local_reduce = reduce
+    local_c10d._local_broadcast_ = broadcast
     LocalTensor.__torch_dispatch__ = classmethod(torch._disable_dynamo(dispatch))
     for name, what in (("int_", "int({self})"), ("guard_int", "the int {self}"), ("expect_size", "the size {self}")):
         saved.setdefault(name, getattr(LocalIntNode, name, None))
@@ -198,6 +214,7 @@ def _install_shims() -> Callable[[], None]:
 
     def undo() -> None:
         local_c10d._local_reduce = saved_reduce
+        local_c10d._local_broadcast_ = saved_broadcast
         LocalTensor.__torch_dispatch__ = saved_dispatch
         local_tensor._set_rng_state = saved_set_rng
         dist.get_rank = saved_get_rank
@@ -463,7 +480,8 @@ def run_simulated(fn: Callable[..., Any], *args: Any, world_size: int, **kwargs:
     """``fn(*args, **kwargs)`` under ``fs.simulate(world_size)``, its result split per rank:
     the same list :func:`fshard.run_local` returns for the same program on real ranks.
 
-    A tensor of the result gives each rank its own block; a per-rank int, each rank its int.
+    A tensor of the result gives each rank its own block (None on a rank it has no block on);
+    a per-rank int, each rank its int.
 
     Raises:
       TypeError: the result holds a DTensor (its mesh ends with the simulation); return
@@ -481,8 +499,8 @@ def run_simulated(fn: Callable[..., Any], *args: Any, world_size: int, **kwargs:
                     "fs.runtime.simulation.run_simulated: the result holds a DTensor, whose mesh ends "
                     "with the simulation; return fs.gather(x) or x.to_local()."
                 )
-            if isinstance(x, LocalTensor):
-                return x._local_tensors[r].clone()
+            if isinstance(x, LocalTensor):  # no block on r: a value only some ranks hold (a pipeline stage's)
+                return x._local_tensors[r].clone() if r in x._local_tensors else None
             if isinstance(x, torch.SymInt) and isinstance(x.node, LocalIntNode):
                 return x.node._local_ints[r]
             return x
