@@ -13,6 +13,8 @@ fshard's side, each listed in ``docs/simulate.md``:
   (torch's simulation answers ``False`` for ``==``, raises a bare AssertionError for ``<``);
   the comparisons torch's C++ makes (a LocalTensor's sizes, autograd's shape checks) keep
   torch's answer.
+- ``partial_ranks``: an op on a value only some ranks hold (a pipeline stage's gradient)
+  runs on those ranks (torch's simulation looks up every rank's block and fails).
 - ``broadcast_root``: a broadcast over a group whose ranks are not 0..k-1 takes its root's
   block (torch's simulation reads the group rank of the root as a world rank).
 
@@ -290,6 +292,9 @@ def _mode_class() -> type:
             if self._disable:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             flat, spec = pytree.tree_flatten((args, kwargs))
+            held = [a._ranks for a in flat if isinstance(a, LocalTensor)]
+            if held and min(map(len, held)) < len(self.ranks) and func.namespace not in _COLLECTIVE_NAMESPACES:
+                return self._on_ranks(frozenset.intersection(*held), func, types, flat, spec)
             if func.namespace in _COLLECTIVE_NAMESPACES:
                 tensors = [a for a in flat if isinstance(a, torch.Tensor)]
                 if tensors and not any(isinstance(a, LocalTensor) for a in tensors):
@@ -308,6 +313,32 @@ def _mode_class() -> type:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             finally:
                 _OP_GENERATORS.clear()
+
+        def _on_ranks(self, ranks: frozenset[int], func: Any, types: Any, flat: list[Any], spec: Any) -> Any:
+            """``partial_ranks``: an op on a value only some ranks hold (a pipeline stage's
+            gradient, on the ranks of its pipeline coordinate) runs on those ranks; its other
+            operands give their blocks there (torch's simulation looks up every rank's block)."""
+            from torch.distributed._local_tensor import _is_inplace_op
+
+            if _is_inplace_op(func) and isinstance(flat[0], LocalTensor) and flat[0]._ranks != ranks:
+                raise RuntimeError(
+                    f"fs.simulate: {func} writes into a tensor of ranks {sorted(flat[0]._ranks)} with a "
+                    f"value only ranks {sorted(ranks)} hold (a pipeline stage's, say) at {_user_line()}; "
+                    f"compute it out of place (x = x - y), which holds blocks on those ranks only."
+                )
+            with self.disable():
+                flat = [
+                    LocalTensor({r: a._local_tensors[r] for r in sorted(ranks)})
+                    if isinstance(a, LocalTensor) and a._ranks != ranks
+                    else a
+                    for a in flat
+                ]
+            args, kwargs = pytree.tree_unflatten(flat, spec)
+            every, self.ranks = self.ranks, ranks
+            try:
+                return self.__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self.ranks = every
 
         def _every_rank(self, t: torch.Tensor) -> torch.Tensor:
             with self.disable():
