@@ -235,6 +235,42 @@ _SYM_NODE_FILE = os.path.join("fx", "experimental", "sym_node.py")
 _NOT_METADATA = object()
 
 
+def _is_group_object(a: Any) -> bool:
+    from torch._C import ScriptObject
+
+    return isinstance(a, ScriptObject) and a._type().qualified_name().endswith("ProcessGroup")
+
+
+def _same_blocks(func: Any, args: Any) -> None:
+    """``mismatched_collective``: a collective whose blocks differ in shape or dtype between
+    the ranks of one of its groups raises, naming the line; gloo ranks would fail or wait
+    forever, while torch's simulation concatenates or adds whatever it is given."""
+    from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed._local_tensor import _c10d as local_c10d
+
+    # The group is the last string (a group name: a reduce op is a string too, before it) or group object.
+    group = next((a for a in reversed(args) if isinstance(a, (str, dist.ProcessGroup)) or _is_group_object(a)), None)
+    if group is None:
+        return
+    ranks, offsets, _ = local_c10d._prepare_collective_groups(local_c10d._resolve_pg_or_name(group))
+    for t in args:
+        if not isinstance(t, LocalTensor):
+            continue
+        for offset in offsets:
+            kinds = {
+                r: (tuple(t._local_tensors[r].shape), t._local_tensors[r].dtype)
+                for r in (offset + k for k in ranks)
+                if r in t._local_tensors
+            }
+            if len(set(kinds.values())) > 1:
+                raise RuntimeError(
+                    f"fs.simulate: {func} with blocks that differ between the ranks of one group ("
+                    + ", ".join(f"rank {r}: {tuple(s)} {d}" for r, (s, d) in sorted(kinds.items()))
+                    + f") at {_user_line()}. Every rank of a collective passes the same shape and dtype "
+                    f"(real ranks would fail or wait forever); pad the blocks to one shape first."
+                )
+
+
 def _one_host_value(t: Any) -> None:
     """Raises :class:`RankBranchError` when the blocks of the 1-element LocalTensor ``t`` differ:
     Python is about to read it as one host value (a branch, ``int()``, ``.item()``)."""
@@ -265,6 +301,20 @@ _METADATA_READS: dict[Any, Callable[[torch.Tensor], Any]] = {
 # The generators of the op being run per rank, and their state before it (see _mode_class).
 _OP_GENERATORS: list[tuple[torch.Generator, torch.Tensor]] = []
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
+# Collectives whose blocks may differ per rank: their split sizes say how.
+_RAGGED_COLLECTIVES = frozenset(
+    getattr(ns, name).default
+    for ns, name in (
+        (torch.ops._c10d_functional, "all_to_all_single"),
+        (torch.ops.c10d, "alltoall_base_"),
+        (torch.ops.c10d, "alltoall_"),
+        (torch.ops.c10d, "send"),
+        (torch.ops.c10d, "recv_"),
+        (torch.ops.c10d, "gather_"),
+        (torch.ops.c10d, "scatter_"),
+    )
+    if hasattr(ns, name)
+)
 
 
 def _mode_class() -> type:
@@ -305,6 +355,8 @@ def _mode_class() -> type:
                         )
                     flat = [self._every_rank(a) if isinstance(a, torch.Tensor) else a for a in flat]
                     args, kwargs = pytree.tree_unflatten(flat, spec)
+                elif func not in _RAGGED_COLLECTIVES:
+                    _same_blocks(func, [a for a in flat if not isinstance(a, list)])
             generators = [a for a in flat if isinstance(a, torch.Generator)]
             if not generators:
                 return super().__torch_dispatch__(func, types, args, kwargs)

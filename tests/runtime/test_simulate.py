@@ -195,6 +195,16 @@ def test_a_branch_on_a_per_rank_tensor_is_an_error_naming_the_line():
                            torch.ones(2))
 
 
+def test_a_collective_whose_blocks_differ_within_a_group_is_an_error():
+    with fs.simulate(2):
+        mesh = fs.make_mesh({"a": 2})
+        uneven = fs.shard(torch.arange(3.0), P("a"), mesh, uneven=True)  # blocks of 2 and 1
+        gather = fs.shard_map(lambda x: fs.lax.all_gather(x, "a", tiled=True), mesh=mesh, in_specs=P("a"),
+                              out_specs=P(), check=False)
+        with pytest.raises(RuntimeError, match=r"differ between the ranks of one group \(rank 0: \(2,\).*rank 1: \(1,\)"):
+            gather(uneven)
+
+
 def test_dist_get_rank_is_the_per_rank_int_a_branch_on_it_is_an_error():
     import torch.distributed as dist
 
