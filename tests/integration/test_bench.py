@@ -218,3 +218,10 @@ def test_hf_fsdp_memory_jit_side_matches_eager():
         _close([jit_loss], [eager_loss], "per-block jit vs per-block")
         for start, peak in eager_steps + jit_steps:  # the profiler saw the model, then each step's tensors
             assert 0 < start < peak, res
+
+
+def test_simulate_bench_runs_and_reports_the_floor(capsys):
+    # bench/simulate.py: a tiny model, one step per block; the numbers are bench/README.md's.
+    _bench("simulate").main(["--ranks", "2", "--steps", "1", "--dim", "16", "--batch", "4", "--seq", "8"])
+    out = capsys.readouterr().out
+    assert "x the N x floor" in out and "per-rank op loop" in out
