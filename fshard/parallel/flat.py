@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
@@ -147,7 +147,8 @@ def _spans(
 
 
 def layout(leaves: Sequence[torch.Tensor], n: int, dims: Sequence[int], shard_axes=(), mesh=None) -> GroupLayout:
-    shapes, rows, numel, local_rows, spans = [], [], [], [], []
+    shapes: list[tuple[int, ...]] = []
+    rows, numel, local_rows, spans = [], [], [], []
     for x, d in zip(leaves, dims):
         shape = gathered_shape(x, shard_axes, mesh) if mesh is not None else global_shape(x)
         if shape is None and n == 1:
@@ -157,6 +158,7 @@ def layout(leaves: Sequence[torch.Tensor], n: int, dims: Sequence[int], shard_ax
                 "fs.parallel: a group leaf is not a shard_map input, so its global shape is "
                 "unknown; pass parameters into the shard_map body as DTensors (fs.shard)."
             )
+        _refuse_per_rank_shape(len(shapes), x, tuple(shape), shard_axes)
         shapes.append(tuple(shape))
         span = _spans(x, d, shape[d], tuple(shard_axes), mesh) if shape and n > 1 else None
         spans.append(span)
@@ -164,6 +166,28 @@ def layout(leaves: Sequence[torch.Tensor], n: int, dims: Sequence[int], shard_ax
         numel.append(int(torch.Size(shape[:d] + shape[d + 1 :]).numel()) if shape else 1)
         local_rows.append(x.shape[d] if x.dim() else 1)
     return GroupLayout(tuple(shapes), tuple(dims), tuple(rows), tuple(numel), tuple(local_rows), tuple(spans))
+
+
+def _refuse_per_rank_shape(k: int, x: torch.Tensor, shape: tuple[Any, ...], shard_axes: Sequence[str]) -> None:
+    """Under ``fs.simulate``: a leaf whose gathered shape differs per rank (cut unevenly over
+    an axis the group does not gather, e.g. tensor parallelism) would give every rank another
+    flat layout, which the simulated layer loop does not build.
+
+    Raises:
+      RankBranchError: names the leaf, its per-rank sizes and the fix.
+    """
+    per_rank = {d: s.node._local_ints for d, s in enumerate(shape) if hasattr(getattr(s, "node", None), "_local_ints")}
+    if not per_rank:
+        return
+    d, sizes = next(iter(per_rank.items()))
+    shown = ", ".join(f"rank {r}: {v}" for r, v in sorted(sizes.items()))
+    raise simulation.RankBranchError(
+        f"fs.parallel under fs.simulate: leaf {k} of a group (local shape {tuple(x.shape)}) gathers over "
+        f"{tuple(shard_axes)} to a shape that differs per rank on dim {d} ({shown}): it is cut unevenly "
+        f"over another mesh axis (e.g. tp), so each rank would build another flat buffer, which the "
+        f"simulated layer loop does not do yet. Make that dim divisible by the other axes' sizes, or run "
+        f"on real ranks (fs.run_local / torchrun)."
+    )
 
 
 def flatten(

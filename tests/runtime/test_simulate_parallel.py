@@ -53,8 +53,11 @@ def _specs(params, mode, axes):
     return fs.parallel.fsdp_specs(params, axes["axis"])
 
 
-def _loop(n, mode, order, hidden=9, microbatches=1, policy=None, **config):
-    """value and grads of an MLP stack through gather_params + scan_layers on ``mode``."""
+def _loop(n, mode, order, hidden=9, microbatches=1, policy=None, early_sync=True, **config):
+    """value and grads of an MLP stack through gather_params + scan_layers on ``mode``.
+
+    ``early_sync`` with microbatches: the earlier ones run with ``sync=False`` (True) or, on
+    HSDP, ``"reduce_scatter"`` (the string)."""
     shape, axes, data = _layout(mode, n)
     mesh = fs.make_mesh(shape)
     params = _mlp_params(hidden)
@@ -73,20 +76,24 @@ def _loop(n, mode, order, hidden=9, microbatches=1, policy=None, **config):
     else:
         step = fs.shard_map(fs.value_and_grad(loss), mesh=mesh, in_specs=in_specs, out_specs=(P(), specs))
     sharded = fs.shard(params, specs, mesh, uneven=True)
+    if config.get("offload"):  # a no-op move on a CPU mesh; the offload path runs
+        sharded = fs.parallel.scan.offload_shards(sharded)
     x = _data(99, ROWS * n * microbatches, DIM)
     acc = fs.parallel.GradAccumulator() if microbatches > 1 else None
     for k, xs in enumerate(x.chunk(microbatches)):
-        value, grads = step(sharded, xs, acc, k == microbatches - 1)
+        last = k == microbatches - 1
+        value, grads = step(sharded, xs, acc, True if last else (False if early_sync is True else early_sync))
     return fs.gather(value), fs.gather(grads), [g.to_local().clone() for g in fs.tree.leaves(grads)]
 
 
 # --- tensor, sequence and expert parallelism ------------------------------------------------------
-def _tp(n, order, sequence_parallel):
+def _tp(n, order, sequence_parallel, hidden=8):
     """The MLP stack with MLP_STACK_TP_PLAN on fsdp x tp: scan_layers gathers over fsdp, the
     block is tp_mlp (with SP: the activations split over the rows between blocks)."""
-    mesh = fs.make_mesh({"fsdp": n // 2, "tp": 2})
-    params = {"layers": [{"in_proj": {"weight": _data(1 + k, 8, DIM), "bias": _data(10 + k, 8)},
-                          "out_proj": {"weight": _data(20 + k, DIM, 8), "bias": _data(30 + k, DIM)}}
+    # Uneven rows must be cut in mesh order: tp first, fsdp minor (as tp_specs splits dim 0).
+    mesh = fs.make_mesh({"tp": 2, "fsdp": n // 2} if hidden % 4 else {"fsdp": n // 2, "tp": 2})
+    params = {"layers": [{"in_proj": {"weight": _data(1 + k, hidden, DIM), "bias": _data(10 + k, hidden)},
+                          "out_proj": {"weight": _data(20 + k, DIM, hidden), "bias": _data(30 + k, DIM)}}
                          for k in range(LAYERS)]}
     specs = fs.parallel.tp_specs(params, fs.parallel.MLP_STACK_TP_PLAN, "tp", fsdp_axis="fsdp")
 
@@ -186,10 +193,14 @@ PROGRAMS = {  # name: (program, args after n, world sizes)
     "fsdp_reshard_to_inner": (_loop, ("fsdp2d", "inside"), (4,), dict(reshard_after_forward="fsdp_in")),
     **{f"fsdp_remat_{o}": (_loop, ("fsdp", o), (2,), dict(remat=True)) for o in ORDERS},
     **{f"fsdp_microbatches_{o}": (_loop, ("fsdp", o), (2,), dict(microbatches=2)) for o in ORDERS},
+    "fsdp_remat_save_collectives": (_loop, ("fsdp", "inside"), (4,), dict(remat=True, remat_policy="save_collectives")),
+    "fsdp_offload": (_loop, ("fsdp", "outside"), (2,), dict(offload=True)),
     "fsdp_mixed_precision": (_loop, ("fsdp", "outside"), (2,),
                              dict(policy=fs.Policy(param_dtype=torch.float32, reduce_dtype=torch.float32))),
     **{f"hsdp_{o}": (_loop, ("hsdp", o), (4,)) for o in ORDERS},
     "hsdp_microbatches": (_loop, ("hsdp", "outside"), (4,), dict(microbatches=2)),
+    "hsdp_microbatches_reduce_scatter": (_loop, ("hsdp", "inside"), (4,),
+                                         dict(microbatches=3, early_sync="reduce_scatter")),
     **{f"ddp_{o}": (_loop, ("ddp", o), (2, 4), dict(bucket_bytes=512)) for o in ORDERS},
     "ddp_microbatches": (_loop, ("ddp", "inside"), (2,), dict(microbatches=2)),
     **{f"tp_{o}": (_tp, (o, False), (4,)) for o in ORDERS},
@@ -226,3 +237,19 @@ def test_a_simulated_layout_equals_the_real_ranks_bit_for_bit(name, n):
     assert len(simulated) == n
     for r in range(n):
         assert_bitwise_equal(simulated[r], real[r], what=f"{name}, rank {r}")
+
+
+def test_the_uneven_case_holds_an_empty_block_on_the_last_rank():
+    """9 hidden rows over 4 ranks: torch.chunk's blocks 3, 3, 3, 0 (the case that must run)."""
+    out = _run("fsdp_outside", 4, run_simulated)
+    shapes = [[tuple(t.shape) for t in out[r][2]] for r in range(4)]  # every local grad block
+    assert (0, DIM) in shapes[3] and (3, DIM) in shapes[0], shapes
+
+
+def test_uneven_tp_under_fsdp_is_refused_naming_the_fix():
+    """9 rows over tp=2 (5 and 4), then FSDP: each tp rank's gathered layer has another shape,
+    so another flat buffer; the simulated layer loop refuses it (real ranks run it)."""
+    from fshard.runtime.simulation import RankBranchError
+
+    with pytest.raises(RankBranchError, match=r"differs per rank on dim 0 \(rank 0: 5, rank 1: 5, rank 2: 4.*divisible"):
+        run_simulated(_tp, 4, "outside", False, 9, world_size=4)
