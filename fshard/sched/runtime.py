@@ -236,6 +236,10 @@ class ExecutorConfig:
             :class:`fshard.sched.stage_fsdp.StageShards`): ``stages.forward(s, leaves)``
             gives the leaves ``stage_fn`` sees and a context to run it in;
             ``stages.backward_done(s)`` is called after each B/I/W of stage ``s``.
+        transport: optional replacement for ``batch_isend_irecv`` (``transport.post(ops)``
+            returns one work per op, each with ``wait()`` and ``finished()``): under
+            ``fs.simulate``, :class:`fshard.sched.simulated.Transport` (default None: the
+            process group's own transfers).
 
     Raises:
         ValueError: ``rank`` or ``prefetch`` not an int >= 0.
@@ -249,9 +253,11 @@ class ExecutorConfig:
     hooks: dict[Kind, Callable[[int, Any], None]] = attrs.field(factory=dict, converter=_hooks)
     prefetch: int = attrs.field(default=2, validator=_non_negative_int)
     stages: Any = None
+    transport: Any = None
 
 
-_CONFIG_FIELDS = frozenset(attrs.fields_dict(ExecutorConfig))
+# The old form of Executor took these as its own arguments (transport came with the config).
+_CONFIG_FIELDS = frozenset(attrs.fields_dict(ExecutorConfig)) - {"transport"}
 
 
 def _args(
@@ -394,7 +400,8 @@ class Executor:
         self._posted: set[Action] = set()
         self.prefetch = config.prefetch if dist.get_backend(group) == "gloo" else 0
         self.traced = tracing()
-        self._post_batch = _Traced.post if self.traced else _Once.post
+        self._post_eager = _Once.post if config.transport is None else config.transport.post
+        self._post_batch = _Traced.post if self.traced else self._post_eager
         self._header_sends: list[Any] = []  # while tracing: the real header sends in flight
 
     def run(self) -> Executor:
@@ -616,7 +623,7 @@ class Executor:
                 self._in_meta[a.stage] = self._recv_header_now(a)
             elif a.kind is Kind.RECV_F and a.stage not in self._in_meta:
                 h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.wire)
-                works = _Once.post(ops + [self._op(dist.irecv, h, a)])
+                works = self._post_eager(ops + [self._op(dist.irecv, h, a)])
                 self._register(works[:-1], n_send, keyed)
                 self._wait(works[-1:])
                 self._in_meta[a.stage] = (tuple(h[2 : 2 + int(h[0])].tolist()), _DTYPES[int(h[1])])

@@ -32,6 +32,8 @@ from fshard import comm, lax
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.sharding import spec_of
+from fshard.runtime import simulation
+from fshard.sched import simulated
 from fshard.sched.ir import Action, Kind, Schedule
 from fshard.sched.lower import add_reduce_grad, add_unshard_reshard, lower
 from fshard.sched.runtime import Executor, ExecutorConfig, tracing
@@ -198,7 +200,106 @@ def pipeline_step(
             "time the jitted call; for per-microbatch losses or timings, run an eager step."
         )
     config = _fsdp_config(fsdp, mesh, axis, data)
+    if simulation.active() is not None:
+        if return_stats:
+            raise ValueError(
+                f"pipeline_step(return_stats=True) under {simulation.active()}: StepStats holds one rank's "
+                f"wall-clock timings, and simulated ranks share one process and take turns; pass "
+                f"return_stats=False, or run on real ranks (fs.run_local / torchrun) to time a step."
+            )
+        return _simulated_step(stage_fn, loss_fn, stage_params, batch, schedule, mesh, axis, data, config, name)
     rank = mesh.axis_index(axis)
+    executor, prepared, originals, held = _run_rank(
+        stage_fn, loss_fn, stage_params, batch, schedule, mesh, axis, data, config, name, rank
+    )
+    loss = _share_loss(*_loss_buffer(executor, prepared, mesh), prepared, mesh, axis, data)
+    grads = _grads_out(stage_params, originals, held, executor)
+    if not return_stats:
+        return loss, grads
+    last = rank == prepared.last_rank
+    stats = StepStats(
+        peak_activations=executor.peak_activations,
+        losses=tuple(executor.losses) if last else None,
+        busy_s=executor.busy_s,
+        wait_s=executor.wait_s,
+        wall_s=time.perf_counter() - t_start,
+        n_sends=executor.n_sends,
+        n_recvs=executor.n_recvs,
+        bytes_sent=executor.bytes_sent,
+        bytes_received=executor.bytes_received,
+        spans=tuple(executor.spans),
+    )
+    return loss, grads, stats
+
+
+def _simulated_step(
+    stage_fn: Callable[[Any, Any, int], Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    stage_params: Sequence[Any],
+    batch: tuple[Any, Any],
+    schedule: Schedule,
+    mesh: Mesh,
+    axis: str,
+    data: tuple[str, ...],
+    config: StageFSDP | None,
+    name: str,
+) -> tuple[torch.Tensor, list[Any]]:
+    """The step under ``fs.simulate``: each pipeline coordinate's part as one program over
+    its simulated ranks (:mod:`fshard.sched.simulated`), then the loss shared by all.
+
+    Every entry of ``stage_params`` must be given (a simulated program has no per-rank
+    None): each coordinate reads the entries of its stages. A stage's gradients hold
+    blocks on the ranks of its coordinate only.
+    """
+    world = simulation.world_size() or 1
+    groups, peer = simulated.pp_groups(mesh, axis, world)
+    transport = simulated.Transport(peer)
+
+    def program(p: int) -> tuple[Any, ...]:
+        ranks = groups[p]
+        view = simulated.restricted_mesh(mesh, ranks)
+        params = simulated.restrict(list(stage_params), ranks)
+        executor, prepared, originals, held = _run_rank(
+            stage_fn,
+            loss_fn,
+            params,
+            simulated.restrict(batch, ranks),
+            schedule,
+            view,
+            axis,
+            data,
+            config,
+            name,
+            p,
+            transport,
+        )
+        buf, code = _loss_buffer(executor, prepared, view)
+        return prepared, buf, _grads_out(params, originals, held, executor)
+
+    results = simulated.run_per_coordinate(groups, transport, program)
+    prepared = results[0][0]
+    buf = simulated.join_blocks([(groups[p], r[1]) for p, r in enumerate(results)])
+    loss = _share_loss(buf, 1, prepared, mesh, axis, data)
+    grads = [results[prepared.rank_of(s)][2][s] for s in range(schedule.n_stages)]
+    return loss, grads
+
+
+def _run_rank(
+    stage_fn: Callable[[Any, Any, int], Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    stage_params: Sequence[Any],
+    batch: tuple[Any, Any],
+    schedule: Schedule,
+    mesh: Mesh,
+    axis: str,
+    data: tuple[str, ...],
+    config: StageFSDP | None,
+    name: str,
+    rank: int,
+    transport: Any = None,
+) -> tuple[Executor, Schedule, dict[int, list[Any]], dict[int, tuple[list[Any], Any]]]:
+    """Pipeline rank ``rank``'s part of the step: its executor run (with the stage-level
+    FSDP and the data-parallel gradient sums); returns ``(executor, prepared, originals, held)``."""
     n_data = mesh.axis_size(data) if data else 1
     originals, held = _local_params(stage_params, schedule, rank, name)
     reduce = (
@@ -240,7 +341,13 @@ def pipeline_step(
             targets,
             1.0 / (m * n_data),
             config=ExecutorConfig(
-                rank=rank, group=mesh.group(axis), axis=axis, device=mesh.device, hooks=hooks, stages=shards
+                rank=rank,
+                group=mesh.group(axis),
+                axis=axis,
+                device=mesh.device,
+                hooks=hooks,
+                stages=shards,
+                transport=transport,
             ),
         )
         with mesh:
@@ -250,24 +357,7 @@ def pipeline_step(
             reducer.finish(executor)
     finally:
         lax.BODY.reset(token)
-    loss = _mean_loss(executor, prepared, mesh, axis, data)
-    grads = _grads_out(stage_params, originals, held, executor)
-    if not return_stats:
-        return loss, grads
-    last = rank == prepared.last_rank
-    stats = StepStats(
-        peak_activations=executor.peak_activations,
-        losses=tuple(executor.losses) if last else None,
-        busy_s=executor.busy_s,
-        wait_s=executor.wait_s,
-        wall_s=time.perf_counter() - t_start,
-        n_sends=executor.n_sends,
-        n_recvs=executor.n_recvs,
-        bytes_sent=executor.bytes_sent,
-        bytes_received=executor.bytes_received,
-        spans=tuple(executor.spans),
-    )
-    return loss, grads, stats
+    return executor, prepared, originals, held
 
 
 def _prepare(schedule: Schedule, reduce: bool, unshard: int = 0) -> Schedule:
@@ -428,15 +518,25 @@ class _GradReducer:
         self.pending.clear()
 
 
-def _mean_loss(executor: Executor, schedule: Schedule, mesh: Mesh, axis: str, data: tuple[str, ...]) -> torch.Tensor:
-    """The mean microbatch loss, broadcast from the last stage's rank (and averaged over data)."""
-    codes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _loss_buffer(executor: Executor, schedule: Schedule, mesh: Mesh) -> tuple[torch.Tensor, int]:
+    """``([mean loss, dtype code], code)`` on the last stage's rank, zeros (code 1) elsewhere."""
     buf = torch.zeros(2, dtype=torch.float64, device=mesh.device)
     code = 1
     if executor.rank == schedule.last_rank:
         loss = torch.stack(executor.losses).mean()
-        code = codes.index(loss.dtype) if loss.dtype in codes else 1
+        code = _LOSS_DTYPES.index(loss.dtype) if loss.dtype in _LOSS_DTYPES else 1
         buf[0], buf[1] = loss.double(), code
+    return buf, code
+
+
+def _share_loss(
+    buf: torch.Tensor, code: int, schedule: Schedule, mesh: Mesh, axis: str, data: tuple[str, ...]
+) -> torch.Tensor:
+    """The mean microbatch loss, broadcast from the last stage's rank (and averaged over data)."""
+    codes = _LOSS_DTYPES
     traced = tracing()
     if schedule.n_ranks > 1:
         group = mesh.group(axis)
@@ -496,7 +596,11 @@ def _grads_out(
                 grads.append(None)
                 continue
             g = torch.zeros_like(t) if g is None else g
-            if isinstance(leaf, DTensor):
+            if isinstance(leaf, DTensor) and simulation.active() is not None:
+                # The leaf's spec, wrapped directly: from_local asks the mesh for this rank's
+                # coordinate, which a pipeline coordinate's program cannot (its ranks only).
+                g = DTensor(g, leaf._spec, requires_grad=False)
+            elif isinstance(leaf, DTensor):
                 g = DTensor.from_local(
                     g, leaf.device_mesh, leaf.placements, run_check=False, shape=leaf.shape, stride=leaf.stride()
                 )
