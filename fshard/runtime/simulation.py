@@ -17,6 +17,10 @@ fshard's side, each listed in ``docs/simulate.md``:
   runs on those ranks (torch's simulation looks up every rank's block and fails).
 - ``broadcast_root``: a broadcast over a group whose ranks are not 0..k-1 takes its root's
   block (torch's simulation reads the group rank of the root as a world rank).
+- ``local_contiguous``: ``contiguous()`` of a non-contiguous value is ``aten.clone`` run
+  per rank, as on a real rank (torch's ``LocalTensor.contiguous`` builds the result outside
+  dispatch, so checked mode lost its varying axes: a Hugging Face attention's
+  ``.transpose(1, 2).contiguous()`` on data split over ``dp`` gave wrong gradients).
 
 Per-rank Python is the one thing a simulation cannot run: ``if dist.get_rank() == 0`` or
 ``if int(fs.lax.axis_index("dp")) == 0`` would take one branch for all ranks. Such a
@@ -205,6 +209,8 @@ def _install_shims() -> Callable[[], None]:
 
     local_c10d._local_reduce = reduce
     local_c10d._local_broadcast_ = broadcast
+    saved_contiguous = LocalTensor.contiguous
+    LocalTensor.contiguous = _contiguous  # type: ignore[method-assign]
     LocalTensor.__torch_dispatch__ = classmethod(torch._disable_dynamo(dispatch))
     for name, what in (("int_", "int({self})"), ("guard_int", "the int {self}"), ("expect_size", "the size {self}")):
         saved.setdefault(name, getattr(LocalIntNode, name, None))
@@ -217,6 +223,7 @@ def _install_shims() -> Callable[[], None]:
     def undo() -> None:
         local_c10d._local_reduce = saved_reduce
         local_c10d._local_broadcast_ = saved_broadcast
+        LocalTensor.contiguous = saved_contiguous  # type: ignore[method-assign]
         LocalTensor.__torch_dispatch__ = saved_dispatch
         local_tensor._set_rng_state = saved_set_rng
         dist.get_rank = saved_get_rank
@@ -239,6 +246,13 @@ def _is_group_object(a: Any) -> bool:
     from torch._C import ScriptObject
 
     return isinstance(a, ScriptObject) and a._type().qualified_name().endswith("ProcessGroup")
+
+
+def _contiguous(self: Any, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """``local_contiguous``: what ``Tensor.contiguous`` does on a real rank (itself, or a clone)."""
+    if self.is_contiguous(memory_format=memory_format):
+        return self
+    return torch.ops.aten.clone.default(self, memory_format=memory_format)
 
 
 def _same_blocks(func: Any, args: Any) -> None:
