@@ -139,28 +139,31 @@ def _tp_dropout(n, sequence_parallel):
     return fs.gather(value), fs.gather(grads), torch.rand(3)
 
 
-def _ep(n, order, tp):
-    """A two-layer MoE stack through moe_ffn over ``ep`` (n / 2 with tp=2 inside each expert),
-    the router FSDP-gathered over ``ep`` like the dense parameters."""
-    ep = n // 2 if tp else n
-    mesh = fs.make_mesh({"ep": ep, "tp": 2} if tp else {"ep": ep})
-    params = {"layers": [fs.parallel.moe_init(DIM, 6, 4, seed=k, dtype=torch.float64) for k in range(2)]}
+def _ep(n, order, tp, efsdp=False):
+    """A two-layer MoE stack through moe_ffn over ``ep`` (n / 2 with tp=2 inside each expert,
+    or with the experts also FSDP-sharded over ``efsdp``), the router FSDP-gathered over
+    ``ep`` like the dense parameters."""
+    ep = n // 2 if tp or efsdp else n
+    mesh = fs.make_mesh({"ep": ep, "tp": 2} if tp else {"ep": ep, "efsdp": 2} if efsdp else {"ep": ep})
+    params = {"layers": [fs.parallel.moe_init(DIM, 6, 8, seed=k, dtype=torch.float64) for k in range(2)]}
     base = fs.parallel.fsdp_specs(params, "ep")
-    specs = fs.parallel.ep_specs(params, "ep", tp_axis="tp" if tp else None, base=base, mesh=mesh)
+    specs = fs.parallel.ep_specs(params, "ep", fsdp_axis="efsdp" if efsdp else None, tp_axis="tp" if tp else None,
+                                 base=base, mesh=mesh)
 
     def loss(p, x):
         for lp in p["layers"]:
             router = fs.parallel.gather_params(lp["router"], axis="ep")
-            x = x + fs.parallel.moe_ffn({"router": router, "experts": lp["experts"]}, x, top_k=2,
+            experts = fs.parallel.gather_params(lp["experts"], axis="efsdp") if efsdp else lp["experts"]
+            x = x + fs.parallel.moe_ffn({"router": router, "experts": experts}, x, top_k=2,
                                         capacity_factor=1.0, ep_axis="ep", tp_axis="tp" if tp else None)
-        return fs.lax.pmean(x.pow(2).mean(), "ep")
+        return fs.lax.pmean(x.pow(2).mean(), ("ep", "efsdp") if efsdp else "ep")
 
-    in_specs = (specs, P("ep"))
+    in_specs = (specs, P(("ep", "efsdp") if efsdp else "ep"))
     if order == "outside":
         step = fs.value_and_grad(fs.shard_map(loss, mesh=mesh, in_specs=in_specs, out_specs=P()))
     else:
         step = fs.shard_map(fs.value_and_grad(loss), mesh=mesh, in_specs=in_specs, out_specs=(P(), specs))
-    value, grads = step(fs.shard(params, specs, mesh), _data(99, 2 * ROWS * ep, DIM))
+    value, grads = step(fs.shard(params, specs, mesh), _data(99, 2 * ROWS * n, DIM))
     return fs.gather(value), fs.gather(grads)
 
 
@@ -209,6 +212,7 @@ PROGRAMS = {  # name: (program, args after n, world sizes)
     "tp_sp_dropout": (_tp_dropout, (True,), (2, 4)),
     **{f"ep_{o}": (_ep, (o, False), (2,)) for o in ORDERS},
     "ep_tp": (_ep, ("inside", True), (4,)),
+    "ep_efsdp": (_ep, ("outside", False, True), (4,)),
     "recipe_fsdp4_uneven": (_recipe, ("fsdp=4", {"prefetch": 2, "reshard": False}), (4,)),
     "recipe_hsdp_microbatches": (_recipe, ("dp=2,fsdp=2", {"microbatches": 2}), (4,)),
     "recipe_transformer_tp_sp": (_recipe_transformer, ("fsdp=2,tp=2", {"sequence_parallel": True}), (4,)),
