@@ -42,6 +42,7 @@ from fshard import tree as tree_util
 from fshard.parallel import _modules as mods
 from fshard.parallel.groups import Groups, Sink, saved_as_tokens
 from fshard.parallel.scan import _as_axes, _gather, _post_forward_axes, _refuse_functorch, _shard_dims
+from fshard.runtime import simulation
 from fshard.transforms.policy import Policy
 
 __all__ = ["fsdp_apply", "FSDPApply"]
@@ -348,6 +349,11 @@ def _varying(x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
     return lax.pvary(x, missing) if missing else x  # detached: no autograd, no collective
 
 
+def _if_first(flat: torch.Tensor, position: list[int]) -> torch.Tensor:
+    """``flat`` on the rank at index 0 of every axis, zeros elsewhere."""
+    return flat if all(i == 0 for i in position) else torch.zeros_like(flat)
+
+
 def _sync_buffers(buffers: Any, mode: str, axes: tuple[str, ...]) -> Any:
     """Makes the buffers a forward updated the same on every rank of the data ``axes``.
 
@@ -358,10 +364,11 @@ def _sync_buffers(buffers: Any, mode: str, axes: tuple[str, ...]) -> Any:
     if not axes:
         return buffers
     leaves, treedef = tree_util.tree_flatten(buffers)
-    # A host bool that picks a value below: from the mesh, not int(lax.axis_index(...)), whose
-    # conversion to Python would leave checked mode's types (every P() output then verified).
+    # The rank's position from the mesh, not int(lax.axis_index(...)), whose conversion to
+    # Python would leave checked mode's types (every P() output then verified); used per rank
+    # (under fs.simulate each simulated rank's own position).
     mesh = lax.BODY.get().mesh
-    first = all(mesh.axis_index(a) == 0 for a in axes)
+    position = [mesh.axis_index(a) for a in axes]
     by_dtype: dict[torch.dtype, list[int]] = {}
     for k, b in enumerate(leaves):
         if isinstance(b, torch.Tensor) and b.is_floating_point():
@@ -372,7 +379,7 @@ def _sync_buffers(buffers: Any, mode: str, axes: tuple[str, ...]) -> Any:
         if mode == "mean":
             flat = lax.pmean(_varying(flat, axes), axes)
         else:
-            flat = lax.psum(_varying(flat if first else torch.zeros_like(flat), axes), axes)
+            flat = lax.psum(_varying(simulation.per_rank(_if_first)(flat, position), axes), axes)
         for k, part in zip(ks, flat.split([leaves[k].numel() for k in ks])):
             out[k] = part.view(leaves[k].shape)
     return tree_util.tree_unflatten(treedef, out)

@@ -55,6 +55,7 @@ from fshard import nn as fnn
 from fshard import tree as tree_util
 from fshard.mesh.spec import P, PartitionSpec
 from fshard.parallel import _modules as mods
+from fshard.runtime import simulation
 
 __all__ = ["HF_LLAMA_TP_PLAN", "HF_GPT2_TP_PLAN", "STYLES", "tp_apply", "TPApply", "module_tp_specs", "is_module_plan"]
 
@@ -506,7 +507,12 @@ class _GatherInvariant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g.chunk(ctx.n, -1)[ctx.r], None, None, None
+        # per rank: under fs.simulate ``r`` is each simulated rank's own index
+        return simulation.per_rank(_own_chunk)(g, ctx.n, ctx.r), None, None, None
+
+
+def _own_chunk(g: torch.Tensor, n: int, r: int) -> torch.Tensor:
+    return g.chunk(n, -1)[r]
 
 
 def _gather_invariant(out: Any, axis: str, n: int) -> Any:
@@ -516,7 +522,8 @@ def _gather_invariant(out: Any, axis: str, n: int) -> Any:
         return out
     token = lax._IN_LAX.set(True)
     try:
-        full = _GatherInvariant.apply(out, axis, n, int(lax.axis_index(axis)))  # backward's chunk index
+        # backward's chunk index, from the mesh: a host int (per rank under fs.simulate)
+        full = _GatherInvariant.apply(out, axis, n, lax.BODY.get().mesh.axis_index(axis))
     finally:
         lax._IN_LAX.reset(token)
     body = lax.BODY.get()
