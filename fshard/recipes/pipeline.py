@@ -53,7 +53,9 @@ class Pipeline:
         n_virtual: int | None,
         model: LayeredModel | None = None,
     ) -> "Pipeline":
-        """Raises LayoutError: an unknown schedule, sizes it rejects, or fewer blocks than stages."""
+        """Raises LayoutError: an unknown schedule, sizes it rejects, or fewer blocks than stages;
+        NotImplementedError: under ``fs.simulate`` (see :func:`_refuse_simulation`)."""
+        _refuse_simulation(name, mesh)
         try:
             schedule = build_schedule(name, mesh.shape["pp"], microbatches, n_virtual=n_virtual)
         except ValueError as e:  # the generator's message names the rule
@@ -105,6 +107,24 @@ class Pipeline:
                 out.update({k: v for k, v in entry.items() if k != "layers"})
                 out["layers"].update(entry["layers"])
         return out
+
+
+def _refuse_simulation(name: str, mesh: Mesh) -> None:
+    """The recipe's pipeline on simulated ranks is not supported yet: each pp rank keeps its
+    own part of the model's tree (:meth:`Pipeline.keep_held`), and the optimizer, clipping
+    (a norm summed over pp) and checkpoints act on that per-rank tree, which one simulated
+    program cannot hold. ``fs.sched.pipeline_step`` itself runs simulated."""
+    from fshard.runtime import simulation
+
+    sim = simulation.active()
+    if sim is not None and mesh.shape.get("pp", 1) > 1:
+        raise NotImplementedError(
+            f"fs.recipes: Layout.schedule {name} on pp={mesh.shape['pp']} under {sim}: the recipe's "
+            f"pipeline keeps a different part of the model on each pp rank (its stages' blocks), and "
+            f"its optimizer, clipping and checkpoints act on that per-rank tree, which one simulated "
+            f"program cannot hold yet. Run the recipe on real ranks (fs.run_local / torchrun), or "
+            f"call fs.sched.pipeline_step directly, which every schedule runs under fs.simulate."
+        )
 
 
 def make_pipeline_grads(

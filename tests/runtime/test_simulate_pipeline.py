@@ -97,3 +97,14 @@ def test_a_stage_gradient_is_held_by_its_coordinates_ranks_only():
         assert [sorted(g["w"]._ranks) for g in grads] == [[0, 1], [2, 3]]
         stepped = params[1]["w"] - 0.1 * grads[1]["w"]  # computes on the ranks holding stage 1
         assert sorted(stepped._ranks) == [2, 3]
+
+
+def test_the_recipe_pipeline_is_refused_under_simulation_naming_the_schedule_and_the_reason():
+    model = fs.recipes.LayeredModel(
+        init=lambda seed, dtype: {"layers": [{"w": torch.zeros(D, D, dtype=dtype)} for _ in range(2)]},
+        embed=lambda root, x: x, block=lambda layer, x: x @ layer["w"], head=lambda root, x: x, loss=_loss,
+    )
+    with fs.simulate(2):
+        layout = fs.parallel.Layout.parse("pp=2", batch=BATCH, dtype="float64", microbatches=2, schedule="gpipe")
+        with pytest.raises(NotImplementedError, match=r"Layout.schedule gpipe on pp=2 under fs.simulate\(2.*per-rank tree"):
+            fs.recipes.build_train_step(model, layout, fs.optim.sgd(0.1))
