@@ -21,6 +21,9 @@ fshard's side, each listed in ``docs/simulate.md``:
   per rank, as on a real rank (torch's ``LocalTensor.contiguous`` builds the result outside
   dispatch, so checked mode lost its varying axes: a Hugging Face attention's
   ``.transpose(1, 2).contiguous()`` on data split over ``dp`` gave wrong gradients).
+- ``one_thread``: ops run on one intra-op thread, as on ``fs.run_local``'s ranks (a CPU
+  reduction such as layer_norm's weight gradient adds in an order that follows the thread
+  count: the last bit differed on 2 threads).
 
 Per-rank Python is the one thing a simulation cannot run: ``if dist.get_rank() == 0`` or
 ``if int(fs.lax.axis_index("dp")) == 0`` would take one branch for all ranks. Such a
@@ -207,6 +210,10 @@ def _install_shims() -> Callable[[], None]:
             group = dist.ProcessGroup.unbox(group)
         return saved_broadcast(tensors, process_group_so, dist.get_process_group_ranks(group)[root_rank], *rest)
 
+    # one_thread: fs.run_local's ranks compute on one intra-op thread each, and a CPU
+    # reduction's order follows the thread count (layer_norm's weight grad, last bit).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     local_c10d._local_reduce = reduce
     local_c10d._local_broadcast_ = broadcast
     saved_contiguous = LocalTensor.contiguous
@@ -221,6 +228,7 @@ def _install_shims() -> Callable[[], None]:
         setattr(LocalIntNode, name, compare(name, symbol, op))
 
     def undo() -> None:
+        torch.set_num_threads(threads)
         local_c10d._local_reduce = saved_reduce
         local_c10d._local_broadcast_ = saved_broadcast
         LocalTensor.contiguous = saved_contiguous  # type: ignore[method-assign]

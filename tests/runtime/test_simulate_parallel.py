@@ -222,16 +222,7 @@ CASES = [(name, n) for name, (_, _, sizes, *_) in PROGRAMS.items() for n in size
 
 def _run(name, n, runner):
     fn, args, _, *kw = PROGRAMS[name]
-    if runner is not run_simulated:
-        return runner(fn, n, *args, world_size=n, **(kw[0] if kw else {}))
-    # fs.run_local's ranks compute on one thread each, and a CPU reduction's order depends on
-    # the thread count (layer_norm's weight grad differs in the last bit): the same here.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return runner(fn, n, *args, world_size=n, **(kw[0] if kw else {}))
-    finally:
-        torch.set_num_threads(threads)
+    return runner(fn, n, *args, world_size=n, **(kw[0] if kw else {}))
 
 
 @pytest.mark.parametrize("name, n", CASES, ids=[f"{name}-{n}" for name, n in CASES])
