@@ -1,6 +1,7 @@
 """fsdp_apply / tp_apply on Hugging Face models (tiny GPT-2 and Llama, float64) and
 fs.recipes.ModuleModel under fs.simulate against real gloo ranks: FSDP, TP and FSDP x TP
-steps (both gradient orders) and one build_train_step step give every rank the same loss,
+steps (both gradient orders), one build_train_step step and BatchNorm buffers synced by
+fsdp_apply (sync_buffers local and mean) give every rank the same loss,
 gradient blocks and updated parameters bit for bit."""
 
 from __future__ import annotations
@@ -95,3 +96,33 @@ def test_a_module_model_train_step_equals_the_real_ranks(kind, mesh_text, n):
     simulated = run_simulated(_recipe, n, kind, mesh_text, world_size=n)
     for r in range(n):
         assert_bitwise_equal(simulated[r], real[r], what=f"ModuleModel {kind} {mesh_text}, rank {r}")
+
+
+def _buffers(n, mode):
+    """fsdp_apply's DDP over a BatchNorm net: the running statistics a forward updated
+    (rank 0's, or the mean) and the gradients, per-rank batches."""
+    from parallel.test_parallel_module_buffers import Net, _batch
+
+    mesh = fs.make_mesh({"dp": n})
+    torch.manual_seed(0)
+    apply, params, buffers = fs.nn.functionalize(Net().double())
+    ddp = fs.parallel.fsdp_apply(apply, blocks="layers", axis=None, replicate_axis="dp", sync_buffers=mode)
+    specs, bspecs = fs.parallel.replicate_specs(params), fs.parallel.replicate_specs(buffers)
+
+    def loss_fn(p, b, x, y):
+        out, new_b = ddp(p, x, buffers=b, return_buffers=True)
+        return fs.lax.pmean(F.cross_entropy(out, y), "dp"), new_b
+
+    step = fs.shard_map(fs.value_and_grad(loss_fn, has_aux=True), mesh=mesh,
+                        in_specs=(specs, bspecs, P("dp"), P("dp")), out_specs=((P(), bspecs), specs))
+    (loss, b), grads = step(fs.shard(params, specs, mesh), fs.shard(buffers, bspecs, mesh), *_batch(0, n))
+    local = lambda t: fs.tree.tree_map(lambda x: x.to_local().detach().clone(), t)  # noqa: E731
+    return fs.gather(loss).detach(), local(b), local(grads)
+
+
+@pytest.mark.parametrize("mode", ["local", "mean"])
+def test_fsdp_apply_buffers_equal_the_real_ranks(mode):
+    real = run_on_ranks(_buffers, 2, mode, world_size=2)
+    simulated = run_simulated(_buffers, 2, mode, world_size=2)
+    for r in range(2):
+        assert_bitwise_equal(simulated[r], real[r], what=f"sync_buffers={mode!r}, rank {r}")
