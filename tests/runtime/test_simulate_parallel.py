@@ -53,7 +53,7 @@ def _specs(params, mode, axes):
     return fs.parallel.fsdp_specs(params, axes["axis"])
 
 
-def _loop(n, mode, order, hidden=9, microbatches=1, policy=None, early_sync=True, **config):
+def _loop(n, mode, order, hidden=9, microbatches=1, policy=None, early_sync=True, check=True, **config):
     """value and grads of an MLP stack through gather_params + scan_layers on ``mode``.
 
     ``early_sync`` with microbatches: the earlier ones run with ``sync=False`` (True) or, on
@@ -72,9 +72,10 @@ def _loop(n, mode, order, hidden=9, microbatches=1, policy=None, early_sync=True
 
     in_specs = (specs, P(data), None, None)
     if order == "outside":
-        step = fs.value_and_grad(fs.shard_map(loss, mesh=mesh, in_specs=in_specs, out_specs=P()))
+        step = fs.value_and_grad(fs.shard_map(loss, mesh=mesh, in_specs=in_specs, out_specs=P(), check=check))
     else:
-        step = fs.shard_map(fs.value_and_grad(loss), mesh=mesh, in_specs=in_specs, out_specs=(P(), specs))
+        step = fs.shard_map(fs.value_and_grad(loss), mesh=mesh, in_specs=in_specs, out_specs=(P(), specs),
+                            check=check)
     sharded = fs.shard(params, specs, mesh, uneven=True)
     if config.get("offload"):  # a no-op move on a CPU mesh; the offload path runs
         sharded = fs.parallel.scan.offload_shards(sharded)
@@ -198,6 +199,10 @@ PROGRAMS = {  # name: (program, args after n, world sizes)
     **{f"fsdp_microbatches_{o}": (_loop, ("fsdp", o), (2,), dict(microbatches=2)) for o in ORDERS},
     "fsdp_remat_save_collectives": (_loop, ("fsdp", "inside"), (4,), dict(remat=True, remat_policy="save_collectives")),
     "fsdp_offload": (_loop, ("fsdp", "outside"), (2,), dict(offload=True)),
+    "fsdp_unchecked": (_loop, ("fsdp", "inside"), (4,), dict(check=False)),
+    "hsdp_unchecked": (_loop, ("hsdp", "outside"), (4,), dict(check=False)),
+    "fsdp_bfloat16": (_loop, ("fsdp", "outside"), (4,),
+                      dict(policy=fs.Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),
     "fsdp_mixed_precision": (_loop, ("fsdp", "outside"), (2,),
                              dict(policy=fs.Policy(param_dtype=torch.float32, reduce_dtype=torch.float32))),
     **{f"hsdp_{o}": (_loop, ("hsdp", o), (4,)) for o in ORDERS},
