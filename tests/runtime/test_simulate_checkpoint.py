@@ -112,3 +112,24 @@ def test_hf_safetensors_in_and_out_equal_the_real_ranks(n, tmp_path):
     simulated = run_simulated(_hf, n, native, str(tmp_path / "sim"), world_size=n)
     for r in range(n):
         assert_bitwise_equal(simulated[r], real[r], what=f"load_hf/save_hf, rank {r}")
+
+
+def test_a_simulated_save_that_fails_on_one_rank_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from fshard.checkpoint import _checksums
+
+    path = str(tmp_path / "ck")
+    original = _checksums.ChecksumWriter.write_data
+
+    def write_data(self, plan, planner):
+        if self.rank == 1:  # simulated rank 1's write fails midway
+            raise OSError("disk went away")
+        return original(self, plan, planner)
+
+    with fs.simulate(2):
+        fs.checkpoint.save(path, {"x": fs.shard(_data(0, 4, 2), P("a"), _mesh(2)), "step": 1})
+        monkeypatch.setattr(_checksums.ChecksumWriter, "write_data", write_data)
+        with pytest.raises(fs.checkpoint.CheckpointError, match="disk went away"):
+            fs.checkpoint.save(path, {"x": fs.shard(_data(1, 4, 2), P("a"), _mesh(2)), "step": 2})
+        monkeypatch.undo()
+        assert fs.checkpoint.load(path)["step"] == 1
+    assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(".lock")) == ["ck"]  # no temporary left
