@@ -218,7 +218,7 @@ def _install_shims() -> Callable[[], None]:
     local_c10d._local_broadcast_ = broadcast
     saved_contiguous = LocalTensor.contiguous
     LocalTensor.contiguous = _contiguous  # type: ignore[method-assign]
-    LocalTensor.__torch_dispatch__ = classmethod(torch._disable_dynamo(dispatch))
+    setattr(LocalTensor, "__torch_dispatch__", classmethod(torch._disable_dynamo(dispatch)))  # noqa: B010
     for name, what in (("int_", "int({self})"), ("guard_int", "the int {self}"), ("expect_size", "the size {self}")):
         saved.setdefault(name, getattr(LocalIntNode, name, None))
         setattr(LocalIntNode, name, refuse(what))
@@ -232,7 +232,7 @@ def _install_shims() -> Callable[[], None]:
         local_c10d._local_reduce = saved_reduce
         local_c10d._local_broadcast_ = saved_broadcast
         LocalTensor.contiguous = saved_contiguous  # type: ignore[method-assign]
-        LocalTensor.__torch_dispatch__ = saved_dispatch
+        setattr(LocalTensor, "__torch_dispatch__", saved_dispatch)  # noqa: B010
         local_tensor._set_rng_state = saved_set_rng
         dist.get_rank = saved_get_rank
         for name, fn in saved.items():
@@ -475,11 +475,15 @@ class Simulation:
                 f"torchrun, or call fs.shutdown() first."
             )
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
+        entered = False
         try:
             self.mode = _mode_class()(self.world_size)
             self.mode.__enter__()
+            entered = True
             self._undo = _install_shims()
         except BaseException:
+            if entered:  # a half-made simulation must not stay active: the next one would refuse
+                self.mode.__exit__(None, None, None)
             self.mode = None
             dist.destroy_process_group()
             raise
