@@ -48,6 +48,7 @@ def test_notebook_executes(tmp_path, monkeypatch):
     assert "fsdp: loss 4.167681" in text and "replicate: loss 4.167681" in text  # comm counts side by side
     assert "GPT-2 on fsdp=4: loss 4.158299 (one process: 4.158299)" in text   # fsdp_apply on an HF module
     assert "makespan 33 (ideal 24)" in text                                   # 1F1B simulated
+    assert "zbv on pp=4: loss 1.138062418688 (one device 1.138062418688)" in text  # a pipeline, simulated
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) == 1                                                   # the schedule plot
     # After sim.__exit__(): the first step on 4 real ranks equals the simulated one (the cell asserts it).
