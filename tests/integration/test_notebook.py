@@ -47,6 +47,7 @@ def test_notebook_executes(tmp_path, monkeypatch):
     assert "restored step 10 on Mesh(dp=4, tp=1; cpu)" in text and "step 13: loss" in text  # resharded, trained on
     assert "fsdp: loss 4.167681" in text and "replicate: loss 4.167681" in text  # comm counts side by side
     assert "GPT-2 on fsdp=4: loss 4.158299 (one process: 4.158299)" in text   # fsdp_apply on an HF module
+    assert "calls {'all_gather': 5, 'psum': 1, 'psum_scatter': 3}" in text   # the counts real ranks log
     assert "makespan 33 (ideal 24)" in text                                   # 1F1B simulated
     assert "zbv on pp=4: loss 1.138062418688 (one device 1.138062418688)" in text  # a pipeline, simulated
     images = [o for o in outputs if "image/png" in o.get("data", {})]
