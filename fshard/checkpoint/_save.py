@@ -200,6 +200,18 @@ def _register_at_exit() -> None:
 teardown.register_before_shutdown(drain)
 
 
+def _after_fork_in_child() -> None:
+    # A forked child (fs.run_local's ranks, the test pools) has none of the parent's threads:
+    # the parent's executor would queue the child's background save forever (its one worker
+    # is not there, and it never starts another), and the parent's lock may be held.
+    global _EXECUTOR, _LOCK
+    _EXECUTOR, _LOCK = None, threading.Lock()
+    _PENDING.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _executor() -> cf.ThreadPoolExecutor:
     global _EXECUTOR
     with _LOCK:

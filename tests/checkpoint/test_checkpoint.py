@@ -612,3 +612,16 @@ def test_portable_commit_and_recovery_without_atomic_exchange(tmp_path, monkeypa
         assert ckpt.load(path, like={"step": 0})["step"] == 2
     ckpt.save(path, {"v": torch.zeros(2), "step": 3})
     assert os.listdir(tmp_path) == ["ck"] and ckpt.load(path, like={"step": 0})["step"] == 3
+
+
+def _background_save_in_child(path):
+    fs.checkpoint.save(path, {"x": torch.arange(4.0)}, blocking=False).wait(timeout=60)
+    return fs.checkpoint.load(path)["x"].tolist()
+
+
+def test_a_background_save_in_a_forked_child_of_a_process_that_saved_in_the_background(tmp_path):
+    # The parent's save executor has a worker thread; a forked child has none of the parent's
+    # threads, and used to queue its own background save on that executor forever.
+    fs.checkpoint.save(tmp_path / "parent", {"x": torch.ones(2)}, blocking=False).wait(timeout=60)
+    (got,) = fs.run_local(_background_save_in_child, str(tmp_path / "child"), world_size=1, timeout_s=120)
+    assert got == [0.0, 1.0, 2.0, 3.0]
