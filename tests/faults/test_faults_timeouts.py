@@ -158,10 +158,18 @@ def _kill_left_behind(pid_dir: Path, script: Path) -> None:
 def _wait_until_gone(pids: list[int], deadline: float) -> float | None:
     """The time at which every process in ``pids`` had exited, or None at ``deadline``."""
     while time.time() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        if not any(_alive(p) for p in pids):
             return time.time()
         time.sleep(0.2)
     return None
+
+
+def _alive(pid: int) -> bool:
+    # It may exit between the two questions (CI, shuffled run: NoSuchProcess from status()).
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.timeout(240)
