@@ -43,7 +43,7 @@ from fshard.recipes import Injection, planning
 from fshard.recipes.data import CharCorpus, padded_vocab
 from fshard.recipes.pipeline import gather_full
 from fshard.recipes.progress import write_log
-from fshard.recipes.trainer import CheckpointConfig, ConfigError, TrainConfig, train
+from fshard.recipes.trainer import ConfigError, TrainConfig, train
 from fshard.sched.registry import resolve_name
 
 DATA = Path(__file__).resolve().parent / "data" / "kjv_shakespeare.txt"
@@ -103,13 +103,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     model.add_argument("--heads", type=int, default=4)
     io = p.add_argument_group("input and output")
     io.add_argument("--data", default=str(DATA), help="a UTF-8 text file")
-    io.add_argument("--checkpoint-dir", default=None, help="save params, optimizer state and step here")
-    io.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps (0: at the end only)")
-    io.add_argument("--async-checkpoint", action="store_true", help="write the --checkpoint-every checkpoints in "
-                    "the background (the last one is complete before the script exits)")
-    io.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir if it holds a checkpoint")
-    io.add_argument("--stop-at", type=int, default=None, metavar="STEP", help="end this run after STEP (saving a "
-                    "checkpoint), as a preempted job would; --resume goes on to --steps")
     io.add_argument("--log-json", default=None, metavar="PATH", help="write the per-step records as a JSON list")
     io.add_argument("--log-every", type=int, default=25, help="print a line every N steps without tqdm")
     io.add_argument("--sample-chars", type=int, default=300, help="characters to generate at the end (0: none)")
@@ -118,10 +111,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument_group("testing aids").add_argument(
         "--inject-nonfinite", default=None, metavar="STEP[:WHERE[:VALUE]]", help="at STEP, make the loss (WHERE="
         "loss) or the gradient of parameter WHERE (e.g. layers.1.feed_forward.w2.weight) nan or inf (VALUE)")
-    args = p.parse_args(argv)
-    for need, flag in ((args.checkpoint_every, "--checkpoint-every"), (args.resume, "--resume")):
-        if need and not args.checkpoint_dir:
-            p.error(f"{flag} needs --checkpoint-dir")
+    fs.recipes.cli.add_common_flags(p)
+    args = fs.recipes.cli.parse(p, argv)  # --config, --threads, the checkpoint flags' checks
     if args.simulate is not None and (args.simulate < 1 or args.mesh == "auto" or args.jit):
         p.error("--simulate N needs N >= 1, and neither --mesh auto (it measures real links) nor --jit")
     try:
@@ -190,7 +181,7 @@ def choose_layout(args: argparse.Namespace, world: int, corpus: CharCorpus, say:
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     hint = "the flags it was trained with (--dim, --layers, --heads, --seq-len, --data), or another --checkpoint-dir"
-    ck = CheckpointConfig(args.checkpoint_dir, args.checkpoint_every, args.async_checkpoint, args.resume, hint)
+    ck = fs.recipes.cli.checkpoint_config(args, hint)
     return TrainConfig(args.steps, seed=args.seed, max_norm=args.grad_clip, jit_backend=args.jit,
                        skip_nonfinite=args.skip_nonfinite, stop_at=args.stop_at, checkpoint=ck,
                        log_every=args.log_every, progress=not args.quiet,

@@ -6,10 +6,12 @@
 composes (:mod:`~fshard.recipes.roles`, :mod:`~fshard.recipes.model`,
 :mod:`~fshard.recipes.step`, :mod:`~fshard.recipes.pipeline`, :mod:`~fshard.recipes.faults`)
 are importable for a step of your own, beside what a training script needs around it
-(:mod:`~fshard.recipes.data`, :mod:`~fshard.recipes.progress`); ``examples/train_lm.py`` is a
+(:mod:`~fshard.recipes.data`, :mod:`~fshard.recipes.progress`, :mod:`~fshard.recipes.cli`: the
+flags scripts share); ``examples/train_lm.py`` is a
 command line over them.
 """
 
+from fshard.recipes import cli as cli
 from fshard.recipes.faults import Injection as Injection
 from fshard.recipes.faults import NonFinite as NonFinite
 from fshard.recipes.faults import NonFiniteError as NonFiniteError

@@ -40,6 +40,11 @@ class ConfigError(LayoutError):
     reported without a traceback, as a ``LayoutError`` is."""
 
 
+def _resume_mode(_: Any, attribute: Any, value: Any) -> None:
+    if value not in (False, True, "auto"):
+        raise ConfigError(f"CheckpointConfig(resume={value!r}): must be True, False or 'auto'")
+
+
 @attrs.frozen
 class CheckpointConfig:
     """Where and when :func:`train` saves, and whether it resumes.
@@ -49,20 +54,30 @@ class CheckpointConfig:
       every: also save every this many steps (0: at the end only).
       background: write the periodic saves in the background while training goes on (the
         last save is complete before :func:`train` returns).
-      resume: continue from ``directory`` if it holds a checkpoint.
+      resume: ``True``: continue from the checkpoint in ``directory`` (an error if there is
+        none); ``"auto"``: continue if there is one, else start from step 0; ``False``: start
+        from step 0, and an existing checkpoint in ``directory`` is an error unless
+        ``overwrite``.
       hint: what the user should give when the checkpoint holds another model (the end of
         that error's message), e.g. the command line's flags.
+      overwrite: start from step 0 and replace an existing checkpoint.
     """
 
     directory: str | None = None
     every: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     background: bool = False
-    resume: bool = False
+    resume: bool | str = attrs.field(default=False, validator=_resume_mode)
     hint: str = "the settings it was trained with, or another checkpoint directory"
+    overwrite: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if (self.every or self.resume) and not self.directory:
-            raise ConfigError(f"CheckpointConfig(every={self.every}, resume={self.resume}) needs a directory")
+        if (self.every or self.resume or self.overwrite) and not self.directory:
+            raise ConfigError(
+                f"CheckpointConfig(every={self.every}, resume={self.resume!r}, overwrite={self.overwrite}) "
+                f"needs a directory"
+            )
+        if self.resume and self.overwrite:
+            raise ConfigError(f"CheckpointConfig(resume={self.resume!r}, overwrite=True): give one of them")
 
 
 @attrs.frozen
@@ -170,11 +185,11 @@ def train(
         )
     params, opt_state = composed.init_state(config.seed)
     start, ck = 0, config.checkpoint
-    if ck.resume and _has_checkpoint(ck.directory):
+    if _resumes(ck):
         params, opt_state, start = _load(ck, params, opt_state, meta or {})
         say(f"resumed from {ck.directory} at step {start}")
-    elif ck.resume:
-        say(f"no checkpoint in {ck.directory} yet: starting from step 0")
+    elif ck.resume == "auto":
+        say(f"no checkpoint in {ck.directory} yet: starting from step 0 (resume auto)")
     _announce(composed, layout, config, say)
     step_fn, probe = composed.step, None
     if config.profile:
@@ -278,6 +293,33 @@ def _load(ck: CheckpointConfig, params: Any, opt_state: Any, meta: dict[str, Any
         )
     saved = ckpt.load(ck.directory, like={"params": params, "opt": opt_state, "step": 0})
     return saved["params"], saved["opt"], int(saved["step"])
+
+
+def _resumes(ck: CheckpointConfig) -> bool:
+    """Whether to resume from ``ck.directory``; ConfigError where its contents and ``ck``
+    disagree, before any step runs (every rank reads the same metadata: they agree)."""
+    if ck.directory is None:
+        return False
+    present = _has_checkpoint(ck.directory)
+    if ck.resume is True and not present:
+        raise ConfigError(
+            f"resume: there is no checkpoint in {ck.directory}; give the directory of the run to continue, "
+            f"or resume 'auto' (--resume auto) to start from step 0 when there is none"
+        )
+    if present and not ck.resume and not ck.overwrite:
+        raise ConfigError(
+            f"{ck.directory} holds a checkpoint{_step_of(ck.directory)}; this run would replace it. Give resume "
+            f"(--resume) to continue it, overwrite (--overwrite) to start over and replace it, or another "
+            f"directory (--checkpoint-dir)"
+        )
+    return present and bool(ck.resume)
+
+
+def _step_of(path: str) -> str:
+    try:
+        return f" (step {int(ckpt.load(path, like={'step': 0})['step'])})"
+    except ckpt.CheckpointError:  # not one of train's: no step to name
+        return ""
 
 
 def _has_checkpoint(path: str | None) -> bool:

@@ -5,8 +5,10 @@ refused; and examples/train_lm.py stays a thin command line over it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,9 +57,9 @@ def _config(**kw) -> fs.recipes.TrainConfig:
 
 def test_a_run_stopped_and_resumed_on_another_layout_gives_the_uninterrupted_run(tmp_path):
     want_losses, want_params, _ = _run("fsdp=1", _config())
-    ck = fs.recipes.CheckpointConfig(str(tmp_path / "ck"), every=1, resume=True)
+    ck = fs.recipes.CheckpointConfig(str(tmp_path / "ck"), every=1, resume="auto")
     first = run_on_ranks(_run, "fsdp=2", _config(checkpoint=ck, stop_at=2), world_size=2)
-    second = run_on_ranks(_run, "pp=2", _config(checkpoint=ck), world_size=2)
+    second = run_on_ranks(_run, "pp=2", _config(checkpoint=attrs.evolve(ck, resume=True)), world_size=2)
     for (l1, _, end1), (l2, params, end2) in zip(first, second, strict=True):
         assert (end1, end2) == (2, STEPS)
         assert l1 + l2 == pytest.approx(want_losses, rel=1e-12, abs=0)
@@ -76,12 +78,29 @@ def test_a_nonfinite_step_is_skipped_or_stops_the_run():
 
 
 def test_another_models_checkpoint_is_refused_naming_the_field(tmp_path):
-    ck = fs.recipes.CheckpointConfig(str(tmp_path / "ck"), resume=True, hint="the flags")
+    ck = fs.recipes.CheckpointConfig(str(tmp_path / "ck"), resume="auto", hint="the flags")
     _run("fsdp=1", _config(checkpoint=ck, stop_at=1), meta={"dim": DIM})
     with pytest.raises(fs.recipes.ConfigError, match=r"holds another model: dim 8 \(this run: 9\)\. Give the flags\."):
         _run("fsdp=1", _config(checkpoint=ck), meta={"dim": 9})
     with pytest.raises(fs.recipes.ConfigError, match=r"needs a directory"):
         fs.recipes.CheckpointConfig(every=2)
+
+
+def test_an_existing_checkpoint_is_kept_unless_resumed_or_overwritten(tmp_path):
+    d = str(tmp_path / "ck")
+    with pytest.raises(fs.recipes.ConfigError, match=r"there is no checkpoint in .*ck; .*resume 'auto'"):
+        _run("fsdp=1", _config(checkpoint=fs.recipes.CheckpointConfig(d, resume=True)))
+    assert not os.path.exists(d)
+    _, _, end = _run("fsdp=1", _config(checkpoint=fs.recipes.CheckpointConfig(d, resume="auto"), stop_at=1))
+    assert end == 1 and fs.checkpoint.load(d, like={"step": 0})["step"] == 1
+    with pytest.raises(fs.recipes.ConfigError, match=r"ck holds a checkpoint \(step 1\); this run would replace it\. "
+                       r"Give resume \(--resume\) to continue it, overwrite \(--overwrite\)"):
+        _run("fsdp=1", _config(checkpoint=fs.recipes.CheckpointConfig(d)))
+    assert fs.checkpoint.load(d, like={"step": 0})["step"] == 1  # untouched
+    losses, _, _ = _run("fsdp=1", _config(checkpoint=fs.recipes.CheckpointConfig(d, overwrite=True), stop_at=2))
+    assert len(losses) == 2 and fs.checkpoint.load(d, like={"step": 0})["step"] == 2  # from step 0, replaced
+    with pytest.raises(fs.recipes.ConfigError, match=r"give one of them"):
+        fs.recipes.CheckpointConfig(d, resume=True, overwrite=True)
 
 
 def test_train_lm_is_a_thin_command_line():
