@@ -50,10 +50,10 @@ SHORT = ["--steps", "2"]  # appended to every command that trains (argparse: the
 TEMPLATES = {
     "torchrun --nproc-per-node 8": "a fragment of a sentence (no script)",
     "torchrun --nproc-per-node N script.py": "a template: N and script.py are the reader's",
-}
     # docs/guide.md: train.py is the reader's file of the guide's python blocks.
     "python train.py": "docs/guide.md's program; tests/integration/test_guide.py runs it on 2 ranks",
     "torchrun --nproc-per-node 2 train.py": "docs/guide.md's program under torchrun; test_guide.py runs it",
+}
 # Steps that .ci/run runs instead (a fresh venv and the install need the network and minutes).
 NOT_RUN_HERE = {
     r"python3 -m venv \.venv": ".ci/run makes a fresh venv",
