@@ -40,7 +40,7 @@ import fshard as fs
 from fshard.models import TransformerConfig, generate, transformer_init
 from fshard.parallel.layout import Layout, LayoutError
 from fshard.recipes import Injection, planning
-from fshard.recipes.data import CharCorpus, padded_vocab
+from fshard.recipes.data import CharCorpus, Corpus, padded_vocab  # noqa: F401 (CharCorpus: callers use train_lm.CharCorpus)
 from fshard.recipes.pipeline import gather_full
 from fshard.recipes.progress import write_log
 from fshard.recipes.trainer import ConfigError, TrainConfig, train
@@ -101,8 +101,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     model.add_argument("--layers", type=int, default=2, help="blocks; a pipeline needs one per stage at least: "
                        "zbv, dualpipev and interleaved on pp=2 need 4")
     model.add_argument("--heads", type=int, default=4)
+    fs.recipes.data.add_flags(p, DATA)  # --data, --tokenizer, --val-fraction, --vocab-size
     io = p.add_argument_group("input and output")
-    io.add_argument("--data", default=str(DATA), help="a UTF-8 text file")
     io.add_argument("--log-json", default=None, metavar="PATH", help="write the per-step records as a JSON list")
     io.add_argument("--log-every", type=int, default=25, help="print a line every N steps without tqdm")
     io.add_argument("--sample-chars", type=int, default=300, help="characters to generate at the end (0: none)")
@@ -157,7 +157,7 @@ def make_optimizer(args: argparse.Namespace) -> fs.optim.GradientTransformation:
     return fs.optim.adamw(lr_schedule(args), b1=0.9, b2=0.95, weight_decay=args.weight_decay)
 
 
-def model_config(args: argparse.Namespace, corpus: CharCorpus) -> TransformerConfig:
+def model_config(args: argparse.Namespace, corpus: Corpus) -> TransformerConfig:
     return TransformerConfig(vocab_size=padded_vocab(corpus.vocab_size), dim=args.dim, n_layers=args.layers,
                              n_heads=args.heads, max_seq_len=args.seq_len)
 
@@ -168,7 +168,7 @@ def plan_layout(args: argparse.Namespace, shape: dict[str, int], microbatches: i
                   virtual=args.virtual, remat=args.remat, sequence_parallel=args.sequence_parallel, dtype=args.dtype)
 
 
-def choose_layout(args: argparse.Namespace, world: int, corpus: CharCorpus, say: Any) -> None:
+def choose_layout(args: argparse.Namespace, world: int, corpus: Corpus, say: Any) -> None:
     """``--mesh auto``: sets the layout flags to the planner's best layout for ``world`` ranks."""
     cfg = model_config(args, corpus)
     lay, why = planning.auto_layout(cfg, plan_layout(args, {"fsdp": world}, 1), world,
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rank0 = fs.runtime.is_rank0()
     say = print if rank0 and not args.quiet else (lambda *a, **k: None)
     config = train_config(args)  # before --mesh auto rewrites args.mesh: it decides the profiling
-    corpus = CharCorpus.load(args.data)
+    corpus = fs.recipes.data.from_args(args)  # a text, token shards or a saved dataset; train and val splits
     if args.mesh == "auto":  # the planner picks mesh, schedule, microbatches, remat and SP for this machine
         choose_layout(args, world, corpus, say)
     mesh = fs.make_mesh(parse_mesh(args.mesh, world))
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     with torch.device("meta"):
         n_params = sum(x.numel() for x in fs.tree.leaves(transformer_init(cfg, 0)))
     say(f"mesh {dict(mesh.shape)} on {world} rank(s), {args.dtype}; {n_params:,} parameters; "
-        f"{len(corpus.ids):,} characters, vocabulary {corpus.vocab_size}")
+        f"{corpus.describe()}")
     result = train(fs.recipes.transformer(cfg), layout, make_optimizer(args),
                 lambda step: corpus.batch(step, args.batch_size, args.seq_len, args.seed), config,
                 mesh=mesh, meta=attrs.asdict(cfg), lr_at=lr_schedule(args), inject=args.inject_nonfinite, say=say)
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if records:
         say(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over steps "
             f"{records[0]['step']}-{records[-1]['step']}")
-    if args.sample_chars and not args.quiet:
+    if args.sample_chars and not args.quiet and corpus.tokenizer is not None:  # shards may have no decoder
         full = gather_full(result.params, result.composed.pipe)  # collective: every rank takes part, rank 0 samples
         if rank0:
             ids = generate(full, cfg, corpus.encode(args.prompt), args.sample_chars, seed=args.seed,
