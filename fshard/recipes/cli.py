@@ -20,11 +20,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from fshard.recipes.trainer import CheckpointConfig
 
-__all__ = ["add_common_flags", "checkpoint_config", "parse", "set_threads"]
+__all__ = ["HelpFormatter", "add_common_flags", "checkpoint_config", "parse", "printer", "set_threads"]
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` with each flag's default said once: appended as ``(default: X)`` unless the
+    help text already names its default (``(default`` or ``default:``), or there is none to
+    name (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        named = "(default" in text or "default:" in text
+        if named or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -190,6 +203,32 @@ def _checked(p: argparse.ArgumentParser, path: str, key: str, action: argparse.A
 
 
 def config_toml(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+def printer(args: argparse.Namespace) -> Callable[..., None]:
+    """Where a script's messages go: ``print`` on rank 0; with ``--all-ranks`` on every rank,
+    each line prefixed ``[rank R]``; with ``--quiet``, nowhere. Call it after the process
+    group started (``fs.init`` / ``fs.runtime.started``)."""
+    import torch.distributed as dist
+
+    from fshard.runtime.process import is_rank0
+    from fshard.runtime.simulation import active
+
+    if getattr(args, "quiet", False):
+        return _nowhere
+    if getattr(args, "all_ranks", False) and dist.is_initialized() and active() is None:
+        prefix = f"[rank {dist.get_rank()}] "
+
+        def say(*parts: Any, **kw: Any) -> None:
+            text = " ".join(map(str, parts))
+            print("\n".join(prefix + line for line in text.splitlines() or [""]), flush=True, **kw)
+
+        return say
+    return print if is_rank0() else _nowhere
+
+
+def _nowhere(*_: Any, **__: Any) -> None:
+    pass
+
+
     """The settings of ``args`` as TOML, one table per argument group; unset (None) flags are
     written as comments, since TOML has no null."""
     out = []
