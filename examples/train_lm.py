@@ -63,7 +63,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The flags; defaults train a small model in well under a minute on 2 CPU cores."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=fs.recipes.cli.HelpFormatter)
     run = p.add_argument_group("layout")
     run.add_argument("--mesh", default=None, help="axis=size,... over all ranks, axes pp, dp, fsdp, tp; e.g. "
                      "dp=2,fsdp=2; 'auto': the planner (fs.plan) picks the layout (default: every rank on fsdp)")
@@ -75,7 +75,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      "zb, zbh2, zbv, dualpipev (python -m fshard.sched --list)")
     run.add_argument("--virtual", type=int, default=None, help="stages per rank (default: the schedule's, 1 or 2)")
     run.add_argument("--microbatches", type=int, default=None, help="per step: pipeline microbatches with pp "
-                     "(default 2 x pp), else gradient accumulation (default 1)")
+                     "(default 2 x pp), else gradient accumulation steps (default 1)")
     run.add_argument("--remat", action="store_true", help="recompute each block in backward")
     run.add_argument("--sequence-parallel", action="store_true",
                      help="with tp: split the activations between TP regions over the sequence")
@@ -88,19 +88,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=500, help="total optimizer steps")
     train.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    train.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    train.add_argument("--seq-len", type=int, default=64, help="tokens (characters by default) per sequence")
     train.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
     train.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
-    train.add_argument("--weight-decay", type=float, default=0.1)
+    train.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     train.add_argument("--grad-clip", type=float, default=1.0, help="max global norm (0: off)")
     train.add_argument("--seed", type=int, default=0, help="seeds the init, the data order and the sample")
     train.add_argument("--skip-nonfinite", action="store_true", help="skip (do not apply) a step whose loss or "
                        "gradients are not finite, and say so; default: stop, naming the step and the parameter")
     model = p.add_argument_group("model")
-    model.add_argument("--dim", type=int, default=64)
+    model.add_argument("--dim", type=int, default=64, help="model width (a multiple of --heads)")
     model.add_argument("--layers", type=int, default=2, help="blocks; a pipeline needs one per stage at least: "
                        "zbv, dualpipev and interleaved on pp=2 need 4")
-    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--heads", type=int, default=4, help="attention heads (with tp: a multiple of tp)")
     fs.recipes.data.add_flags(p, DATA)  # --data, --tokenizer, --val-fraction, --vocab-size
     io = p.add_argument_group("input and output")
     io.add_argument("--log-json", default=None, metavar="PATH", help="write the per-step records as a JSON list")
@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank0 = fs.runtime.is_rank0()
-    say = print if rank0 and not args.quiet else (lambda *a, **k: None)
+    say = fs.recipes.cli.printer(args)  # rank 0, every rank with --all-ranks, or nowhere with --quiet
     config = train_config(args)  # before --mesh auto rewrites args.mesh: it decides the profiling
     corpus = fs.recipes.data.from_args(args)  # a text, token shards or a saved dataset; train and val splits
     if args.mesh == "auto":  # the planner picks mesh, schedule, microbatches, remat and SP for this machine

@@ -16,6 +16,7 @@ from fshard.mesh.mesh import Mesh
 from fshard.mesh.placement import local_block
 from fshard.mesh.sharding import _mesh_of, spec_of
 from fshard.mesh.spec import PartitionSpec
+from fshard.runtime.process import is_rank0
 
 __all__ = ["visualize_sharding", "sharding_grid", "rank_grid"]
 
@@ -51,7 +52,11 @@ def sharding_grid(shape, spec: PartitionSpec, mesh: Mesh) -> dict[tuple[tuple[in
 
 
 def visualize_sharding(x: Any, *, mesh: Mesh | None = None, use_color: bool = True) -> str:
-    """Prints (and returns) a table of which ranks hold which block of ``x``.
+    """Prints (on rank 0) and returns (on every rank) a table of which ranks hold which block of ``x``.
+
+    Every rank computes the table from ``x``'s metadata alone (no collective), so a call
+    made on all ranks prints it once, as JAX's does; pass the returned text to ``print``
+    to see it from another rank.
 
     Rows split dim 0 and columns dim 1 (a 1-D tensor is one row; dims past 1 are
     listed in the cell text). Each cell shows the index range and the ranks holding it.
@@ -89,7 +94,8 @@ def visualize_sharding(x: Any, *, mesh: Mesh | None = None, use_color: bool = Tr
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(plain)
+        if is_rank0():
+            print(plain)
         return plain
     table = Table(title=title, show_header=False, show_lines=True)
     for _ in cols:
@@ -98,7 +104,8 @@ def visualize_sharding(x: Any, *, mesh: Mesh | None = None, use_color: bool = Tr
     for i, row in enumerate(table_rows):
         styled = [f"[{palette[(i * len(cols) + j) % len(palette)]}]{t}" if use_color else t for j, t in enumerate(row)]
         table.add_row(*styled)
-    Console().print(table)
+    if is_rank0():
+        Console().print(table)
     return plain
 
 

@@ -26,6 +26,7 @@ it out of the median step time.
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -212,6 +213,10 @@ class StepProbe:
 
         at_rest = local_bytes(params, opt_state)
         deaths = _StorageDeaths()
+        # Kineto prints "profiler_start"/"profiler_stop" lines (stderr, every rank) unless its
+        # log level is above them; it reads the variable when the first profile starts. The
+        # user's own setting wins.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with deaths:
                 out = step(params, opt_state, *rest)

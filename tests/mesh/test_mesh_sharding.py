@@ -68,13 +68,20 @@ def test_pytree_shard_with_current_mesh():
 
 
 def _visualize():
+    import contextlib
+    import io
+
     mesh = fs.make_mesh({"a": 2, "b": 2})
-    return fs.visualize_sharding(fs.shard(torch.zeros(4, 6), P("a"), mesh), use_color=False)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        text = fs.visualize_sharding(fs.shard(torch.zeros(4, 6), P("a"), mesh), use_color=False)
+    return text, out.getvalue()
 
 
-def test_visualize_sharding_names_blocks_and_ranks():
-    text = run_on_ranks(_visualize, world_size=4)[0]
+def test_visualize_sharding_names_blocks_and_ranks_and_prints_once():
+    (text, printed), *others = run_on_ranks(_visualize, world_size=4)
     assert "[0:2, 0:6] ranks 0,1" in text and "[2:4, 0:6] ranks 2,3" in text
+    assert "ranks 0,1" in printed  # rank 0 prints (the README's quick start: one table, not four)
+    assert all(t == text and p == "" for t, p in others)
 
 
 # --- bad input: every error names path, spec, shape, axis and sizes ------------------

@@ -134,3 +134,20 @@ def test_train_lm_keeps_an_existing_checkpoint_unless_told(tmp_path):
         train_lm.main([*TINY, "--steps", "3", "--checkpoint-dir", ck])
     assert [r["step"] for r in train_lm.main([*TINY, "--steps", "3", "--checkpoint-dir", ck, "--resume"])] == [3]
     assert [r["step"] for r in train_lm.main([*TINY, "--steps", "1", "--checkpoint-dir", ck, "--overwrite"])] == [1]
+
+
+def test_train_lm_help_gives_every_flag_a_text_and_its_default_once(capsys):
+    with pytest.raises(SystemExit):
+        example("train_lm").parse_args(["--help"])
+    entries, text = [], capsys.readouterr().out.split("\noptions:", 1)[1]
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            entries.append(line)
+        elif line.startswith("    ") and entries:
+            entries[-1] += "  " + line.strip()
+    assert len(entries) > 40
+    for entry in entries:
+        flag, _, rest = entry.strip().partition("  ")
+        assert rest.strip(), f"{flag}: no help text"
+        assert entry.count("(default:") + entry.count("default:") // 2 <= 1, entry
+    assert any("--seed SEED" in e and "(default: 0)" in e for e in entries)  # a zero default is still named
