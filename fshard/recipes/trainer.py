@@ -1,4 +1,5 @@
-"""The training loop around a composed step: resume, steps, non-finite steps, checkpoints.
+"""The training loop around a composed step: resume, steps, non-finite steps, checkpoints,
+validation, metrics and logs.
 
 :func:`train` is what a training script calls once its model, layout, optimizer and data
 are known: it composes the step (:func:`~fshard.recipes.step.compose_train_step`), builds
@@ -10,12 +11,18 @@ Checkpoints hold ``{"params", "opt", "step", "model"}``: ``model`` is the caller
 (a small dict describing the model, e.g. ``attrs.asdict(cfg)``), compared before anything
 else is read, so that resuming another model's checkpoint is refused with the differing
 fields named and the checkpoint left untouched.
+
+Each step makes one record (:class:`TrainResult`'s ``records``): its loss, a windowed token
+rate, MFU, peak memory, elapsed time, ETA and, every ``val_every`` steps, the validation
+loss (:mod:`fshard.recipes.metrics`, :mod:`fshard.recipes.validate`). Rank 0 shows them
+(:mod:`fshard.recipes.progress`) and hands them to the caller's sinks as they are made
+(:mod:`fshard.recipes.sinks`: JSON lines, TensorBoard, a plot); the run ends with a summary.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 import torch
@@ -25,9 +32,13 @@ from fshard.mesh.mesh import Mesh
 from fshard.optim.base import GradientTransformation
 from fshard.parallel.layout import Layout, LayoutError
 from fshard.recipes.faults import Injection, NonFiniteError
+from fshard.recipes.metrics import MFU, Meter, peak_memory, summarize, summary_table
 from fshard.recipes.model import ModelLike
 from fshard.recipes.progress import Progress
 from fshard.recipes.step import ComposedStep, compose_train_step
+
+if TYPE_CHECKING:  # sinks and validate import this module's ConfigError
+    from fshard.recipes.sinks import Logs
 
 __all__ = ["CheckpointConfig", "ConfigError", "TrainConfig", "TrainResult", "train"]
 
@@ -93,10 +104,15 @@ class TrainConfig:
         and go on; default: raise :class:`~fshard.recipes.faults.NonFiniteError`.
       stop_at: end this run after this step (saving a checkpoint), as a preempted job would.
       checkpoint: where and when to save.
-      log_every: print a line every this many steps when tqdm is not installed.
+      log_every: print a line every this many steps (with a tqdm bar too on a terminal).
       progress: show progress (rank 0).
       profile: measure one step's peak memory and the median step time
         (``fs.plan.StepProbe``; the result's ``probe``).
+      val_every: with :func:`train`'s ``val_batch_at``, the validation loss every this many
+        steps and at the run's last step (0: at the last step only).
+      val_batches: the held-out batches each validation averages over (``val_batch_at(0)``
+        .. ``val_batch_at(val_batches - 1)``: the same ones every time).
+      rate_window: ``tokens_per_s`` and the ETA are over the last this many steps.
     """
 
     steps: int = attrs.field(validator=attrs.validators.ge(1))
@@ -109,6 +125,9 @@ class TrainConfig:
     log_every: int = 25
     progress: bool = True
     profile: bool = False
+    val_every: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    val_batches: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    rate_window: int = attrs.field(default=20, validator=attrs.validators.ge(1))
 
 
 @attrs.frozen
@@ -118,10 +137,17 @@ class TrainResult:
     Attributes:
       params, opt_state: the state after the last step.
       records: per step ``{"step", "loss", "tokens_per_s", "lr", "grad_norm",
-        "step_time_s"}`` (and ``"skipped"`` for a skipped step); the same on every rank.
+        "step_time_s", "elapsed_s", "eta_s", "peak_mem_mib", "peak_mem_kind"}``, ``"mfu"``
+        with ``train``'s ``mfu``, ``"val_loss"`` at a validation step, ``"skipped"`` for a
+        skipped step. ``loss``, ``val_loss``, ``lr`` and ``grad_norm`` are the same on every
+        rank; ``tokens_per_s`` (over the last ``rate_window`` steps' own time) and the
+        timings and memory are this rank's (``peak_mem_kind``:
+        :func:`fshard.recipes.metrics.peak_memory`).
       start, end: the steps run are ``start + 1 .. end`` (``start`` > 0 after a resume).
       composed: the :class:`~fshard.recipes.step.ComposedStep` (roles, pipeline, ...).
       probe: the ``fs.plan.StepProbe`` with ``config.profile``, else None.
+      summary: the run's figures (:func:`fshard.recipes.metrics.summarize`: final and best
+        validation loss, mean tokens/s and MFU, peak memory, elapsed time).
     """
 
     params: Any
@@ -131,6 +157,7 @@ class TrainResult:
     end: int
     composed: ComposedStep
     probe: Any = None
+    summary: dict[str, Any] = attrs.field(factory=dict)
 
 
 def _quiet(*_: Any, **__: Any) -> None:
@@ -149,6 +176,9 @@ def train(
     lr_at: Callable[[int], Any] | None = None,
     inject: Injection | None = None,
     say: Callable[..., None] = _quiet,
+    val_batch_at: BatchAt | None = None,
+    logs: Logs | None = None,
+    mfu: MFU | None = None,
 ) -> TrainResult:
     """Trains ``model`` on ``layout`` for ``config.steps`` steps (collective: every rank calls it).
 
@@ -162,7 +192,15 @@ def train(
       meta: a small dict describing the model, saved with checkpoints and compared on resume.
       lr_at: ``step -> learning rate``, for the records (the optimizer counts its own steps).
       inject: a testing aid: make the loss or one gradient non-finite at a step.
-      say: where messages go (rank 0's ``print``; default: nowhere).
+      say: where messages go (rank 0's ``print``; default: nowhere), the summary table too.
+      val_batch_at: ``i -> (inputs, targets)``, held-out batch ``i`` (of ``layout.batch``
+        rows, as ``batch_at``'s); validation every ``config.val_every`` steps and at the
+        end (:func:`fshard.recipes.validate.make_eval_loss`: forward only, or the pipeline's
+        step with its gradients dropped). None: no validation.
+      logs: where the records go as they are made (rank 0's :class:`~fshard.recipes.sinks.Logs`;
+        a flush at the end, the caller closes it with the summary).
+      mfu: the model's FLOPs per token and the peak (:func:`fshard.recipes.metrics.mfu_for`);
+        None: no MFU.
 
     Returns:
       a :class:`TrainResult`.
@@ -170,7 +208,8 @@ def train(
     Raises:
       LayoutError: the layout does not fit the mesh, the model or the batch.
       ConfigError: ``inject`` names no parameter of the model, or the checkpoint being
-        resumed holds another model (each differing field named; the checkpoint is kept).
+        resumed holds another model (each differing field named; the checkpoint is kept),
+        or ``val_batch_at`` is given for a model validation does not run on yet.
       NonFiniteError: a step was not finite and ``config.skip_nonfinite`` is off; the
         message names the step and the first non-finite gradient's parameter path.
       fs.checkpoint.CheckpointError: the checkpoint is incomplete or corrupt.
@@ -183,6 +222,11 @@ def train(
         raise ConfigError(
             f"inject: no parameter {inject.where!r}; parameters are e.g. {', '.join(list(composed.order)[:3])}"
         )
+    eval_loss = None
+    if val_batch_at is not None:  # before anything runs: a model it cannot evaluate is refused
+        from fshard.recipes.validate import make_eval_loss
+
+        eval_loss = make_eval_loss(composed, layout.microbatches)
     params, opt_state = composed.init_state(config.seed)
     start, ck = 0, config.checkpoint
     if _resumes(ck):
@@ -199,13 +243,35 @@ def train(
         step_fn = probe.wrap(step_fn)  # one step's peak memory, profiled
     end = min(config.steps, config.stop_at) if config.stop_at is not None else config.steps
     progress = Progress(start, config.steps, config.progress, config.log_every)
-    loop = _Loop(step_fn, batch_at, config, meta or {}, lr_at, inject, say)
-    params, opt_state, records = loop.run(params, opt_state, range(start, end), composed.roles.mesh.device, progress)
-    progress.close()
+    device = composed.roles.mesh.device
+    loop = _Loop(
+        step_fn,
+        batch_at,
+        config,
+        meta or {},
+        lr_at,
+        inject,
+        say,
+        Meter(config.rate_window, end),
+        mfu,
+        val_batch_at,
+        eval_loss,
+        logs,
+    )
+    if logs is not None:
+        logs.begin(start)
+    try:
+        params, opt_state, records = loop.run(params, opt_state, range(start, end), device, progress)
+    finally:  # what was written reaches the disk, also after an error
+        progress.close()
+        if logs is not None:
+            logs.flush()
     if ck.directory and end > start:
         _save(ck.directory, params, opt_state, end, meta or {})
         say(f"checkpoint: {ck.directory} (step {end})")
-    return TrainResult(params, opt_state, records, start, end, composed, probe)
+    summary = summarize(records, loop.tokens, mfu, device, time.perf_counter() - loop.meter.t0)
+    say(summary_table(summary))
+    return TrainResult(params, opt_state, records, start, end, composed, probe, summary)
 
 
 def _announce(composed: ComposedStep, layout: Layout, config: TrainConfig, say: Callable[..., None]) -> None:
@@ -228,6 +294,12 @@ class _Loop:
     lr_at: Callable[[int], Any] | None
     inject: Injection
     say: Callable[..., None]
+    meter: Meter
+    mfu: MFU | None = None
+    val_batch_at: BatchAt | None = None
+    eval_loss: Callable[[Any, torch.Tensor, torch.Tensor], float] | None = None
+    logs: Logs | None = None
+    tokens: int = 0  # per step: the global batch's tokens
 
     def run(
         self, params: Any, opt_state: Any, steps: range, device: torch.device, progress: Progress
@@ -243,31 +315,59 @@ class _Loop:
             )
             loss_value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)  # waits for the step
             dt = time.perf_counter() - t0
-            records.append(
-                {
-                    "step": step + 1,
-                    "loss": loss_value,
-                    "tokens_per_s": inputs.numel() / dt,
-                    "lr": None if self.lr_at is None else float(self.lr_at(step)),
-                    "grad_norm": grad_norm,
-                    "step_time_s": dt,
-                }
-            )
+            self.tokens = inputs.numel()
+            record = self.record(step + 1, loss_value, grad_norm, dt, device)
+            records.append(record)
             if bad is not None:
                 if not self.config.skip_nonfinite:
+                    self.log(record, progress)  # the failed step's record is in the log too
                     raise NonFiniteError(
                         f"step {step + 1}: {bad}; stopped before the update (skip_nonfinite skips such steps instead)"
                     )
-                records[-1]["skipped"] = str(bad)
+                record["skipped"] = str(bad)
                 self.say(
                     f"step {step + 1}: skipped (skip_nonfinite): {bad}; the parameters and the optimizer "
                     f"state are left as they were"
                 )
-            progress.update(records[-1])
+            if self.eval_loss is not None and self.validates(step + 1, steps.stop):
+                record["val_loss"] = self.validate(params, device)
+            self.log(record, progress)
             if ck.every and (step + 1) % ck.every == 0 and step + 1 < steps.stop:
                 assert ck.directory is not None  # CheckpointConfig's check
                 _save(ck.directory, params, opt_state, step + 1, self.meta, blocking=not ck.background)
         return params, opt_state, records
+
+    def record(self, step: int, loss: float, grad_norm: float, dt: float, device: torch.device) -> dict[str, Any]:
+        timing = self.meter.step(step, self.tokens, dt)
+        r: dict[str, Any] = {
+            "step": step,
+            "loss": loss,
+            "lr": None if self.lr_at is None else float(self.lr_at(step - 1)),
+            "grad_norm": grad_norm,
+            "step_time_s": dt,
+            **timing,
+        }
+        if self.mfu is not None:
+            r["mfu"] = self.mfu.of(timing["tokens_per_s"])
+        r["peak_mem_mib"], r["peak_mem_kind"] = peak_memory(device)
+        return r
+
+    def validates(self, step: int, last: int) -> bool:
+        return step == last or bool(self.config.val_every and step % self.config.val_every == 0)
+
+    def validate(self, params: Any, device: torch.device) -> float:
+        """The mean loss over the held-out batches (collective; no update)."""
+        assert self.eval_loss is not None and self.val_batch_at is not None
+        losses = []
+        for i in range(self.config.val_batches):
+            inputs, targets = self.val_batch_at(i)
+            losses.append(self.eval_loss(params, inputs.to(device), targets.to(device)))
+        return sum(losses) / len(losses)
+
+    def log(self, record: dict[str, Any], progress: Progress) -> None:
+        if self.logs is not None:
+            self.logs.step(record)
+        progress.update(record)
 
 
 def _save(path: str, params: Any, opt_state: Any, step: int, meta: dict[str, Any], *, blocking: bool = True) -> None:
