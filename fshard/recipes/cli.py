@@ -138,6 +138,32 @@ def checkpoint_config(args: argparse.Namespace, hint: str) -> CheckpointConfig:
     )
 
 
+def printer(args: argparse.Namespace) -> Callable[..., None]:
+    """Where a script's messages go: ``print`` on rank 0; with ``--all-ranks`` on every rank,
+    each line prefixed ``[rank R]``; with ``--quiet``, nowhere. Call it after the process
+    group started (``fs.init`` / ``fs.runtime.started``)."""
+    import torch.distributed as dist
+
+    from fshard.runtime.process import is_rank0
+    from fshard.runtime.simulation import active
+
+    if getattr(args, "quiet", False):
+        return _nowhere
+    if getattr(args, "all_ranks", False) and dist.is_initialized() and active() is None:
+        prefix = f"[rank {dist.get_rank()}] "
+
+        def say(*parts: Any, **kw: Any) -> None:
+            text = " ".join(map(str, parts))
+            print("\n".join(prefix + line for line in text.splitlines() or [""]), flush=True, **kw)
+
+        return say
+    return print if is_rank0() else _nowhere
+
+
+def _nowhere(*_: Any, **__: Any) -> None:
+    pass
+
+
 def set_threads(n: int | None) -> int:
     """Sets torch's intra-op threads: ``n``, else ``$OMP_NUM_THREADS``, else 1; returns the number."""
     import torch
@@ -203,32 +229,6 @@ def _checked(p: argparse.ArgumentParser, path: str, key: str, action: argparse.A
 
 
 def config_toml(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
-def printer(args: argparse.Namespace) -> Callable[..., None]:
-    """Where a script's messages go: ``print`` on rank 0; with ``--all-ranks`` on every rank,
-    each line prefixed ``[rank R]``; with ``--quiet``, nowhere. Call it after the process
-    group started (``fs.init`` / ``fs.runtime.started``)."""
-    import torch.distributed as dist
-
-    from fshard.runtime.process import is_rank0
-    from fshard.runtime.simulation import active
-
-    if getattr(args, "quiet", False):
-        return _nowhere
-    if getattr(args, "all_ranks", False) and dist.is_initialized() and active() is None:
-        prefix = f"[rank {dist.get_rank()}] "
-
-        def say(*parts: Any, **kw: Any) -> None:
-            text = " ".join(map(str, parts))
-            print("\n".join(prefix + line for line in text.splitlines() or [""]), flush=True, **kw)
-
-        return say
-    return print if is_rank0() else _nowhere
-
-
-def _nowhere(*_: Any, **__: Any) -> None:
-    pass
-
-
     """The settings of ``args`` as TOML, one table per argument group; unset (None) flags are
     written as comments, since TOML has no null."""
     out = []
