@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    fs.recipes.cli.set_threads(None)  # one intra-op thread per process unless $OMP_NUM_THREADS says otherwise
     fs.init()
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     layout = fs.parallel.Layout.parse(args.mesh or f"fsdp={world}", batch=args.batch_size,

@@ -36,6 +36,7 @@ from fshard.recipes.metrics import MFU, Meter, peak_memory, summarize, summary_t
 from fshard.recipes.model import ModelLike
 from fshard.recipes.progress import Progress
 from fshard.recipes.step import ComposedStep, compose_train_step
+from fshard.runtime.process import is_rank0
 
 if TYPE_CHECKING:  # sinks and validate import this module's ConfigError
     from fshard.recipes.sinks import Logs
@@ -242,7 +243,8 @@ def train(
         probe = StepProbe(warmup=min(2, config.steps // 3))
         step_fn = probe.wrap(step_fn)  # one step's peak memory, profiled
     end = min(config.steps, config.stop_at) if config.stop_at is not None else config.steps
-    progress = Progress(start, config.steps, config.progress, config.log_every)
+    # Rank 0 alone: every rank's records are the same (the loss is global), and N bars fill a log.
+    progress = Progress(start, config.steps, config.progress and is_rank0(), config.log_every)
     device = composed.roles.mesh.device
     loop = _Loop(
         step_fn,

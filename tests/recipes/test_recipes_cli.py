@@ -9,6 +9,7 @@ import torch
 
 import fshard as fs
 from _harness._examples import example
+from fshard.testing import run_on_ranks
 
 cli = fs.recipes.cli
 
@@ -151,3 +152,23 @@ def test_train_lm_help_gives_every_flag_a_text_and_its_default_once(capsys):
         assert rest.strip(), f"{flag}: no help text"
         assert entry.count("(default:") + entry.count("default:") // 2 <= 1, entry
     assert any("--seed SEED" in e and "(default: 0)" in e for e in entries)  # a zero default is still named
+
+
+def _printed(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        example("train_lm").main(argv)
+    return out.getvalue()
+
+
+def test_only_rank_0_prints_unless_all_ranks():
+    argv = [a for a in TINY if a not in ("--quiet", "--mesh", "fsdp=1")] + ["--steps", "2", "--log-every", "1",
+                                                                          "--sample-chars", "5"]
+    rank0, rank1 = run_on_ranks(_printed, argv, world_size=2)
+    assert "step     2/2  loss" in rank0 and "summary" in rank0 and "And God said" in rank0
+    assert rank1 == ""
+    rank0, rank1 = run_on_ranks(_printed, argv + ["--all-ranks"], world_size=2)
+    assert "[rank 0] mesh {'fsdp': 2}" in rank0 and "[rank 1] mesh {'fsdp': 2}" in rank1
+    assert "step     2/2" not in rank1  # the progress lines (the same on every rank) stay rank 0's
