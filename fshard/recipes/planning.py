@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -28,24 +29,43 @@ def machine(name: str | None, world: int, block: TransformerConfig | None = None
 
     ``name`` (``h100``, ``a100`` or a machine file), else this host's machine file, else a
     quick calibration (saved) whose compute efficiency is fitted on ``block``'s sizes.
-    Rank 0 decides and its machine goes to every rank, so all ranks plan alike.
+    Rank 0 decides and its machine goes to every rank, so all ranks plan alike. A machine
+    read from a file, or calibrated now, names the file (and its age) in its last
+    ``sources`` entry, which :func:`auto_layout`'s line repeats.
     """
     from fshard import plan
     from fshard.mesh.mesh import make_mesh
+    from fshard.plan.report import file_note
 
     found = None
     if name:
         found = plan.get_machine(name)
+        if name.lower() not in plan.MACHINES:  # a machine file: where and how old
+            found = _noted(found, file_note(name))
     elif is_rank0():
         path = plan.default_machine_path()
-        found = plan.load_machine(path) if path.exists() else None
+        found = _noted(plan.load_machine(path), file_note(path)) if path.exists() else None
     if world > 1:
         box = [found]
         dist.broadcast_object_list(box, src=0)
         found = box[0]
     if found is None:  # collective: every rank measures at once
         found = plan.calibrate(make_mesh({"ranks": world}), quick=True, block=block)
+        found = _noted(found, f"{_FILE}{plan.default_machine_path()}, calibrated now (none was there)")
     return found
+
+
+_FILE = "machine file "  # report.file_note's opening: the sources entry auto_layout names
+
+
+def _noted(found: Any, note: str) -> Any:
+    return attrs.evolve(found, sources=(*found.sources, note))
+
+
+def _origin(on: Any) -> str:
+    """``", from machine file PATH, written ... (AGE ago)"``, or ``""`` for a shipped machine."""
+    notes = [s for s in on.sources if s.startswith(_FILE)]
+    return f", from {notes[-1]}" if notes else ""
 
 
 def auto_layout(
@@ -70,7 +90,9 @@ def auto_layout(
             f"in {on.memory_bytes / 2**30:.1f} GiB per rank"
         )
     best = found.best
-    return best.layout, f"{best.layout.label()} (best of {found.considered} layouts on {on.name}): {best.explain()}"
+    return best.layout, (
+        f"{best.layout.label()} (best of {found.considered} layouts on {on.name}{_origin(on)}): {best.explain()}"
+    )
 
 
 def predicted_vs_measured(
