@@ -12,11 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import hf_models  # noqa: E402
+from _harness.optional import requires
 
 import fshard as fs
 from fshard.checkpoint import CheckpointError, CheckpointNotFoundError
 from fshard.testing import run_on_ranks
 
+pytestmark = requires("transformers", "safetensors")  # every test here reads or writes an HF checkpoint
 PLANS = {"gpt2": fs.parallel.HF_GPT2_TP_PLAN, "llama": fs.parallel.HF_LLAMA_TP_PLAN}
 
 

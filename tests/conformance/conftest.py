@@ -17,7 +17,11 @@ import os
 from pathlib import Path
 
 import pytest
+from _harness.optional import missing, requires
 
+# Every test here compares with JAX or optax (`pip install -e ".[conformance]"`, in .[test]):
+# without them they skip (tests/integration/test_optional_deps.py reads this tuple).
+REQUIRES = ("jax", "optax")
 PARAM = "conformance_program"
 HERE = Path(__file__).resolve().parent
 _WANTED = pytest.StashKey[list]()
@@ -45,6 +49,10 @@ def _is_conformance(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    if missing(*REQUIRES):
+        for item in items:
+            if _is_conformance(item):
+                item.add_marker(requires(*REQUIRES))
     config.stash[_WANTED] = _wanted(items)
     if os.environ.get("FSHARD_SHUFFLE_SEED", "").strip():
         return  # the shuffled order is the test; leave it
@@ -73,7 +81,7 @@ def pytest_collection_finish(session):
         # first conformance test.
         return
     wanted = _wanted(session.items)  # after -k / -m deselection
-    if not wanted:
+    if not wanted or missing(*REQUIRES):
         return
     session.config.stash[_WANTED] = wanted
     conf = _state(session.config)

@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _harness.optional import requires
 
 import fshard as fs
 import fshard.checkpoint as ckpt
@@ -354,6 +355,7 @@ def _save_hf_full_disk_body(root: str) -> dict:
 
 
 @TIMEOUT
+@requires("safetensors")
 def test_save_hf_failure_on_rank_0_is_raised_on_every_rank_and_its_temp_dir_removed(tmp_path):
     for out in run_on_ranks(_save_hf_full_disk_body, str(tmp_path), world_size=2, timeout_s=60, grace_s=2):
         assert out["error"] and "no space left" in out["error"] and str(tmp_path / "hf") in out["error"]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _harness.optional import requires
 
 from fshard.testing import run_on_ranks
 
@@ -209,6 +210,7 @@ def _hf_fsdp_memory():
             for side in ("per-block", "per-block jit")}
 
 
+@requires("transformers")
 def test_hf_fsdp_memory_jit_side_matches_eager():
     # bench/hf_fsdp_memory.py --compiled: per-block FSDP of the Llama with the whole step
     # (gradient and AdamW update) under fs.jit; its last loss (after an update) is the eager

@@ -38,6 +38,7 @@ import pytest
 
 from _harness._examples import example
 from _harness._procs import run_together
+from _harness.optional import DOC_COMMAND_NEEDS, skip_without
 from fshard.testing import free_port, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -266,6 +267,9 @@ def _state(path: Path) -> tuple[bytes, int, int] | None:
 @pytest.mark.parametrize("doc, kind, step, also", LAUNCHES,
                          ids=[f"{d}: {s}" + "".join(f" (also {d2}: {s2})" for d2, s2 in a) for d, _, s, a in LAUNCHES])
 def test_command_runs(doc, kind, step, also, tmp_path, machine_file):
+    for pattern, packages in DOC_COMMAND_NEEDS.items():  # e.g. the JAX oracle's commands, under .[test-core]
+        if re.search(pattern, step):
+            skip_without(*packages)
     if kind == "variant":  # torchrun --nproc-per-node 4 examples/train_lm.py ARGS: ARGS on the 4-rank pool
         argv = _argv(step)
         n = int(argv[argv.index("--nproc-per-node") + 1])

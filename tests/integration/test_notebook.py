@@ -10,10 +10,12 @@ import pytest
 nbformat = pytest.importorskip("nbformat", reason="pip install fshard[test] (nbformat, nbclient, ipykernel)")
 nbclient = pytest.importorskip("nbclient", reason="pip install fshard[test] (nbformat, nbclient, ipykernel)")
 pytest.importorskip("ipykernel", reason="pip install fshard[test] (nbformat, nbclient, ipykernel)")
+from _harness.optional import requires  # noqa: E402
 from traitlets.config import Config  # noqa: E402  (nbclient's dependency)
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "examples" / "notebook.ipynb"
+pytestmark = requires("transformers")  # the notebook's GPT-2 section
 
 
 @pytest.mark.timeout(300)

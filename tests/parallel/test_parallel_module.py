@@ -16,12 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _harness import hf_models
+from _harness.optional import requires
 
 import fshard as fs
 from fshard import P
 from fshard.testing import run_on_ranks
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+pytestmark = requires("transformers")  # GPT-2 and Llama from tests/_harness/hf_models.py
 STEPS, LR, WD = 2, 1e-2, 0.1  # the second step's AdamW update reads the first one's moments
 PLANS = {"gpt2": fs.parallel.HF_GPT2_TP_PLAN, "llama": fs.parallel.HF_LLAMA_TP_PLAN}
 

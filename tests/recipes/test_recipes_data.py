@@ -177,6 +177,7 @@ def test_a_tokenizer_json_and_a_transformers_directory_tokenize_text(tmp_path):
     assert corpus.vocab_size == tok.get_vocab_size() and corpus.n_tokens() + corpus.n_tokens("val") < len(text) / 2
     assert corpus.decode(np.concatenate(corpus.train + corpus.val).tolist()) == text
     assert corpus.decode(corpus.encode("the word")) == "the word"
+    pytest.importorskip("transformers")
     from transformers import PreTrainedTokenizerFast
 
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(tmp_path / "hf"))  # AutoTokenizer's

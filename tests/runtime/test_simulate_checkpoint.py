@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from _harness import hf_models
+from _harness.optional import requires
 
 import fshard as fs
 from fshard import P
@@ -104,6 +105,7 @@ def _hf(n, native, out):
     return _blocks(fsdp), _blocks(fs.checkpoint.load_hf(out, like=tp)), sorted(os.listdir(out))
 
 
+@requires("transformers")
 @pytest.mark.parametrize("n", [2, 4])
 def test_hf_safetensors_in_and_out_equal_the_real_ranks(n, tmp_path):
     native = str(tmp_path / "native")

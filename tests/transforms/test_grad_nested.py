@@ -23,6 +23,7 @@ import grad_nested_programs as progs
 import numpy as np
 import pytest
 import torch
+from _harness.optional import skip_without
 from torch.distributed.tensor import DTensor
 
 import fshard as fs
@@ -119,6 +120,7 @@ def jax_results(request, _jax_run) -> dict[str, np.ndarray | str]:
 @pytest.fixture(scope="module")
 def _jax_run(request):
     """Starts the JAX run unless cached: ``(cache path, process or None, its output path)``."""
+    skip_without("jax")  # the tests that compare with JAX; the others need none
     # No cache provider (tools/mutations.py runs pytest with -p no:cacheprovider): a throwaway dir.
     store = request.config.cache.mkdir("fshard-grad-nested") if hasattr(request.config, "cache") else \
         Path(tempfile.mkdtemp(prefix="fshard-grad-nested-"))
