@@ -1,12 +1,20 @@
 """Train a Hugging Face model (GPT-2 or Llama) with fshard on any mesh; save it in HF format.
 
 Bring your own ``nn.Module``: the model is ``transformers``' own class, built from a small
-random config (no hub access needed), trained as a pure function of its parameters::
+random config (no hub access needed), or from a local Hugging Face checkpoint directory
+(``--pretrained DIR``: ``config.json`` and safetensors, e.g. what ``save_pretrained``
+wrote), trained as a pure function of its parameters::
 
     python examples/finetune_hf.py --model gpt2                             # one process
     torchrun --nproc-per-node 4 examples/finetune_hf.py --model llama --mesh fsdp=4
     torchrun --nproc-per-node 4 examples/finetune_hf.py --model gpt2 --mesh dp=2,fsdp=2
     torchrun --nproc-per-node 4 examples/finetune_hf.py --model llama --mesh fsdp=2,tp=2
+    torchrun --nproc-per-node 2 examples/finetune_hf.py --pretrained my-gpt2/ --mesh fsdp=2
+
+With ``--pretrained``, the architecture is the directory's ``config.json`` (``model_type``
+``gpt2`` or ``llama``; ``--dim``, ``--layers`` and ``--heads`` do not apply), and
+``fs.checkpoint.load_hf`` reads the weights straight into the mesh's shards: each rank
+reads only the slices it holds, on any mesh.
 
 What runs: ``fs.recipes.ModuleModel`` and ``build_train_step`` on an ``fs.parallel.Layout``.
 The recipe functionalizes the module (``fs.nn.functionalize``: ``apply`` and a parameter
@@ -44,7 +52,11 @@ BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers"}
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=sorted(BLOCKS), default="gpt2")
+    p.add_argument("--model", choices=sorted(BLOCKS), default=None,
+                   help="a small random model of this kind; left out: gpt2, or with --pretrained the checkpoint's")
+    p.add_argument("--pretrained", default=None, metavar="DIR",
+                   help="a local HF checkpoint directory (config.json + *.safetensors) to start from, read "
+                        "with fs.checkpoint.load_hf onto the mesh instead of a random init")
     p.add_argument("--mesh", default=None, help="axis=size,... over all ranks, axes dp, fsdp, tp "
                                                 "(default: every rank on fsdp)")
     p.add_argument("--steps", type=int, default=60)
@@ -78,9 +90,49 @@ def parse_mesh(text: str | None, world: int) -> dict[str, int]:
     return {a: sizes[a] for a in AXES if a in sizes}
 
 
-def build_model(args: argparse.Namespace, dtype: torch.dtype):
-    """A small random ``transformers`` causal LM over bytes (same values on every rank)."""
+def pretrained_config(args: argparse.Namespace) -> Any:
+    """``--pretrained``'s ``config.json``, checked against what this script trains: sets ``args.model``.
+
+    Raises:
+      SystemExit: no ``config.json``, a ``model_type`` other than gpt2 or llama, a ``--model``
+        that is not the checkpoint's, fewer than 256 tokens (the bytes), or fewer positions
+        than ``--seq-len``.
+    """
+    from transformers import AutoConfig
+
+    path = Path(args.pretrained)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--pretrained {args.pretrained}: no config.json there; pass the directory that "
+                         "save_pretrained (or save_hf with config=) wrote.")
+    cfg = AutoConfig.from_pretrained(path)
+    if cfg.model_type not in BLOCKS:
+        raise SystemExit(f"--pretrained {args.pretrained}: model_type {cfg.model_type!r}; this script trains "
+                         f"{' and '.join(sorted(BLOCKS))} (their blocks and TP plans).")
+    if args.model not in (None, cfg.model_type):
+        raise SystemExit(f"--model {args.model} but --pretrained {args.pretrained} is a {cfg.model_type} "
+                         f"checkpoint: leave --model out with --pretrained, or pass --model {cfg.model_type}.")
+    if cfg.vocab_size < 256:
+        raise SystemExit(f"--pretrained {args.pretrained}: vocab_size {cfg.vocab_size}, but the tokens are "
+                         "bytes (0-255): the model needs at least 256.")
+    if _positions(cfg) < args.seq_len:
+        raise SystemExit(f"--seq-len {args.seq_len} is longer than --pretrained {args.pretrained}'s "
+                         f"{_positions(cfg)} positions: pass --seq-len {_positions(cfg)} or less.")
+    args.model = cfg.model_type
+    return cfg
+
+
+def _positions(cfg: Any) -> int:
+    return cfg.n_positions if cfg.model_type == "gpt2" else cfg.max_position_embeddings
+
+
+def build_model(args: argparse.Namespace, dtype: torch.dtype, config: Any = None):
+    """A small random ``transformers`` causal LM over bytes (same values on every rank), or
+    ``config``'s architecture (``--pretrained``'s; its values are loaded afterwards)."""
     torch.manual_seed(args.seed)
+    if config is not None:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(config).to(dtype)
     positions = max(256, args.seq_len)  # room for the prompt and the sample
     if args.model == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -113,6 +165,8 @@ def batch(data: torch.Tensor, step: int, args: argparse.Namespace) -> tuple[torc
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    config = pretrained_config(args) if args.pretrained else None  # sets --model
+    args.model = args.model or "gpt2"
     fs.init()
     world = dist.get_world_size() if dist.is_initialized() else 1
     shape = parse_mesh(args.mesh, world)
@@ -121,13 +175,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     dtype = DTYPES[args.dtype]
     data = torch.frombuffer(bytearray(DATA.read_bytes()), dtype=torch.uint8).long()
 
-    model = build_model(args, dtype)
+    model = build_model(args, dtype, config)
     plan = fs.parallel.HF_GPT2_TP_PLAN if args.model == "gpt2" else fs.parallel.HF_LLAMA_TP_PLAN
     recipe = fs.recipes.ModuleModel(model, lm_loss, blocks=BLOCKS[args.model], tp_plan=plan, name=args.model)
     layout = fs.parallel.Layout(shape, batch=args.batch_size, dtype=args.dtype)
-    init_state, step = fs.recipes.build_train_step(recipe, layout, fs.optim.adamw(args.lr, weight_decay=0.01),
-                                                   mesh=mesh)
+    optimizer = fs.optim.adamw(args.lr, weight_decay=0.01)
+    init_state, step = fs.recipes.build_train_step(recipe, layout, optimizer, mesh=mesh)
     sharded, state = init_state(args.seed)  # the module's values, as shards
+    if args.pretrained:  # the checkpoint's values into those shards: each rank reads its slices
+        sharded = fs.checkpoint.load_hf(args.pretrained, like=sharded)
+        state = optimizer.init(sharded)
+        if rank0 and not args.quiet:
+            n = sum(x.numel() for x in fs.tree.leaves(sharded))
+            print(f"loaded {args.pretrained} ({args.model}, {n:,} parameters) onto mesh {shape}", flush=True)
     records = []
     for s in range(1, args.steps + 1):
         tokens, targets = batch(data, s, args)
@@ -150,9 +210,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         with torch.no_grad():
             result["reload_max_diff"] = (reloaded(tokens).logits - model(tokens).logits).abs().max().item()
             prompt = torch.tensor([list(args.prompt.encode())])
+            room = _positions(model.config) - prompt.shape[1]
             ids = reloaded.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                    max_new_tokens=min(args.sample_tokens, 256 - prompt.shape[1]), pad_token_id=0)
-        result["sample"] = bytes(ids[0].tolist()).decode("utf-8", errors="replace")
+                                    max_new_tokens=min(args.sample_tokens, room), pad_token_id=0)
+        # A pretrained vocabulary is larger than the bytes: its other tokens print as U+FFFD.
+        text = b"".join(bytes([i]) if i < 256 else b"\xff" for i in ids[0].tolist())
+        result["sample"] = text.decode("utf-8", errors="replace")
         if not args.quiet:
             print(f"saved {out}; reloaded with transformers (max logit difference "
                   f"{result['reload_max_diff']:.1e}); greedy sample:\n{result['sample']}")
