@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     say(f"mesh {dict(mesh.shape)} on {world} rank(s), {args.dtype}; {n_params:,} parameters; "
         f"{corpus.describe()}")
     result = train(fs.recipes.transformer(cfg), layout, make_optimizer(args),
-                lambda step: corpus.batch(step, args.batch_size, args.seq_len, args.seed), config,
+                fs.recipes.data.batches_from_args(corpus, args, layout, mesh), config,
                 mesh=mesh, meta=attrs.asdict(cfg), lr_at=lr_schedule(args), inject=args.inject_nonfinite, say=say)
     records = result.records
     if result.probe is not None and records and not args.simulate:  # the prediction next to the measurement

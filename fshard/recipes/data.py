@@ -21,11 +21,17 @@ import json
 import os
 import pickle
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import attrs
 import numpy as np
 import torch
+
+from fshard.mesh.mesh import Mesh
+from fshard.mesh.sharding import make_dtensor
+from fshard.mesh.spec import PartitionSpec
+from fshard.parallel.layout import Layout
+from fshard.recipes.roles import Roles
 
 __all__ = [
     "ByteTokenizer",
@@ -36,10 +42,13 @@ __all__ = [
     "HFTokenizer",
     "Tokenizer",
     "add_flags",
+    "batches_from_args",
     "from_args",
     "load_corpus",
     "load_tokenizer",
     "padded_vocab",
+    "rank_batches",
+    "rank_rows",
 ]
 
 DEFAULT_VAL_FRACTION = 0.1  # with --val-every and no --val-fraction
@@ -294,6 +303,41 @@ class CharCorpus(Corpus):
         return torch.from_numpy(np.concatenate(self.train + self.val).astype(np.int64))
 
 
+def rank_rows(batch_size: int, microbatches: int, n_data: int, data_index: int) -> list[int]:
+    """The rows of the global batch that data rank ``data_index`` of ``n_data`` computes on,
+    in the order the eager step takes them: microbatch by microbatch (the step cuts the
+    global batch into ``microbatches`` slices, and each slice over the data ranks)."""
+    per_mb = batch_size // microbatches
+    b = per_mb // n_data
+    return [k * per_mb + data_index * b + j for k in range(microbatches) for j in range(b)]
+
+
+def rank_batches(
+    corpus: Corpus, batch_size: int, seq_len: int, seed: int, mesh: Mesh, data_axes: Sequence[str], microbatches: int
+) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """``step -> (inputs, targets)``: this rank's rows of the global batch of ``step`` only, as
+    DTensors of the global shape laid out ``P(data_axes)``, for the eager step
+    (``fs.recipes.step.make_train_step``).
+
+    The step's ``shard_map`` takes a DTensor in its spec's layout as it is, so each rank
+    computes on exactly the rows it would have cut from the global batch, and the losses
+    are those of the global batch, bit for bit. With ``microbatches > 1`` a rank's block
+    holds its rows of microbatch 0, then 1, ...: the step cuts it locally
+    (``fs.recipes.step.split_rows``); its global view is then the batch's rows in another
+    order. Ranks that share rows (tp, pp) read the same ones.
+    """
+    axes = tuple(data_axes)
+    n_data = mesh.axis_size(axes) if axes else 1
+    rows = rank_rows(batch_size, microbatches, n_data, mesh.axis_index(axes) if axes else 0)
+    spec = PartitionSpec(axes) if axes else PartitionSpec()
+
+    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = corpus.batch(step, batch_size, seq_len, seed, rows=rows)
+        return make_dtensor(x, spec, mesh, (batch_size, seq_len)), make_dtensor(y, spec, mesh, (batch_size, seq_len))
+
+    return batch_at
+
+
 def padded_vocab(n_chars: int, multiple: int = 64) -> int:
     """The model's vocabulary: the data's, rounded up to a multiple of 64.
 
@@ -508,6 +552,19 @@ def add_flags(p: argparse.ArgumentParser, default: str | os.PathLike) -> None:
         metavar="N",
         help="the token shards' vocabulary (default: meta.json, nanoGPT's meta.pkl, or --tokenizer's)",
     )
+
+
+def batches_from_args(
+    corpus: Corpus, args: argparse.Namespace, layout: Layout, mesh: Mesh
+) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """The train batches of ``step`` for a training script: each rank's own rows
+    (:func:`rank_batches`) for the eager step without a pipeline; else, the global batch on
+    every rank (a pipeline, ``fs.pipeline_step``, cuts it itself; ``--jit`` traces the
+    global batch; ``--simulate`` runs every rank in one program)."""
+    if getattr(args, "simulate", None) or getattr(args, "jit", None) or "pp" in mesh.axis_names:
+        return lambda step: corpus.batch(step, args.batch_size, args.seq_len, args.seed)
+    data_axes = Roles.of(layout, mesh).data_axes
+    return rank_batches(corpus, args.batch_size, args.seq_len, args.seed, mesh, data_axes, layout.microbatches)
 
 
 def from_args(args: argparse.Namespace) -> Corpus:

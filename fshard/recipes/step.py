@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import attrs
 import torch
+from torch.distributed.tensor import DTensor
 
 from fshard import tree as tree_util
 from fshard.jit import jit
@@ -56,6 +57,7 @@ __all__ = [
     "make_train_step",
     "microbatch_grads",
     "param_order",
+    "split_rows",
     "step_from_grads",
     "per_device_loss",
 ]
@@ -211,12 +213,31 @@ def microbatch_grads(
     """
     acc = GradAccumulator() if microbatches > 1 else None
     losses = []
-    for k, (tok, tgt) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
+    for k, (tok, tgt) in enumerate(zip(split_rows(tokens, microbatches), split_rows(targets, microbatches))):
         loss, grads = grad_fn(params, tok, tgt, acc, k == microbatches - 1)
         losses.append(loss)
     if microbatches > 1:  # the last call's gradients are the sum over the microbatches
         grads = tree_util.tree_map(lambda g: g / microbatches, grads)
     return sum(losses) / microbatches, grads
+
+
+def split_rows(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``x`` cut into ``n`` equal slices of dim 0, one per microbatch.
+
+    A DTensor batch holds each rank's own rows (``fs.recipes.data.rank_batches``: microbatch
+    ``k``'s rows of this rank are the ``k``-th slice of its block) and is cut locally, so no
+    rank gathers the batch; ``Tensor.chunk`` on it would all-gather it first.
+    """
+    if n == 1:
+        return [x]
+    if not isinstance(x, DTensor):
+        return list(x.chunk(n))
+    shape = torch.Size((x.shape[0] // n, *x.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    return [
+        DTensor.from_local(c, x.device_mesh, x.placements, run_check=False, shape=shape, stride=stride)
+        for c in x.to_local().chunk(n)
+    ]
 
 
 def step_from_grads(

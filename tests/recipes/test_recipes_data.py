@@ -17,10 +17,20 @@ import torch
 from _harness._examples import example
 
 import fshard as fs
-from fshard.recipes.data import CharCorpus, DataError, from_args, load_corpus, load_tokenizer, padded_vocab
+from fshard.recipes.data import (
+    CharCorpus,
+    DataError,
+    from_args,
+    load_corpus,
+    load_tokenizer,
+    padded_vocab,
+    rank_batches,
+    rank_rows,
+)
 from fshard.testing import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "examples" / "data" / "kjv_shakespeare.txt"
 TINY = [
     "--steps",
     "3",
@@ -154,6 +164,47 @@ def test_batches_are_mesh_independent_and_a_rank_builds_only_its_rows(tmp_path):
     assert not torch.equal(corpus.batch(7, 8, 16, 2, "val")[0] - 4500, corpus.batch(7, 8, 16, 2)[0])
     with pytest.raises(DataError, match="split 'test': give one of train, val"):
         corpus.batch(0, 1, 4, 0, split="test")
+
+
+def test_rank_rows_split_each_microbatch_over_the_data_ranks():
+    assert rank_rows(8, 1, 2, 1) == [4, 5, 6, 7]
+    assert rank_rows(8, 2, 2, 0) == [0, 1, 4, 5] and rank_rows(8, 2, 2, 1) == [2, 3, 6, 7]
+    assert sorted(sum((rank_rows(12, 3, 2, r) for r in range(2)), [])) == list(range(12))
+
+
+def _local_and_global_runs(mesh_text: str, microbatches: int):
+    """One tiny Transformer run fed the global batch on every rank, one fed each rank's rows
+    (rank_batches); the losses of both, and the rows this rank's loader was asked for."""
+    corpus = CharCorpus.load(DATA)
+    cfg = fs.models.TransformerConfig(
+        vocab_size=padded_vocab(corpus.vocab_size), dim=16, n_layers=2, n_heads=4, max_seq_len=16
+    )
+    layout = fs.parallel.Layout.parse(mesh_text, batch=8, microbatches=microbatches, dtype="float64")
+    mesh = layout.mesh()
+    config = fs.recipes.TrainConfig(3, max_norm=1.0, progress=False)
+    asked = []
+
+    class Recording:  # the corpus, noting the rows each call asks for
+        def batch(self, *args, **kw):
+            asked.append(list(kw["rows"]))
+            return corpus.batch(*args, **kw)
+
+    def losses(batch_at):
+        run = fs.recipes.train(fs.recipes.transformer(cfg), layout, fs.optim.adamw(1e-2), batch_at, config, mesh=mesh)
+        return [r["loss"] for r in run.records]
+
+    data_axes = fs.recipes.Roles.of(layout, mesh).data_axes
+    local = losses(rank_batches(Recording(), 8, 16, 0, mesh, data_axes, microbatches))
+    return losses(lambda step: corpus.batch(step, 8, 16, 0)), local, asked, mesh.axis_index(data_axes)
+
+
+@pytest.mark.parametrize(("mesh", "microbatches"), [("dp=2", 1), ("fsdp=2", 1), ("fsdp=2", 2)])
+def test_each_rank_reads_only_its_rows_and_the_losses_are_the_global_batchs(mesh, microbatches):
+    for global_losses, local_losses, asked, rank in run_on_ranks(
+        _local_and_global_runs, mesh, microbatches, world_size=2
+    ):
+        assert local_losses == global_losses  # bit for bit: each rank computes on the same rows
+        assert asked == [rank_rows(8, microbatches, 2, rank)] * 3 and len(asked[0]) == 4
 
 
 def _bpe(path, text):
