@@ -199,7 +199,9 @@ def pipeline_step(
             "would be the trace's fake tensors). Inside fs.jit pass return_stats=False and "
             "time the jitted call; for per-microbatch losses or timings, run an eager step."
         )
-    config = _fsdp_config(fsdp, mesh, axis, data)
+    step = _Step(
+        stage_fn, loss_fn, stage_params, batch, schedule, mesh, axis, data, _fsdp_config(fsdp, mesh, axis, data), name
+    )
     if simulation.active() is not None:
         if return_stats:
             raise ValueError(
@@ -207,11 +209,9 @@ def pipeline_step(
                 f"wall-clock timings, and simulated ranks share one process and take turns; pass "
                 f"return_stats=False, or run on real ranks (fs.run_local / torchrun) to time a step."
             )
-        return _simulated_step(stage_fn, loss_fn, stage_params, batch, schedule, mesh, axis, data, config, name)
+        return _simulated_step(step)
     rank = mesh.axis_index(axis)
-    executor, prepared, originals, held = _run_rank(
-        stage_fn, loss_fn, stage_params, batch, schedule, mesh, axis, data, config, name, rank
-    )
+    executor, prepared, originals, held = _run_rank(step, rank)
     loss = _share_loss(*_loss_buffer(executor, prepared, mesh), prepared, mesh, axis, data)
     grads = _grads_out(stage_params, originals, held, executor)
     if not return_stats:
@@ -232,18 +232,24 @@ def pipeline_step(
     return loss, grads, stats
 
 
-def _simulated_step(
-    stage_fn: Callable[[Any, Any, int], Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    stage_params: Sequence[Any],
-    batch: tuple[Any, Any],
-    schedule: Schedule,
-    mesh: Mesh,
-    axis: str,
-    data: tuple[str, ...],
-    config: StageFSDP | None,
-    name: str,
-) -> tuple[torch.Tensor, list[Any]]:
+@attrs.frozen
+class _Step:
+    """One call's checked arguments, as :func:`_run_rank` takes them (``name``: the
+    schedule as errors name it; ``config``: the stage-level FSDP, if any)."""
+
+    stage_fn: Callable[[Any, Any, int], Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    stage_params: Sequence[Any]
+    batch: tuple[Any, Any]
+    schedule: Schedule
+    mesh: Mesh
+    axis: str
+    data: tuple[str, ...]
+    config: StageFSDP | None
+    name: str
+
+
+def _simulated_step(step: _Step) -> tuple[torch.Tensor, list[Any]]:
     """The step under ``fs.simulate``: each pipeline coordinate's part as one program over
     its simulated ranks (:mod:`fshard.sched.simulated`), then the loss shared by all.
 
@@ -252,54 +258,33 @@ def _simulated_step(
     blocks on the ranks of its coordinate only.
     """
     world = simulation.world_size() or 1
-    groups, peer = simulated.pp_groups(mesh, axis, world)
+    groups, peer = simulated.pp_groups(step.mesh, step.axis, world)
     transport = simulated.Transport(peer)
 
     def program(p: int) -> tuple[Any, ...]:
         ranks = groups[p]
-        view = simulated.restricted_mesh(mesh, ranks)
-        params = simulated.restrict(list(stage_params), ranks)
-        executor, prepared, originals, held = _run_rank(
-            stage_fn,
-            loss_fn,
-            params,
-            simulated.restrict(batch, ranks),
-            schedule,
-            view,
-            axis,
-            data,
-            config,
-            name,
-            p,
-            transport,
-        )
+        view = simulated.restricted_mesh(step.mesh, ranks)
+        params = simulated.restrict(list(step.stage_params), ranks)
+        mine = attrs.evolve(step, stage_params=params, batch=simulated.restrict(step.batch, ranks), mesh=view)
+        executor, prepared, originals, held = _run_rank(mine, p, transport)
         buf, code = _loss_buffer(executor, prepared, view)
         return prepared, buf, _grads_out(params, originals, held, executor)
 
     results = simulated.run_per_coordinate(groups, transport, program)
     prepared = results[0][0]
     buf = simulated.join_blocks([(groups[p], r[1]) for p, r in enumerate(results)])
-    loss = _share_loss(buf, 1, prepared, mesh, axis, data)
-    grads = [results[prepared.rank_of(s)][2][s] for s in range(schedule.n_stages)]
+    loss = _share_loss(buf, 1, prepared, step.mesh, step.axis, step.data)
+    grads = [results[prepared.rank_of(s)][2][s] for s in range(step.schedule.n_stages)]
     return loss, grads
 
 
 def _run_rank(
-    stage_fn: Callable[[Any, Any, int], Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    stage_params: Sequence[Any],
-    batch: tuple[Any, Any],
-    schedule: Schedule,
-    mesh: Mesh,
-    axis: str,
-    data: tuple[str, ...],
-    config: StageFSDP | None,
-    name: str,
-    rank: int,
-    transport: Any = None,
+    step: _Step, rank: int, transport: Any = None
 ) -> tuple[Executor, Schedule, dict[int, list[Any]], dict[int, tuple[list[Any], Any]]]:
     """Pipeline rank ``rank``'s part of the step: its executor run (with the stage-level
     FSDP and the data-parallel gradient sums); returns ``(executor, prepared, originals, held)``."""
+    stage_fn, loss_fn, stage_params, batch = step.stage_fn, step.loss_fn, step.stage_params, step.batch
+    schedule, mesh, axis, data, config, name = step.schedule, step.mesh, step.axis, step.data, step.config, step.name
     n_data = mesh.axis_size(data) if data else 1
     originals, held = _local_params(stage_params, schedule, rank, name)
     reduce = (
