@@ -180,13 +180,7 @@ def local_block_diff(dist: Any, ref: Any, specs: Any, mesh: Any, *, uneven: bool
 
 def assert_close(actual: Any, expected: Any, *, rtol: float = 1.3e-6, atol: float = 1e-5, what: str = "value") -> None:
     """``torch.testing.assert_close`` over pytrees, naming the first differing path."""
-    from fshard import tree as tree_util
-
-    a_paths, a_leaves, a_def = tree_util.zip_with_path(actual)
-    e_paths, e_leaves, e_def = tree_util.zip_with_path(expected)
-    if a_def != e_def:
-        raise AssertionError(f"{what}: structures differ:\n  actual   {a_def}\n  expected {e_def}")
-    for path, a, e in zip(a_paths, a_leaves, e_leaves):
+    for path, a, e in _paired_leaves(actual, expected, what):
         if isinstance(a, torch.Tensor) or isinstance(e, torch.Tensor):
             torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m, p=path: f"{what} at '{p}': {m}")
         elif isinstance(a, float) and isinstance(e, float):
@@ -196,6 +190,18 @@ def assert_close(actual: Any, expected: Any, *, rtol: float = 1.3e-6, atol: floa
             raise AssertionError(f"{what} at '{path}': {a!r} != {e!r}")
 
 
+def _paired_leaves(actual: Any, expected: Any, what: str) -> list[tuple[str, Any, Any]]:
+    """``(path, actual leaf, expected leaf)`` for two pytrees of one structure, else an
+    AssertionError showing both structures."""
+    from fshard import tree as tree_util
+
+    a_paths, a_leaves, a_def = tree_util.zip_with_path(actual)
+    _, e_leaves, e_def = tree_util.zip_with_path(expected)
+    if a_def != e_def:
+        raise AssertionError(f"{what}: structures differ:\n  actual   {a_def}\n  expected {e_def}")
+    return list(zip(a_paths, a_leaves, e_leaves))
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
@@ -203,13 +209,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def assert_bitwise_equal(actual: Any, expected: Any, *, what: str = "value") -> None:
     """Every leaf equal bit for bit (tensors: same dtype, shape and bits, NaNs equal; floats:
     equal or both NaN), naming the first differing path: a simulated run against a real one."""
-    from fshard import tree as tree_util
-
-    a_paths, a_leaves, a_def = tree_util.zip_with_path(actual)
-    _, e_leaves, e_def = tree_util.zip_with_path(expected)
-    if a_def != e_def:
-        raise AssertionError(f"{what}: structures differ:\n  actual   {a_def}\n  expected {e_def}")
-    for path, a, e in zip(a_paths, a_leaves, e_leaves):
+    for path, a, e in _paired_leaves(actual, expected, what):
         if isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor):
             if not (a.dtype == e.dtype and a.shape == e.shape and torch.equal(_bits(a), _bits(e))):
                 diff = (a.double() - e.double()).abs().max().item() if a.shape == e.shape and a.numel() else None
