@@ -117,7 +117,10 @@ def shard(tree: Any, specs: Any, mesh: Mesh | None = None, *, uneven: bool = Fal
         values,
         flat_specs,
         mesh,
-        "Fix the spec, or pad the dim to a multiple of the axis size.",
+        "Fix the spec."
+        if uneven
+        else "Fix the spec, pad the dim to a multiple of the axis size, or pass uneven=True to cut it "
+        'like torch.chunk (FSDP parameters: docs/concepts.md, "Uneven shards").',
         uneven,
     )
     out = []
