@@ -16,6 +16,8 @@ fsdp (shard) and tp (tensor parallel), any product equal to the number of ranks:
 
 ``--jit`` compiles the whole step (forward, backward, clipping, AdamW, collectives) with
 ``fs.jit``: ``--mesh fsdp=2 --jit`` (Inductor), ``--jit aot_eager`` (no code generation).
+``--data`` reads a text file, uint16 token shards (nanoGPT's train.bin/val.bin) or a saved
+``datasets`` dataset, ``--tokenizer`` a local Hugging Face tokenizer (docs/data.md).
 
 The parameters are a pytree of DTensors laid out by specs ``P(...)`` on a named mesh. The
 step and the loop are the library's (``fs.recipes.train`` over ``fs.recipes.transformer``;
