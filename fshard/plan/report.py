@@ -159,14 +159,13 @@ def wrap(text: str, width: int | None = WIDTH) -> str:
     )
 
 
-def _plain(columns: Sequence[str], body: list[list[str]], title: str, width: int | None) -> list[str]:
+def _plain(columns: Sequence[str], body: list[list[str]], width: int | None) -> list[str]:
     lay = columns.index("layout")
     widths = [max(len(c), *(len(r[i]) for r in body)) if body else len(c) for i, c in enumerate(columns)]
     if width is not None:  # the layout column takes what the others leave, and wraps
         rest = sum(w for i, w in enumerate(widths) if i != lay) + 2 * (len(columns) - 1)
         widths[lay] = min(widths[lay], max(_MIN_LAYOUT, width - rest))
-    lines = [wrap(title, width)] if title else []
-    lines.append("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     for r in body:
         parts = textwrap.wrap(r[lay], widths[lay], break_on_hyphens=False) or [""]
@@ -177,14 +176,14 @@ def _plain(columns: Sequence[str], body: list[list[str]], title: str, width: int
     return lines
 
 
-def _rich(columns: Sequence[str], body: list[list[str]], title: str, width: int | None) -> list[str] | None:
+def _rich(columns: Sequence[str], body: list[list[str]], width: int | None) -> list[str] | None:
     try:
         from rich import box
         from rich.console import Console
         from rich.table import Table
     except ImportError:
         return None
-    table = Table(title=title or None, box=box.SIMPLE_HEAD)
+    table = Table(box=box.SIMPLE_HEAD)
     for c in columns:
         table.add_column(c, justify="left" if c == "layout" else "right", no_wrap=c != "layout")
     for r in body:
@@ -222,9 +221,10 @@ def render(
     width = None if wide else width
     columns = COLUMNS if wide else SHORT_COLUMNS
     body = rows(estimates, wide=wide)
-    lines = None if plain else _rich(columns, body, title, width)
-    if lines is None:
-        lines = _plain(columns, body, title, width)
+    table = None if plain else _rich(columns, body, width)
+    if table is None:
+        table = _plain(columns, body, width)
+    lines = [wrap(title, width), *table] if title else table  # the title on 100 columns, not the table's
     if not wide and body:
         lines.append(wrap(LEGEND, width))
     for k, e in enumerate(estimates, 1):
