@@ -51,6 +51,7 @@ import fshard as fs  # noqa: E402
 import fshard.plan as plan  # noqa: E402
 from fshard.plan.comm import p2p_counts  # noqa: E402
 from fshard.plan.estimate import pipeline_transfer, simulate_pipeline  # noqa: E402
+from fshard.recipes.sinks import read_log  # noqa: E402
 
 MODEL = ["--dim", "256", "--layers", "4", "--heads", "4", "--seq-len", "128", "--batch-size", "16"]
 
@@ -220,8 +221,8 @@ def main() -> None:
                                     "--log-json", str(log), "--machine", str(machine_path)]
             t0 = time.time()
             out = fs.run_local(_run, argv, world_size=4, timeout_s=1800)
-            records = json.loads(log.read_text())
-            last = records[-1]
+            records = read_log(log)  # the step records (JSON lines)
+            last = read_log(log, "summary")[-1]  # with the prediction
             # The spread of the step times the median is taken over (warm-up and profiled step out):
             # on a shared machine this is the noise the prediction is judged against.
             warm = min(2, args.steps // 3)
@@ -268,7 +269,7 @@ def memory_only(layouts: list[tuple[str, list[str]]], steps: int, out: str | Non
         argv = MODEL + flags + ["--steps", str(steps), "--quiet", "--sample-chars", "0",
                                 "--log-json", str(log), "--machine", str(machine_path)]
         fs.run_local(_run, argv, world_size=4, timeout_s=1800)
-        last = json.loads(log.read_text())[-1]
+        last = read_log(log, "summary")[-1]
         row = {"layout": name, "predicted_peak_mib": last["predicted_peak_mib"],
                "measured_peak_mib": last["measured_peak_mib"],
                "memory_measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -43,8 +43,9 @@ from fshard.models import TransformerConfig, generate, transformer_init
 from fshard.parallel.layout import Layout, LayoutError
 from fshard.recipes import Injection, planning
 from fshard.recipes.data import CharCorpus, Corpus, padded_vocab  # noqa: F401 (CharCorpus: callers use train_lm.CharCorpus)
+from fshard.recipes.metrics import mfu_for
 from fshard.recipes.pipeline import gather_full
-from fshard.recipes.progress import write_log
+from fshard.recipes.sinks import Logs
 from fshard.recipes.trainer import ConfigError, TrainConfig, train
 from fshard.sched.registry import resolve_name
 
@@ -105,11 +106,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     model.add_argument("--heads", type=int, default=4, help="attention heads (with tp: a multiple of tp)")
     fs.recipes.data.add_flags(p, DATA)  # --data, --tokenizer, --val-fraction, --vocab-size
     io = p.add_argument_group("input and output")
-    io.add_argument("--log-json", default=None, metavar="PATH", help="write the per-step records as a JSON list")
-    io.add_argument("--log-every", type=int, default=25, help="print a line every N steps without tqdm")
     io.add_argument("--sample-chars", type=int, default=300, help="characters to generate at the end (0: none)")
     io.add_argument("--prompt", default="And God said", help="start of the generated sample")
-    io.add_argument("--quiet", action="store_true", help="no progress output and no sample")
     p.add_argument_group("testing aids").add_argument(
         "--inject-nonfinite", default=None, metavar="STEP[:WHERE[:VALUE]]", help="at STEP, make the loss (WHERE="
         "loss) or the gradient of parameter WHERE (e.g. layers.1.feed_forward.w2.weight) nan or inf (VALUE)")
@@ -186,8 +184,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     ck = fs.recipes.cli.checkpoint_config(args, hint)
     return TrainConfig(args.steps, seed=args.seed, max_norm=args.grad_clip, jit_backend=args.jit,
                        skip_nonfinite=args.skip_nonfinite, stop_at=args.stop_at, checkpoint=ck,
-                       log_every=args.log_every, progress=not args.quiet,
-                       profile=bool(args.log_json or args.mesh == "auto"))
+                       log_every=args.log_every, progress=not args.quiet, val_every=args.val_every,
+                       val_batches=args.val_batches, profile=bool(args.log_json or args.mesh == "auto"))
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -216,17 +214,23 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         n_params = sum(x.numel() for x in fs.tree.leaves(transformer_init(cfg, 0)))
     say(f"mesh {dict(mesh.shape)} on {world} rank(s), {args.dtype}; {n_params:,} parameters; "
         f"{corpus.describe()}")
+    logs = Logs.from_flags(args, enabled=rank0)  # --log-json, --tensorboard, --plot: rank 0 writes
+    mfu, mfu_line = mfu_for(cfg, args.seq_len, args.dtype, args.machine, world)
+    say(mfu_line)  # against the machine file's peak, or how to get one (no calibration here)
+    val_at = (lambda i: corpus.batch(i, args.batch_size, args.seq_len, args.seed, split="val")) \
+        if args.val_every else None
     result = train(fs.recipes.transformer(cfg), layout, make_optimizer(args),
-                fs.recipes.data.batches_from_args(corpus, args, layout, mesh), config,
-                mesh=mesh, meta=attrs.asdict(cfg), lr_at=lr_schedule(args), inject=args.inject_nonfinite, say=say)
+                   fs.recipes.data.batches_from_args(corpus, args, layout, mesh), config, mesh=mesh,
+                   meta=attrs.asdict(cfg), lr_at=lr_schedule(args), inject=args.inject_nonfinite, say=say,
+                   val_batch_at=val_at, logs=logs, mfu=mfu)
     records = result.records
     if result.probe is not None and records and not args.simulate:  # the prediction next to the measurement
         machine = planning.machine(args.machine, world, cfg)
-        records[-1].update(planning.predicted_vs_measured(cfg, layout, machine, result.probe, records,
-                                                          seq_len=args.seq_len))
+        pred = planning.predicted_vs_measured(cfg, layout, machine, result.probe, records, seq_len=args.seq_len)
+        records[-1].update(pred)
+        result.summary.update(pred)  # the log's last line: the summary record
         say(planning.prediction_line(records[-1]))
-    if args.log_json and rank0:
-        write_log(args.log_json, records)
+    logs.close(result.summary)  # the summary record (with the prediction), the plot
     if records:
         say(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over steps "
             f"{records[0]['step']}-{records[-1]['step']}")

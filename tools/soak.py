@@ -191,7 +191,10 @@ def run_once(index: int, mesh: str, args: argparse.Namespace, workdir: Path) -> 
     text = out_path.read_text(errors="replace")
     run.steps = steps_done(text)
     if log_json.exists():
-        records = json.loads(log_json.read_text())
+        # JSON lines (fs.recipes.sinks.read_log, without importing torch here): every step written before
+        # a crash; a last line without its newline was cut short.
+        lines = [json.loads(line) for line in log_json.read_text().split("\n")[:-1] if line.strip()]
+        records = [r for r in lines if r.get("kind") == "step"]
         if records:
             run.steps, run.final_loss = records[-1]["step"], float(records[-1]["loss"])
     if run.status != "timeout":

@@ -13,6 +13,8 @@ A script builds its own ``argparse.ArgumentParser`` with its model and layout fl
   already use one.
 - The checkpoint flags: ``--checkpoint-dir``, ``--resume [auto]``, ``--overwrite``, ...
   (:func:`checkpoint_config`).
+- The logging flags: ``--log-json``, ``--log-every``, ``--quiet``, ``--tensorboard``,
+  ``--plot``, ``--val-every``, ``--val-batches`` (``fs.recipes.sinks.Logs.from_flags``).
 """
 
 from __future__ import annotations
@@ -93,6 +95,69 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="STEP",
         help="end this run after STEP (saving a checkpoint), as a preempted job would; --resume goes on to --steps",
+    )
+    _add_logging_flags(p)
+
+
+class _TooSmall(argparse.ArgumentTypeError, ValueError):
+    """argparse shows its message as it is; a config file's check (ValueError) too."""
+
+
+def _at_least(minimum: int) -> Any:
+    def parse_int(text: str) -> int:
+        n = int(text)
+        if n < minimum:
+            raise _TooSmall(f"{n}: must be >= {minimum}")
+        return n
+
+    parse_int.__name__ = "int"  # argparse's "invalid int value" for a non-number
+    return parse_int
+
+
+def _add_logging_flags(p: argparse.ArgumentParser) -> None:
+    """The "logging" group: where the per-step records go, how often a line is printed,
+    and validation (the records' ``val_loss``)."""
+    log = p.add_argument_group("logging")
+    log.add_argument(
+        "--log-json",
+        default=None,
+        metavar="PATH",
+        help="write the records as JSON lines (one per step, then a summary), each as soon as it is made: a run "
+        "killed at any point leaves every record up to the last step",
+    )
+    log.add_argument(
+        "--log-every",
+        type=_at_least(1),
+        default=25,
+        metavar="N",
+        help="print a progress line every N steps (with a tqdm bar too when stderr is a terminal)",
+    )
+    log.add_argument("--quiet", action="store_true", help="no progress output and no sample")
+    log.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write the records' numbers as TensorBoard scalars to DIR (needs: pip install tensorboard)",
+    )
+    log.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH.png",
+        help="draw the loss and validation curves into PATH.png at the end (needs matplotlib)",
+    )
+    log.add_argument(
+        "--val-every",
+        type=_at_least(0),
+        default=0,
+        metavar="N",
+        help="validation loss on the held-out split every N steps and at the end (0: none)",
+    )
+    log.add_argument(
+        "--val-batches",
+        type=_at_least(1),
+        default=1,
+        metavar="N",
+        help="held-out batches each validation averages over (the same ones every time)",
     )
 
 

@@ -63,6 +63,7 @@ def mfu_for(cfg: Any, seq_len: int, dtype: str, machine: str | None, world: int)
     The machine is ``machine`` (a shipped name or a file), else this host's saved machine
     file (``fs.plan.default_machine_path()``), else none: MFU needs a peak, and measuring
     one costs seconds that a default run should not pay. Every rank reads the same file.
+    Under ``fs.simulate``: none (one process runs every rank's step).
 
     Returns:
       ``(mfu, line)``: the MFU (None without a machine, or without a FLOPs figure for
@@ -73,7 +74,10 @@ def mfu_for(cfg: Any, seq_len: int, dtype: str, machine: str | None, world: int)
     """
     from fshard import plan
     from fshard.plan.estimate import model_flops
+    from fshard.runtime.simulation import active
 
+    if active() is not None:  # N ranks' steps in one process: no machine's peak to hold them to
+        return None, "MFU: not measured under fs.simulate (one process runs every rank)"
     path = plan.default_machine_path()
     if machine:
         found = plan.get_machine(machine)

@@ -39,6 +39,7 @@ import pytest
 from _harness._examples import example
 from _harness._procs import run_together
 from _harness.optional import DOC_COMMAND_NEEDS, skip_without
+from fshard.recipes.sinks import read_log
 from fshard.testing import free_port, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,8 +60,13 @@ TEMPLATES = {
 NOT_RUN_HERE = {
     r"python3 -m venv \.venv": ".ci/run makes a fresh venv",
     r"\. \.venv/bin/activate": ".ci/run activates its fresh venv",
-    r'pip install -c \.ci/constraints\.txt -e "\.\[(viz|test)\]"': ".ci/run installs from scratch with the "
-                                                                    "constraints (the [test] extra holds [viz]'s packages)",
+    r'pip install -c \.ci/constraints\.txt -e "\.\[(viz|test)\]"': (
+        ".ci/run installs from scratch with the constraints (the [test] extra holds [viz]'s packages)"),
+    # README.md, "Install": PyTorch's own index and the package, for machines other than CI's.
+    r"pip install torch( --index-url https://download\.pytorch\.org/whl/cpu)?": (
+        "PyTorch's index over the network (CPU or CUDA wheel); .ci/run installs the torch the "
+        "constraints pin, and this suite runs on it"),
+    r'pip install -e "\.\[viz\]"': ".ci/run installs the package from scratch ([test] holds [viz]'s packages)",
     r"python -m pytest -q": "the suite itself; .ci/run runs the README's test command verbatim",
     r"python tools/mutations\.py": ".ci/run runs it after the suite (it reruns test files on mutated copies; "
                                    "tests/integration/test_mutations_table.py checks its table)",
@@ -290,7 +296,7 @@ def test_command_runs(doc, kind, step, also, tmp_path, machine_file):
     else:  # read (a command that plans after the first), or not used at all: not measured or written again
         assert _state(machine_file) == before, f"{step}: the machine file was written again"
     if "--log-json" in argv:  # what the flag adds: the records of both steps
-        log = json.loads((tmp_path / argv[argv.index("--log-json") + 1]).read_text())
+        log = read_log(tmp_path / argv[argv.index("--log-json") + 1])
         assert [r["step"] for r in log] == [1, 2], log
     if "exit_loop.py" in step:  # the loop's own verdict, besides its exit status
         assert re.search(r"\): 0 with an abort at exit \(0 ranks\), 0 failed", run.stdout), run.stdout[-2000:]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from fshard.recipes.sinks import read_log
 from fshard.testing import free_port, run_on_ranks
 
 from _harness import _zygote
@@ -90,7 +91,7 @@ def test_loss_curve_is_the_same_on_every_mesh(mesh, reference, tmp_path):
         assert _losses(records) == _losses(results[0])
     _assert_same_curve(_losses(results[0]), reference)
     _assert_stored_curve(mesh, _losses(results[0]))
-    written = json.loads(log.read_text())  # rank 0 wrote the same curve
+    written = read_log(log)  # rank 0 wrote the same curve (JSON lines)
     assert [r["step"] for r in written] == [1, 2, 3]
     assert _losses(written) == _losses(results[0])
     assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in written)
@@ -228,7 +229,7 @@ def test_script_one_process_prints_progress_and_a_sample(zygotes, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mesh {'fsdp': 1} on 1 rank(s)" in run.stdout
     assert "And God said" in run.stdout  # the prompt starts the sample
-    assert len(json.loads(log.read_text())) == 6
+    assert len(read_log(log)) == 6
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
@@ -251,7 +252,7 @@ def test_script_under_torchrun(zygotes, tmp_path):
                                          "--log-json", str(log)]], cwd=tmp_path, env=_env())
         assert run.returncode == 0, run.stderr[-3000:]
         assert "pipeline: schedule '1f1b', 2 stages, 4 microbatches" in run.stdout
-        assert [r["step"] for r in json.loads(log.read_text())] == [1, 2, 3]
+        assert [r["step"] for r in read_log(log)] == [1, 2, 3]
         # A ConfigError: exit code 2 and one line from rank 0. Rank 1 fails too, with the same
         # error or (a race) with its connection to rank 0 lost while fs.init() set the group up.
         (_, err0), (_, err1) = (child.communicate(timeout=120) for child in bad)

@@ -3,11 +3,11 @@ and --mesh auto."""
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import fshard.plan as plan
 from fshard.plan.machine import Link, Machine
+from fshard.recipes.sinks import read_log
 from fshard.testing import run_on_ranks
 
 import _plan_bodies as bodies
@@ -29,7 +29,7 @@ def test_log_carries_prediction_and_measurement(tmp_path):
     log = tmp_path / "log.json"
     argv = TINY + ["--mesh", "fsdp=2", "--log-json", str(log), "--machine", _machine_file(tmp_path)]
     records = run_on_ranks(bodies.train, argv, world_size=2, timeout_s=240)
-    last = json.loads(log.read_text())[-1]
+    last = read_log(log, "summary")[-1]  # the log's last line
     for key in ("predicted_step_s", "measured_step_s", "predicted_peak_mib", "measured_peak_mib"):
         assert isinstance(last[key], float) and last[key] > 0, (key, last)
     # measured_step_s: the median of the steps after the warm-up (1 of 5 steps), the profiled
@@ -44,7 +44,7 @@ def test_mesh_auto_runs_the_planners_best_layout(tmp_path):
     log = tmp_path / "log.json"
     argv = TINY + ["--mesh", "auto", "--log-json", str(log), "--machine", _machine_file(tmp_path)]
     records = run_on_ranks(bodies.train, argv, world_size=2, timeout_s=240)
-    last = json.loads(log.read_text())[-1]
+    last = read_log(log, "summary")[-1]
     model = plan.describe_transformer(plan_cfg(records), seq_len=16)
     res = plan.search(model, plan.load_machine(tmp_path / "machine.json"), 2, 8,
                       config=plan.SearchConfig(axes=("pp", "dp", "fsdp", "tp")))

@@ -93,6 +93,9 @@ def test_mfu_comes_from_a_machine_file_and_never_from_a_calibration(tmp_path, mo
     h100, _ = mfu_for(CFG, 8, "bfloat16", "h100", 8)
     assert h100.peak_flops == 8 * plan.get_machine("h100").flops["bfloat16"]
     assert mfu_for(CFG, 8, "float64", None, 1)[0] is None  # no figure for the dtype: said, not guessed
+    with fs.simulate(2):  # one process runs both ranks: no peak to hold it to
+        assert mfu_for(CFG, 8, "float32", None, 2) == (None, "MFU: not measured under fs.simulate (one process "
+                                                             "runs every rank)")
 
 
 def test_peak_memory_summary_and_table():
