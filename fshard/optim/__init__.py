@@ -10,6 +10,11 @@ torch.optim's functional kernels run on the local shards::
     state = opt.init(params)
     updates, state = opt.update(grads, state, params)
     params = fs.optim.apply_updates(params, updates)
+
+or, in one call that donates the old params and state and runs torch's fused kernel where
+it can (``adamw(..., fused=True)``)::
+
+    params, state = fs.optim.step(opt, grads, state, params)
 """
 
 from fshard.optim.alias import adam as adam
@@ -28,6 +33,7 @@ from fshard.optim.base import donate as donate
 from fshard.optim.base import identity as identity
 from fshard.optim.clipping import clip_by_global_norm as clip_by_global_norm
 from fshard.optim.clipping import global_norm as global_norm
+from fshard.optim.fused import step as step
 from fshard.optim.schedules import constant_schedule as constant_schedule
 from fshard.optim.schedules import cosine_decay_schedule as cosine_decay_schedule
 from fshard.optim.schedules import join_schedules as join_schedules
@@ -72,6 +78,7 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_schedule",
     "sgd",
+    "step",
     "trace",
     "warmup_cosine_decay_schedule",
 ]

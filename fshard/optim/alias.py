@@ -7,6 +7,7 @@ same weight-decay conventions) up to float rounding, on one process and on any m
 from __future__ import annotations
 
 from fshard.optim.base import GradientTransformation, ScalarOrSchedule, chain, identity
+from fshard.optim.fused import Fused, register
 from fshard.optim.transforms import (
     add_decayed_weights,
     scale_by_adam,
@@ -18,7 +19,12 @@ __all__ = ["sgd", "adam", "adamw"]
 
 
 def sgd(
-    lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
+    lr: ScalarOrSchedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    *,
+    fused: bool = False,
 ) -> GradientTransformation:
     """Stochastic gradient descent with optional momentum, as ``torch.optim.SGD``.
 
@@ -34,6 +40,8 @@ def sgd(
       momentum: momentum factor, >= 0 (optional, default 0).
       nesterov: Nesterov momentum; needs ``momentum > 0`` (optional, default False).
       weight_decay: L2 penalty added to the gradient, >= 0 (optional, default 0).
+      fused: let :func:`fshard.optim.step` run the step as ``torch._fused_sgd_`` where the
+        leaves allow (:mod:`fshard.optim.fused`; optional, default False).
 
     Returns:
       A :class:`GradientTransformation`: ``chain(add_decayed_weights, trace,
@@ -57,15 +65,23 @@ def sgd(
     """
     if nesterov and momentum <= 0:
         raise ValueError(f"sgd: nesterov=True needs momentum > 0, got momentum={momentum!r}.")
-    return chain(
+    opt = chain(
         add_decayed_weights(weight_decay),
         trace(momentum, nesterov) if momentum else identity(),
         scale_by_learning_rate(lr),
     )
+    hparams = {"momentum": float(momentum), "dampening": 0.0, "nesterov": nesterov}
+    return _fused(opt, fused, Fused("sgd", lr, hparams, weight_decay, None, _slots(lr, trace=1)))
 
 
 def adam(
-    lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0
+    lr: ScalarOrSchedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    fused: bool = False,
 ) -> GradientTransformation:
     """Adam, as ``torch.optim.Adam`` (weight decay is L2, added to the gradient).
 
@@ -80,6 +96,8 @@ def adam(
       b2: second-moment decay, in [0, 1) (optional, default 0.999).
       eps: added to the denominator (optional, default 1e-8).
       weight_decay: L2 penalty, >= 0 (optional, default 0).
+      fused: let :func:`fshard.optim.step` run the step as ``torch._fused_adam_`` where the
+        leaves allow (:mod:`fshard.optim.fused`; optional, default False).
 
     Returns:
       A :class:`GradientTransformation`: ``chain(add_decayed_weights, scale_by_adam,
@@ -100,11 +118,13 @@ def adam(
     References:
       Kingma and Ba, Adam: A Method for Stochastic Optimization, 2014.
     """
-    return chain(
+    opt = chain(
         add_decayed_weights(weight_decay),
         scale_by_adam(b1, b2, eps),
         scale_by_learning_rate(lr),
     )
+    hparams = {"beta1": b1, "beta2": b2, "eps": eps}
+    return _fused(opt, fused, Fused("adam", lr, hparams, weight_decay, None, _slots(lr, adam=1)))
 
 
 def adamw(
@@ -114,6 +134,8 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.01,
     mask=None,
+    *,
+    fused: bool = False,
 ) -> GradientTransformation:
     """AdamW, as ``torch.optim.AdamW``: Adam with decoupled weight decay.
 
@@ -130,6 +152,8 @@ def adamw(
       weight_decay: decoupled decay, >= 0 (optional, default 0.01).
       mask: which params to decay: a pytree of bools like the params, or a function
         ``params -> such a pytree`` (optional, default all).
+      fused: let :func:`fshard.optim.step` run the step as ``torch._fused_adamw_`` where the
+        leaves allow (:mod:`fshard.optim.fused`; optional, default False).
 
     Returns:
       A :class:`GradientTransformation`: ``chain(scale_by_adam, add_decayed_weights,
@@ -150,8 +174,19 @@ def adamw(
     References:
       Loshchilov and Hutter, Decoupled Weight Decay Regularization, 2019.
     """
-    return chain(
+    opt = chain(
         scale_by_adam(b1, b2, eps),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(lr),
     )
+    hparams = {"beta1": b1, "beta2": b2, "eps": eps}
+    return _fused(opt, fused, Fused("adamw", lr, hparams, weight_decay, mask, _slots(lr, adam=0)))
+
+
+def _slots(lr: ScalarOrSchedule, **moments: int) -> dict[str, int]:
+    # Every chain here ends in scale_by_learning_rate: its state (a schedule's count) is last.
+    return {**moments, "lr": 2} if callable(lr) else dict(moments)
+
+
+def _fused(opt: GradientTransformation, fused: bool, spec: Fused) -> GradientTransformation:
+    return register(opt, spec) if fused else opt

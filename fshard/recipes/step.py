@@ -30,8 +30,9 @@ from fshard.lax import pmean
 from fshard.mesh.mesh import Mesh
 from fshard.mesh.sharded_init import init_sharded
 from fshard.mesh.spec import PartitionSpec as P
-from fshard.optim.base import GradientTransformation, apply_updates, donate
+from fshard.optim.base import GradientTransformation, apply_updates
 from fshard.optim.clipping import global_norm as optim_global_norm
+from fshard.optim.fused import step as optim_step
 from fshard.parallel.accumulate import GradAccumulator
 from fshard.parallel.layout import Layout
 from fshard.parallel.scan import ScanConfig, gather_params, scan_layers
@@ -171,9 +172,9 @@ def apply_gradients(
         leaf, rank = first_nonfinite(grads, order)
         return params, opt_state, norm, NonFinite(loss_value, norm, leaf, rank)
     grads = clip_by_global_norm(grads, max_norm, norm)
-    with donate():  # the old params and state are not used again: update in place
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = apply_updates(params, updates)
+    # The old params and state are not used again: donated (updated in place), on torch's
+    # fused kernel for an optimizer made with fused=True.
+    params, opt_state = optim_step(opt, grads, opt_state, params)
     return params, opt_state, norm, None
 
 

@@ -378,7 +378,7 @@ def test_public_names():
         "adamw", "add_decayed_weights", "apply_updates", "chain", "clip_by_global_norm",
         "constant_schedule", "cosine_decay_schedule", "donate", "global_norm", "identity",
         "join_schedules", "linear_schedule", "scale", "scale_by_adam", "scale_by_learning_rate",
-        "scale_by_schedule", "sgd", "trace", "warmup_cosine_decay_schedule",
+        "scale_by_schedule", "sgd", "step", "trace", "warmup_cosine_decay_schedule",
     ])
     for name in optim.__all__:
         assert getattr(optim, name) is not None
