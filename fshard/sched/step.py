@@ -32,6 +32,7 @@ from fshard import comm, lax
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh, get_mesh
 from fshard.mesh.sharding import spec_of
+from fshard.mesh.spec import PartitionSpec
 from fshard.runtime import simulation
 from fshard.sched import simulated
 from fshard.sched.ir import Action, Kind, Schedule
@@ -296,7 +297,7 @@ def _run_rank(
         else {}
     )
     m = schedule.n_microbatches
-    inputs, targets = _microbatches(batch, m, n_data, mesh.axis_index(data) if data else 0, name)
+    inputs, targets = _microbatches(batch, m, n_data, mesh.axis_index(data) if data else 0, name, tuple(data))
 
     token = lax.BODY.set(lax.Body(mesh, False))
     try:
@@ -431,8 +432,11 @@ def _reduced(leaf: Any, local: Any, data: tuple[str, ...]) -> bool:
 
 
 def _microbatches(
-    batch: tuple[Any, Any], m: int, n_data: int, data_index: int, name: str
+    batch: tuple[Any, Any], m: int, n_data: int, data_index: int, name: str, data: tuple[str, ...] = ()
 ) -> tuple[list[Any], list[Any]]:
+    """Microbatch ``0 .. m-1`` of this data rank's rows: its block ``data_index`` of the
+    batch's ``n_data`` (dim 0), cut in ``m``. A DTensor leaf laid out ``P(data)`` is that
+    block already (each rank built only its rows) and is cut as it is."""
     paths, leaves, _ = tree_util.zip_with_path(list(batch))
     sizes = {p: x.shape[0] for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor) and x.dim() > 0}
     if not sizes:
@@ -450,11 +454,21 @@ def _microbatches(
         )
     k = n // (m * n_data)
     base = data_index * (n // n_data)
+    for p, x in zip(paths, leaves):
+        if isinstance(x, DTensor) and spec_of(x).padded(x.dim()) != PartitionSpec(data).padded(x.dim()):
+            raise ValueError(
+                f"pipeline_step: batch leaf {p} is a DTensor laid out as {spec_of(x)}; a DTensor batch holds "
+                f"each rank's own rows, laid out {PartitionSpec(data)} over data_axes; pass a plain tensor "
+                f"(the global batch) otherwise"
+            )
+
+    def rows(x: torch.Tensor, mb: int) -> torch.Tensor:
+        if isinstance(x, DTensor):  # this data rank's rows already (fs.recipes.data.rank_batches): no gather
+            return x.to_local().narrow(0, mb * k, k)
+        return x.narrow(0, base + mb * k, k)
 
     def piece(mb: int, tree: Any) -> Any:
-        return tree_util.tree_map(
-            lambda x: x.narrow(0, base + mb * k, k) if isinstance(x, torch.Tensor) and x.dim() > 0 else x, tree
-        )
+        return tree_util.tree_map(lambda x: rows(x, mb) if isinstance(x, torch.Tensor) and x.dim() > 0 else x, tree)
 
     return [piece(i, batch[0]) for i in range(m)], [piece(i, batch[1]) for i in range(m)]
 

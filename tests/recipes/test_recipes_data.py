@@ -194,17 +194,47 @@ def _local_and_global_runs(mesh_text: str, microbatches: int):
         return [r["loss"] for r in run.records]
 
     data_axes = fs.recipes.Roles.of(layout, mesh).data_axes
-    local = losses(rank_batches(Recording(), 8, 16, 0, mesh, data_axes, microbatches))
+    blocks = 1 if "pp" in mesh.axis_names else microbatches  # a pipeline cuts a rank's block itself
+    local = losses(rank_batches(Recording(), 8, 16, 0, mesh, data_axes, blocks))
     return losses(lambda step: corpus.batch(step, 8, 16, 0)), local, asked, mesh.axis_index(data_axes)
 
 
-@pytest.mark.parametrize(("mesh", "microbatches"), [("dp=2", 1), ("fsdp=2", 1), ("fsdp=2", 2)])
-def test_each_rank_reads_only_its_rows_and_the_losses_are_the_global_batchs(mesh, microbatches):
+@pytest.mark.parametrize(
+    ("mesh", "microbatches", "world"),
+    [("dp=2", 1, 2), ("fsdp=2", 1, 2), ("fsdp=2", 2, 2), ("pp=2,dp=2", 2, 4), ("pp=2,fsdp=2", 2, 4)],
+)
+def test_each_rank_reads_only_its_rows_and_the_losses_are_the_global_batchs(mesh, microbatches, world):
     for global_losses, local_losses, asked, rank in run_on_ranks(
-        _local_and_global_runs, mesh, microbatches, world_size=2
+        _local_and_global_runs, mesh, microbatches, world_size=world
     ):
         assert local_losses == global_losses  # bit for bit: each rank computes on the same rows
-        assert asked == [rank_rows(8, microbatches, 2, rank)] * 3 and len(asked[0]) == 4
+        want = rank_rows(8, 1 if "pp" in mesh else microbatches, 2, rank)
+        assert asked == [want] * 3 and len(want) == 4
+
+
+def _pipeline_batch_layouts():
+    from fshard.mesh.sharding import make_dtensor
+    from fshard.sched.step import _microbatches
+
+    mesh = fs.make_mesh({"dp": 1})
+    rows = torch.arange(8).reshape(4, 2)
+    ok = make_dtensor(rows, fs.P("dp"), mesh, (4, 2))
+    inputs, _ = _microbatches((ok, ok), 2, 1, 0, "test", ("dp",))
+    try:
+        _microbatches((make_dtensor(rows, fs.P(), mesh, (4, 2)), ok), 2, 1, 0, "test", ("dp",))
+    except ValueError as e:
+        return [x.tolist() for x in inputs], str(e)
+    return [x.tolist() for x in inputs], None
+
+
+def test_a_pipeline_takes_a_dtensor_batch_as_each_ranks_rows_and_refuses_another_layout():
+    ((pieces, error),) = run_on_ranks(_pipeline_batch_layouts, world_size=1)
+    assert pieces == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert (
+        error is not None
+        and "batch leaf 0 is a DTensor laid out as P()" in error
+        and "laid out P('dp') over data_axes" in error
+    )
 
 
 def _bpe(path, text):
