@@ -247,7 +247,7 @@ def age(seconds: float) -> str:
 
 
 def file_note(path: str | os.PathLike, *, now: float | None = None) -> str:
-    """``"machine file PATH, written 2026-12-02 07:45 UTC (3.0 h ago)"``: the file and how old
+    """``"machine file PATH, written YYYY-MM-DD HH:MM UTC (N h ago)"``: the file and how old
     its figures are (its modification time: a calibration writes the file whole)."""
     mtime = os.stat(path).st_mtime
     when = datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -8,9 +8,8 @@ A script builds its own ``argparse.ArgumentParser`` with its model and layout fl
   settings can be saved and replayed.
 - ``--threads N``: torch's intra-op threads. Without it, and without ``OMP_NUM_THREADS``,
   one thread per rank: torch's default (one per core) makes the ranks of a job, or the
-  threads of one process on a shared machine, fight for the cores (issue 35 measured a
-  2-core machine at 6 minutes against 17 s). ``fs.run_local``, ``fs.simulate`` and torchrun
-  already use one.
+  threads of one process on a shared machine, fight for the cores (README: the main
+  command's time). ``fs.run_local``, ``fs.simulate`` and torchrun already use one.
 - The checkpoint flags: ``--checkpoint-dir``, ``--resume [auto]``, ``--overwrite``, ...
   (:func:`checkpoint_config`).
 - The logging flags: ``--log-json``, ``--log-every``, ``--quiet``, ``--tensorboard``,
