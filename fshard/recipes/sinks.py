@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from fshard.recipes.trainer import ConfigError
+from fshard.recipes.errors import ConfigError
 
 __all__ = ["JsonLines", "Logs", "Plot", "Sink", "TensorBoard", "read_log"]
 

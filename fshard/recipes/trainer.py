@@ -30,7 +30,8 @@ import torch
 from fshard import checkpoint as ckpt
 from fshard.mesh.mesh import Mesh
 from fshard.optim.base import GradientTransformation
-from fshard.parallel.layout import Layout, LayoutError
+from fshard.parallel.layout import Layout
+from fshard.recipes.errors import ConfigError
 from fshard.recipes.faults import Injection, NonFiniteError
 from fshard.recipes.metrics import MFU, Meter, peak_memory, summarize, summary_table
 from fshard.recipes.model import ModelLike
@@ -45,11 +46,6 @@ __all__ = ["CheckpointConfig", "ConfigError", "TrainConfig", "TrainResult", "tra
 
 # step -> (inputs, targets): the global batch of that step (the same on every rank).
 BatchAt = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-
-
-class ConfigError(LayoutError):
-    """Settings that do not fit together, this world size or the checkpoint being resumed;
-    reported without a traceback, as a ``LayoutError`` is."""
 
 
 def _resume_mode(_: Any, attribute: Any, value: Any) -> None:

@@ -20,11 +20,11 @@ from typing import Any, Callable
 import torch
 
 from fshard.mesh.spec import PartitionSpec as P
+from fshard.recipes.errors import ConfigError
 from fshard.recipes.faults import Injection
 from fshard.recipes.model import LayeredModel
 from fshard.recipes.pipeline import make_pipeline_grads
 from fshard.recipes.step import ComposedStep, per_device_loss
-from fshard.recipes.trainer import ConfigError
 from fshard.transforms import shard_map
 
 __all__ = ["make_eval_loss"]
