@@ -238,7 +238,7 @@ def test_a_pipeline_takes_a_dtensor_batch_as_each_ranks_rows_and_refuses_another
 
 
 def _bpe(path, text):
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = pytest.importorskip("tokenizers", reason="--tokenizer tokenizer.json needs the tokenizers package (pip install fshard[hf])")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
@@ -258,7 +258,7 @@ def test_a_tokenizer_json_and_a_transformers_directory_tokenize_text(tmp_path):
     assert corpus.vocab_size == tok.get_vocab_size() and corpus.n_tokens() + corpus.n_tokens("val") < len(text) / 2
     assert corpus.decode(np.concatenate(corpus.train + corpus.val).tolist()) == text
     assert corpus.decode(corpus.encode("the word")) == "the word"
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="--tokenizer DIR (save_pretrained) needs transformers (pip install fshard[hf])")
     from transformers import PreTrainedTokenizerFast
 
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(tmp_path / "hf"))  # AutoTokenizer's
@@ -283,7 +283,7 @@ def test_a_saved_dataset_needs_the_datasets_library(tmp_path, monkeypatch):
 
 
 def test_a_saved_dataset_is_its_text_column_with_its_validation_split(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="--data of a saved datasets dataset needs the datasets package (pip install datasets; not in fshard's extras)")
     rows = {"text": [f"line {i} of the corpus" for i in range(200)], "n": list(range(200))}
     dd = datasets.DatasetDict(
         {

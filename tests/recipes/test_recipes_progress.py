@@ -32,7 +32,7 @@ def _record(step: int) -> dict:
 
 @pytest.mark.parametrize("tty", [False, True])
 def test_a_line_every_log_every_steps_with_or_without_the_bar(tty, capsys):
-    pytest.importorskip("tqdm")
+    pytest.importorskip("tqdm", reason="the progress bar is tqdm's (pip install tqdm; transformers brings it)")
     progress = Progress(0, 5, True, every=2, tty=tty)
     assert (progress.bar is not None) == tty  # tqdm is installed: the bar only on a terminal
     for step in range(1, 6):
@@ -130,8 +130,8 @@ def test_a_run_killed_with_sigkill_leaves_every_record_and_a_resumable_checkpoin
 
 
 def test_tensorboard_scalars_and_the_plot(tmp_path):
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("tensorboard", reason="--tensorboard needs tensorboard (pip install fshard[test-core])")
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (pip install fshard[viz])")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb, png, log = tmp_path / "tb", tmp_path / "loss.png", tmp_path / "log.jsonl"
