@@ -130,14 +130,15 @@ def step(opt: GradientTransformation, grads: Updates, state: OptState, params: P
     for check in _BEFORE_APPLY:
         check("fs.optim.step")
     spec = _FUSED[opt.update]
-    moments = state[spec.slots["adam" if spec.kind != "sgd" else "trace"]]
+    slot = spec.slots["trace" if spec.kind == "sgd" else "adam"]
+    moments = state[slot]
     lr = _lr(spec, state)
     if spec.kind == "sgd":
         new_moments = _sgd(spec, grads, moments, params, lr)
     else:
         new_moments = _adam(spec, grads, moments, params, lr)
     new_state = list(state)
-    new_state[spec.slots["adam" if spec.kind != "sgd" else "trace"]] = new_moments
+    new_state[slot] = new_moments
     if "lr" in spec.slots:
         sched = state[spec.slots["lr"]]
         new_state[spec.slots["lr"]] = type(sched)(count=sched.count + 1)
@@ -202,9 +203,8 @@ def _adam(spec: Fused, grads: Updates, moments: Any, params: Params, lr: float) 
 def _sgd(spec: Fused, grads: Updates, moments: Any, params: Params, lr: float) -> Any:
     buffers = () if isinstance(moments, EmptyState) else (("the momentum buffers", moments.trace),)
     m = _flat("fs.optim.step", params, grads, *buffers)
-    # The chain's buffers start at zero (b = momentum * 0 + g at step 1): the kernel's
-    # is_first_step (b = g) gives the same; after that it is the usual update.
-    first = bool(buffers) and _first_step(moments)
+    # The chain's buffers start at zero, so the kernel's usual update (b = momentum * b + g,
+    # dampening 0) gives b = g at step 1, as its is_first_step would: no flag to derive.
     with torch.no_grad():
         for (_, _, decay), idx in _groups(spec, params, m.params).items():
             torch._fused_sgd_(
@@ -213,14 +213,8 @@ def _sgd(spec: Fused, grads: Updates, moments: Any, params: Params, lr: float) -
                 [m.state[0][i] for i in idx] if buffers else [],
                 weight_decay=decay,
                 lr=lr,
-                is_first_step=first,
+                is_first_step=False,
                 maximize=False,
                 **spec.hparams,
             )
     return moments
-
-
-def _first_step(moments: Any) -> bool:
-    # The trace state has no count: its buffers are all zero exactly before the first step
-    # (a later step's buffer is zero only if every gradient so far was, when b = g again).
-    return all(not torch.any(x) for x in to_locals(tree_util.leaves(moments.trace)))
