@@ -75,7 +75,16 @@ def run(threads: int, steps: int, compiled: bool = False, backend: str = "induct
         with optim.donate():
             fs_step()
 
-    runs = [("torch", topt.step), ("torch fused", fopt.step), ("fshard", fs_step), ("fshard donated", fs_step_donated)]
+    # fs.optim.step on torch's fused kernel (donates the state and params it is given).
+    fused_opt = optim.adamw(fused=True, **hp)
+    fz = {"params": tree_util.tree_map(torch.clone, params)}
+    fz["opt"] = fused_opt.init(fz["params"])
+
+    def fs_fused_step() -> None:
+        fz["params"], fz["opt"] = optim.step(fused_opt, grads, fz["opt"], fz["params"])
+
+    runs = [("torch", topt.step), ("torch fused", fopt.step), ("fshard", fs_step), ("fshard donated", fs_step_donated),
+            ("fshard fused", fs_fused_step)]
     if compiled:
         import fshard as fs
 
@@ -112,11 +121,13 @@ def run(threads: int, steps: int, compiled: bool = False, backend: str = "induct
         for name, fn in runs:
             t0 = clock()
             fn()
-            if i == 0 and name.endswith(("compiled", "jit", "donated")) and name != "fshard donated":
+            if i == 0 and name.endswith(("compiled", "jit", "donated")) and name not in ("fshard donated",):
                 first[name] = clock() - t0
             if i >= 5:  # warm-up: allocator, first-step state creation, compiling
                 times[name].append(clock() - t0)
-    if compiled:  # the same updates on every side, or the timing compares different work
+    # The same updates on every side, or the timing compares different work.
+    torch.testing.assert_close(tree_util.leaves(fz["params"]), [x.detach() for x in fused_params])
+    if compiled:
         for got, want in ((ctorch_params, torch_params), (fused_params, torch_params),
                           (tree_util.leaves(jstate["params"]), torch_params),
                           (tree_util.leaves(dstate["params"]), torch_params)):
@@ -143,8 +154,10 @@ def main() -> None:
     print(f"torch.optim.AdamW(fused=True):          {med['torch fused']:.2f} ms/step")
     print(f"fs.optim.adamw (pure):                  {med['fshard']:.2f} ms/step")
     print(f"fs.optim.adamw (with fs.optim.donate()): {med['fshard donated']:.2f} ms/step")
+    print(f"fs.optim.step(adamw(fused=True)):       {med['fshard fused']:.2f} ms/step")
     print(f"ratio fshard/torch: pure {med['fshard'] / med['torch']:.2f}, "
-          f"donated {med['fshard donated'] / med['torch']:.2f}")
+          f"donated {med['fshard donated'] / med['torch']:.2f}; "
+          f"fused / torch fused {med['fshard fused'] / med['torch fused']:.2f}")
     if args.compiled:
         print(f"torch.compile(opt.step) ({args.backend}):   {med['torch compiled']:.2f} ms/step, "
               f"first call {first['torch compiled']:.1f} s")
