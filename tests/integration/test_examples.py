@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fshard.recipes.sinks import read_log
 from fshard.testing import free_port, run_on_ranks
@@ -95,6 +96,37 @@ def test_loss_curve_is_the_same_on_every_mesh(mesh, reference, tmp_path):
     assert [r["step"] for r in written] == [1, 2, 3]
     assert _losses(written) == _losses(results[0])
     assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in written)
+
+
+def _train_counting_fused(argv: list[str]) -> tuple[list[dict], int]:
+    """:func:`_train`, counting the calls of torch's fused AdamW kernel on this rank."""
+    calls, kernel = [0], torch._fused_adamw_
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return kernel(*args, **kwargs)
+
+    torch._fused_adamw_ = counted
+    try:
+        return _train(argv), calls[0]
+    finally:
+        torch._fused_adamw_ = kernel
+
+
+def test_fused_optimizer_flag_steps_on_torchs_kernel_with_the_chain_curve(reference):
+    # torch's _fused_adamw_ is elementwise, so each rank's shards take the one-process step;
+    # against fs.optim's chain (the reference), the same curve to rounding in float64.
+    argv = TINY + ["--fused-optimizer"]
+    ((one, calls),) = run_on_ranks(_train_counting_fused, argv + ["--mesh", "fsdp=1"], world_size=1)
+    assert calls == 3  # one kernel call per step, over every leaf
+    _assert_same_curve(_losses(one), reference)
+    for mesh in ("fsdp=2", "dp=2"):
+        for records, calls in run_on_ranks(_train_counting_fused, argv + ["--mesh", mesh], world_size=2):
+            assert calls == 3
+            _assert_same_curve(_losses(records), _losses(one))
+    for other in (["--jit"], ["--simulate", "2"]):
+        with pytest.raises(SystemExit):
+            example("train_lm").parse_args(argv + other)
 
 
 # --simulate 4 in this process: the stored curves of 4 real ranks (pipelines: see docs/simulate.md).
