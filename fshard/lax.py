@@ -15,6 +15,12 @@ forward            backward
 ``psum_scatter``   ``all_gather``
 ``ppermute(perm)`` ``ppermute(inverse perm)``
 ``all_to_all``     ``all_to_all`` with split and concat axes swapped
+``all_gather(to=   this rank's slice of the cotangent (invariant -> varying), free
+"invarying")``
+``pbroadcast``     ``psum`` of the cotangent, kept at ``source`` (zeros elsewhere)
+``pshuffle``       ``ppermute`` (it is one); ``pswapaxes``: ``all_to_all`` (it is one)
+``pcast(to=        ``psum`` (it is ``pvary``)
+"varying")``
 ``pmax``/``pmin``  not differentiable: backward raises (detach the input)
 =================  ==============================================================
 
@@ -46,12 +52,16 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "pbroadcast",
+    "pcast",
     "pmax",
     "pmean",
     "pmin",
     "ppermute",
+    "pshuffle",
     "psum",
     "psum_scatter",
+    "pswapaxes",
     "pvary",
 ]
 
@@ -334,6 +344,107 @@ class _Ppermute(torch.autograd.Function):
         return _apply(_Ppermute, t, ctx.ax, ctx.perm)
 
 
+class _AllGatherInvariant(torch.autograd.Function):
+    """``all_gather(to="invarying")``: the same values, typed invariant; its transpose is
+    this rank's slice of the (invariant) cotangent, no collective."""
+
+    @staticmethod
+    def forward(x, ax, axis, tiled):
+        return _gather_raw(x, ax, axis, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.ax, ctx.axis, ctx.tiled = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return _apply(_SliceMine, g, ctx.ax, ctx.axis, ctx.tiled), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return _apply(_AllGatherInvariant, t, ctx.ax, ctx.axis, ctx.tiled)
+
+
+def _slice_mine_raw(g, ax: _Axes, axis: int, tiled: bool):
+    size = g.shape[axis] // ax.n
+
+    def mine(g, me):  # per rank: under fs.simulate each rank takes its own slice
+        return g.narrow(axis, me * size, size).clone() if tiled else g.select(axis, me).clone()
+
+    return simulation.per_rank(mine)(g, ax.me)
+
+
+class _SliceMine(torch.autograd.Function):
+    @staticmethod
+    def forward(g, ax, axis, tiled):
+        return _slice_mine_raw(g, ax, axis, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.ax, ctx.axis, ctx.tiled = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        # JAX: the slice's operand is invariant, so its implicit pvary sums the padded
+        # cotangents, which is the gather of every rank's slice.
+        return _apply(_AllGatherInvariant, g, ctx.ax, ctx.axis, ctx.tiled), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return _apply(_SliceMine, t, ctx.ax, ctx.axis, ctx.tiled)
+
+
+def _pbroadcast_raw(x, ax: _Axes, source: int):
+    # A gather, then the source's block: an exact copy (a psum of masked values would turn
+    # -0.0 into 0.0).
+    return _gather_raw(x, ax, 0, False)[source].clone()
+
+
+def _pbroadcast_t_raw(g, ax: _Axes, source: int):
+    stack = g.new_zeros((ax.n, *g.shape))
+    stack[source] = g
+    return _scatter_raw(stack, ax, 0, False)  # source gets the sum, the others zeros
+
+
+class _Pbroadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax, source):
+        return _pbroadcast_raw(x, ax, source)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.ax, ctx.source = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _apply(_PbroadcastT, g, ctx.ax, ctx.source), None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return _apply(_Pbroadcast, t, ctx.ax, ctx.source)
+
+
+class _PbroadcastT(torch.autograd.Function):
+    """pbroadcast's transpose (JAX: ``select(axis_index == source, psum(t), 0)``); its own
+    transpose is pbroadcast."""
+
+    @staticmethod
+    def forward(g, ax, source):
+        return _pbroadcast_t_raw(g, ax, source)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.ax, ctx.source = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _apply(_Pbroadcast, g, ctx.ax, ctx.source), None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return _apply(_PbroadcastT, t, ctx.ax, ctx.source)
+
+
 for _fn, _dims in (
     (_Psum, ()),
     (_Pvary, ()),
@@ -342,6 +453,10 @@ for _fn, _dims in (
     (_PsumScatter, (2,)),
     (_AllToAll, (2, 3)),
     (_Ppermute, ()),
+    (_AllGatherInvariant, (2,)),
+    (_SliceMine, (2,)),
+    (_Pbroadcast, ()),
+    (_PbroadcastT, ()),
 ):
     _fn.vmap = _batched(_fn, _dims)
 
@@ -541,24 +656,152 @@ def pvary(x: Any, axis_name: str | Sequence[str]) -> Any:
         _IN_LAX.reset(token)
 
 
-def all_gather(x: Any, axis_name: str | Sequence[str], *, axis: int = 0, tiled: bool = False) -> Any:
+def all_gather(
+    x: Any, axis_name: str | Sequence[str], *, axis: int = 0, tiled: bool = False, to: str = "varying"
+) -> Any:
     """Gathers the shards of every rank on ``axis_name``, ordered by axis index.
 
     Shapes (n = axis size): ``tiled=False``: a new dim of size n at ``axis``;
-    ``tiled=True``: dim ``axis`` grows n-fold. Backward: ``psum_scatter``.
+    ``tiled=True``: dim ``axis`` grows n-fold.
+
+    Args:
+      to: the result's type over the axes, as JAX 0.10.2's ``to``. ``"varying"`` (default):
+        varying, backward ``psum_scatter``. ``"invarying"`` (JAX's spelling; JAX's
+        ``all_gather_invariant``): invariant, so ``out_specs=P()`` takes it in checked
+        mode, and the backward is this rank's slice of the cotangent, no collective.
+        ``"reduced"`` is refused: reduced values are not built yet.
 
     Raises:
-      ValueError: ``axis`` is not a dim of the value (tiled) or of the result (untiled):
-        a 0-d value cannot be gathered tiled (JAX refuses it too); use ``tiled=False``.
+      ValueError: ``to`` is not one of JAX's values; ``axis`` is not a dim of the value
+        (tiled) or of the result (untiled): a 0-d value cannot be gathered tiled (JAX
+        refuses it too); use ``tiled=False``.
+      NotImplementedError: ``to="reduced"``.
     """
+    if to not in _ALL_GATHER_TO:
+        raise ValueError(
+            f"fs.lax.all_gather over {axis_name!r}: to={to!r} is not one of JAX's values "
+            f"{sorted(_ALL_GATHER_TO)} ('invarying' is JAX's spelling of an invariant result)."
+        )
+    if to == "reduced":
+        raise NotImplementedError(_not_built("all_gather", axis_name, "to='reduced'", "reduced"))
+    invariant = to == "invarying"
+    fn = _AllGatherInvariant if invariant else _AllGather
 
     def one(t, ax):
         a = _dim("all_gather", t, axis, ax, "axis", tiled=tiled, extra=0 if tiled else 1)
         if ax.n == 1:
             return t.view_as(t) if tiled else t.unsqueeze(a)
-        return _apply(_AllGather, t, ax, a, tiled)
+        return _apply(fn, t, ax, a, tiled)
 
-    return _map("all_gather", x, axis_name, one, to_varying=True)
+    return _map("all_gather", x, axis_name, one, to_varying=not invariant)
+
+
+_ALL_GATHER_TO = frozenset({"varying", "invarying", "reduced"})  # JAX 0.10.2's _allowed_ag_to
+
+
+def _not_built(what: str, axis_name, form: str, state: str) -> str:
+    return (
+        f"fs.lax.{what}(..., {axis_name!r}, {form}): {state} values are not built yet in fshard "
+        f"(issue 34, item 2: the unreduced/reduced per-axis states). Use to='varying' (or "
+        f"fs.lax.pvary) and an explicit fs.lax.psum where JAX would reduce the unreduced value."
+    )
+
+
+def pcast(x: Any, axis_name: str | Sequence[str], *, to: str) -> Any:
+    """JAX's ``pcast``: changes the type of ``x`` over ``axis_name``.
+
+    ``to="varying"`` is :func:`pvary` (an invariant value becomes varying: identity
+    forward, ``psum`` backward; the same leniency for an already varying value, see
+    docs/jax.md). An empty ``axis_name`` returns ``x``.
+
+    Raises:
+      TypeError: ``axis_name`` is a set (JAX refuses it: the order of the axes matters).
+      ValueError: ``to`` is not one of JAX's values.
+      NotImplementedError: ``to="reduced"`` or ``"unreduced"``: those states are not built yet.
+    """
+    if isinstance(axis_name, (set, frozenset)):
+        raise TypeError(
+            f"fs.lax.pcast: axis_name={axis_name!r} must be a str or a tuple of axes (as in JAX), not a set."
+        )
+    if not axis_name:
+        return x
+    if to not in _PCAST_TO:
+        raise ValueError(f"fs.lax.pcast over {axis_name!r}: to={to!r}; JAX's values are {sorted(_PCAST_TO)}.")
+    if to != "varying":
+        raise NotImplementedError(_not_built("pcast", axis_name, f"to={to!r}", to))
+    return pvary(x, axis_name)
+
+
+_PCAST_TO = frozenset({"varying", "reduced", "unreduced"})  # JAX 0.10.2's _allowed_pcast_to
+
+
+def pbroadcast(x: Any, axis_name: str | Sequence[str], source: int) -> Any:
+    """Every rank gets the value of axis index ``source`` (JAX's collective broadcast).
+
+    Checked mode: as in JAX, the value must vary over every axis of ``axis_name`` (no
+    implicit ``pvary``), and the result keeps its type: varying (the ranks hold equal
+    values, but the type does not say so). Backward: the cotangents' ``psum``, on the
+    ``source`` rank; the others get zeros.
+
+    Raises:
+      ValueError: ``source`` is outside the axis; (checked mode) the value is invariant
+        over some of the axes.
+    """
+    body, ax = _axes("pbroadcast", axis_name)
+    source = int(source)
+    if not 0 <= source < ax.n:
+        raise ValueError(
+            f"fs.lax.pbroadcast over {_axes_repr(ax.names)} (size {ax.n}): source={source} must be in [0, {ax.n})."
+        )
+
+    def check(t):
+        if body.check and isinstance(t, torch.Tensor) and (missing := tuple(n for n in ax.names if n not in vma(t))):
+            raise ValueError(
+                f"fs.lax.pbroadcast over {_axes_repr(ax.names)}: the value (shape {tuple(t.shape)}) is invariant over "
+                f'{_axes_repr(missing)} (checked mode). As in JAX ("Collective pbroadcast must be applied to a '
+                f'device-varying type"), pbroadcast takes a value varying over all of its axes. Fix: use the value '
+                f"as it is (it is already equal on every rank there), or fs.lax.pvary(x, {_axes_repr(missing)}) first."
+            )
+        return t
+
+    tree_util.tree_map(check, x)  # before _map's implicit pvary: pbroadcast has none in JAX
+    return _map(
+        "pbroadcast",
+        x,
+        axis_name,
+        lambda t, a: _apply(_Pbroadcast, t, a, source) if a.n > 1 else t.view_as(t),
+        to_varying=True,
+    )
+
+
+def pshuffle(x: Any, axis_name: str | Sequence[str], perm: Sequence[int]) -> Any:
+    """``ppermute`` with JAX's other encoding: axis index ``i`` gets the value of ``perm[i]``.
+
+    Raises:
+      ValueError: ``perm`` is not a permutation of ``range(len(perm))``, or does not fit the axis.
+    """
+    perm = [int(p) for p in perm]
+    if set(perm) != set(range(len(perm))):
+        raise ValueError(f"fs.lax.pshuffle over {axis_name!r}: perm={perm} is not a permutation of range({len(perm)}).")
+    return ppermute(x, axis_name, list(zip(perm, range(len(perm)))))
+
+
+def pswapaxes(x: Any, axis_name: str | Sequence[str], axis: int, *, axis_index_groups: Any = None) -> Any:
+    """Swaps the mapped axis ``axis_name`` with dim ``axis``: ``all_to_all(x, axis_name, axis, axis)``.
+
+    Needs ``x.shape[axis] == axis_size(axis_name)``. Backward: the same swap.
+
+    Raises:
+      ValueError: the dim does not fit the axis size.
+      NotImplementedError: ``axis_index_groups`` is given (fs.lax has no axis index groups).
+    """
+    if axis_index_groups is not None:
+        raise NotImplementedError(
+            f"fs.lax.pswapaxes over {axis_name!r}: axis_index_groups={axis_index_groups!r} is not supported "
+            f"(fs.lax collectives run over whole mesh axes). Fix: give the groups their own mesh axis, "
+            f"e.g. fs.make_mesh({{..., 'outer': n // k, 'inner': k}}), and swap over it."
+        )
+    return all_to_all(x, axis_name, axis, axis)
 
 
 def psum_scatter(x: Any, axis_name: str | Sequence[str], *, scatter_dimension: int = 0, tiled: bool = False) -> Any:

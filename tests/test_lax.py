@@ -48,6 +48,21 @@ def _cases(n):
                                lambda X: X.reshape(n, n, k).permute(1, 2, 0).reshape(n * k, n)),
         "axis_index": ((n * m, k), "S", lambda x, ax: x * (fs.lax.axis_index(ax) + 1), "S",
                        lambda X: X * torch.arange(1, n + 1, dtype=X.dtype).repeat_interleave(m)[:, None]),
+        # Invariant result, so P() takes it in both modes; its backward is a slice.
+        "all_gather_invarying": ((n * m, k), "S", lambda x, ax: fs.lax.all_gather(x, ax, to="invarying"), "R",
+                                 lambda X: X.reshape(n, m, k)),
+        "all_gather_invarying_tiled": ((n * m, k), "S",
+                                       lambda x, ax: fs.lax.all_gather(x, ax, axis=-1, tiled=True, to="invarying"),
+                                       "R", lambda X: torch.cat(list(X.reshape(n, m, k)), dim=-1)),
+        "pbroadcast": ((n * m, k), "S", lambda x, ax: fs.lax.pbroadcast(x * 2, ax, n - 1), "S",
+                       lambda X: (X[(n - 1) * m:] * 2).repeat(n, 1)),
+        "pshuffle": ((n * m, k), "S", lambda x, ax: fs.lax.pshuffle(x, ax, [(i + 1) % n for i in range(n)]), "S",
+                     lambda X: torch.roll(X, shifts=-m, dims=0)),
+        # out_i[j] = block j's row i
+        "pswapaxes": ((n * n, k), "S", lambda x, ax: fs.lax.pswapaxes(x, ax, 0), "S",
+                      lambda X: X.reshape(n, n, k).transpose(0, 1).reshape(n * n, k)),
+        "pcast": ((m, k), "R", lambda x, ax: fs.lax.pcast(x, ax, to="varying") * (fs.lax.axis_index(ax) + 1), "S",
+                  lambda X: torch.cat([X * (i + 1) for i in range(n)])),
     }
 
 
@@ -80,14 +95,17 @@ def _run_case(shape, axes, name, check):
 # backward is the identity, Megatron's "g"; axis_index issues none).
 _OWN = {"psum": {"psum": 1}, "pmean": {"psum": 1}, "all_gather": {"all_gather": 1, "psum_scatter": 1},
         "psum_scatter": {"psum_scatter": 1, "all_gather": 1}, "ppermute": {"ppermute": 2},
-        "all_to_all": {"all_to_all": 2}, "axis_index": {}}
+        "all_to_all": {"all_to_all": 2}, "axis_index": {}, "all_gather_invarying": {"all_gather": 1},
+        "pbroadcast": {"all_gather": 1, "psum_scatter": 1}, "pshuffle": {"ppermute": 2},
+        "pswapaxes": {"all_to_all": 2}, "pcast": {"psum": 1}}
 
 
-def _expected_counts(name, out_code, n_dims):
+def _expected_counts(name, in_code, out_code, n_dims):
     """The body's collectives plus DTensor's: Y.full_tensor() of a sharded output and the
-    assembly of X.grad from the shards' gradients, one all_gather per mesh dim each."""
+    assembly of X.grad from the shards' gradients (of a sharded input), one all_gather per
+    mesh dim each."""
     counts = dict(_OWN[max((k for k in _OWN if name == k or name.startswith(k + "_")), key=len)])
-    counts["all_gather"] = counts.get("all_gather", 0) + n_dims * (1 + (out_code != "R"))
+    counts["all_gather"] = counts.get("all_gather", 0) + n_dims * ((in_code != "R") + (out_code != "R"))
     return counts
 
 
@@ -96,11 +114,11 @@ def _expected_counts(name, out_code, n_dims):
 def test_collective_values_and_grads_equal_global_functions(shape, axes, check):
     failures = []
     for name in _cases(2):
-        if name.startswith("all_gather") and name != "all_gather_copies" and not check:
+        if name.startswith("all_gather") and name != "all_gather_copies" and "invarying" not in name and not check:
             # out_spec P() of an all_gather result: its cotangent is split over the identical
             # copies only in checked mode; unchecked (Megatron) mode leaves that to the user.
             continue
-        want = _expected_counts(name, _cases(2)[name][3], len(shape))
+        want = _expected_counts(name, _cases(2)[name][1], _cases(2)[name][3], len(shape))
         for rank, (ok_val, ok_grad, dv, dg, counts) in enumerate(
                 run_on_ranks(_run_case, shape, axes, name, check, world_size=math.prod(shape.values()))):
             if not (ok_val and ok_grad):
@@ -251,3 +269,52 @@ def test_mixed_state_collectives_refuse_as_jax_does():
     assert msg.startswith("fs.lax.psum over ('b', 'a'): the value varies over 'a' but not over 'b'"), msg
     assert "fs.lax.psum(fs.lax.pvary(x, 'b'), ('b', 'a'))" in msg
     assert errors[("pvary", True)].endswith("Fix: pvary over the axes it does not vary over yet: fs.lax.pvary(x, 'b').")
+
+
+# --- JAX 0.10.2's newer surface: pcast, all_gather(to=), pbroadcast, pshuffle, pswapaxes ---
+
+def _new_surface_body():
+    mesh = fs.make_mesh({"a": 2, "b": 2})
+    errors, out = {}, {}
+
+    def call(key, fn, spec=P("a"), check=True):
+        f = fs.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=P(("a", "b")), check=check)
+        try:
+            out[key] = f(torch.arange(8.0).reshape(8, 1)).full_tensor().flatten().tolist()
+        except (ValueError, TypeError, NotImplementedError) as e:
+            errors[key] = f"{type(e).__name__}: {e}"
+
+    call("pcast_reduced", lambda x: fs.lax.pcast(x, "b", to="reduced"))
+    call("pcast_unreduced", lambda x: fs.lax.pcast(x, ("a", "b"), to="unreduced"))
+    call("pcast_bogus", lambda x: fs.lax.pcast(x, "b", to="invariant"))
+    call("pcast_set", lambda x: fs.lax.pcast(x, {"b"}, to="varying"))
+    call("pcast_empty", lambda x: fs.lax.pvary(fs.lax.pcast(x, (), to="varying"), "b"))
+    call("ag_reduced", lambda x: fs.lax.all_gather(x, "b", to="reduced")[0])
+    call("ag_bogus", lambda x: fs.lax.all_gather(x, "b", to="invariant")[0])
+    call("swap_groups", lambda x: fs.lax.pswapaxes(x, "b", 0, axis_index_groups=[[0, 1]]))
+    call("shuffle_bad", lambda x: fs.lax.pshuffle(x, "b", [0, 0]))
+    call("pb_source", lambda x: fs.lax.pbroadcast(x, "a", 2))
+    # pbroadcast has no implicit pvary in JAX: an invariant value is refused in checked mode...
+    call("pb_invariant", lambda x: fs.lax.pbroadcast(x, ("a", "b"), 1))
+    # ...and taken in unchecked mode (rank (a, b) = (0, 1) holds x's block 0: [0, 1, 2, 3])
+    call("pb_unchecked", lambda x: fs.lax.pbroadcast(x, ("a", "b"), 1)[:1], check=False)
+    return errors, out
+
+
+def test_new_surface_refusals_name_the_axis_and_the_fix():
+    errors, out = run_on_ranks(_new_surface_body, world_size=4)[0]
+    assert set(out) == {"pcast_empty", "pb_unchecked"}, (out, errors)
+    assert out["pb_unchecked"] == [0.0, 0.0, 0.0, 0.0], out
+    for key in ("pcast_reduced", "pcast_unreduced", "ag_reduced"):
+        assert errors[key].startswith("NotImplementedError: fs.lax.") and "not built yet" in errors[key], errors[key]
+        assert "issue 34" in errors[key], errors[key]
+    assert "'b', to='reduced'" in errors["pcast_reduced"] and "('a', 'b')" in errors["pcast_unreduced"]
+    assert errors["pcast_bogus"].startswith("ValueError: fs.lax.pcast over 'b': to='invariant'")
+    assert errors["pcast_set"].startswith("TypeError: fs.lax.pcast: axis_name={'b'}")
+    assert "'invarying' is JAX's spelling" in errors["ag_bogus"], errors["ag_bogus"]
+    assert errors["swap_groups"].startswith("NotImplementedError: fs.lax.pswapaxes over 'b': axis_index_groups")
+    assert "is not a permutation" in errors["shuffle_bad"]
+    assert "source=2 must be in [0, 2)" in errors["pb_source"]
+    msg = errors["pb_invariant"]
+    assert msg.startswith("ValueError: fs.lax.pbroadcast over ('a', 'b'): the value (shape (4, 1)) is invariant over 'b'")
+    assert "fs.lax.pvary(x, 'b') first" in msg
