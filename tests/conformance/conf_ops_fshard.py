@@ -34,6 +34,10 @@ class FshardOps:
     axis_index = staticmethod(fs.lax.axis_index)
     axis_size = staticmethod(fs.lax.axis_size)
     pvary = staticmethod(fs.lax.pvary)
+    pbroadcast = staticmethod(fs.lax.pbroadcast)
+    pshuffle = staticmethod(fs.lax.pshuffle)
+    pswapaxes = staticmethod(fs.lax.pswapaxes)
+    pcast = staticmethod(fs.lax.pcast)
 
     # --- transforms ---
     def shard_map(self, f: Callable, in_specs: Any, out_specs: Any, check: bool | None = None) -> Callable:
@@ -104,6 +108,8 @@ class FshardOps:
     @staticmethod
     def moveaxis(x, source, destination):
         return torch.movedim(x, source, destination)
+
+    where = staticmethod(torch.where)
 
 
 def to_numpy(x: Any) -> Any:

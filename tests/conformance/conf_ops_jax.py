@@ -52,6 +52,10 @@ class JaxOps:
     ppermute = staticmethod(jax.lax.ppermute)
     all_to_all = staticmethod(jax.lax.all_to_all)
     axis_index = staticmethod(jax.lax.axis_index)
+    pbroadcast = staticmethod(jax.lax.pbroadcast)
+    pshuffle = staticmethod(jax.lax.pshuffle)
+    pswapaxes = staticmethod(jax.lax.pswapaxes)
+    pcast = staticmethod(jax.lax.pcast)
 
     def axis_size(self, ax) -> int:
         return math.prod(self.mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax))
@@ -117,6 +121,7 @@ class JaxOps:
         return y.at[i].set(v)
 
     moveaxis = staticmethod(jnp.moveaxis)
+    where = staticmethod(jnp.where)
 
     @staticmethod
     def int32(x):

@@ -123,6 +123,25 @@ FAMILIES: dict[str, list[Case]] = {
     "pvary": [
         _c("pvary", lambda o, x, ax: o.pvary(x, ax), _mk(M, K), _mk(M, K), ins="R"),
         _c("pvary_squared", lambda o, x, ax: (lambda v: v * v)(o.pvary(x, ax)), _mk(M, K), _mk(M, K), ins="R"),
+        _c("pcast_varying", lambda o, x, ax: o.pcast(x, ax, to="varying") * 2.0, _mk(M, K), _mk(M, K), ins="R"),
+    ],
+    # JAX's all_gather_invariant: the result is invariant (out_specs=P() in checked mode),
+    # its transpose this device's slice of the cotangent.
+    "all_gather_invarying": [
+        _c("untiled_axis0", lambda o, x, ax: o.all_gather(x, ax, to="invarying"), _mk(M, K), _mk(_n, M, K), outs="R"),
+        _c("untiled_axis1", lambda o, x, ax: o.all_gather(x * x, ax, axis=1, to="invarying"), _mk(M, K),
+           _mk(M, _n, K), outs="R"),
+        _c("tiled_axis0", lambda o, x, ax: o.all_gather(x, ax, tiled=True, to="invarying"), _mk(M, K), _mk(_nm, K),
+           outs="R"),
+        _c("tiled_axis-1", lambda o, x, ax: o.all_gather(x, ax, axis=-1, tiled=True, to="invarying"), _mk(M, K),
+           _mk(M, _nk), outs="R"),
+        _c("inv_untiled", lambda o, x, ax: o.all_gather(x, ax, to="invarying"), _mk(M, K), _mk(_n, M, K), ins="R",
+           outs="R"),
+    ],
+    "pswapaxes": [
+        _c("axis0", lambda o, x, ax: o.pswapaxes(x, ax, 0), _mk(_n, K), _mk(_n, K)),
+        _c("3d_axis1", lambda o, x, ax: o.pswapaxes(x * 2.0, ax, 1), _mk(M, _n, K), _mk(M, _n, K)),
+        _c("inv_axis0", lambda o, x, ax: o.pswapaxes(x, ax, 0), _mk(_n, K), _mk(_n, K), ins="R"),
     ],
 }
 
@@ -151,6 +170,12 @@ PSUM_SCATTER_NEG_REF = [
 ]
 JAX_NEG_DIM_BUG = "jax 0.10.2 fails to lower psum_scatter with a negative scatter_dimension"
 
+# The same for pswapaxes (an untiled all_to_all): a negative axis fails to lower in JAX 0.10.2
+# ("MLIRError: Operation creation failed"); fshard normalizes it. Oracle: the axis spelled positive.
+PSWAPAXES_NEG = [_c("axis-1", lambda o, x, ax: o.pswapaxes(x, ax, -1), _mk(M, _n), _mk(M, _n))]
+PSWAPAXES_NEG_REF = [_c("axis-1", lambda o, x, ax: o.pswapaxes(x, ax, 1), _mk(M, _n), _mk(M, _n))]
+JAX_NEG_SWAP_BUG = "jax 0.10.2 fails to lower pswapaxes with a negative axis"
+
 # JAX 0.10.2 numbers ppermute's perm over a tuple of axes in MESH order, while its
 # axis_index and all_gather (and fshard everywhere) number positions in the tuple's order:
 # over ("y", "x") on the x-major 2x2 mesh, JAX's perm (0, 1) means axis_index 0 -> 2.
@@ -162,6 +187,46 @@ JAX_PPERMUTE_ORDER_QUIRK = ("jax 0.10.2 reads ppermute's perm over a tuple of ax
 def _ppermute_mesh_order_cases(mesh: str):
     return _ppermute_cases(lambda pairs, ax: [(mesh_order_index(mesh, ax, s), mesh_order_index(mesh, ax, d))
                                               for s, d in pairs])
+
+
+def _pshuffle_cases(perm_of):
+    """``perm_of(perm, ax)``: the sources list the program means -> the one passed to pshuffle."""
+    def ps(perm_of_n, scale=1.0):
+        return lambda o, x, ax: o.pshuffle(x * scale, ax, perm_of(perm_of_n(o.axis_size(ax)), ax))
+    return [
+        _c("next", ps(lambda n: [(i + 1) % n for i in range(n)]), _mk(M, K), _mk(M, K)),
+        _c("reverse", ps(lambda n: list(reversed(range(n))), 2.0), _mk(M, K), _mk(M, K)),
+        _c("inv_next", ps(lambda n: [(i + 1) % n for i in range(n)]), _mk(M, K), _mk(M, K), ins="R"),
+    ]
+
+
+def _pshuffle_mesh_order_cases(mesh: str):
+    # pshuffle is JAX's ppermute with (perm[i], i) pairs: the same mesh-order quirk.
+    def translate(perm, ax):
+        g = [mesh_order_index(mesh, ax, u) for u in range(len(perm))]
+        out = [0] * len(perm)
+        for i, src in enumerate(perm):
+            out[g[i]] = g[src]
+        return out
+    return _pshuffle_cases(translate)
+
+
+# pbroadcast: JAX 0.10.2 has no CPU lowering for it ("MLIR translation rule for primitive
+# 'pbroadcast' not found for platform cpu"). The oracle is JAX on pbroadcast's documented
+# equivalent, made varying again (pbroadcast keeps its input's type): same values, and the
+# same transpose in both modes (mask * psum(ct)).
+def _pbroadcast_cases(bcast):
+    return [
+        _c("source0", lambda o, x, ax: bcast(o, x, ax, 0), _mk(M, K), _mk(M, K)),
+        _c("source_last", lambda o, x, ax: bcast(o, x * 2.0, ax, o.axis_size(ax) - 1), _mk(M, K), _mk(M, K)),
+        _c("source1_sq", lambda o, x, ax: (lambda v: v * v)(bcast(o, x, ax, 1)), _mk(M, K), _mk(M, K)),
+    ]
+
+
+PBROADCAST = _pbroadcast_cases(lambda o, x, ax, s: o.pbroadcast(x, ax, s))
+PBROADCAST_REF = _pbroadcast_cases(
+    lambda o, x, ax, s: o.pvary(o.psum(o.where(o.axis_index(ax) == s, x, x * 0.0), ax), ax))
+JAX_PBROADCAST_CPU = "jax 0.10.2 has no CPU lowering for pbroadcast"
 
 
 # pmax/pmin have no gradient in either framework: values, and a gradient both must refuse.
@@ -194,7 +259,7 @@ def _dot(ys, ws):
 def _bodies(cases, ax, explicit_pvary: bool):
     """The per-case bodies; ``explicit_pvary`` makes invariant inputs varying first (unchecked mode)."""
     def one(c):
-        if explicit_pvary and c.ins == "R" and "pvary" not in c.tag:
+        if explicit_pvary and c.ins == "R" and "pvary" not in c.tag and "pcast" not in c.tag:
             return lambda o, x: c.body(o, o.pvary(x, ax), ax)
         return lambda o, x: c.body(o, x, ax)
     return [one(c) for c in cases]
@@ -263,13 +328,17 @@ def _register_family(family: str, cases: list[Case], mesh: str, ax) -> None:
         make = _TEMPLATES[template]
         register(Program(f"{group}/checked/{template}", mesh, True, make(cases, ax, False), _inputs(cases, n),
                          seed, group=group))
+        override = _UNCHECKED_OVERRIDE.get(family, {})
         if template == "outside":
+            differs = override.get(("outside", None))
             register(Program(f"{group}/unchecked/{template}", mesh, False, make(cases, ax, True),
-                             _inputs(cases, n), seed, group=group))
+                             _inputs(cases, n), seed, group=group, differs=differs,
+                             tags=(f"n={n}",) if differs else ()))
             continue
         for kind, sub in (("varying", [c for c in cases if c.ins == "S"]),
                           ("invariant", [c for c in cases if c.ins == "R"])):
-            differs = _UNCHECKED_INSIDE.get((template, kind, family in REDUCING), "skip")
+            default = _UNCHECKED_INSIDE.get((template, kind, family in REDUCING), "skip")
+            differs = override.get((template, kind), default)
             if not sub or differs == "skip" or (differs and (mesh, ax) not in DIFFERENCE_CONFIGS):
                 continue
             fn, sub_seed, twin = make(sub, ax, True), f"{seed}:{kind}", None
@@ -291,6 +360,20 @@ _UNCHECKED_INSIDE = {
     ("inside_local", "varying", True): "unchecked_psum_transpose",
     ("inside_psum", "varying", False): "unchecked_psum_transpose",
     ("inside_local", "invariant", False): "unchecked_pvary",
+}
+
+
+# Families whose unchecked programs follow other rules than _UNCHECKED_INSIDE's. The
+# invariant all_gather's result is replicated by value and its loss term invariant:
+# - outside, JAX's unchecked mode divides the cotangent of its P() output by n, fshard keeps
+#   it whole (docs/jax.md, "Unchecked mode: replicated outputs"): fshard's gradient is n
+#   times JAX's unchecked one (and equals JAX's checked one);
+# - inside_local with a varying input: no psum, no pvary: both unchecked modes agree;
+# - inside_psum: the psum of an invariant loss term, where checked mode's implicit pvary
+#   changes the math (as the reducing families): neither relation holds.
+_UNCHECKED_OVERRIDE: dict[str, dict[tuple[str, str | None], str | None]] = {
+    "all_gather_invarying": {("outside", None): "unchecked_replicated_output",
+                             ("inside_local", "varying"): None, ("inside_psum", "varying"): "skip"},
 }
 
 
@@ -350,6 +433,16 @@ for _mesh, _ax in CONFIGS:
                                   ref_means_the_same=False)
             continue
         _register_family(_family, _cases, _mesh, _ax)
+    if _in_mesh_order(_mesh, _ax):
+        _register_family("pshuffle", _pshuffle_cases(lambda perm, ax: perm), _mesh, _ax)
+    else:
+        _register_with_oracle("pshuffle", _pshuffle_cases(lambda perm, ax: perm), _pshuffle_mesh_order_cases(_mesh),
+                              _mesh, _ax, JAX_PPERMUTE_ORDER_QUIRK, ("outside", "inside_local", "inside_psum"),
+                              ref_means_the_same=False)
+    _register_with_oracle("pbroadcast", PBROADCAST, PBROADCAST_REF, _mesh, _ax, JAX_PBROADCAST_CPU,
+                          ("values", "outside", "inside_local", "inside_psum"))
+    _register_with_oracle("pswapaxes_negdim", PSWAPAXES_NEG, PSWAPAXES_NEG_REF, _mesh, _ax, JAX_NEG_SWAP_BUG,
+                          ("values", "outside", "inside_local"))
     _register_pmax_pmin(_mesh, _ax)
     _where = f"{_mesh}:{axes_label(_ax)}"
     # JAX runs the untiled values itself; only their gradients need the equivalent formulation.
@@ -366,3 +459,28 @@ for _mesh, _ax in CONFIGS:
                      _inside(PSUM_SCATTER_NEG, _ax, False, reduce_loss=False),
                      _inputs(PSUM_SCATTER_NEG, axis_size(_mesh, _ax)),
                      f"lax/psum_scatter_negdim/{_where}/inside_local"))
+
+
+# Refusals of JAX 0.10.2's newer surface, each refused by both frameworks while tracing
+# (test_conformance_lax.py::test_new_surface_refusals checks both messages).
+def _refused(body, in_spec_code: str, shape: tuple):
+    def fn(ops, x):
+        ax = "x"
+        sm = ops.shard_map(lambda x: body(ops, x, ax), in_specs=_spec(ops, in_spec_code, ax),
+                           out_specs=ops.P(ax))
+        return {"y": sm(x)}
+    return fn
+
+
+NEW_REFUSED = {
+    # JAX binds pbroadcast with no implicit pvary: an invariant value is refused.
+    "pbroadcast_invariant": (lambda o, x, ax: o.pbroadcast(x, ax, 0), "R", (M, K), True),
+    "pcast_bad_to": (lambda o, x, ax: o.pcast(x, ax, to="invariant"), "R", (M, K), True),
+    "pcast_set": (lambda o, x, ax: o.pcast(x, {ax}, to="varying"), "R", (M, K), True),
+    "all_gather_bad_to": (lambda o, x, ax: o.all_gather(x, ax, to="invariant")[0], "S", (4 * M, K), True),
+    "pshuffle_not_a_perm": (lambda o, x, ax: o.pshuffle(x, ax, [0, 0, 1, 2]), "S", (4 * M, K), False),
+    "pswapaxes_bad_size": (lambda o, x, ax: o.pswapaxes(x, ax, 0), "S", (4 * M, K), False),
+}
+for _what, (_body, _ins, _shape, _check) in NEW_REFUSED.items():
+    register(Program(f"lax/new_refused/x4:x/{mode_name(_check)}/{_what}", "x4", _check, _refused(_body, _ins, _shape),
+                     normals(_shape), f"lax/new_refused/{_what}"))

@@ -66,6 +66,25 @@ def test_unchecked_replicated_output(conformance):
         leaf_mismatches(fs_val["grads"], jax_val["grads"], scale=n)
 
 
+@TIMEOUT
+@pytest.mark.parametrize("conformance_program", [n for n in _differs("unchecked_replicated_output")
+                                                 if n.startswith("lax/all_gather_invarying/")])
+def test_unchecked_invariant_all_gather_output(conformance, conformance_program):
+    """The same row for all_gather(to="invarying") (replicated by value and by type) under
+    out_specs=P(), unchecked: fshard's gradient is n times JAX's unchecked one, and equals
+    JAX's checked one (the program's checked sibling)."""
+    p = _ALL[conformance_program]
+    n = int(next(t for t in p.tags if t.startswith("n="))[2:])
+    fs_val = _ok(conformance.fshard(conformance_program), "fshard", conformance_program)
+    jax_val = _ok(conformance.jax(conformance_program), "JAX", conformance_program)
+    assert not leaf_mismatches({k: v for k, v in fs_val.items() if k != "dx"},
+                               {k: v for k, v in jax_val.items() if k != "dx"})
+    assert not leaf_mismatches(fs_val["dx"], jax_val["dx"], scale=n), leaf_mismatches(fs_val["dx"], jax_val["dx"],
+                                                                                         scale=n)
+    checked = conformance_program.replace("/unchecked/", "/checked/")
+    assert not leaf_mismatches(fs_val, _ok(conformance.jax(checked), "JAX", checked))
+
+
 # --- docs/jax.md: "unchecked mode is Megatron-style" ----------------------------------------
 def _megatron_row(conformance, name):
     twin = _ALL[name].oracle

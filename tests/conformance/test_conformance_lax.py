@@ -37,3 +37,26 @@ def test_mixed_state_refusals(conformance, conformance_program):
     assert fs_rec["status"] == "error", fs_rec
     assert fs_rec["error"].startswith(f"ValueError: fs.lax.{op} over ("), fs_rec["error"]
     assert "but not over" in fs_rec["error"] and "Fix: " in fs_rec["error"], fs_rec["error"]
+
+
+# JAX's message, fshard's start, per refusal (conf_programs_lax.py: NEW_REFUSED).
+NEW_REFUSED = {
+    "pbroadcast_invariant": ("must be applied to a device-varying", "ValueError: fs.lax.pbroadcast over 'x'"),
+    "pcast_bad_to": ("Got unexpected `to` value", "ValueError: fs.lax.pcast over 'x': to='invariant'"),
+    "pcast_set": ("TypeError", "TypeError: fs.lax.pcast: axis_name={'x'}"),
+    "all_gather_bad_to": ("unexpected `to` value for `jax.lax.all_gather`",
+                          "ValueError: fs.lax.all_gather over 'x': to='invariant'"),
+    "pshuffle_not_a_perm": ("does not represent a permutation", "ValueError: fs.lax.pshuffle over 'x'"),
+    "pswapaxes_bad_size": ("all_to_all requires the size", "ValueError: fs.lax.all_to_all: dim 0"),
+}
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("conformance_program", [n for n in programs() if n.startswith("lax/new_refused/")])
+def test_new_surface_refusals(conformance, conformance_program):
+    """pbroadcast, pcast, all_gather(to=), pshuffle, pswapaxes: what JAX 0.10.2 refuses,
+    fshard refuses too, with its own message naming the op and the axis."""
+    jax_says, fs_starts = NEW_REFUSED[conformance_program.rsplit("/", 1)[1]]
+    jax_rec, fs_rec = conformance.jax(conformance_program), conformance.fshard(conformance_program)
+    assert jax_rec["status"] == "error" and jax_says in jax_rec["error"], jax_rec
+    assert fs_rec["status"] == "error" and fs_rec["error"].startswith(fs_starts), fs_rec
