@@ -5,7 +5,9 @@ untiled ``psum_scatter`` removes ``scatter_dimension`` (whose size must be the a
 untiled ``all_to_all`` removes ``split_axis`` (of the axis size) and inserts one at
 ``concat_axis``; tiled forms divide / multiply the dim instead. ``ppermute`` over a tuple
 of axes keeps mesh order (JAX numbers ``perm`` in mesh order otherwise: a docs/jax.md
-"not the oracle" row, not fuzzed).
+"not the oracle" row, not fuzzed), and so does ``pshuffle`` (a ``ppermute``). ``all_gather``
+draws ``to="invarying"`` too; ``pswapaxes`` a non-negative axis; ``pbroadcast`` runs in JAX
+as its documented equivalent (JAX 0.10.2 has no CPU lowering for it, see ops_src.py).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ def _all_gather(ctx: Ctx) -> bool:
         shape[d] *= n
     else:
         shape.insert(d, n)
-    ctx.add("all_gather", [a], {"axes": axes, "axis": d, "tiled": tiled}, "f", shape, v.vma | set(_ax(axes)))
+    # to="invarying" (JAX's all_gather_invariant): invariant over the axes, a slice as transpose.
+    to = "invarying" if ctx.rng.random() < 0.3 else "varying"
+    vma = v.vma - set(_ax(axes)) if to == "invarying" else v.vma | set(_ax(axes))
+    ctx.add("all_gather", [a], {"axes": axes, "axis": d, "tiled": tiled, "to": to}, "f", shape, vma)
     return True
 
 
@@ -108,5 +113,40 @@ def _all_to_all(ctx: Ctx) -> bool:
     return True
 
 
+def _pshuffle(ctx: Ctx) -> bool:
+    a = ctx.float_of()
+    v = ctx.vals[a]
+    axes = ctx.axes_choice(v.vma, mesh_order=True)  # a ppermute: the same mesh-order rule
+    perm = ctx.rng.sample(range(ctx.size(axes)), ctx.size(axes))
+    ctx.add("pshuffle", [a], {"axes": axes, "perm": perm}, "f", v.shape, v.vma | set(_ax(axes)))
+    return True
+
+
+def _pswapaxes(ctx: Ctx) -> bool:
+    a = ctx.float_of(pred=lambda v: len(v.shape) >= 1)
+    v = ctx.vals[a]
+    axes = ctx.axes_choice(v.vma)
+    dims = _fitting_dims(v.shape, ctx.size(axes), False)
+    if not dims:
+        return False
+    # A non-negative axis: JAX 0.10.2 fails to lower a negative one (docs/jax.md).
+    ctx.add("pswapaxes", [a], {"axes": axes, "axis": ctx.rng.choice(dims)}, "f", v.shape, v.vma | set(_ax(axes)))
+    return True
+
+
+def _pbroadcast(ctx: Ctx) -> bool:
+    # JAX binds pbroadcast with no implicit pvary: a value varying over all of the axes.
+    a = ctx.float_of(pred=lambda v: bool(v.vma))
+    v = ctx.vals[a]
+    names = [n for n in ctx.axes if n in v.vma]
+    if not names:
+        return False
+    k = 2 if len(names) >= 2 and ctx.rng.random() < 0.35 else 1
+    chosen = ctx.rng.sample(names, k)
+    axes = chosen[0] if k == 1 else chosen
+    ctx.add("pbroadcast", [a], {"axes": axes, "source": ctx.rng.randrange(ctx.size(axes))}, "f", v.shape, v.vma)
+    return True
+
+
 LAX_RULES = [(_reduce, 4), (_pvary, 1), (_all_gather, 2), (_psum_scatter, 1), (_ppermute, 1),
-             (_all_to_all, 1)]
+             (_all_to_all, 1), (_pshuffle, 1), (_pswapaxes, 1), (_pbroadcast, 1)]

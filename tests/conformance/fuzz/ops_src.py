@@ -81,6 +81,14 @@ def _pvary(fw, out, args, attrs):
     return f"{out} = fs.lax.pvary({args[0]}, {axes_src(attrs['axes'])})"
 
 
+def _pbroadcast(fw, out, args, attrs):
+    ax, s = axes_src(attrs["axes"]), attrs["source"]
+    if fw == "jax":  # JAX's documented equivalent, varying again as pbroadcast's result is
+        return (f"{out} = jax.lax.pcast(jax.lax.psum(jnp.where(jax.lax.axis_index({ax}) == {s}, {args[0]}, "
+                f"jnp.zeros_like({args[0]})), {ax}), {ax}, to='varying')")
+    return f"{out} = fs.lax.pbroadcast({args[0]}, {ax}, {s})"
+
+
 OPS: dict[str, Callable] = {
     "bin": _bin,
     "unary": _unary,
@@ -105,7 +113,11 @@ OPS: dict[str, Callable] = {
     "pmax": _collective("pmax"),
     "pmin": _collective("pmin"),
     "pvary": _pvary,
-    "all_gather": _collective("all_gather", lambda a: f", axis={a['axis']}, tiled={a['tiled']}"),
+    "all_gather": _collective("all_gather", lambda a: f", axis={a['axis']}, tiled={a['tiled']}"
+                              + (f", to={a['to']!r}" if a.get("to", "varying") != "varying" else "")),
+    "pshuffle": _collective("pshuffle", lambda a: f", perm={list(a['perm'])!r}"),
+    "pswapaxes": _collective("pswapaxes", lambda a: f", {a['axis']}"),
+    "pbroadcast": _pbroadcast,
     "psum_scatter": _collective("psum_scatter", lambda a: f", scatter_dimension={a['dim']}, tiled={a['tiled']}"),
     "ppermute": _collective("ppermute", lambda a: f", perm={[tuple(p) for p in a['perm']]!r}"),
     "all_to_all": _collective("all_to_all", lambda a: f", {a['split']}, {a['concat']}, tiled={a['tiled']}"),
