@@ -1,7 +1,7 @@
 """Conformance programs for every fs.lax collective and option, on 1-D and 2-D meshes.
 
-Each family (psum/pmean, all_gather, psum_scatter, ppermute, all_to_all, axis_index, pvary,
-pmax/pmin) is a list of cases; a case is one collective call ``body(ops, x, ax)`` on a
+Each family (psum/pmean, all_gather, all_gather(to="invarying"), psum_scatter, ppermute,
+pshuffle, all_to_all, pswapaxes, pbroadcast, axis_index, pvary/pcast, pmax/pmin) is a list of cases; a case is one collective call ``body(ops, x, ax)`` on a
 local block, with its local input/output shapes and whether its input and output are
 sharded over ``ax`` (``"S"``: ``P(ax)`` on dim 0, so the global value stacks the per-device
 blocks) or replicated (``"R"``: ``P()``). Each family runs on every axis configuration
@@ -22,7 +22,8 @@ psum, pvary -> no-op), the program is registered with ``differs`` and a checked 
 checked one (see docs/jax.md and ``_UNCHECKED_INSIDE``).
 
 Where JAX 0.10.2 itself is wrong (``jax_quirk``: untiled all_to_all gradients, negative
-scatter dimensions, ppermute over a tuple of axes not in mesh order), the oracle is JAX
+scatter dimensions and pswapaxes axes, ppermute and pshuffle over a tuple of axes not in
+mesh order, pbroadcast with no CPU lowering), the oracle is JAX
 on an equivalent formulation, registered as ``<family>.ref``.
 """
 
