@@ -172,6 +172,54 @@ def _make_step(side: str, mode: str, cfg: TransformerConfig, bucket_mb: float, b
     return _fshard_step(mode, cfg, mesh, bucket_mb, check=side == "fshard_checked")
 
 
+def _compute_step(mode: str, cfg: TransformerConfig, batch: int):
+    """The per-rank step without a collective, for the physical limit: the module's forward
+    and backward on this rank's ``batch`` rows with every parameter whole (as both sides
+    compute, after FSDP's gathers), then foreach AdamW over this rank's parameters: all of
+    them (DDP) or a dim-0 ``1 / n`` slice of each (FSDP's shard), whose gradients are views
+    of the whole gradients (a reduce-scatter's output stands in for no copy here)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    model = TransformerModule(cfg, seed=0)
+    params = list(model.parameters())
+    shards = [p.detach().tensor_split(n)[r].clone() for p in params] if mode == "fsdp" else params
+    opt = torch.optim.AdamW(shards, lr=1e-3, weight_decay=0.01, foreach=True)
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g)
+    tgt = torch.roll(tok, -1, 1)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(tok).flatten(0, 1), tgt.flatten()).backward()
+        if mode == "fsdp":
+            for s, p in zip(shards, params):
+                s.grad = p.grad.tensor_split(n)[r]
+        opt.step()
+
+    return step
+
+
+def minimal_bytes(mode: str, n: int, n_params: int, n_block: int) -> dict[str, int]:
+    """Per rank, the input payload of the collectives one step needs at least (fp32)."""
+    if mode == "fsdp":
+        # per rank: the root group's shard is gathered once (kept for backward), each block's
+        # twice (reshard after forward); the reduce-scatter takes the full gradient once.
+        return {"all_gather": 4 * (n_params + n_block) // n, "psum_scatter": 4 * n_params}
+    return {"psum": 4 * n_params}
+
+
+def physical_limit(mode: str, cfg: TransformerConfig, batch: int):
+    """This step's :class:`_limits.Limit` (collective: every rank calls it)."""
+    import _limits
+
+    n = dist.get_world_size()
+    init = transformer_init(cfg, 0)
+    n_params = sum(x.numel() for x in fs.tree.leaves(init))
+    n_block = sum(x.numel() for x in fs.tree.leaves(init["layers"]))
+    sent = sum(_limits.ring_sent(k, v, n) for k, v in minimal_bytes(mode, n, n_params, n_block).items())
+    compute = _limits.slowest(_limits.median_seconds(_compute_step(mode, cfg, batch)))
+    return _limits.Limit(compute, sent, _limits.link_rate(), n, _limits.cores())
+
+
 def timed_rounds(sides: dict[str, Callable[[], Any]], steps: int,
                  warmup: int = 3) -> tuple[dict[str, list[float]], dict[str, float], dict[str, list[Any]]]:
     """Runs every side once per round, in order, for ``warmup + steps`` rounds (collective:
@@ -204,10 +252,10 @@ def timed_rounds(sides: dict[str, Callable[[], Any]], steps: int,
 
 def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0, checked: bool = False,
              compiled: bool = False, backend: str = "inductor", cfg: dict | None = None):
-    """Times every side, interleaved; returns ``(times, losses, bytes, counts, first)``:
+    """Times every side, interleaved; returns ``(times, losses, bytes, counts, first, limit)``:
     per side the step times after warm-up and every step's global mean loss, fshard's
-    collective bytes and counts of one step, and per side the first step's time (for the
-    compiled sides: trace + compile + one step)."""
+    collective bytes and counts of one step, per side the first step's time (for the
+    compiled sides: trace + compile + one step), and the step's :func:`physical_limit`."""
     torch.set_num_threads(1)
     cfg = TransformerConfig(**(cfg or CFG))
     names = ["torch", "fshard"] + ["fshard_checked"] * checked + ["torch_compiled", "fshard_jit"] * compiled
@@ -224,7 +272,7 @@ def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0, checked
         losses[k] = [float(v.full_tensor() if hasattr(v, "full_tensor") else v) for v in values]
     with fs.comm_log() as log:
         sides["fshard"](*args["fshard"])
-    return times, losses, dict(log.bytes), dict(log.counts), first
+    return times, losses, dict(log.bytes), dict(log.counts), first, physical_limit(mode, cfg, batch)
 
 
 def _tree_events(roots):
@@ -299,7 +347,7 @@ def main(mode: str) -> None:
                          "fully_shard; ddp: the module compiled, then DDP), interleaved with the others")
     ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
     args = ap.parse_args()
-    times, losses, nbytes, counts, first = fs.run_local(
+    times, losses, nbytes, counts, first, limit = fs.run_local(
         per_rank, mode, args.steps, args.batch, args.bucket_mb, args.checked, args.compiled, args.backend,
         world_size=args.world_size, timeout_s=3000)[0]
     mem_sides = ("torch", "fshard") + (("torch_compiled", "fshard_jit") if args.compiled else ())
@@ -329,15 +377,10 @@ def main(mode: str) -> None:
         print(f"  first step (trace + compile, backend {args.backend}): torch compiled "
               f"{first['torch_compiled']:.1f} s, fs.jit {first['fshard_jit']:.1f} s")
     print("  first losses  " + "  ".join(f"{k} {v[:3]}" for k, v in losses.items()))
-    n = args.world_size
-    if mode == "fsdp":
-        # per rank: the root group's shard is gathered once (kept for backward), each block's
-        # twice (reshard after forward); the reduce-scatter takes the full gradient once.
-        minimum = {"all_gather": 4 * (n_params + n_block) // n, "psum_scatter": 4 * n_params}
-    else:
-        minimum = {"psum": 4 * n_params}
+    minimum = minimal_bytes(mode, args.world_size, n_params, n_block)
     print(f"  fshard collectives per step: {counts}")
     print(f"  bytes per rank (input payload): {nbytes}  theoretical minimum: {minimum}")
+    print("  " + limit.line({names[k]: statistics.median(v) for k, v in times.items()}))
     print("  peak live CPU tensor memory per rank (torch profiler; start of step -> peak during step):")
     for side in mem_sides:
         cells = "  ".join(f"rank {r}: {s / 2**20:.1f} -> {p / 2**20:.1f} MiB" for r, (s, p) in enumerate(memory[side]))

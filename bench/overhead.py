@@ -146,6 +146,30 @@ def run(steps: int, warmup: int, compiled: bool = False, backend: str = "inducto
     return wall, cpu, first
 
 
+def compute_alone(steps: int = 5, cfg: TransformerConfig = CFG, batch: int = BATCH) -> float:
+    """The step's physical limit on one process (no wire), in CPU seconds: its kernels alone,
+    measured as the operators' self time in torch fused's step (``bench/breakdown.py``:
+    matrix products, attention, other aten ops, the eager optimizer), without the host work
+    between them (Python, dispatch, the autograd engine) that both sides pay on top.
+
+    Self times are wall time: an op descheduled by another process counts its wait too. So
+    the sum is scaled by the profiled steps' thread CPU / wall (the share of the time the
+    thread held its core, taken as even over the step), to compare with the sides' CPU
+    times; on a quiet machine the factor is about 1. The fused optimizer's count holds its
+    range's own Python too, and the profiler adds a few percent to each op: a limit on the
+    high side, not below it."""
+    from breakdown import breakdown  # bench/ is on sys.path when this script runs
+
+    step = torch_step_fn(cfg, fused=True)
+    batches = [_batch(i, cfg, batch) for i in range(steps + 2)]
+    for b in batches[:2]:
+        step(*b)
+    it = iter(batches[2:])
+    kinds = breakdown(lambda: step(*next(it)), steps)
+    kernels = sum(kinds[k] for k in ("matrix products", "attention", "other aten ops", "eager optimizer"))
+    return kernels * min(1.0, kinds["thread CPU"] / kinds["step"])
+
+
 def profile(steps: int, warmup: int) -> None:
     """Top CPU ops of the fshard (pure) and torch steps, for finding fshard's overhead."""
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -217,6 +241,11 @@ def main() -> None:
                   f"fs.jit/torch fused {med['fshard jit'] / med['torch fused']:.3f}; donated: "
                   f"fs.jit/torch fused {med['fshard jit donated'] / med['torch fused']:.3f}, "
                   f"fs.jit/torch compiled {med['fshard jit donated'] / med['torch compiled']:.3f}")
+    from _limits import Limit  # bench/ is on sys.path when this script runs
+
+    limit = Limit(compute_alone())
+    print(" " + limit.line({k: statistics.median(v) for k, v in cpu.items()}) + " (CPU time; compute: the "
+          "kernels' self time in torch fused's step, at its on-core share)")
     if args.compiled:
         print(f" first step (trace + compile, {args.backend}): "
               + ", ".join(f"{k} {v:.1f} s" for k, v in first.items()))

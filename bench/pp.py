@@ -90,7 +90,8 @@ def per_rank(steps: int, batch: int, microbatches: list[int], compiled: bool = F
     ``torch``, ``fshard``, and with ``compiled`` ``torch_compiled``, ``fshard_jit``): median
     s/step, median bubble, fshard's last StepStats, first loss, the schedules, gradient errors
     against torch 1F1B, every timed step's seconds (for per-step ratios: the sides take turns
-    within each round), and the first step's seconds (compiled sides)."""
+    within each round), the first step's seconds (compiled sides), and per ``(schedule, m)``
+    the step's :func:`physical_limits`."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleavedZeroBubble)
 
@@ -207,9 +208,69 @@ def per_rank(steps: int, batch: int, microbatches: list[int], compiled: bool = F
                 label = name if kind == "fshard" else f"{name} jit"
                 grad_err[(label, m)] = max((got[k] - g).abs().max().item() for k, g in ref.items())
     module.zero_grad(set_to_none=True)
+    limits = physical_limits(module, rank == 0, cfg, tok, tgt, sched_of)
     return ({k: statistics.median(v) for k, v in times.items()},
             {k: statistics.median(v) for k, v in bubble.items()}, stats, first_loss, sched_of,
-            grad_err, times, first)
+            grad_err, times, first, limits)
+
+
+def _stage_costs(module: nn.Module, first: bool, cfg: TransformerConfig, tok: torch.Tensor, tgt: torch.Tensor,
+                 m: int) -> tuple[float, float]:
+    """This rank's stage, forward and full backward of one of ``m`` microbatches, without a
+    transfer: median seconds of each (stage 0 backpropagates a fixed output gradient, stage 1
+    its loss from a fixed input). Gradients accumulate into the module's ``.grad``: the
+    caller clears them."""
+    import _limits
+
+    b = tok.shape[0] // m
+    x = tok[:b] if first else torch.randn(b, cfg.max_seq_len, cfg.dim, requires_grad=True)
+    grad = torch.randn(b, cfg.max_seq_len, cfg.dim)
+    box = {}
+
+    def forward():
+        y = module(x)
+        box["out"] = y if first else _loss(y, tgt[:b])
+
+    def backward():
+        forward()  # untimed below: the backward needs a fresh graph each call
+        t0 = time.perf_counter()
+        box["out"].backward(grad if first else None)
+        box["b"] = time.perf_counter() - t0
+
+    f = _limits.median_seconds(forward)
+    bs = []
+    for _ in range(7):
+        backward()
+        bs.append(box["b"])
+    return f, statistics.median(bs[2:])
+
+
+def physical_limits(module: nn.Module, first: bool, cfg: TransformerConfig, tok: torch.Tensor, tgt: torch.Tensor,
+                    sched_of: dict) -> dict:
+    """Per ``(schedule, m)``, the step's :class:`_limits.Limit` (collective: every rank calls it).
+
+    Compute: ``fs.sched.simulate``'s makespan of the schedule at the slowest stage's measured
+    F and B per microbatch (:func:`_stage_costs`; a full B split 1:1 into I and W), that is
+    the stage's work times m plus the schedule's own bubble, with free transfers. Taking the
+    slowest stage for both counts the faster one's work at the slower's cost: the limit of
+    a pipeline balanced to its slowest stage. Wire: each rank sends one activation (stage 0)
+    or activation gradient (stage 1) per microbatch, the global batch's ``B x T x D`` fp32.
+    """
+    import _limits
+
+    costs = {}
+    for m in sorted({m for _, m in sched_of}):
+        f, b = _stage_costs(module, first, cfg, tok, tgt, m)
+        costs[m] = _limits.slowest(f), _limits.slowest(b)
+    module.zero_grad(set_to_none=True)
+    rate = _limits.link_rate()
+    sent = 4 * tok.shape[0] * cfg.max_seq_len * cfg.dim
+    out = {}
+    for (name, m), sch in sched_of.items():
+        f, b = costs[m]
+        compute = float(fs.sched.simulate(sch, f=f, b=b / 2, w=b / 2).makespan)
+        out[(name, m)] = _limits.Limit(compute, sent, rate, 2, _limits.cores())
+    return out
 
 
 def _global_name(name: str, start: int) -> str:
@@ -285,12 +346,13 @@ def main() -> None:
     args = ap.parse_args()
     results = fs.run_local(per_rank, args.steps, args.batch, args.microbatches, args.compiled, args.backend,
                            None, tuple(args.schedules), world_size=2, timeout_s=3000)
-    times, _, _, _, schedules, _, raw, first = results[0]
+    times, _, _, _, schedules, _, raw, first, limits = results[0]
     print(f"pipeline: 2 gloo ranks, global batch {args.batch}, median of {args.steps} steps "
           f"(forward + backward, no optimizer)")
     print("| schedule | m | torch s/step | fshard s/step | ratio | measured bubble torch / fshard "
-          "| simulated bubble (F=I=W=1 / measured F,I,W) |")
-    print("|---|---|---|---|---|---|---|")
+          "| simulated bubble (F=I=W=1 / measured F,I,W) | limit s: no overlap / overlap "
+          "| torch / fshard of the limit (no overlap) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m in args.microbatches:
         for name in args.schedules:
             tt, tf = times[("torch", name, m)], times[("fshard", name, m)]
@@ -303,8 +365,10 @@ def main() -> None:
             sim_unit = float(fs.sched.simulate(sch).bubble_fraction)
             sim_meas = float(fs.sched.simulate(sch, f=costs[0], b=costs[1], w=costs[2])
                              .bubble_fraction)
+            lim = limits[(name, m)]
             print(f"| {name} | {m} | {tt:.3f} | {tf:.3f} | {tf / tt:.2f} | {bub_t:.0%} / "
-                  f"{bub_f:.0%} | {sim_unit:.0%} / {sim_meas:.0%} |")
+                  f"{bub_f:.0%} | {sim_unit:.0%} / {sim_meas:.0%} | {lim.serial_s:.3f} / {lim.overlap_s:.3f} "
+                  f"| {tt / lim.serial_s:.2f} / {tf / lim.serial_s:.2f} |")
     if args.compiled:
         print(f"\ncompiled ({args.backend}): median of per-step ratios against torch eager's step of the "
               f"same schedule; first step = trace + compile + one step")
@@ -328,6 +392,10 @@ def main() -> None:
                       f"**{r('fshard_jit', 'torch')}** | {r('fshard_jit', 'torch_compiled')} | "
                       f"{r('fshard_jit', 'fshard')} | {r('torch_compiled', 'torch')} | "
                       f"{f('fshard_jit')} / {f('torch_compiled')} s |")
+    m0, name0 = args.microbatches[0], args.schedules[0]
+    print(limits[(name0, m0)].line({f"torch {name0} m={m0}": times[("torch", name0, m0)],
+                                    f"fshard {name0} m={m0}": times[("fshard", name0, m0)]})
+          + " (compute: the schedule simulated at the slowest stage's measured F and B; other rows: the table)")
     losses = results[1][3]
     print("max |grad - torch 1F1B grad| over both ranks:",
           {f"{k[0]} m={k[1]}": f"{max(r[5][k] for r in results):.1e}" for k in results[0][5]})

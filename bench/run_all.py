@@ -5,7 +5,9 @@
 
 Each benchmark runs in its own process (they start their own ranks), one after the
 other, so they never share the 2 cores. The summary keeps each script's ratio lines;
-the full outputs follow it. Paste the result into bench/README.md. ``--compiled`` passes
+the full outputs follow it; its last column is each script's "physical limit" line
+(compute alone plus minimal wire, and each side as a fraction of it; pp's per-schedule
+limits are columns of its own table). Paste the result into bench/README.md. ``--compiled`` passes
 ``--compiled`` and ``--backend`` to the scripts that have compiled sides (fs.jit and
 torch.compile), and adds ``jit_step``, whose sides always compile: without ``--compiled``
 it is left out (minutes of compiling).
@@ -77,11 +79,13 @@ def main() -> None:
         out, secs, rc = run(name, args.steps, args.compiled, args.backend)
         outputs[name] = (out, secs, rc)
         print(f"[{name}] done in {secs:.0f} s (exit {rc})", flush=True)
-    print("\n| benchmark | compares | ratio lines (fshard / torch) |\n|---|---|---|")
+    print("\n| benchmark | compares | ratio lines (fshard / torch) | physical limit (bench/_limits.py) |"
+          "\n|---|---|---|---|")
     for name, (out, _, rc) in outputs.items():
         lines = [ln.strip() for ln in out.splitlines() if "ratio" in ln.lower() or ln.startswith("|")]
+        limit = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("physical limit")]
         summary = "<br>".join(lines[:8]) if rc == 0 else f"failed (exit {rc})"
-        print(f"| {name} | {BENCHES[name][2]} | {summary} |")
+        print(f"| {name} | {BENCHES[name][2]} | {summary} | {'<br>'.join(limit) if rc == 0 else ''} |")
     for name, (out, _, _) in outputs.items():
         print(f"\n===== {name} =====\n{out}")
 

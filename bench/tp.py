@@ -159,9 +159,61 @@ def _fshard_step(cfg: TransformerConfig, mesh, sp: bool, jit_backend: str | None
     return step
 
 
+def _compute_step(cfg: TransformerConfig, batch: int, tp: int):
+    """One rank's TP step without a collective, for the physical limit: a ``TransformerModule``
+    whose sharded layers hold this rank's shapes (wq/wk/wv and w1 ``1 / tp`` of their
+    outputs, wo and w2 of their inputs, the embedding and the head ``1 / tp`` of the vocab),
+    norms and residuals whole, the whole batch (every TP rank sees it), cross entropy over
+    the local vocab (the work of the vocab-parallel loss without its reductions), foreach
+    AdamW. Under SP the norms run on ``T / tp`` tokens: a few percent less, not taken off."""
+    model = TransformerModule(cfg, seed=0)
+    D, H, V = cfg.dim, cfg.hidden_dim, cfg.vocab_size // tp
+    model.tok_embeddings = torch.nn.Embedding(V, D)
+    model.output = torch.nn.Linear(D, V, bias=False)
+    for layer in model.layers:
+        att, ff = layer.attention, layer.feed_forward
+        att.forward = types.MethodType(_local_heads_forward, att)
+        att.wq, att.wk, att.wv = (torch.nn.Linear(D, D // tp, bias=False) for _ in range(3))
+        att.wo = torch.nn.Linear(D // tp, D, bias=False)
+        ff.w1, ff.w2 = torch.nn.Linear(D, H // tp), torch.nn.Linear(H // tp, D)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, V, (batch, cfg.max_seq_len), generator=g)
+    tgt = torch.roll(tok, -1, 1)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(tok).flatten(0, 1), tgt.flatten()).backward()
+        opt.step()
+
+    return step
+
+
+def minimal_sent(cfg: TransformerConfig, batch: int, tp: int) -> float:
+    """Bytes one rank sends in a Megatron TP step at least (ring, fp32): per block two
+    activation all-reduces forward and two backward, one after the vocab-parallel embedding,
+    one for the head's input gradient, and the loss's three token-sized ones (max, sum of
+    exponentials, target logit). Sequence parallelism swaps each all-reduce for a
+    reduce-scatter and an all-gather: the same bytes."""
+    import _limits
+
+    act = 4 * batch * cfg.max_seq_len * cfg.dim
+    return _limits.ring_sent("all_reduce", (4 * cfg.n_layers + 2) * act + 3 * 4 * batch * cfg.max_seq_len, tp)
+
+
+def physical_limit(cfg: TransformerConfig, batch: int):
+    """This step's :class:`_limits.Limit` (collective: every rank calls it)."""
+    import _limits
+
+    n = dist.get_world_size()
+    compute = _limits.slowest(_limits.median_seconds(_compute_step(cfg, batch, n)))
+    return _limits.Limit(compute, minimal_sent(cfg, batch, n), _limits.link_rate(), n, _limits.cores())
+
+
 def per_rank(steps: int, batch: int, compiled: bool = False, backend: str = "inductor", cfg: dict | None = None):
     """Times every side, interleaved; returns ``(median s/step, losses, wire, first)`` per side
-    (``first``: the first step's time, for the compiled sides trace + compile + one step)."""
+    (``first``: the first step's time, for the compiled sides trace + compile + one step) and
+    the step's :func:`physical_limit`."""
     torch.set_num_threads(1)
     mesh = fs.make_mesh({"tp": dist.get_world_size()})
     cfg = TransformerConfig(**(cfg or CFG))
@@ -183,7 +235,8 @@ def per_rank(steps: int, batch: int, compiled: bool = False, backend: str = "ind
         with _Wire() as w:
             step(tok, tgt)
         wire[k] = (dict(w.counts), dict(w.bytes))
-    return {k: statistics.median(v) for k, v in times.items()}, losses, wire, first
+    return ({k: statistics.median(v) for k, v in times.items()}, losses, wire, first,
+            physical_limit(cfg, batch))
 
 
 def main() -> None:
@@ -194,7 +247,7 @@ def main() -> None:
                     help="also time fshard (TP, TP + SP) under fs.jit and torch with per-block torch.compile")
     ap.add_argument("--backend", default="inductor", help="the torch.compile backend of --compiled's sides")
     args = ap.parse_args()
-    times, losses, wire, first = fs.run_local(per_rank, args.steps, args.batch, args.compiled, args.backend,
+    times, losses, wire, first, limit = fs.run_local(per_rank, args.steps, args.batch, args.compiled, args.backend,
                                               world_size=2, timeout_s=3000)[0]
     print(f"tp=2, 2 gloo ranks x the same batch {args.batch}, median of {args.steps} steps")
     for k in times:
@@ -211,6 +264,7 @@ def main() -> None:
         print(f"  {k:<10} {times[k]:.3f} s/step  ratio/torch {times[k] / times['torch']:.2f}  "
               f"collectives {counts}  payload {nbytes}  sent per rank {sent:,} B")
     worst = max(abs(a - b) for a, b in zip(losses["torch"], losses["fshard"]))
+    print("  " + limit.line(times))
     print(f"  first losses: torch {losses['torch'][:3]}  fshard {losses['fshard'][:3]}  "
           f"max |diff| over all steps {worst:.2e}")
 

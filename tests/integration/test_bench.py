@@ -56,8 +56,10 @@ def _data_parallel(mode):
 def test_data_parallel_compiled_sides_match_eager(mode):
     # bench/fsdp.py / bench/ddp.py --compiled: fully_shard with per-block torch.compile, or
     # the module compiled under DDP; fshard's step under fs.jit.
-    (times, losses, _, _, first), memory = run_on_ranks(_data_parallel, mode, world_size=2)[0]
+    _bench("_limits")  # the ranks' Limit unpickles here
+    (times, losses, _, _, first, limit), memory = run_on_ranks(_data_parallel, mode, world_size=2)[0]
     assert set(times) == {"torch", "fshard", "torch_compiled", "fshard_jit"}
+    _check_limit(limit, {k: v[0] for k, v in times.items()}, wire=True)
     assert all(len(v) == 1 for v in times.values()) and set(first) == set(times)
     _close(losses["torch_compiled"], losses["torch"], "torch compiled vs torch")
     _close(losses["fshard_jit"], losses["fshard"], "fs.jit vs fshard eager")
@@ -110,7 +112,9 @@ def _tp():
 def test_tp_compiled_sides_match_eager():
     # bench/tp.py --compiled: parallelize_module with per-block torch.compile; fshard's TP
     # and TP + SP steps under fs.jit.
-    times, losses, wire, first = run_on_ranks(_tp, world_size=2)[0]
+    _bench("_limits")  # the ranks' Limit unpickles here
+    times, losses, wire, first, limit = run_on_ranks(_tp, world_size=2)[0]
+    _check_limit(limit, times, wire=True)
     assert set(times) == {"torch", "fshard", "fshard_sp", "torch_compiled", "fshard_jit", "fshard_sp_jit"}
     assert set(wire) == {"torch", "fshard", "fshard_sp"} and set(first) == set(times)
     _close(losses["torch_compiled"], losses["torch"], "torch compiled vs torch")
@@ -137,6 +141,8 @@ def test_overhead_compiled_sides_match_torch():
     assert set(wall) == set(cpu) == {"torch", "torch fused", "fshard", "fshard donated", "torch compiled", "fshard jit",
                                      "fshard jit donated"}
     assert set(first) == {"torch compiled", "fshard jit", "fshard jit donated"}
+    compute = _bench("overhead").compute_alone(1, TransformerConfig(**TINY), 2)
+    _check_limit(_bench("_limits").Limit(compute), {k: min(v) for k, v in cpu.items()}, wire=False)
 
 
 def _pp():
@@ -146,6 +152,7 @@ def _pp():
 def test_pp_compiled_sides_match_eager():
     # bench/pp.py --compiled: torch's schedules over per-block compiled stages; fshard's
     # pipeline_step under fs.jit, whose gradients are checked against torch 1F1B's.
+    _bench("_limits")  # the ranks' Limit unpickles here
     out = run_on_ranks(_pp, world_size=2)
     times, first_loss, grad_err, first = out[1][0], out[1][3], out[1][5], out[1][7]
     kinds = {"torch", "fshard", "torch_compiled", "fshard_jit"}
@@ -156,9 +163,38 @@ def test_pp_compiled_sides_match_eager():
             _close([first_loss[("torch_compiled", name, 2)]], [first_loss[("torch", name, 2)]],
                    f"torch compiled {name}")
         _close([first_loss[("fshard_jit", name, 2)]], [first_loss[("fshard", name, 2)]], f"fs.jit {name}")
+    assert set(out[0][8]) == {(n, 2) for n in ("gpipe", "1f1b", "zb-h1")}
+    for key, limit in out[0][8].items():  # every rank holds the same limits: the slowest stage's costs
+        assert limit == out[1][8][key]
+        _check_limit(limit, {"torch": times[("torch", *key)]}, wire=True)
     for r in out:
         assert set(r[5]) == {(n, 2) for n in ("gpipe", "1f1b", "zb-h1", "gpipe jit", "1f1b jit", "zb-h1 jit")}
         assert max(r[5].values()) <= 1e-5, r[5]  # fp32 gradients against torch 1F1B's
+
+
+def _check_limit(limit, times, wire: bool) -> None:
+    # The physical limit each script prints: measured compute, and (wire) bytes at a measured rate.
+    assert limit.compute_s > 0 and limit.overlap_s <= limit.serial_s, limit
+    assert (limit.sent_bytes > 0 and 0 < limit.rate < float("inf")) == wire, limit
+    line = limit.line(times)
+    assert line.startswith("physical limit: compute ") and "of the limit" in line, line
+    assert all(f"{k} {t / limit.serial_s:.2f}" in line for k, t in times.items()), line
+
+
+def test_limits_ring_bytes_and_sums():
+    lim = _bench("_limits")
+    assert [lim.ring_sent(k, 100, 4) for k in ("psum", "all_gather", "psum_scatter", "send")] == [150, 300, 75, 100]
+    with pytest.raises(ValueError, match="kind 'p2p'"):
+        lim.ring_sent("p2p", 1, 2)
+    limit = lim.Limit(0.5, 2.0, 8.0, ranks=2, cores=2)  # wire 0.25 s
+    assert (limit.wire_s, limit.serial_s, limit.overlap_s) == (0.25, 0.75, 0.5)
+    assert "fshard 2.00 / 3.00" in limit.line({"fshard": 1.5})
+
+
+def test_every_bench_script_prints_its_limit():
+    # run_all.py's summary collects these lines: each script's main prints Limit.line.
+    for script in ("data_parallel.py", "tp.py", "pp.py", "overhead.py"):
+        assert "limit.line(" in (BENCH / script).read_text() or ".line({" in (BENCH / script).read_text(), script
 
 
 def _collectives():
