@@ -132,6 +132,19 @@ class Machine:
       comm_temporaries: buffers a collective in flight allocates besides its input and
         output, as a multiple of the larger of them (gloo's all-gather and reduce-scatter
         stage through one each: 1; NCCL works in place: 0).
+      fit_residuals: calibrated machines: per fitted figure (``"flops[float32]"``,
+        ``"mem_bandwidth"``, ``"block"``, ...) the fit's relative residual (root mean square
+        of ``(fitted - measured) / measured`` over its sizes; the larger of it and the
+        spread of repeated rounds where there were rounds); empty: not recorded (shipped
+        files, or files older than the field).
+      uncertain: the fitted figures whose residual stayed above the calibration's threshold
+        after one repeat (:data:`fshard.plan.calibrate.NOISY_FIT`): used, but the estimate's
+        interval widens and says so (:attr:`fshard.plan.estimate.Estimate.uncertain`).
+      conditions: calibrated machines: what the calibration ran under (torch and fshard
+        versions, core counts, load averages before and after, time; the keys
+        :func:`fshard.plan.freshness.conditions` writes), which decides whether a stored file
+        may be reused (:func:`fshard.plan.freshness.stale`); empty: unknown (shipped files,
+        or files older than the field: treated as stale when reused as this host's).
       sources: where the figures come from.
       notes: assumptions, in words.
     """
@@ -158,6 +171,9 @@ class Machine:
     calibrated_ranks: int = 0
     reserved_bytes: float = 0.0
     comm_temporaries: float = 0.0
+    fit_residuals: Mapping[str, float] = attrs.field(factory=dict, converter=_dict)
+    uncertain: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    conditions: Mapping[str, Any] = attrs.field(factory=dict, converter=_dict)
     sources: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
     notes: str = ""
 
@@ -202,6 +218,10 @@ class Machine:
         _positive(f"{where}: sync_overhead_s", self.sync_overhead_s, allow_zero=True)
         _positive(f"{where}: reserved_bytes", self.reserved_bytes, allow_zero=True)
         _positive(f"{where}: comm_temporaries", self.comm_temporaries, allow_zero=True)
+        for fit, r in self.fit_residuals.items():
+            _positive(f"{where}: fit_residuals[{fit!r}]", r, allow_zero=True)
+        if not all(isinstance(u, str) for u in self.uncertain):
+            raise DescriptionError(f"{where}: uncertain must list figure names (strings), got {list(self.uncertain)!r}")
         for f in ("cores_per_node", "calibrated_ranks"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -282,6 +302,7 @@ class Machine:
     def to_dict(self) -> dict[str, Any]:
         d = attrs.asdict(self, recurse=True)
         d["sources"] = list(self.sources)
+        d["uncertain"] = list(self.uncertain)
         return d
 
 

@@ -128,6 +128,11 @@ def test_calibrate_measures_and_saves_the_same_machine_on_every_rank(tmp_path):
     assert 0 <= m.optimizer_leaf_overhead_s < 0.1  # a finite figure, seconds per leaf
     assert 0.05 <= m.optimizer_mem_efficiency <= 1
     assert 0 <= m.sync_overhead_s < 0.1  # seconds per blocking call, measured (4 ranks; cores vary)
+    # issue 37: the fits' residuals, the noisy ones named, and what the calibration ran under
+    assert set(m.fit_residuals) == {"flops[float32]", "mem_bandwidth", "block"}
+    assert set(m.uncertain) <= set(m.fit_residuals) and "fit residuals flops[float32]" in m.notes
+    assert m.conditions["torch"] == torch.__version__ and m.conditions["ranks"] == 4
+    assert m.conditions["cpu_count"] >= 1 and m.conditions["time"] > time.time() - 3600
     assert "block fit (dim 256" in m.notes and "per step-body call" in m.notes and "per leaf" in m.notes and \
         "of the copy's bandwidth" in m.notes and "per blocking collective" in m.notes
     # the estimate can use it
