@@ -4,7 +4,9 @@
 pick the wrappers: ``fs.parallel.tp_apply`` with the model's TP plan over ``tp``, then
 ``fs.parallel.fsdp_apply`` per block over ``fsdp`` (and ``dp``: DDP, or HSDP with both), as
 ``fully_shard`` per block and ``parallelize_module`` would. The parameters start from the
-module's own values; the step is :func:`~fshard.recipes.step.build_train_step`'s.
+module's own values; the step is :func:`~fshard.recipes.step.build_train_step`'s. Validation
+(``fs.recipes.train``'s ``val_batch_at``) runs the step's own forward and loss, in eval mode
+and without a gradient (``ComposedStep.forward_loss``).
 """
 
 from __future__ import annotations
@@ -123,15 +125,19 @@ def compose_module_step(
             policy=roles.policy,
         )
 
-    def grads_fn(wrap: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
+    # The buffers (rotary tables, masks) are arguments, not closed over: fs.jit traces
+    # its inputs only. Replicated: the same on every rank.
+    in_specs = (specs, roles.batch_spec, roles.batch_spec, replicate_specs(buffers))
+
+    def global_loss(wrap: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
         def loss_fn(p: Any, inputs: torch.Tensor, targets: torch.Tensor, b: Any) -> torch.Tensor:
             loss = wrap(model.loss(apply(p, inputs, buffers=b), targets))
             return pmean(loss, roles.data_axes) if roles.data_axes else loss
 
-        # The buffers (rotary tables, masks) are arguments, not closed over: fs.jit traces
-        # its inputs only. Replicated: the same on every rank.
-        in_specs = (specs, roles.batch_spec, roles.batch_spec, replicate_specs(buffers))
-        return value_and_grad(shard_map(loss_fn, mesh=roles.mesh, in_specs=in_specs, out_specs=P()))
+        return shard_map(loss_fn, mesh=roles.mesh, in_specs=in_specs, out_specs=P())
+
+    def grads_fn(wrap: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
+        return value_and_grad(global_loss(wrap))
 
     grads_of = grads_fn(inject.loss)
     paths = tree_util.zip_with_path(params)[0]
@@ -151,4 +157,18 @@ def compose_module_step(
         sharded = shard(tree_util.tree_map(lambda x: x.detach().clone(), params), specs, roles.mesh, uneven=True)
         return sharded, optimizer.init(sharded)
 
-    return ComposedStep(step, init_state, model, roles, specs, None, order)
+    forward = global_loss(lambda loss: loss)
+
+    def forward_loss(params: Any, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # The training step's forward in eval mode (dropout off, as HF's Trainer evaluates),
+        # each submodule's own train/eval flag given back afterwards.
+        modes = [(m, m.training) for m in model.module.modules()]
+        model.module.eval()
+        try:
+            with torch.no_grad():
+                return forward(params, inputs, targets, buffers)
+        finally:
+            for m, training in modes:
+                m.train(training)
+
+    return ComposedStep(step, init_state, model, roles, specs, None, order, forward_loss)

@@ -424,6 +424,10 @@ class ComposedStep:
       specs: the parameters' specs (on a pipeline: of the blocks this rank holds).
       pipe: the pipeline (schedule, stage placement), or None without a ``pp`` axis.
       order: parameter path -> place in the model's tree.
+      forward_loss: ``forward_loss(params, inputs, targets) -> loss``, the mean loss of a
+        global batch by the step's own forward (no gradient, no update), for a model that
+        composes its own step (a ``ModuleModel``); None: :mod:`fshard.recipes.validate`
+        builds it from the ``LayeredModel``.
     """
 
     step: TrainStep
@@ -433,6 +437,7 @@ class ComposedStep:
     specs: Any
     pipe: Pipeline | None
     order: dict[str, int]
+    forward_loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def compose_train_step(

@@ -192,8 +192,8 @@ def train(
       say: where messages go (rank 0's ``print``; default: nowhere), the summary table too.
       val_batch_at: ``i -> (inputs, targets)``, held-out batch ``i`` (of ``layout.batch``
         rows, as ``batch_at``'s); validation every ``config.val_every`` steps and at the
-        end (:func:`fshard.recipes.validate.make_eval_loss`: forward only, or the pipeline's
-        step with its gradients dropped). None: no validation.
+        end (:func:`fshard.recipes.validate.make_eval_loss`: forward only, a ``ModuleModel``
+        in eval mode, or the pipeline's step with its gradients dropped). None: no validation.
       logs: where the records go as they are made (rank 0's :class:`~fshard.recipes.sinks.Logs`;
         a flush at the end, the caller closes it with the summary).
       mfu: the model's FLOPs per token and the peak (:func:`fshard.recipes.metrics.mfu_for`);

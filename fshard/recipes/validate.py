@@ -10,7 +10,10 @@ the rounding of the reductions, as the training loss):
   ``microbatches`` (the activations stay those of one training microbatch);
 - with a pipeline: the training step's own pipeline (``fs.sched.pipeline_step``: forward
   and backward, every schedule, StageFSDP) with its gradients discarded: the simplest
-  correct way on every schedule, at a training step's cost.
+  correct way on every schedule, at a training step's cost;
+- a ``ModuleModel`` (an ``nn.Module``): the step's own forward and loss under its wrappers
+  (``tp_apply``, ``fsdp_apply``), without a gradient and with the module in eval mode
+  (:attr:`~fshard.recipes.step.ComposedStep.forward_loss`).
 """
 
 from __future__ import annotations
@@ -46,13 +49,17 @@ def make_eval_loss(composed: ComposedStep, microbatches: int = 1) -> EvalLoss:
         in this many slices).
 
     Raises:
-      ConfigError: the model is not a ``LayeredModel`` (a ``ModuleModel``: not yet).
+      ConfigError: the model is neither a ``LayeredModel`` nor one whose composed step has
+        a ``forward_loss`` (a ``ModuleModel``'s has).
     """
     model, roles = composed.model, composed.roles
+    if composed.forward_loss is not None:
+        return _sliced(composed.forward_loss, microbatches)
     if not isinstance(model, LayeredModel):
         raise ConfigError(
-            f"validation (val_batch_at, --val-every) runs on a LayeredModel; {type(model).__name__} "
-            f"{getattr(model, 'name', '')!r} is not one yet: evaluate it in your own loop, or leave validation off"
+            f"validation (val_batch_at, --val-every) runs on a LayeredModel or a ModuleModel; "
+            f"{type(model).__name__} {getattr(model, 'name', '')!r} composes a step without a forward_loss: "
+            f"give its ComposedStep one, evaluate it in your own loop, or leave validation off"
         )
     if composed.pipe is not None:
         grads_of = make_pipeline_grads(model, roles, composed.pipe, Injection())
@@ -69,6 +76,11 @@ def make_eval_loss(composed: ComposedStep, microbatches: int = 1) -> EvalLoss:
     forward = shard_map(
         body, mesh=roles.mesh, in_specs=(composed.specs, roles.batch_spec, roles.batch_spec), out_specs=P()
     )
+    return _sliced(forward, microbatches)
+
+
+def _sliced(forward: Callable[[Any, torch.Tensor, torch.Tensor], Any], microbatches: int) -> EvalLoss:
+    """``forward``'s mean loss over ``microbatches`` slices of the batch, without a gradient."""
 
     def eval_loss(params: Any, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         with torch.no_grad():

@@ -5,6 +5,7 @@ summary table."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -56,16 +57,43 @@ def test_validation_loss_is_the_models_loss_without_an_update_on_every_layout():
             assert got[2][1] == pytest.approx(one[2][1], rel=1e-9), mesh
 
 
-def test_validation_of_a_module_model_is_refused_before_training():
+def _mlp_model() -> fs.recipes.ModuleModel:
+    torch.manual_seed(0)
     module = torch.nn.Module()
-    module.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
-    module.forward = lambda x: module.layers[0](x)
-    model = fs.recipes.ModuleModel(module, loss=torch.nn.functional.mse_loss, blocks="layers", name="mlp")
-    layout = fs.parallel.Layout.parse("fsdp=1", batch=2)
-    batch = (torch.randn(2, 4), torch.randn(2, 4))
-    with pytest.raises(fs.recipes.ConfigError, match=r"validation .* runs on a LayeredModel; ModuleModel 'mlp'"):
-        fs.recipes.train(model, layout, fs.optim.sgd(0.1), lambda s: batch, fs.recipes.TrainConfig(1, progress=False),
-                         val_batch_at=lambda i: batch)
+    module.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)]).double()
+    module.drop = torch.nn.Dropout(0.5)  # on while training: validation must turn it off
+    module.forward = lambda x: module.drop(module.layers[0](x))
+    return fs.recipes.ModuleModel(module, loss=torch.nn.functional.mse_loss, blocks="layers", name="mlp")
+
+
+def test_validation_of_a_module_model_is_its_loss_in_eval_mode_without_an_update():
+    model = _mlp_model()
+    g = torch.Generator().manual_seed(3)
+    held = (torch.randn(2, 4, generator=g, dtype=torch.float64), torch.randn(2, 4, generator=g, dtype=torch.float64))
+    layout = fs.parallel.Layout.parse("fsdp=1", batch=2, dtype="float64")
+    run = fs.recipes.train(model, layout, fs.optim.sgd(0.1), lambda s: held, fs.recipes.TrainConfig(2, progress=False),
+                           val_batch_at=lambda i: held)
+    assert all(m.training for m in model.module.modules())  # the flags it had, given back
+    model.module.eval()  # the reference: the module itself, dropout off, with the trained values
+    fs.nn.load_state(model.module, fs.gather(run.params))
+    with torch.no_grad():
+        want = torch.nn.functional.mse_loss(model.module(held[0]), held[1]).item()
+    assert run.records[-1]["val_loss"] == pytest.approx(want, rel=1e-13)
+
+
+def test_validation_of_a_model_whose_step_has_no_forward_loss_is_refused_before_training():
+    inner = _mlp_model()
+
+    class OwnStep:  # composes its own step, without ComposedStep.forward_loss
+        def compose(self, *args):
+            return attrs.evolve(inner.compose(*args), forward_loss=None)
+
+    layout = fs.parallel.Layout.parse("fsdp=1", batch=2, dtype="float64")
+    batch = (torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64))
+    with pytest.raises(fs.recipes.ConfigError, match=r"validation .* ModuleModel 'mlp' composes a step without a "
+                                                     r"forward_loss"):
+        fs.recipes.train(OwnStep(), layout, fs.optim.sgd(0.1), lambda s: batch,
+                         fs.recipes.TrainConfig(1, progress=False), val_batch_at=lambda i: batch)
 
 
 def _machine_file(tmp_path) -> str:
