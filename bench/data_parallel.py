@@ -29,6 +29,11 @@ compiled: for FSDP each block ``torch.compile(block, fullgraph=True)`` before
 (torch's advice: compile what DDP wraps, not the wrapper). Both keep their eager foreach
 AdamW. The first step's time (trace + compile) is reported for both. ``--backend`` picks
 the ``torch.compile`` backend (``aot_eager``: no code generation, a quick check).
+
+Physical limit (``bench/_limits.py``), measured in the same processes after the timed steps:
+compute = :func:`_compute_step` (the module's forward and backward on the rank's rows and
+AdamW over its parameters or FSDP shard, no collective), wire = :func:`minimal_bytes` sent
+by ring algorithms at the link rate of a large all-reduce on the same gloo group.
 """
 
 from __future__ import annotations
@@ -207,8 +212,9 @@ def minimal_bytes(mode: str, n: int, n_params: int, n_block: int) -> dict[str, i
     return {"psum": 4 * n_params}
 
 
-def physical_limit(mode: str, cfg: TransformerConfig, batch: int):
-    """This step's :class:`_limits.Limit` (collective: every rank calls it)."""
+def physical_limit(mode: str, cfg: TransformerConfig, compute_s: float):
+    """This step's :class:`_limits.Limit` at ``compute_s`` seconds of compute (the slowest
+    rank's :func:`_compute_step`), measuring the link rate (collective: every rank calls it)."""
     import _limits
 
     n = dist.get_world_size()
@@ -216,8 +222,7 @@ def physical_limit(mode: str, cfg: TransformerConfig, batch: int):
     n_params = sum(x.numel() for x in fs.tree.leaves(init))
     n_block = sum(x.numel() for x in fs.tree.leaves(init["layers"]))
     sent = sum(_limits.ring_sent(k, v, n) for k, v in minimal_bytes(mode, n, n_params, n_block).items())
-    compute = _limits.slowest(_limits.median_seconds(_compute_step(mode, cfg, batch)))
-    return _limits.Limit(compute, sent, _limits.link_rate(), n, _limits.cores())
+    return _limits.Limit(compute_s, sent, _limits.link_rate(), n, _limits.cores())
 
 
 def timed_rounds(sides: dict[str, Callable[[], Any]], steps: int,
@@ -261,7 +266,11 @@ def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0, checked
     names = ["torch", "fshard"] + ["fshard_checked"] * checked + ["torch_compiled", "fshard_jit"] * compiled
     sides = {k: _make_step(k, mode, cfg, bucket_mb, backend) for k in names}
     args = _batches(cfg, batch)
-    times, first, raw = timed_rounds({k: functools.partial(step, *args[k]) for k, step in sides.items()}, steps)
+    # The limit's compute runs as one more side in the same rounds: noise hits it alike.
+    timed = {k: functools.partial(step, *args[k]) for k, step in sides.items()}
+    times, first, raw = timed_rounds({**timed, "compute": _compute_step(mode, cfg, batch)}, steps)
+    compute_s = statistics.median(times.pop("compute"))
+    first.pop("compute"), raw.pop("compute")
     losses = {}
     for k, values in raw.items():
         if k.startswith("torch"):  # the native loss is this rank's; report the global mean like fshard
@@ -272,7 +281,7 @@ def per_rank(mode: str, steps: int, batch: int, bucket_mb: float = 25.0, checked
         losses[k] = [float(v.full_tensor() if hasattr(v, "full_tensor") else v) for v in values]
     with fs.comm_log() as log:
         sides["fshard"](*args["fshard"])
-    return times, losses, dict(log.bytes), dict(log.counts), first, physical_limit(mode, cfg, batch)
+    return times, losses, dict(log.bytes), dict(log.counts), first, physical_limit(mode, cfg, compute_s)
 
 
 def _tree_events(roots):

@@ -23,7 +23,8 @@ in this thread's CPU time (with one intra-op thread, CPU autograd runs every ker
 the calling thread, so CPU time is the step's work without the time other processes
 took the core away: the steadier number on a shared machine). A ratio below 1 means
 fshard is faster. ``--profile`` prints where an fshard step spends its time
-(torch.profiler, CPU) instead.
+(torch.profiler, CPU) instead. The physical limit (no wire on one process) is
+:func:`compute_alone`: the kernels' self time of torch fused's step, against CPU times.
 
     PYTHONPATH=. python bench/overhead.py [--steps 20] [--warmup 3] [--threads 1] [--profile]
     PYTHONPATH=. python bench/overhead.py --compiled [--backend inductor]

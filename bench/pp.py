@@ -33,6 +33,11 @@ compiled stage module). Their ratios are medians of per-step ratios against torc
 eager step of the same schedule (each compiled step paired with the eager torch step just
 before it), and their first step (trace + compile + run) is reported. fs.jit's gradients are
 checked against torch 1F1B's with the others.
+
+Physical limit (``bench/_limits.py``; the table's last two columns), measured in the same
+processes after the timed steps: :func:`physical_limits` (the schedule simulated at the
+slowest stage's measured F and B per microbatch, plus the activations sent at the link rate
+of a large all-reduce on the same gloo group).
 """
 
 from __future__ import annotations

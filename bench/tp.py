@@ -20,6 +20,11 @@ Step time = slowest rank, median of ``--steps`` steps after 3 warm-up steps; the
 alternate step by step in the same processes, so machine noise hits all alike. Bytes =
 input payload of every collective a rank issues (both sides counted by one dispatch mode
 that lets DTensor lower its redistributions into plain functional collectives first).
+
+Physical limit (``bench/_limits.py``), measured in the same processes after the timed steps:
+compute = :func:`_compute_step` (one rank's sharded shapes, no collective), wire =
+:func:`minimal_sent` (Megatron's activation all-reduces) at the link rate of a large
+all-reduce on the same gloo group; TP + SP is held to the same limit.
 """
 
 from __future__ import annotations
@@ -201,13 +206,13 @@ def minimal_sent(cfg: TransformerConfig, batch: int, tp: int) -> float:
     return _limits.ring_sent("all_reduce", (4 * cfg.n_layers + 2) * act + 3 * 4 * batch * cfg.max_seq_len, tp)
 
 
-def physical_limit(cfg: TransformerConfig, batch: int):
-    """This step's :class:`_limits.Limit` (collective: every rank calls it)."""
+def physical_limit(cfg: TransformerConfig, batch: int, compute_s: float):
+    """This step's :class:`_limits.Limit` at ``compute_s`` seconds of compute (the slowest
+    rank's :func:`_compute_step`), measuring the link rate (collective: every rank calls it)."""
     import _limits
 
     n = dist.get_world_size()
-    compute = _limits.slowest(_limits.median_seconds(_compute_step(cfg, batch, n)))
-    return _limits.Limit(compute, minimal_sent(cfg, batch, n), _limits.link_rate(), n, _limits.cores())
+    return _limits.Limit(compute_s, minimal_sent(cfg, batch, n), _limits.link_rate(), n, _limits.cores())
 
 
 def per_rank(steps: int, batch: int, compiled: bool = False, backend: str = "inductor", cfg: dict | None = None):
@@ -226,7 +231,11 @@ def per_rank(steps: int, batch: int, compiled: bool = False, backend: str = "ind
         sides.update(torch_compiled=_torch_step(cfg, mesh, True, backend),
                      fshard_jit=_fshard_step(cfg, mesh, False, backend),
                      fshard_sp_jit=_fshard_step(cfg, mesh, True, backend))
-    times, first, raw = timed_rounds({k: functools.partial(step, tok, tgt) for k, step in sides.items()}, steps)
+    # The limit's compute runs as one more side in the same rounds: noise hits it alike.
+    timed = {k: functools.partial(step, tok, tgt) for k, step in sides.items()}
+    times, first, raw = timed_rounds({**timed, "compute": _compute_step(cfg, batch, dist.get_world_size())}, steps)
+    compute_s = statistics.median(times.pop("compute"))
+    first.pop("compute"), raw.pop("compute")
     losses = {k: [float(v) for v in values] for k, values in raw.items()}
     wire = {}
     for k, step in sides.items():
@@ -236,7 +245,7 @@ def per_rank(steps: int, batch: int, compiled: bool = False, backend: str = "ind
             step(tok, tgt)
         wire[k] = (dict(w.counts), dict(w.bytes))
     return ({k: statistics.median(v) for k, v in times.items()}, losses, wire, first,
-            physical_limit(cfg, batch))
+            physical_limit(cfg, batch, compute_s))
 
 
 def main() -> None:
