@@ -13,7 +13,8 @@ Layers: :mod:`~fshard.plan.model` (models as data, traced or from a config),
 per parallelism: its checks, choices, collectives and memory, behind one registry),
 :mod:`~fshard.plan.layout`, :mod:`~fshard.plan.shards` and :mod:`~fshard.plan.comm` (sizes
 and collectives from the spec rules), :mod:`~fshard.plan.estimate`, :mod:`~fshard.plan.search`,
-:mod:`~fshard.plan.calibrate`, :mod:`~fshard.plan.probe` (measuring a real run).
+:mod:`~fshard.plan.calibrate`, :mod:`~fshard.plan.freshness` (whether a stored calibration
+still holds), :mod:`~fshard.plan.probe` (measuring a real run).
 """
 
 from fshard.plan.calibrate import calibrate as calibrate

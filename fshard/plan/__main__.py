@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 from fshard.parallel.layout import parse_mesh
 from fshard.plan.estimate import estimate
+from fshard.plan.freshness import stale
 from fshard.plan.layout import AXES, Layout, LayoutError
 from fshard.plan.machine import MACHINES, Machine, default_machine_path, get_machine, load_machine
 from fshard.plan.model import PRESETS, DescriptionError, get_model
@@ -167,7 +168,8 @@ def _machine(args: argparse.Namespace) -> tuple[Machine, dict[str, Any]]:
     Returns:
       The machine and ``{"name", "source", "path", "age_s", "line"}``: ``source`` is
       ``"shipped"`` (a data sheet in fshard), ``"file"`` (a machine file, ``age_s`` since it
-      was written) or ``"calibrated"`` (measured just now and saved at ``path``).
+      was written; ``"stale"``: why it may not hold here now, or None) or ``"calibrated"``
+      (measured just now and saved at ``path``).
 
     Raises:
       ValueError: ``--recalibrate`` with a shipped machine (nothing to measure).
@@ -197,8 +199,19 @@ def _machine(args: argparse.Namespace) -> tuple[Machine, dict[str, Any]]:
         return get_machine(name), {}  # raises: names the shipped machines
     found = load_machine(path)
     line = f"machine {found.name}: {file_note(path)}; --recalibrate measures again"
+    # Used as asked, but said when it may not hold here now (versions, cores, load: freshness).
+    problem = stale(found.conditions, path)
+    if problem:
+        line += f"\nwarning: {problem}"
     age_s = time.time() - path.stat().st_mtime
-    return found, {"name": found.name, "source": "file", "path": str(path), "age_s": age_s, "line": line}
+    return found, {
+        "name": found.name,
+        "source": "file",
+        "path": str(path),
+        "age_s": age_s,
+        "stale": problem,
+        "line": line,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -58,7 +58,17 @@ from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
 from fshard.plan.shards import layer_shards, stage_layers, stage_shards
 from fshard.plan.trace import OptimizerWork, trace_optimizer
 
-__all__ = ["Estimate", "estimate", "held_peak", "held_states", "model_flops", "pipeline_speedup", "simulate_pipeline"]
+__all__ = [
+    "MODEL_ERROR",
+    "Estimate",
+    "estimate",
+    "interval",
+    "held_peak",
+    "held_states",
+    "model_flops",
+    "pipeline_speedup",
+    "simulate_pipeline",
+]
 
 TIME_KINDS = ("compute", "exposed_comm", "bubble", "optimizer")
 MEMORY_KINDS = ("params", "grads", "optimizer", "gathered", "activations", "grad_buffers", "w_pending")
@@ -87,6 +97,13 @@ class Estimate:
       stage_costs: pipelines: per pp rank ``(F, I, W)`` seconds per microbatch as simulated
         (on CPU cores shared by more ranks: sped up for the simulated busy share; F and I
         each carry half the host time of the transfers the rank posts per microbatch).
+      step_lo_s, step_hi_s: the interval the measured step is expected in
+        (:func:`interval`: the model's validated error in this regime plus the
+        calibration's fit residuals).
+      regime: ``"host"`` when fixed host costs are at least half the step, else
+        ``"compute"`` (which of :data:`MODEL_ERROR`'s figures the interval takes).
+      uncertain: the machine's fits that stayed noisy at calibration
+        (:attr:`~fshard.plan.machine.Machine.uncertain`): the step rests on them.
     """
 
     layout: Layout
@@ -100,6 +117,10 @@ class Estimate:
     bubble_fraction: float = 0.0
     comm: tuple[Collective, ...] = attrs.field(default=(), repr=False)
     stage_costs: tuple[tuple[float, float, float], ...] = ()
+    step_lo_s: float = 0.0
+    step_hi_s: float = 0.0
+    regime: str = ""
+    uncertain: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -271,9 +292,47 @@ def estimate(
     """
     check_layout(layout, model)
     limit = memory_limit if memory_limit is not None else machine.memory_bytes - machine.reserved_bytes
-    if layout.pp > 1:
-        return _estimate_pipeline(model, machine, layout, limit, time_unfit)
-    return _estimate_flat(model, machine, layout, limit)
+
+    def one(m: Machine) -> Estimate:
+        if layout.pp > 1:
+            return _estimate_pipeline(model, m, layout, limit, time_unfit)
+        return _estimate_flat(model, m, layout, limit)
+
+    est = one(machine)
+    if not math.isfinite(est.step_s) or est.step_s <= 0:
+        return attrs.evolve(est, step_lo_s=est.step_s, step_hi_s=est.step_s, uncertain=machine.uncertain)
+    host_share = 0.0
+    host_free: dict[str, Any] = dict.fromkeys(HOST_COSTS, 0.0)
+    bare = attrs.evolve(machine, **host_free)
+    if bare != machine:  # the step without the fixed host costs: what of it is host time
+        host_share = max(0.0, 1.0 - one(bare).step_s / est.step_s)
+    regime = "host" if host_share >= 0.5 else "compute"
+    lo, hi = interval(est.step_s, regime, machine)
+    return attrs.evolve(est, step_lo_s=lo, step_hi_s=hi, regime=regime, uncertain=machine.uncertain)
+
+
+# The machine's fixed host costs (seconds per kernel, layer call, step-body call, optimizer
+# leaf, blocking collective): what separates the host-bound regime from the compute-bound one.
+HOST_COSTS = ("op_overhead_s", "layer_overhead_s", "call_overhead_s", "optimizer_leaf_overhead_s", "sync_overhead_s")
+
+# The model's relative error per regime, the largest of its validation runs (docs/plan.md,
+# "How far to trust a calibration and a prediction": which runs, and that the host-bound
+# figure is not yet validated with host costs in the model).
+MODEL_ERROR = {"compute": 0.30, "host": 0.51}
+
+# The most an interval's relative error may reach (its low end stays above zero).
+MAX_ERROR = 0.9
+
+
+def interval(step_s: float, regime: str, machine: Machine) -> tuple[float, float]:
+    """``(lo, hi)`` seconds the measured step is expected in: a relative error ``r`` of the
+    model's (:data:`MODEL_ERROR` for ``regime``) plus the largest of the machine's fit
+    residuals (doubled for a fit marked uncertain: its residual after the repeat is a lower
+    bound of its error), at most :data:`MAX_ERROR`: ``[step / (1 + r), step / (1 - r)]``,
+    the steps the prediction is off from by at most ``r`` (prediction over step, less 1)."""
+    res = [r * (2.0 if k in machine.uncertain else 1.0) for k, r in machine.fit_residuals.items()]
+    r = min(MAX_ERROR, MODEL_ERROR[regime] + max(res, default=0.0))
+    return step_s / (1.0 + r), step_s / (1.0 - r)
 
 
 def _common(model: ModelDesc, layout: Layout, step_s: float, machine: Machine) -> tuple[float, float]:

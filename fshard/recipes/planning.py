@@ -10,6 +10,7 @@ same on every rank), :func:`auto_layout` (the fastest layout that fits) and
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Sequence
 
 import attrs
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from fshard.models import TransformerConfig
 from fshard.parallel.layout import Layout
+from fshard.plan.freshness import stale
 from fshard.recipes.trainer import ConfigError
 from fshard.runtime.process import is_rank0
 
@@ -32,26 +34,44 @@ def machine(name: str | None, world: int, block: TransformerConfig | None = None
     Rank 0 decides and its machine goes to every rank, so all ranks plan alike. A machine
     read from a file, or calibrated now, names the file (and its age) in its last
     ``sources`` entry, which :func:`auto_layout`'s line repeats.
+
+    This host's file is reused only while it holds (:func:`fshard.plan.freshness.stale`:
+    the same torch and fshard versions and cores, a load within the band of the
+    calibration's); otherwise it is measured again, with a warning naming the file and the
+    field that differs. A file that records no conditions (written before they were
+    recorded) is used, with a warning that its freshness is unknown. A file named by ``name``
+    is used as given, with the warning.
     """
     from fshard import plan
     from fshard.mesh.mesh import make_mesh
     from fshard.plan.report import file_note
 
-    found = None
+    found, why = None, "none was there"
+    log = logging.getLogger(__name__)
     if name:
         found = plan.get_machine(name)
-        if name.lower() not in plan.MACHINES:  # a machine file: where and how old
+        if name.lower() not in plan.MACHINES:  # a machine file: where and how old, and whether it holds
             found = _noted(found, file_note(name))
+            problem = stale(found.conditions, name, ranks=world)
+            if problem and is_rank0():  # the user named it: used, with the reason it may be off
+                log.warning("fs.plan: %s (used as given by --machine)", problem)
     elif is_rank0():
         path = plan.default_machine_path()
-        found = _noted(plan.load_machine(path), file_note(path)) if path.exists() else None
+        if path.exists():
+            found = _noted(plan.load_machine(path), file_note(path))
+            problem = stale(found.conditions, path, ranks=world)
+            if problem and not found.conditions:  # an older file: nothing to compare, so used, said
+                log.warning("fs.plan: %s", problem)
+            elif problem:  # this host's cache: measured again rather than reused
+                log.warning("fs.plan: %s; calibrating again now", problem.split("; measure again")[0])
+                found, why = None, "the file was stale"
     if world > 1:
-        box = [found]
+        box: list[Any] = [found, why]
         dist.broadcast_object_list(box, src=0)
-        found = box[0]
+        found, why = box[0], box[1]
     if found is None:  # collective: every rank measures at once
         found = plan.calibrate(make_mesh({"ranks": world}), quick=True, block=block)
-        found = _noted(found, f"{_FILE}{plan.default_machine_path()}, calibrated now (none was there)")
+        found = _noted(found, f"{_FILE}{plan.default_machine_path()}, calibrated now ({why})")
     return found
 
 
@@ -100,7 +120,13 @@ def predicted_vs_measured(
 ) -> dict[str, Any]:
     """``predicted_step_s``, ``measured_step_s`` (median after the warm-up), ``predicted_peak_mib``
     and ``measured_peak_mib`` (one profiled step, the largest rank's), and the prediction's
-    breakdown, layout and machine: the fields a run adds to its last log record.
+    breakdown, layout and machine: the fields a run adds to its last log record. Also the
+    interval (``predicted_step_lo_s``, ``predicted_step_hi_s``: :func:`fshard.plan.estimate.interval`),
+    ``prediction_off`` (the prediction over the step, less 1, when the step is outside it,
+    else None), ``plan_regime``, ``plan_uncertain`` (the machine's noisy fits), and the
+    machine file used with its age (``plan_machine_file``: ``"PATH, written ... (AGE ago)"``
+    or ``"PATH, calibrated now (...)"``; ``plan_calibration_age_s`` from the calibration's
+    recorded time; None for a shipped machine or a file that records none).
 
     Collective when the process group is initialized (the peak is the largest rank's).
     """
@@ -116,9 +142,22 @@ def predicted_vs_measured(
         t = torch.tensor([peak["measured_peak_mib"]], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         peak["measured_peak_mib"] = float(t)
+    measured = peak["measured_step_s"]
+    off = None
+    if est is not None and measured and not est.step_lo_s <= measured <= est.step_hi_s:
+        off = est.step_s / measured - 1.0  # the relative error as docs/plan.md counts it
+    notes = [s for s in on.sources if s.startswith(_FILE)]
+    when = on.conditions.get("time")
     return {
         "predicted_step_s": est and est.step_s,
-        "measured_step_s": peak["measured_step_s"],
+        "predicted_step_lo_s": est and est.step_lo_s,
+        "predicted_step_hi_s": est and est.step_hi_s,
+        "prediction_off": off,
+        "plan_regime": est and est.regime,
+        "plan_uncertain": list(on.uncertain),
+        "plan_machine_file": notes[-1].removeprefix(_FILE) if notes else None,
+        "plan_calibration_age_s": None if when is None else time.time() - when,
+        "measured_step_s": measured,
         "predicted_peak_mib": est and est.peak_bytes / 2**20,
         "measured_peak_mib": peak["measured_peak_mib"],
         "predicted_breakdown_s": est and est.breakdown,
@@ -128,13 +167,23 @@ def predicted_vs_measured(
 
 
 def prediction_line(r: dict[str, Any]) -> str:
-    """One line comparing a record's prediction with its measurement."""
+    """One line comparing a record's prediction (and its interval) with its measurement, and a
+    second, ``"prediction off by X: calibration stale or model incomplete"``, when the
+    measured step is outside the interval."""
 
     def fmt(key: str, spec: str, unit: str) -> str:
         return "n/a" if r[key] is None else f"{r[key]:{spec}} {unit}"
 
-    return (
-        f"fs.plan: step predicted {fmt('predicted_step_s', '.4f', 's')}, measured "
+    band = ""
+    if r.get("predicted_step_lo_s") is not None:
+        band = f" ({r['predicted_step_lo_s']:.4f}-{r['predicted_step_hi_s']:.4f} s)"
+    line = (
+        f"fs.plan: step predicted {fmt('predicted_step_s', '.4f', 's')}{band}, measured "
         f"{fmt('measured_step_s', '.4f', 's')} (median after warm-up); peak memory per rank predicted "
         f"{fmt('predicted_peak_mib', '.1f', 'MiB')}, measured {fmt('measured_peak_mib', '.1f', 'MiB')}"
     )
+    if r.get("plan_uncertain"):
+        line += f"; calibration uncertain: {', '.join(r['plan_uncertain'])} (noisy fits)"
+    if r.get("prediction_off") is not None:
+        line += f"\nfs.plan: prediction off by {r['prediction_off']:+.0%}: calibration stale or model incomplete"
+    return line

@@ -36,6 +36,12 @@ def test_log_carries_prediction_and_measurement(tmp_path):
     # step (the first after the warm-up) left out
     assert last["measured_step_s"] == statistics.median(r["step_time_s"] for r in records[0][2:])
     assert last["plan_layout"] == "fsdp=2"
+    # issue 37: the interval, whether the measurement fell outside it, and the file used
+    assert last["predicted_step_lo_s"] < last["predicted_step_s"] < last["predicted_step_hi_s"]
+    inside = last["predicted_step_lo_s"] <= last["measured_step_s"] <= last["predicted_step_hi_s"]
+    assert (last["prediction_off"] is None) == inside
+    assert last["plan_machine_file"].startswith(str(tmp_path / "machine.json") + ", written ")
+    assert last["plan_calibration_age_s"] is None and last["plan_regime"] in ("host", "compute")
     # the same numbers on every rank
     assert records[0][-1]["predicted_step_s"] == records[1][-1]["predicted_step_s"]
 
