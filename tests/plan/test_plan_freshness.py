@@ -196,3 +196,17 @@ def test_prediction_line_flags_a_measured_step_outside_the_interval():
     assert "prediction off by +614%: calibration stale or model incomplete" in line
     r.update(measured_step_s=0.55, prediction_off=None, plan_uncertain=[])
     assert "off by" not in planning.prediction_line(r) and "uncertain" not in planning.prediction_line(r)
+
+
+def test_cli_warns_under_the_machine_line_when_the_file_may_not_hold(tmp_path, monkeypatch, capsys):
+    from fshard.plan.__main__ import main
+
+    path = tmp_path / "m.json"
+    plan.save_machine(_machine(conditions=_now_conditions(torch="2.0.0")), path)
+    argv = ["--model", "llama3-8b", "--batch", "1", "--seq", "128", "--layout", "fsdp=1", "--machine", str(path)]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"warning: machine file {path} was calibrated with torch '2.0.0'" in out and "--recalibrate" in out
+    assert main([*argv, "--json"]) == 0
+    doc = __import__("json").loads(capsys.readouterr().out)
+    assert "torch '2.0.0'" in doc["machine"]["stale"]
