@@ -3,8 +3,10 @@
 Every rank of the mesh measures at the same time (so the figures include what the ranks
 cost each other when they share CPU cores or a node's links):
 
-- matrix products (square, several sizes) per dtype: time ``= a + flops / F`` fitted
-  over the sizes gives the sustained rate ``F``;
+- matrix products (square, sizes whose FLOPs span two decades and more) per dtype: time
+  ``= a + flops / F`` fitted over the sizes gives the sustained rate ``F`` apart from the
+  host's share ``a`` of a call; each fit's relative residual is recorded, and a noisy fit
+  is repeated once, then marked uncertain (:func:`_fit_twice`);
 - the fixed cost of a kernel (a one-element add, many times);
 - real Transformer blocks, forward and backward through ``value_and_grad(shard_map)``,
   one, two and four per call at one to four samples: matrix products of a model's shapes, attention
@@ -13,7 +15,8 @@ cost each other when they share CPU cores or a node's links):
   work (:func:`~fshard.plan.model.describe_transformer`), fit ``matmul_efficiency``,
   ``layer_overhead_s`` and ``call_overhead_s`` so that the estimate's formulas reproduce
   them (a block faster than the square products raises the matrix-product rates instead);
-- memory bandwidth (a large copy: bytes read + written per second);
+- memory bandwidth (copies whose bytes span two decades and more, fitted as the products
+  are: bytes read + written per second);
 - per mesh axis, all-gather, reduce-scatter, all-reduce and point-to-point (a ring of
   sends) at several sizes: ``(latency, bandwidth)`` fitted to the ring formulas of
   :mod:`fshard.plan.comm` (so the estimate uses exactly what was fitted), one fit per
