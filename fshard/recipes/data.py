@@ -318,7 +318,7 @@ def rank_batches(
     """``step -> (inputs, targets)``: this rank's rows of the global batch of ``step`` only, as
     DTensors of the global shape laid out ``P(data_axes)``, for the eager step
     (``fs.recipes.step.make_train_step``; a pipeline's with ``microbatches=1``: it cuts
-    each data rank's block itself).
+    each data rank's block itself) and for its ``fs.jit`` graph, traced on such a batch.
 
     The step's ``shard_map`` takes a DTensor in its spec's layout as it is, so each rank
     computes on exactly the rows it would have cut from the global batch, and the losses
@@ -559,11 +559,11 @@ def batches_from_args(
     corpus: Corpus, args: argparse.Namespace, layout: Layout, mesh: Mesh
 ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
     """The train batches of ``step`` for a training script: each rank's own rows
-    (:func:`rank_batches`), or the global batch on every rank under ``--jit`` (the graph is
-    traced on it) and ``--simulate`` (one program runs every rank). A pipeline
-    (``fs.sched.pipeline_step``) cuts each data rank's block into microbatches, where the
-    eager step cuts each microbatch over the data ranks: its rows are the block."""
-    if getattr(args, "simulate", None) or getattr(args, "jit", None):
+    (:func:`rank_batches`; ``--jit``'s graph takes them as the eager step does), or the
+    global batch under ``--simulate`` (one process holds every rank: docs/data.md). A
+    pipeline (``fs.sched.pipeline_step``) cuts each data rank's block into microbatches,
+    where the eager step cuts each microbatch over the data ranks: its rows are the block."""
+    if getattr(args, "simulate", None):
         return lambda step: corpus.batch(step, args.batch_size, args.seq_len, args.seed)
     data_axes = Roles.of(layout, mesh).data_axes
     microbatches = 1 if "pp" in mesh.axis_names else layout.microbatches

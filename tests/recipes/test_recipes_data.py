@@ -172,16 +172,17 @@ def test_rank_rows_split_each_microbatch_over_the_data_ranks():
     assert sorted(sum((rank_rows(12, 3, 2, r) for r in range(2)), [])) == list(range(12))
 
 
-def _local_and_global_runs(mesh_text: str, microbatches: int):
+def _local_and_global_runs(mesh_text: str, microbatches: int, jit_backend: str | None = None):
     """One tiny Transformer run fed the global batch on every rank, one fed each rank's rows
-    (rank_batches); the losses of both, and the rows this rank's loader was asked for."""
+    (rank_batches); the losses of both, and the rows this rank's loader was asked for
+    (``jit_backend``: both runs' steps compiled by fs.jit, as train_lm --jit)."""
     corpus = CharCorpus.load(DATA)
     cfg = fs.models.TransformerConfig(
         vocab_size=padded_vocab(corpus.vocab_size), dim=16, n_layers=2, n_heads=4, max_seq_len=16
     )
     layout = fs.parallel.Layout.parse(mesh_text, batch=8, microbatches=microbatches, dtype="float64")
     mesh = layout.mesh()
-    config = fs.recipes.TrainConfig(3, max_norm=1.0, progress=False)
+    config = fs.recipes.TrainConfig(3, max_norm=1.0, progress=False, jit_backend=jit_backend)
     asked = []
 
     class Recording:  # the corpus, noting the rows each call asks for
@@ -200,12 +201,13 @@ def _local_and_global_runs(mesh_text: str, microbatches: int):
 
 
 @pytest.mark.parametrize(
-    ("mesh", "microbatches", "world"),
-    [("dp=2", 1, 2), ("fsdp=2", 1, 2), ("fsdp=2", 2, 2), ("pp=2,dp=2", 2, 4), ("pp=2,fsdp=2", 2, 4)],
+    ("mesh", "microbatches", "world", "jit"),
+    [("dp=2", 1, 2, None), ("fsdp=2", 1, 2, None), ("fsdp=2", 2, 2, None), ("pp=2,dp=2", 2, 4, None),
+     ("pp=2,fsdp=2", 2, 4, None), ("fsdp=2", 2, 2, "none")],  # "none": fs.jit's graph, run uncompiled
 )
-def test_each_rank_reads_only_its_rows_and_the_losses_are_the_global_batchs(mesh, microbatches, world):
+def test_each_rank_reads_only_its_rows_and_the_losses_are_the_global_batchs(mesh, microbatches, world, jit):
     for global_losses, local_losses, asked, rank in run_on_ranks(
-        _local_and_global_runs, mesh, microbatches, world_size=world
+        _local_and_global_runs, mesh, microbatches, jit, world_size=world, timeout_s=300
     ):
         assert local_losses == global_losses  # bit for bit: each rank computes on the same rows
         want = rank_rows(8, 1 if "pp" in mesh else microbatches, 2, rank)
