@@ -15,6 +15,7 @@ from fshard import recipes as recipes
 from fshard import runtime as runtime
 from fshard import sched as sched
 from fshard import tree as tree
+from fshard._version import __version__ as __version__
 from fshard.comm import comm_log as comm_log
 from fshard.jit import DonatedTensorError as DonatedTensorError
 from fshard.jit import JitCaptureError as JitCaptureError
@@ -75,5 +76,3 @@ from fshard.transforms import remat as remat
 from fshard.transforms import shard_map as shard_map
 from fshard.transforms import value_and_grad as value_and_grad
 from fshard.transforms.policy import Policy as Policy
-
-__version__ = "0.1.0"

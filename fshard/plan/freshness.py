@@ -99,7 +99,7 @@ def conditions(*, ranks: int, load_before: float | None, started: float) -> dict
     """
     import torch
 
-    import fshard
+    from fshard._version import __version__
 
     total, allowed = _cores()
     now = time.time()
@@ -109,7 +109,7 @@ def conditions(*, ranks: int, load_before: float | None, started: float) -> dict
         others = max(load_before, after - own_load(ranks, now - started), 0.0) / total
     return {
         "torch": torch.__version__,
-        "fshard": fshard.__version__,
+        "fshard": __version__,
         "cpu_count": total,
         "affinity_cores": allowed,
         "load_before": load_before,
@@ -140,13 +140,13 @@ def stale(recorded: Mapping[str, Any], path: Any, *, ranks: int = 1, load: float
     """
     import torch
 
-    import fshard
+    from fshard._version import __version__
 
     where = f"machine file {path}"
     if not recorded:
         return f"{where} records no calibration conditions (written before fshard recorded them): unknown; {FIX}"
     total, allowed = _cores()
-    now = {"torch": torch.__version__, "fshard": fshard.__version__, "cpu_count": total, "affinity_cores": allowed}
+    now = {"torch": torch.__version__, "fshard": __version__, "cpu_count": total, "affinity_cores": allowed}
     for key, value in now.items():
         if recorded.get(key) != value:
             return f"{where} was calibrated with {key} {recorded.get(key)!r}, this process has {value!r}; {FIX}"
