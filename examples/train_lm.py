@@ -95,9 +95,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     train.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
     train.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
     train.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
-    train.add_argument("--fused-optimizer", action="store_true", help="AdamW as torch's fused kernel "
-                       "(_fused_adamw_, one pass per shard) instead of fs.optim's chain of passes; eager steps "
-                       "only: the curve agrees with the chain's to rounding, not bit for bit")
+    train.add_argument("--fused-optimizer", action="store_true", help="AdamW on torch's fused kernel (eager only)")
     train.add_argument("--grad-clip", type=float, default=1.0, help="max global norm (0: off)")
     train.add_argument("--seed", type=int, default=0, help="seeds the init, the data order and the sample")
     train.add_argument("--skip-nonfinite", action="store_true", help="skip (do not apply) a step whose loss or "
@@ -118,11 +116,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = fs.recipes.cli.parse(p, argv)  # --config, --threads, the checkpoint flags' checks
     if args.simulate is not None and (args.simulate < 1 or args.mesh == "auto" or args.jit):
         p.error("--simulate N needs N >= 1, and neither --mesh auto (it measures real links) nor --jit")
-    if args.fused_optimizer and (args.jit or args.simulate is not None):
-        # Both would run fs.optim's chain instead (fs.optim.fusable says why), silently
-        # another curve than the fused one the flag promises.
-        p.error("--fused-optimizer runs the eager step on torch's fused AdamW kernel: with --jit, Inductor "
-                "compiles fs.optim's chain instead, and --simulate runs the chain per simulated rank; drop one")
+    if args.fused_optimizer and (args.jit or args.simulate is not None):  # both run fs.optim's chain instead
+        p.error("--fused-optimizer steps eagerly on torch's fused AdamW; --jit and --simulate run the chain: drop one")
     try:
         resolve_name(args.schedule)
     except ValueError as e:
@@ -161,10 +156,8 @@ def lr_schedule(args: argparse.Namespace) -> fs.optim.Schedule:
 
 
 def make_optimizer(args: argparse.Namespace) -> fs.optim.GradientTransformation:
-    """AdamW on the schedule above; its state is sharded exactly like the parameters
-    (``--fused-optimizer``: stepped by torch's fused kernel, see ``fs.optim.step``)."""
-    return fs.optim.adamw(lr_schedule(args), b1=0.9, b2=0.95, weight_decay=args.weight_decay,
-                          fused=args.fused_optimizer)
+    """AdamW on the schedule above (``--fused-optimizer``: torch's kernel), sharded like the params."""
+    return fs.optim.adamw(lr_schedule(args), b1=0.9, b2=0.95, weight_decay=args.weight_decay, fused=args.fused_optimizer)
 
 
 def model_config(args: argparse.Namespace, corpus: Corpus) -> TransformerConfig:
