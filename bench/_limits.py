@@ -7,8 +7,8 @@ wire) and ``bench/overhead.py`` (compute only), inside the same run as the sides
   and optimizer on one rank's local batch and local parameter shapes), *measured*: every
   rank times it at once, on the same cores as the timed sides, and the slowest rank's
   median counts (a step lasts as long as its slowest rank). fsdp/ddp and tp run it as one
-  more side in their timed rounds (it issues no collective), so machine noise hits it as it
-  hits the sides; pp times its stages right after the timed steps. With more ranks than cores
+  more side in their timed rounds (it issues no collective), and pp times its stages once
+  per round, so machine noise hits it as it hits the sides. With more ranks than cores
   the ranks share cores while they measure, so the measured figure already contains the
   sharing (about the one-rank compute x ranks / cores); no factor is applied on top.
 - **wire**: the minimal bytes a rank sends in one step (ring algorithms) divided by the link

@@ -35,8 +35,8 @@ before it), and their first step (trace + compile + run) is reported. fs.jit's g
 checked against torch 1F1B's with the others.
 
 Physical limit (``bench/_limits.py``; the table's last two columns), measured in the same
-processes after the timed steps: :func:`physical_limits` (the schedule simulated at the
-slowest stage's measured F and B per microbatch, plus the activations sent at the link rate
+processes, the stage costs in the timed rounds: :func:`physical_limits` (the schedule
+simulated at the slowest stage's measured F and B per microbatch, plus the activations sent at the link rate
 of a large all-reduce on the same gloo group).
 """
 
@@ -180,7 +180,13 @@ def per_rank(steps: int, batch: int, microbatches: list[int], compiled: bool = F
     stats = {}
     first_loss = {}
     first = {}
+    samples = {m: [] for m in microbatches}  # the limit's stage costs, one per round: noise hits them alike
     for i in range(steps + 3):
+        for m in microbatches:
+            sample = _stage_sample(module, rank == 0, cfg, tok, tgt, m)
+            if i >= 3:
+                samples[m].append(sample)
+        module.zero_grad(set_to_none=True)
         for k, step in sides.items():
             dist.barrier()
             t0 = time.perf_counter()
@@ -213,63 +219,43 @@ def per_rank(steps: int, batch: int, microbatches: list[int], compiled: bool = F
                 label = name if kind == "fshard" else f"{name} jit"
                 grad_err[(label, m)] = max((got[k] - g).abs().max().item() for k, g in ref.items())
     module.zero_grad(set_to_none=True)
-    limits = physical_limits(module, rank == 0, cfg, tok, tgt, sched_of)
+    limits = physical_limits(samples, sched_of, 4 * batch * cfg.max_seq_len * cfg.dim)
     return ({k: statistics.median(v) for k, v in times.items()},
             {k: statistics.median(v) for k, v in bubble.items()}, stats, first_loss, sched_of,
             grad_err, times, first, limits)
 
 
-def _stage_costs(module: nn.Module, first: bool, cfg: TransformerConfig, tok: torch.Tensor, tgt: torch.Tensor,
-                 m: int) -> tuple[float, float]:
+def _stage_sample(module: nn.Module, first: bool, cfg: TransformerConfig, tok: torch.Tensor, tgt: torch.Tensor,
+                  m: int) -> tuple[float, float]:
     """This rank's stage, forward and full backward of one of ``m`` microbatches, without a
-    transfer: median seconds of each (stage 0 backpropagates a fixed output gradient, stage 1
+    transfer: seconds of each, once (stage 0 backpropagates a fixed output gradient, stage 1
     its loss from a fixed input). Gradients accumulate into the module's ``.grad``: the
     caller clears them."""
-    import _limits
-
     b = tok.shape[0] // m
     x = tok[:b] if first else torch.randn(b, cfg.max_seq_len, cfg.dim, requires_grad=True)
-    grad = torch.randn(b, cfg.max_seq_len, cfg.dim)
-    box = {}
-
-    def forward():
-        y = module(x)
-        box["out"] = y if first else _loss(y, tgt[:b])
-
-    def backward():
-        forward()  # untimed below: the backward needs a fresh graph each call
-        t0 = time.perf_counter()
-        box["out"].backward(grad if first else None)
-        box["b"] = time.perf_counter() - t0
-
-    f = _limits.median_seconds(forward)
-    bs = []
-    for _ in range(7):
-        backward()
-        bs.append(box["b"])
-    return f, statistics.median(bs[2:])
+    t0 = time.perf_counter()
+    y = module(x)
+    out = y if first else _loss(y, tgt[:b])
+    t1 = time.perf_counter()
+    out.backward(torch.randn(b, cfg.max_seq_len, cfg.dim) if first else None)
+    return t1 - t0, time.perf_counter() - t1
 
 
-def physical_limits(module: nn.Module, first: bool, cfg: TransformerConfig, tok: torch.Tensor, tgt: torch.Tensor,
-                    sched_of: dict) -> dict:
+def physical_limits(samples: dict[int, list[tuple[float, float]]], sched_of: dict, sent: int) -> dict:
     """Per ``(schedule, m)``, the step's :class:`_limits.Limit` (collective: every rank calls it).
 
-    Compute: ``fs.sched.simulate``'s makespan of the schedule at the slowest stage's measured
-    F and B per microbatch (:func:`_stage_costs`; a full B split 1:1 into I and W), that is
-    the stage's work times m plus the schedule's own bubble, with free transfers. Taking the
-    slowest stage for both counts the faster one's work at the slower's cost: the limit of
-    a pipeline balanced to its slowest stage. Wire: each rank sends one activation (stage 0)
-    or activation gradient (stage 1) per microbatch, the global batch's ``B x T x D`` fp32.
+    Compute: ``fs.sched.simulate``'s makespan of the schedule at the slowest stage's median F
+    and B per microbatch (``samples[m]``: :func:`_stage_sample`'s, one per timed round; a full
+    B split 1:1 into I and W), that is the stage's work times m plus the schedule's own
+    bubble, with free transfers. Taking the slowest stage for both counts the faster one's
+    work at the slower's cost: the limit of a pipeline balanced to its slowest stage. Wire:
+    ``sent`` bytes per rank (one activation or its gradient per microbatch).
     """
     import _limits
 
-    costs = {}
-    for m in sorted({m for _, m in sched_of}):
-        f, b = _stage_costs(module, first, cfg, tok, tgt, m)
-        costs[m] = _limits.slowest(f), _limits.slowest(b)
-    module.zero_grad(set_to_none=True)
+    costs = {m: tuple(_limits.slowest(statistics.median(x[j] for x in v)) for j in (0, 1))
+             for m, v in samples.items()}
     rate = _limits.link_rate()
-    sent = 4 * tok.shape[0] * cfg.max_seq_len * cfg.dim
     out = {}
     for (name, m), sch in sched_of.items():
         f, b = costs[m]
