@@ -40,13 +40,21 @@ def test_soak_one_tiny_run(tmp_path):
     assert not any((tmp_path / "logs").iterdir())  # a clean run keeps no files
 
 
+# Rank 1 crashes only once rank 0 has printed its two steps (a marker file beside the script):
+# crashing at once raced rank 0's start, and under load torchrun stopped rank 0 before it
+# printed anything.
 _CRASHING_EXAMPLE = textwrap.dedent("""
     import os, signal, sys, time
     steps = int(sys.argv[sys.argv.index("--steps") + 1])
-    for s in range(1, 3):
-        if os.environ["RANK"] == "0":
+    printed = __file__ + ".printed"
+    if os.environ["RANK"] == "0":
+        for s in range(1, 3):
             print(f"step {s:>5}/{steps}  loss 4.0000  1,000 tokens/s  lr 1.00e-02", flush=True)
+        open(printed, "w").close()
     if os.environ["RANK"] == "1":
+        deadline = time.monotonic() + 60
+        while not os.path.exists(printed) and time.monotonic() < deadline:
+            time.sleep(0.05)
         print("Fatal Python error: Segmentation fault", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGSEGV)
     time.sleep(60)  # the other rank waits, as in a collective, until torchrun stops it
