@@ -56,6 +56,25 @@ from fshard.plan.machine import Link, Machine, default_machine_path, save_machin
 __all__ = ["calibrate"]
 
 
+def _others_cpu_s(busy_before: float | None, own_cpu_s: float, world: int) -> float | None:
+    """CPU seconds this host's cores spent on other work since ``busy_before``
+    (:func:`~fshard.plan.freshness.busy_seconds`): the host's busy time less this
+    calibration's own ranks' CPU time on it (summed over the ranks on rank 0's host).
+    Collective when ``world`` > 1; None where the host has no busy-time counter."""
+    from fshard.plan import freshness
+
+    host = platform.node()
+    if world > 1:
+        per_rank: list[Any] = [None] * world
+        dist.all_gather_object(per_rank, (host, own_cpu_s))
+        host = per_rank[0][0]
+        own_cpu_s = sum(cpu for h, cpu in per_rank if h == host)
+    busy_after = freshness.busy_seconds()
+    if busy_before is None or busy_after is None:
+        return None
+    return max(0.0, busy_after - busy_before - own_cpu_s)
+
+
 def _timeit(fn: Callable[[], Any], *, repeat: int, sync: Callable[[], None], warmup: int = 2) -> float:
     """Mean seconds of ``fn`` over ``repeat`` runs (after ``warmup``).
 
@@ -322,6 +341,7 @@ def calibrate(
     from fshard.plan import freshness
 
     started, load_before = time.time(), freshness._loadavg()
+    busy_before, cpu_before = freshness.busy_seconds(), time.process_time()
     device = mesh.device
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -401,7 +421,8 @@ def calibrate(
 
     host = _host()
     total_mem = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory() / max(1, world)
-    conditions = freshness.conditions(ranks=world, load_before=load_before, started=started)
+    others_cpu = _others_cpu_s(busy_before, time.process_time() - cpu_before, world)
+    conditions = freshness.conditions(ranks=world, load_before=load_before, started=started, others_cpu_s=others_cpu)
     fits = ", ".join(f"{k} {v:.1%}" for k, v in residuals.items())
     machine = Machine(
         name=name or f"{host}-{device.type}",
@@ -446,7 +467,7 @@ def calibrate(
         dist.broadcast_object_list(box, src=0)
         machine = box[0]
     target = default_machine_path() if path is None else path
-    if machine.conditions.get("under_load"):
+    if machine.conditions.get("under_load") and (world == 1 or dist.get_rank() == 0):
         logging.getLogger(__name__).warning(
             "fs.plan.calibrate: measured beside other work (%.2f load per core besides its own ranks, "
             "above %s): the file is marked under_load and is not reused on a quieter machine",

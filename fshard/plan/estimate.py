@@ -38,7 +38,7 @@ import functools
 import math
 import numbers
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import attrs
 
@@ -307,8 +307,27 @@ def estimate(
     if bare != machine:  # the step without the fixed host costs: what of it is host time
         host_share = max(0.0, 1.0 - one(bare).step_s / est.step_s)
     regime = "host" if host_share >= 0.5 else "compute"
-    lo, hi = interval(est.step_s, regime, machine)
+    shares = {k: _sensitivity(k, r, machine, est.step_s, one) for k, r in machine.fit_residuals.items()}
+    lo, hi = interval(est.step_s, regime, machine, shares)
     return attrs.evolve(est, step_lo_s=lo, step_hi_s=hi, regime=regime, uncertain=machine.uncertain)
+
+
+def _sensitivity(key: str, residual: float, machine: Machine, step_s: float, one: Callable[[Machine], Any]) -> float:
+    """How far off the step is when fit ``key``'s rate is off by its residual: the relative
+    change of the estimate with that rate slowed by ``residual`` (doubled when the fit is
+    marked uncertain). A copy-bandwidth fit that spans the caches has a large residual, but
+    a step made of matrix products barely depends on it; a fit this function does not know
+    counts whole (its residual)."""
+    r = residual * (2.0 if key in machine.uncertain else 1.0)
+    if key.startswith("flops[") and key[6:-1] in machine.flops:
+        slow = attrs.evolve(machine, flops={**machine.flops, key[6:-1]: machine.flops[key[6:-1]] / (1 + r)})
+    elif key == "mem_bandwidth":
+        slow = attrs.evolve(machine, mem_bandwidth=machine.mem_bandwidth / (1 + r))
+    elif key == "block":  # the block fit sets the matrix products' efficiency
+        slow = attrs.evolve(machine, matmul_efficiency=machine.matmul_efficiency / (1 + r))
+    else:
+        return r
+    return max(0.0, one(slow).step_s / step_s - 1.0)
 
 
 # The machine's fixed host costs (seconds per kernel, layer call, step-body call, optimizer
@@ -324,14 +343,24 @@ MODEL_ERROR = {"compute": 0.30, "host": 0.51}
 MAX_ERROR = 0.9
 
 
-def interval(step_s: float, regime: str, machine: Machine) -> tuple[float, float]:
+def interval(
+    step_s: float, regime: str, machine: Machine, shares: Mapping[str, float] | None = None
+) -> tuple[float, float]:
     """``(lo, hi)`` seconds the measured step is expected in: a relative error ``r`` of the
-    model's (:data:`MODEL_ERROR` for ``regime``) plus the largest of the machine's fit
-    residuals (doubled for a fit marked uncertain: its residual after the repeat is a lower
-    bound of its error), at most :data:`MAX_ERROR`: ``[step / (1 + r), step / (1 - r)]``,
-    the steps the prediction is off from by at most ``r`` (prediction over step, less 1)."""
-    res = [r * (2.0 if k in machine.uncertain else 1.0) for k, r in machine.fit_residuals.items()]
-    r = min(MAX_ERROR, MODEL_ERROR[regime] + max(res, default=0.0))
+    model's (:data:`MODEL_ERROR` for ``regime``) plus the calibration's, at most
+    :data:`MAX_ERROR`: ``[step / (1 + r), step / (1 - r)]``, the steps the prediction is off
+    from by at most ``r`` (prediction over step, less 1).
+
+    The calibration's error is the sum over its fits of what each one's residual moves this
+    step (``shares``, from :func:`_sensitivity`); without ``shares``, the largest residual
+    (doubled for a fit marked uncertain: its residual after the repeat is a lower bound of
+    its error), as if the step depended on that fit alone."""
+    if shares is None:
+        res = [r * (2.0 if k in machine.uncertain else 1.0) for k, r in machine.fit_residuals.items()]
+        fit = max(res, default=0.0)
+    else:
+        fit = sum(shares.values())
+    r = min(MAX_ERROR, MODEL_ERROR[regime] + fit)
     return step_s / (1.0 + r), step_s / (1.0 - r)
 
 

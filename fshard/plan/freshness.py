@@ -8,9 +8,11 @@ match and the load the calibration ran beside is within :data:`LOAD_BAND` of the
 work (:data:`LOADED_PER_CORE`) is marked ``under_load``: it is not reused on a quiet
 machine.
 
-The load is the 1-minute load average per core, less what the caller's own ranks add to it
-(:func:`own_load`): the ranks of a run count in the load average too, and a run that predicts
-after training has been computing for a while.
+The load is measured where the host counts its busy CPU time (Linux ``/proc/stat``): the
+other processes' CPU per core during the calibration (its own ranks' CPU time left out) and,
+when a file is reused, over a short sample (:data:`SAMPLE_S`). The 1-minute load average,
+which lags by a minute (right after a job ends it still reads it), is the fallback
+elsewhere, less what the caller's own ranks add to it (:func:`own_load`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import time
 from typing import Any, Mapping
 
-__all__ = ["LOADED_PER_CORE", "LOAD_BAND", "conditions", "load_per_core", "own_load", "stale"]
+__all__ = ["LOADED_PER_CORE", "LOAD_BAND", "busy_seconds", "conditions", "load_per_core", "own_load", "stale"]
 
 # Other work per core (1-minute load average) above which a calibration counts as made under
 # load. Issue 37's runs: a quiet 2-core machine read 0.5-0.9 (0.25-0.45 per core); with one
@@ -82,7 +84,38 @@ def load_per_core(ranks: int = 1, *, seconds: float | None = None) -> float | No
     return max(0.0, load - own_load(ranks, age)) / _cores()[0]
 
 
-def conditions(*, ranks: int, load_before: float | None, started: float) -> dict[str, Any]:
+def busy_seconds() -> float | None:
+    """CPU seconds this host's cores have been busy since boot (Linux ``/proc/stat``: every
+    state but idle and iowait), or None where there is no such counter."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# How long :func:`stale` watches the host's busy time to read the other work now.
+SAMPLE_S = 0.5
+
+
+def _sampled_per_core() -> float | None:
+    """Other processes' CPU per core over the next :data:`SAMPLE_S` seconds (the host's busy
+    time less this process's), or None where the host has no busy-time counter. Unlike the
+    load average it does not lag: a job that ended a minute ago no longer counts."""
+    b0, c0, t0 = busy_seconds(), time.process_time(), time.monotonic()
+    if b0 is None:
+        return None
+    time.sleep(SAMPLE_S)
+    b1, c1, dt = busy_seconds(), time.process_time(), time.monotonic() - t0
+    if b1 is None or dt <= 0:
+        return None
+    return max(0.0, (b1 - b0) - (c1 - c0)) / dt / _cores()[0]
+
+
+def conditions(
+    *, ranks: int, load_before: float | None, started: float, others_cpu_s: float | None = None
+) -> dict[str, Any]:
     """What a calibration ran under, for its machine file (call it when the calibration ends).
 
     Args:
@@ -90,6 +123,8 @@ def conditions(*, ranks: int, load_before: float | None, started: float) -> dict
       load_before: the 1-minute load average when it started (``os.getloadavg()[0]``; None:
         unknown).
       started: ``time.time()`` when it started.
+      others_cpu_s: CPU seconds other processes spent on this host meanwhile (measured from
+        :func:`busy_seconds`; None: judged from the load averages instead, which lag).
 
     Returns:
       ``torch``, ``fshard`` (versions), ``cpu_count``, ``affinity_cores``, ``load_before``,
@@ -105,7 +140,11 @@ def conditions(*, ranks: int, load_before: float | None, started: float) -> dict
     now = time.time()
     after = _loadavg()
     others = None
-    if load_before is not None and after is not None:
+    if others_cpu_s is not None and now - started > 0:
+        # Measured: the other processes' CPU time over the calibration, per core. The load
+        # average lags by a minute: right after another job ends it still reads that job.
+        others = others_cpu_s / (now - started) / total
+    elif load_before is not None and after is not None:
         others = max(load_before, after - own_load(ranks, now - started), 0.0) / total
     return {
         "torch": torch.__version__,
@@ -133,7 +172,8 @@ def stale(recorded: Mapping[str, Any], path: Any, *, ranks: int = 1, load: float
       recorded: the machine file's ``conditions`` (empty: a file older than the field).
       path: the file, for the message.
       ranks: this run's ranks on this host (their own share of the load is left out).
-      load: other work per core now (optional; default :func:`load_per_core`).
+      load: other work per core now (optional; default: measured over :data:`SAMPLE_S`
+        from the host's busy time, else :func:`load_per_core` from the load average).
 
     Returns:
       One sentence naming the file, the field that differs (recorded and now) and the fix.
@@ -151,7 +191,10 @@ def stale(recorded: Mapping[str, Any], path: Any, *, ranks: int = 1, load: float
         if recorded.get(key) != value:
             return f"{where} was calibrated with {key} {recorded.get(key)!r}, this process has {value!r}; {FIX}"
     then = recorded.get("others_per_core")
-    load = load_per_core(ranks) if load is None else load
+    if load is None:
+        load = _sampled_per_core()
+    if load is None:
+        load = load_per_core(ranks)
     if then is None or load is None:
         return None  # no load average on this platform: nothing to compare
     if abs(then - load) > LOAD_BAND:
