@@ -16,7 +16,11 @@ style           weight ``[out, in]``    after the local matmul
 A region runs from :func:`tp_enter` (``pvary``, Megatron's "f"; with sequence
 parallelism ``all_gather`` over the sequence) to :func:`tp_exit` (``psum``, "g";
 with SP ``psum_scatter``). With SP, replicated parameters used between regions go
-through :func:`sp_params` (one ``psum`` of their grads). Checked mode proves a block:
+through :func:`sp_params` (one ``psum`` of their grads). The Transformer's SP splits the
+residual stream's batch rows (dim 0, ``(B / tp, T, D)``) by default: a collective's buffer
+is its dim 0, so the gathers land in place and the scatters read their chunks in place;
+``seq_dim=1`` splits the sequence instead (for a batch smaller than tp; every collective
+then copies to and from a transposed layout). Checked mode proves a block:
 a forgotten ``tp_exit`` leaves an output varying over ``tp`` and the out_spec check
 names it. How to write TP for a new block: ``docs/tp.md``.
 """
@@ -362,6 +366,7 @@ def tp_transformer_block(
     sequence_parallel: bool = False,
     *,
     training: bool = False,
+    seq_dim: int = 0,
 ) -> torch.Tensor:
     """:func:`fshard.models.block` on tp-local shards: 2 collectives forward, 2 backward.
 
@@ -377,11 +382,13 @@ def tp_transformer_block(
       layer_params: ``params["layers"][i]`` laid out by :data:`TRANSFORMER_TP_PLAN`:
         ``wq/wk/wv`` ``[D / tp, D]`` (whole heads), ``wo`` ``[D, D / tp]``, ``w1``
         ``[F / tp, D]``, ``w2`` ``[D, F / tp]``, norms and ``w2.bias`` whole.
-      x: residual stream ``(B, T, D)`` (with SP ``(B, T / tp, D)``).
+      x: residual stream ``(B, T, D)``; with SP this rank's share: ``(B / tp, T, D)``
+        (``seq_dim=0``) or ``(B, T / tp, D)`` (``seq_dim=1``).
       cfg: the model's config.
       axis: the tensor-parallel axis.
-      sequence_parallel: the residual stream is split over the sequence (dim 1).
+      sequence_parallel: the residual stream is split over ``axis`` between regions.
       training: apply dropout.
+      seq_dim: with SP, the split dim of ``x`` (see :func:`tp_embed`).
 
     Returns:
       The residual stream after the block, laid out like ``x``.
@@ -389,7 +396,7 @@ def tp_transformer_block(
     Raises:
       ValueError: a rank's ``wq`` does not hold whole heads.
     """
-    p, sp = layer_params, dict(sequence_parallel=sequence_parallel, seq_dim=1)
+    p, sp = layer_params, dict(sequence_parallel=sequence_parallel, seq_dim=_sp_dim(seq_dim, "tp_transformer_block"))
     rows = p["attention"]["wq"]["weight"].shape[0]
     if rows % cfg.head_dim:
         raise ValueError(
@@ -403,7 +410,7 @@ def tp_transformer_block(
     h = tp_enter(_norm(rep["attention_norm"], x, cfg), axis, **sp)  # (B, T, D)
     with tp_rng(axis, h.device) if training and cfg.dropout > 0 else contextlib.nullcontext():
         a = attention(p["attention"], h, cfg, training=training, output_dropout=False)  # local heads
-    x = x + tp_dropout(tp_exit(a, axis, **sp), cfg, axis, **drop)  # (B, T[/tp], D)
+    x = x + tp_dropout(tp_exit(a, axis, **sp), cfg, axis, **drop)  # (B, T, D), SP: (B / tp, T, D)
     h = tp_enter(_norm(rep["ffn_norm"], x, cfg), axis, **sp)  # (B, T, D)
     ffn = {"w1": p["feed_forward"]["w1"], "w2": {"weight": p["feed_forward"]["w2"]["weight"], "bias": None}}
     y = feed_forward(ffn, h, cfg)  # partial sum (B, T, D); w2's bias is added once, after it
@@ -418,6 +425,7 @@ def tp_embed(
     sequence_parallel: bool = False,
     *,
     training: bool = False,
+    seq_dim: int = 0,
 ) -> torch.Tensor:
     """Vocab-parallel token embedding plus position embedding.
 
@@ -426,41 +434,84 @@ def tp_embed(
       tokens: int64 ``(B, T)``, the same on every tp rank.
       cfg: the model's config.
       axis: the tensor-parallel axis.
-      sequence_parallel: return this rank's ``T / tp`` positions.
+      sequence_parallel: return this rank's share of the tokens, split over ``seq_dim``.
       training: apply dropout (:func:`tp_dropout`).
+      seq_dim: with SP, the dim split over ``axis``: 0 (the default), rank ``r``'s
+        ``B / tp`` batch rows ``[r * B / tp, (r + 1) * B / tp)``, whole sequences; or 1,
+        its ``T / tp`` positions. Norms, dropout and residual adds are per token, so
+        either split computes the same model; dim 0 is the collectives' own layout (no
+        copies around them), dim 1 serves a batch smaller than tp.
 
     Returns:
-      ``(B, T, D)``, or ``(B, T / tp, D)`` with SP.
+      ``(B, T, D)``; with SP ``(B / tp, T, D)`` (``seq_dim=0``) or ``(B, T / tp, D)``.
+
+    Raises:
+      ValueError: with SP, ``tokens``' dim ``seq_dim`` is not divisible by the size of ``axis``.
     """
     T = tokens.shape[1]
+    d = _sp_dim(seq_dim, "tp_embed")
+    if sequence_parallel:
+        _check_sp_split(tokens, d, axis)
     x = vocab_parallel_embed(params["tok_embeddings"]["weight"], tokens, axis, vocab_size=cfg.vocab_size)
-    x = tp_exit(x, axis, sequence_parallel=sequence_parallel, seq_dim=1)  # (B, T[/tp], D)
+    x = tp_exit(x, axis, sequence_parallel=sequence_parallel, seq_dim=d)  # (B, T, D), SP: split over d
     pos = params["pos_embeddings"]["weight"][:T]  # (T, D)
     if sequence_parallel:
+        pos = sp_params(pos, axis)  # every rank's tokens use it: its gradient is summed over axis
+    if sequence_parallel and d == 1:
         t = x.shape[1]
         # The mesh's int (a per-rank int under fs.simulate, which slicing cannot take; narrow can).
         r = lax.BODY.get().mesh.axis_index(axis)
-        pos = sp_params(pos, axis).narrow(0, r * t, t)  # (T / tp, D)
+        pos = pos.narrow(0, r * t, t)  # (T / tp, D)
     return tp_dropout(x + pos, cfg, axis, training=training, split=sequence_parallel)
 
 
+def _sp_dim(seq_dim: int, where: str) -> int:
+    """``seq_dim`` of the residual stream ``(B, T, D)``, checked: 0 (batch rows) or 1 (sequence)."""
+    if seq_dim not in (0, 1):
+        raise ValueError(
+            f"{where}: seq_dim={seq_dim!r}; the residual stream (B, T, D) is split over tp on dim 0 "
+            f"(batch rows, the default) or dim 1 (the sequence)."
+        )
+    return seq_dim
+
+
+def _check_sp_split(tokens: torch.Tensor, d: int, axis: str) -> None:
+    n, size = lax.axis_size(axis), tokens.shape[d]
+    if size % n:
+        what, other = ("batch rows", "seq_dim=1 to split the sequence") if d == 0 else ("positions", "seq_dim=0")
+        raise ValueError(
+            f"tp_embed: sequence_parallel with seq_dim={d} splits the {size} {what} of this rank's tokens "
+            f"{tuple(tokens.shape)} over axis {axis!r} of size {n}, which must divide {size}. Give each rank "
+            f"(each microbatch) a batch whose dim {d} is a multiple of {n}, or pass {other} "
+            f"(dim {1 - d} has {tokens.shape[1 - d]})."
+        )
+
+
 def tp_logits(
-    params: Any, x: torch.Tensor, cfg: TransformerConfig, axis: str = "tp", sequence_parallel: bool = False
+    params: Any,
+    x: torch.Tensor,
+    cfg: TransformerConfig,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    *,
+    seq_dim: int = 0,
 ) -> torch.Tensor:
     """Final norm and vocab-split output projection; feed to :func:`vocab_parallel_cross_entropy`.
 
     Args:
       params: the model's tree with ``output.weight`` (or, tied, ``tok_embeddings.weight``)
         ``[V / tp, D]``.
-      x: ``(B, T, D)`` (with SP ``(B, T / tp, D)``).
+      x: ``(B, T, D)``; with SP this rank's share, split over ``seq_dim``.
       cfg: the model's config.
       axis: the tensor-parallel axis.
-      sequence_parallel: ``x`` is split over the sequence.
+      sequence_parallel: ``x`` is split over ``axis``: gather it before the projection.
+      seq_dim: with SP, the split dim of ``x`` (see :func:`tp_embed`).
 
     Returns:
       This rank's logits ``(B, T, V / tp)`` (never the full ``(B, T, V)``).
     """
     norm = sp_params(params["norm"], axis) if sequence_parallel else params["norm"]
-    h = tp_enter(_norm(norm, x, cfg), axis, sequence_parallel=sequence_parallel, seq_dim=1)  # (B, T, D)
+    d = _sp_dim(seq_dim, "tp_logits")
+    h = tp_enter(_norm(norm, x, cfg), axis, sequence_parallel=sequence_parallel, seq_dim=d)  # (B, T, D)
     w = params["tok_embeddings" if cfg.tie_weights else "output"]["weight"]
     return F.linear(h, w)  # (B, T, V / tp)

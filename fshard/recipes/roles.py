@@ -48,7 +48,7 @@ class Roles:
       tp_axis: the tensor-parallel axis (Megatron: heads, MLP width and vocabulary split),
         or None.
       pp_axis: the pipeline axis (blocks split into stages), or None.
-      sequence_parallel: between TP regions, split activations over the sequence too.
+      sequence_parallel: between TP regions, split the activations' rows over tp too.
       data_axes: the axes the batch's rows are split over.
       master_dtype: the dtype of the parameters and the optimizer state.
       policy: mixed precision for the gathers and the compute (None: compute in master_dtype).

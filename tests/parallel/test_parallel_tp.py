@@ -122,12 +122,16 @@ def _mlp(cfg, axes, data_axes, sp, loop):
 
 
 def _transformer(cfg, axes, data_axes, sp, loop):
+    # sp: False, True (SP over the batch rows, the default) or "seq" (SP over the sequence, seq_dim=1).
+    kw = dict(seq_dim=1) if sp == "seq" else {}
+    sp = bool(sp)
+
     def body(p, tok, tgt):
         root = fs.parallel.gather_params({k: v for k, v in p.items() if k != "layers"}, **axes)
-        x = tp_embed(root, tok, cfg, "tp", sp)                                       # (b, T[/tp], D)
-        x = fs.parallel.scan_layers(lambda lp, h: tp_transformer_block(lp, h, cfg, "tp", sp), p["layers"], x,
+        x = tp_embed(root, tok, cfg, "tp", sp, **kw)                                 # SP: (b / tp, T, D)
+        x = fs.parallel.scan_layers(lambda lp, h: tp_transformer_block(lp, h, cfg, "tp", sp, **kw), p["layers"], x,
                                     **loop)
-        logits = tp_logits(root, x, cfg, "tp", sp)                                   # (b, T, V / tp)
+        logits = tp_logits(root, x, cfg, "tp", sp, **kw)                             # (b, T, V / tp)
         loss = vocab_parallel_cross_entropy(logits, tgt, "tp", vocab_size=cfg.vocab_size)
         return fs.lax.pmean(loss, data_axes)
 
@@ -220,6 +224,8 @@ def _transformer_run(layout, sp, check):
 
 CASES = [("fsdp_tp", False), ("fsdp_tp", True), ("dp_tp", False), ("dp_tp", True), ("hsdp_tp", False),
          ("hsdp_tp", True), ("hsdp_tp1", False)]
+# SP over the sequence (seq_dim=1), the layout kept for a batch smaller than tp (Transformer only).
+SEQ_CASES = [("fsdp_tp", "seq"), ("dp_tp", "seq")]
 
 
 @pytest.mark.parametrize("layout, sp", CASES)
@@ -234,7 +240,7 @@ def test_mlp_stack_parity_and_megatron_counts(layout, sp):
         assert all(c == want for c in r["counts"]), (r["counts"][0], want)
 
 
-@pytest.mark.parametrize("layout, sp", CASES)
+@pytest.mark.parametrize("layout, sp", CASES + SEQ_CASES)
 def test_transformer_loss_parallel_parity_and_megatron_counts(layout, sp):
     # 3 Adam steps: a layout or collective fault shows in step 0's loss and gradients, and
     # steps 1-2 update with Adam's moments.
@@ -247,7 +253,8 @@ def test_transformer_loss_parallel_parity_and_megatron_counts(layout, sp):
 
 @pytest.mark.parametrize("model, layout, sp, check", [
     ("mlp", "fsdp_tp", True, True), ("mlp", "dp_tp", False, True), ("transformer", "fsdp_tp", True, True),
-    ("transformer", "hsdp_tp", False, True), ("transformer", "fsdp_tp", True, False)])
+    ("transformer", "hsdp_tp", False, True), ("transformer", "fsdp_tp", True, False),
+    ("transformer", "fsdp_tp", "seq", True)])
 def test_gradients_inside_shard_map_equal_reference_with_the_same_counts(model, layout, sp, check):
     """shard_map(value_and_grad(f)): same losses, params and Megatron counts as the other order."""
     results = run_on_ranks(_train, model, layout, sp, 3, check=check, order="inside", world_size=4)
@@ -388,6 +395,25 @@ def test_heads_not_divisible_by_tp_is_an_error():
     assert "n_heads=2 must be divisible by the size of axis 'tp'" in msg
 
 
+def _sp_batch_smaller_than_tp():
+    mesh = fs.make_mesh({"tp": 2})
+    cfg = TransformerConfig(**TF)
+    params = transformer_init(cfg, 0, dtype=torch.float64)
+    specs = tp_specs(params, TRANSFORMER_TP_PLAN)
+    f = fs.shard_map(lambda p, tok: tp_embed(p, tok, cfg, "tp", True), mesh=mesh, in_specs=(specs, P()),
+                     out_specs=P("tp"))
+    try:
+        f(fs.shard(params, specs, mesh), torch.zeros(1, 8, dtype=torch.int64))
+    except ValueError as e:
+        return str(e)
+
+
+def test_sp_over_a_batch_smaller_than_tp_is_an_error_naming_seq_dim():
+    msg = run_on_ranks(_sp_batch_smaller_than_tp, world_size=2)[0]
+    assert "splits the 1 batch rows of this rank's tokens (1, 8) over axis 'tp' of size 2" in msg, msg
+    assert "or pass seq_dim=1 to split the sequence (dim 1 has 8)" in msg, msg
+
+
 def test_tp_rules_are_data():
     rules = fs.parallel.tp_rules({r"a\.weight": "colwise", r"b\.weight": "rowwise"}, "tp", fsdp_axis="fsdp")
     assert rules == [(r"a\.weight", P(("tp", "fsdp"))), (r"b\.weight", P("fsdp", "tp"))]
@@ -406,11 +432,11 @@ def _dropout_body(sp):
     tok = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=torch.Generator().manual_seed(3))
 
     def body(p, tok, training):
-        x = tp_embed(p, tok, cfg, "tp", sp, training=training)                        # (b, T[/tp], D)
+        x = tp_embed(p, tok, cfg, "tp", sp, training=training)                        # (b[/tp], T, D)
         for lp in p["layers"]:
             x = tp_transformer_block(lp, x, cfg, "tp", sp, training=training)
         if sp:
-            x = fs.lax.all_gather(x, "tp", axis=1, tiled=True)                         # (b, T, D)
+            x = fs.lax.all_gather(x, "tp", axis=0, tiled=True)                         # (b, T, D)
         copies = fs.lax.all_gather(x.detach(), "tp")                                    # (tp, b, T, D)
         with fs.parallel.tp_rng("tp", x.device):
             draws = fs.lax.all_gather(torch.rand(3, dtype=torch.float64), "tp")       # (tp, 3)
@@ -441,3 +467,45 @@ def test_dropout_keeps_tp_replicas_identical_and_per_rank_masks_independent(sp):
         assert drift_eval == 0.0 and drift == 0.0  # replicas did not drift apart
         assert rank_draws > 0.0  # inside tp_rng each tp rank draws its own numbers
         assert shared_after == 0.0  # and the shared global RNG is in step again afterwards
+
+
+def _layout_copies(mode):
+    """aten copies (clone, copy_, _to_copy) in one forward + backward of tp_transformer_block
+    on 2 real ranks: plain TP ("tp"), SP over the batch rows ("rows") or the sequence ("seq")."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    copies = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
+
+    class CountCopies(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func in copies
+            return func(*args, **(kwargs or {}))
+
+    cfg = TransformerConfig(**{**TF, "n_layers": 1})
+    mesh = fs.make_mesh({"tp": 2})
+    layer = transformer_init(cfg, 0, dtype=torch.float64)["layers"][0]
+    specs = tp_specs({"layers": [layer]}, TRANSFORMER_TP_PLAN, "tp")["layers"][0]
+    sp, kw = mode != "tp", dict(seq_dim=1) if mode == "seq" else {}
+
+    def loss(p, x):
+        y = tp_transformer_block(p, x, cfg, "tp", sp, **kw)
+        return fs.lax.pmean(y.pow(2).mean(), "tp") if sp else y.pow(2).mean()
+
+    x_spec = {"tp": P(), "rows": P("tp"), "seq": P(None, "tp")}[mode]
+    step = fs.value_and_grad(fs.shard_map(loss, mesh=mesh, in_specs=(specs, x_spec), out_specs=P(), check=False))
+    sharded, x = fs.shard(layer, specs, mesh), torch.randn(4, cfg.max_seq_len, cfg.dim, dtype=torch.float64)
+    step(sharded, x)  # warm: first-call work is not the layout's
+    with CountCopies() as count:
+        step(sharded, x)
+    return count.n
+
+
+def test_sp_over_the_batch_rows_adds_no_layout_copy_around_its_collectives():
+    # A collective's buffer is its dim 0: gathering the rows lands (B, T, D) in place and
+    # scattering them reads contiguous chunks, so the block copies exactly as plain TP does.
+    # Over the sequence every gather lands transposed and every scatter chunks a copy.
+    for plain, rows, seq in zip(*(run_on_ranks(_layout_copies, m, world_size=2) for m in ("tp", "rows", "seq"))):
+        assert rows == plain, (plain, rows)
+        assert seq > rows, (seq, rows)  # the count sees the copies it is meant to rule out

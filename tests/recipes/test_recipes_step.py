@@ -118,6 +118,8 @@ def test_a_tp_layout_without_a_tp_plan_is_refused_naming_the_fix():
     (fs.parallel.Layout({"fsdp": 1}, batch=4, offload=True), r"Layout.offload: the recipes do not offload yet"),
     (fs.parallel.Layout({"fsdp": 1}, batch=4, dtype="float8"), r"Layout.dtype 'float8': the recipes run"),
     (fs.parallel.Layout({"fsdp": 1}, batch=6, microbatches=4), r"Layout.batch 6 must be a multiple of microbatches 4"),
+    (fs.parallel.Layout({"tp": 2}, batch=2, microbatches=2, sequence_parallel=True),
+     r"splits a microbatch's rows over tp=2: .* = 1 rows, not a multiple of 2; make Layout.batch a multiple of 4"),
 ])
 def test_layouts_the_recipe_does_not_run_are_refused(layout, says):
     with pytest.raises(fs.parallel.LayoutError, match=says):

@@ -134,9 +134,9 @@ def _tp_dropout(n, sequence_parallel):
         y = fs.parallel.tp_transformer_block(p, x, cfg, "tp", sequence_parallel=sequence_parallel, training=True)
         return fs.lax.pmean(y.pow(2).mean(), "tp") if sequence_parallel else y.pow(2).mean()
 
-    x_spec = P(None, "tp") if sequence_parallel else P()
+    x_spec = P("tp") if sequence_parallel else P()  # with SP each tp rank holds batch rows
     step = fs.value_and_grad(fs.shard_map(loss, mesh=mesh, in_specs=(specs, x_spec), out_specs=P()))
-    value, grads = step(fs.shard(params, specs, mesh), _data(99, 2, 8, 16))
+    value, grads = step(fs.shard(params, specs, mesh), _data(99, n, 8, 16))
     return fs.gather(value), fs.gather(grads), torch.rand(3)
 
 
