@@ -56,8 +56,10 @@ from data_parallel import timed_rounds  # noqa: E402
 
 CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
 _F = torch.ops._c10d_functional
+# fshard's reduce-scatter on gloo is an all_to_all_single of the whole input (fs.comm): the
+# same input bytes and (n-1)/n of them sent, so it counts as one.
 _KINDS = {_F.all_reduce.default: "all_reduce", _F.all_gather_into_tensor.default: "all_gather",
-          _F.reduce_scatter_tensor.default: "reduce_scatter"}
+          _F.reduce_scatter_tensor.default: "reduce_scatter", _F.all_to_all_single.default: "reduce_scatter"}
 
 
 # Time what a torchrun job runs: run_local's ranks would otherwise agree on every collective's
@@ -139,9 +141,9 @@ def _fshard_step(cfg: TransformerConfig, mesh, sp: bool, jit_backend: str | None
     state = opt.init(sharded)
 
     def loss_fn(p, tok, tgt):
-        x = tp_embed(p, tok, cfg, "tp", sp)                                  # (B, T[/tp], D)
+        x = tp_embed(p, tok, cfg, "tp", sp)                                  # (B, T, D), SP: (B / tp, T, D)
         for lp in p["layers"]:
-            x = tp_transformer_block(lp, x, cfg, "tp", sp)                   # (B, T[/tp], D)
+            x = tp_transformer_block(lp, x, cfg, "tp", sp)                   # laid out like x
         logits = tp_logits(p, x, cfg, "tp", sp)                              # (B, T, V/tp)
         return vocab_parallel_cross_entropy(logits, tgt, "tp", vocab_size=cfg.vocab_size)
 
