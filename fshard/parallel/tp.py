@@ -130,38 +130,40 @@ def tp_specs(
 
 
 # --- region boundaries -------------------------------------------------------------------
-def tp_enter(x: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False, seq_dim: int = -2) -> torch.Tensor:
+def tp_enter(x: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False, seq_dim: int = 0) -> torch.Tensor:
     """Enters a TP region: the full activation every tp rank multiplies by its shard.
 
     Args:
-      x: ``(..., T, D)``, the same on every tp rank; with SP ``(..., T / tp, D)``.
+      x: ``(B, T, D)`` (or ``(N, D)``), the same on every tp rank; with SP this rank's
+        share, split over ``seq_dim``: ``(B / tp, T, D)``.
       axis: the tensor-parallel axis.
       sequence_parallel: ``x`` is split over ``seq_dim``: all-gather it.
-      seq_dim: the sequence dim (default -2).
+      seq_dim: the split dim with SP (default 0, the rows: the gather lands in place;
+        any other dim is gathered through a transposed copy).
 
     Returns:
-      ``(..., T, D)``. Backward sums the gradient over ``axis`` (psum, or psum_scatter with SP).
+      ``(B, T, D)``. Backward sums the gradient over ``axis`` (psum, or psum_scatter with SP).
     """
     if sequence_parallel:
-        return lax.all_gather(x, axis, axis=seq_dim, tiled=True)  # (..., T, D)
+        return lax.all_gather(x, axis, axis=seq_dim, tiled=True)  # (B, T, D)
     return lax.pvary(x, axis)
 
 
-def tp_exit(y: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False, seq_dim: int = -2) -> torch.Tensor:
+def tp_exit(y: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False, seq_dim: int = 0) -> torch.Tensor:
     """Leaves a TP region: sums the per-rank partial outputs of a row-parallel linear.
 
     Args:
-      y: ``(..., T, D)``, this rank's partial sum.
+      y: ``(B, T, D)`` (or ``(N, D)``), this rank's partial sum.
       axis: the tensor-parallel axis.
       sequence_parallel: reduce-scatter over ``seq_dim`` instead of all-reduce.
-      seq_dim: the sequence dim (default -2); ``T`` must be divisible by the axis size.
+      seq_dim: the split dim with SP (default 0, the rows), divisible by the axis size.
 
     Returns:
-      ``(..., T, D)`` (with SP ``(..., T / tp, D)``), the same on every tp rank
+      ``(B, T, D)`` (with SP ``(B / tp, T, D)``), the same on every tp rank
       (with SP: this rank's slice). Backward: identity (all-gather with SP).
     """
     if sequence_parallel:
-        return lax.psum_scatter(y, axis, scatter_dimension=seq_dim, tiled=True)  # (..., T / tp, D)
+        return lax.psum_scatter(y, axis, scatter_dimension=seq_dim, tiled=True)  # (B / tp, T, D)
     return lax.psum(y, axis)
 
 
@@ -253,7 +255,7 @@ def vocab_parallel_cross_entropy(
 
 # --- blocks -------------------------------------------------------------------------------------
 def tp_mlp(
-    layer_params: Any, x: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False, seq_dim: int = -2
+    layer_params: Any, x: torch.Tensor, axis: str = "tp", *, sequence_parallel: bool = False, seq_dim: int = 0
 ) -> torch.Tensor:
     """One MLP (``in_proj`` colwise, ReLU, ``out_proj`` rowwise) on tp-local shards.
 
@@ -264,7 +266,7 @@ def tp_mlp(
         over ``seq_dim``: ``(N / tp, D)``.
       axis: the tensor-parallel axis.
       sequence_parallel: activations outside the block are split over ``seq_dim``.
-      seq_dim: the split dim with SP (default -2).
+      seq_dim: the split dim with SP (default 0, the rows).
 
     Returns:
       The MLP's output, laid out like ``x``.

@@ -101,7 +101,8 @@ def _transformer(mesh_text, options):
     return _train(fs.recipes.transformer(CFG), mesh_text, options, _tokens())[0]
 
 
-@pytest.mark.parametrize("mesh_text, options", [("fsdp=2,tp=2", {"sequence_parallel": True}), ("pp=2,tp=2", {})])
+@pytest.mark.parametrize("mesh_text, options", [("fsdp=2,tp=2", {"sequence_parallel": True}), ("pp=2,tp=2", {}),
+                                                ("pp=2,tp=2", {"sequence_parallel": True, "microbatches": 2})])
 def test_the_transformer_recipe_on_tp_layouts_gives_the_one_process_losses(mesh_text, options):
     want = _transformer("fsdp=1", {})
     for got in run_on_ranks(_transformer, mesh_text, options, world_size=4):
