@@ -93,8 +93,7 @@ class Layout:
       remat: recompute each block in backward.
       reshard: FSDP frees gathered parameters after forward and regathers in backward
         (None: fshard's default, True for ``scan_layers``, False for pipeline stages).
-      sequence_parallel: with tp, split the activations between TP regions over tp (each tp
-        rank keeps ``1 / tp`` of a microbatch's rows, so that must divide them).
+      sequence_parallel: with tp, split the activations between TP regions over tp.
       dtype: compute dtype (``"bfloat16"`` computes and gathers in bf16 over fp32 masters).
       prefetch: FSDP gathers in flight ahead of the layer that runs.
       offload: FSDP keeps the shards and the optimizer state in CPU memory.
@@ -204,13 +203,6 @@ class Layout:
             raise LayoutError(f"Layout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("Layout.sequence_parallel needs tp > 1")
-        if self.sequence_parallel and self.microbatch_size % self.tp:
-            raise LayoutError(
-                f"Layout.sequence_parallel splits a microbatch's rows over tp={self.tp}: Layout.batch "
-                f"{self.batch} / ({self.microbatches} microbatches x {self.n_data} data ranks) = "
-                f"{self.microbatch_size} rows, not a multiple of {self.tp}; make Layout.batch a multiple of "
-                f"{self.microbatches * self.n_data * self.tp}, use fewer microbatches, or leave sequence_parallel out"
-            )
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise LayoutError(f"Layout.prefetch must be an int >= 0, got {self.prefetch!r}")
         if self.virtual is not None and (not isinstance(self.virtual, int) or self.virtual < 1):

@@ -104,12 +104,15 @@ def auto_layout(
     found = plan.search(
         model, on, world, template.batch, config=plan.SearchConfig(axes=tuple(axes), dtype=template.dtype)
     )
-    if found.best is None:
+    # The recipes' SP keeps a microbatch's rows (tp must divide them); the planner's also
+    # describes Megatron's sequence split, which does not ask it: skip what the recipes refuse.
+    runnable = [e for e in found.ranked if not (e.layout.sequence_parallel and e.layout.microbatch_size % e.layout.tp)]
+    if not runnable:
         raise ConfigError(
             f"--mesh auto: no layout of {world} rank(s) fits --batch-size {template.batch} "
             f"in {on.memory_bytes / 2**30:.1f} GiB per rank"
         )
-    best = found.best
+    best = runnable[0]
     return best.layout, (
         f"{best.layout.label()} (best of {found.considered} layouts on {on.name}{_origin(on)}): {best.explain()}"
     )

@@ -155,6 +155,25 @@ class Roles:
         return P(self.data_axes)
 
 
+def check_sp_rows(layout: Layout) -> None:
+    """With SP the recipes' Transformer keeps ``1 / tp`` of each microbatch's rows per tp rank
+    (``fs.parallel.tp_embed``'s ``seq_dim=0``), so tp must divide them.
+
+    Not a ``Layout`` rule: ``fs.plan`` also describes Megatron's sequence split, which does not ask it.
+
+    Raises:
+      LayoutError: naming the batch, the microbatches, the data ranks and the fixes.
+    """
+    rows, tp = layout.microbatch_size, layout.tp
+    if layout.sequence_parallel and rows % tp:
+        raise LayoutError(
+            f"Layout.sequence_parallel splits a microbatch's rows over tp={tp}: Layout.batch {layout.batch} / "
+            f"({layout.microbatches} microbatches x {layout.n_data} data ranks) = {rows} rows, not a multiple of "
+            f"{tp}; make Layout.batch a multiple of {layout.microbatches * layout.n_data * tp}, use fewer "
+            f"microbatches, or leave sequence_parallel out"
+        )
+
+
 def check_batch(batch_size: int, microbatches: int, mesh: Mesh, roles: Roles) -> None:
     """Every microbatch must split evenly over the data-parallel ranks.
 

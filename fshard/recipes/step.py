@@ -39,7 +39,7 @@ from fshard.parallel.scan import ScanConfig, gather_params, scan_layers
 from fshard.recipes.faults import Injection, NonFinite, first_nonfinite
 from fshard.recipes.model import LayeredModel, ModelLike, resolve_model
 from fshard.recipes.pipeline import Pipeline, make_pipeline_grads
-from fshard.recipes.roles import Roles, check_batch
+from fshard.recipes.roles import Roles, check_batch, check_sp_rows
 from fshard.transforms import shard_map, value_and_grad
 
 __all__ = [
@@ -457,6 +457,7 @@ def compose_train_step(
     errors, are :func:`build_train_step`'s.
     """
     layout.validate()
+    check_sp_rows(layout)
     mesh = layout.mesh() if mesh is None else mesh
     roles = Roles.of(layout, mesh)
     check_batch(layout.batch, layout.microbatches, mesh, roles)
