@@ -81,8 +81,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      "(default 2 x pp), else gradient accumulation steps (default 1)")
     run.add_argument("--remat", action="store_true", help="recompute each block in backward")
     run.add_argument("--sequence-parallel", action="store_true",
-                     help="with tp: split the activations between TP regions over tp (each tp rank "
-                          "keeps 1/tp of a microbatch's rows)")
+                     help="with tp: each tp rank keeps 1/tp of a microbatch's rows between TP regions")
     run.add_argument("--jit", nargs="?", const="inductor", default=None, metavar="BACKEND",
                      help="compile the train step with fs.jit (one graph, compiled at the first step); BACKEND is "
                           "torch.compile's: inductor (the default), aot_eager or none (the captured graph "
