@@ -21,7 +21,7 @@ SIZES = [1, 3, 17, 256, 4099, 50_000, 200_003]
 
 
 def _group(threads: int):
-    """The world's ranks on a gloo group with ``threads`` worker threads (2: the world group).
+    """The world's ranks on a gloo group with ``threads`` worker threads (0: fshard's world group, one worker).
 
     ``new_group`` ignores ``pg_options`` for gloo (always 2 threads), so the backend is
     built directly and registered by name, which the functional collectives resolve.
@@ -32,7 +32,9 @@ def _group(threads: int):
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    if threads == 2:
+    from fshard.runtime import gloo_workers
+
+    if threads in (0, gloo_workers.worker_threads()):  # 0: the world group as fshard made it
         return dist.group.WORLD
     name = f"stress_overlap_t{threads}_{os.getpid()}_{len(c10d._world.pg_names)}"
     before = len(os.listdir("/proc/self/task"))

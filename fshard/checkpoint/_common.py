@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Partial
 
-from fshard.runtime import simulation, teardown
+from fshard.runtime import gloo_workers, simulation, teardown
 from fshard.runtime.process import group_timeout
 
 __all__ = [
@@ -144,7 +144,8 @@ def group() -> Any | None:
     if g is None:
         # The configured timeout, not torch's 30-minute default for a new group: a rank
         # stopped during a save must fail the others as soon as the world group would.
-        g = dist.new_group(backend="gloo", timeout=timeout())
+        with gloo_workers.one_worker():
+            g = dist.new_group(backend="gloo", timeout=timeout())
         _GROUPS[key] = g
     return g
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fshard.runtime import process, teardown
+from fshard.runtime import gloo_workers, process, teardown
 
 __all__ = ["Mesh", "make_mesh", "current_mesh", "get_mesh"]
 
@@ -187,14 +187,15 @@ def make_mesh(
     key = (id(dist.group.WORLD), device_type, tuple(axes.items()))
     mesh = _MESH_CACHE.get(key)
     if mesh is None:
-        dm = init_device_mesh(
-            device_type,
-            tuple(axes.values()),
-            mesh_dim_names=tuple(axes),
-            backend_override=_timeout_overrides(axes, world, dist.get_backend()) or None,
-        )
-        mesh = Mesh(dm, tuple(axes))
-        mesh._build_multi_axis_groups(dist.get_backend())
+        with gloo_workers.one_worker():  # torch's two gloo workers race (fshard.runtime.gloo_workers)
+            dm = init_device_mesh(
+                device_type,
+                tuple(axes.values()),
+                mesh_dim_names=tuple(axes),
+                backend_override=_timeout_overrides(axes, world, dist.get_backend()) or None,
+            )
+            mesh = Mesh(dm, tuple(axes))
+            mesh._build_multi_axis_groups(dist.get_backend())
         from fshard.comm import register_group
 
         for a in mesh.axis_names:
@@ -258,8 +259,10 @@ def _timeout_overrides(axes: Mapping[str, int], world: int, backend: str) -> dic
     An axis that spans the whole world reuses the default group, which has the timeout
     already; overriding it would make torch build a second world-sized group instead. On a
     CUDA machine with a gloo world torch builds a new group for that axis anyway, so it is
-    overridden too. A backend with no options class (not gloo or nccl) keeps torch's
-    behaviour.
+    overridden too, and so is a gloo world group with more than one worker thread (one the
+    caller made with ``dist.init_process_group``): its workers race
+    (:mod:`fshard.runtime.gloo_workers`), so the axis gets a one-worker group of its own. A
+    backend with no options class (not gloo or nccl) keeps torch's behaviour.
     """
     options_cls = {
         "gloo": getattr(dist, "ProcessGroupGloo", None),
@@ -269,6 +272,8 @@ def _timeout_overrides(axes: Mapping[str, int], world: int, backend: str) -> dic
         return {}
     timeout = process.group_timeout()
     world_reuses_default = not (torch.cuda.is_available() and backend == "gloo")
+    if backend == "gloo" and (gloo_workers.worker_threads() or 1) > 1:
+        world_reuses_default = False
     out: dict[int | str, Any] = {}
     for name, size in axes.items():
         if size == world and world_reuses_default:

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fshard.runtime import gloo_workers
 from fshard.runtime.failure import PEER_LOST
 
 __all__ = ["run_local", "WorkerPool", "RankTimeoutError", "RemoteTraceback", "RankExitError", "UnpicklableResultError"]
@@ -107,7 +108,10 @@ def _worker_main(
         if conn.recv() != _GO:
             raise RuntimeError("fshard: a rank was not released by the pool that started it")
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        with gloo_workers.one_worker():  # torch's two gloo workers race (fshard.runtime.gloo_workers)
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+            )
     except BaseException as e:  # report start-up failures like any other
         conn.send(("err", _pack_exc(e)))
         return

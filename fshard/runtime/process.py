@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fshard.runtime import failure, teardown
+from fshard.runtime import failure, gloo_workers, teardown
 
 __all__ = [
     "init",
@@ -126,7 +126,8 @@ def init(*, backend: str | None = None, timeout: timedelta | float | None = None
     backend = backend or _default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout(timeout))
+    with gloo_workers.one_worker():  # torch's two gloo workers race (fshard.runtime.gloo_workers)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout(timeout))
     teardown.install_at_exit(owned=True)  # gloo's threads must be gone before finalization
     if world > 1:  # an uncaught error says whether this rank is the cause or a casualty
         failure.install(
@@ -228,7 +229,10 @@ def ensure_initialized(n_ranks_wanted: int) -> None:
             f"--nproc-per-node {n_ranks_wanted}`, or call your function through "
             f"fs.run_local(fn, world_size={n_ranks_wanted})."
         )
-    dist.init_process_group(_default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=_env_timeout())
+    with gloo_workers.one_worker():
+        dist.init_process_group(
+            _default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=_env_timeout()
+        )
     teardown.install_at_exit(owned=True)  # one rank's gloo group has worker threads too
 
 
