@@ -88,6 +88,9 @@ NOT_RUN_HERE = {
                                                                             "test_mesh_teardown.py pins the fix",
     r"python bench/(fsdp|ddp)\.py --steps 10": "a timing benchmark, minutes a run on a CI machine; its "
                                               "numbers are reported, not checked",
+    r"python bench/gloo_workers\.py --mode (fsdp|ddp)": "a timing A/B, a minute or two a run; its numbers are "
+                                                     "reported, not checked (tests/runtime/test_gloo_workers.py "
+                                                     "checks the worker counts it compares)",
     # docs/jax.md
     r"python tests/conformance/conf_report\.py": "every program against JAX, a minute: the same programs "
                                                  "tests/conformance compares in this suite (the `diff/` and "
