@@ -1,11 +1,14 @@
 """Tensor parallelism (``tp``, Megatron-style, optionally with sequence parallelism) in the planner.
 
-- Layout: ``tp`` divides every ``model.tp_divides`` (heads, KV heads); sequence parallelism
-  needs ``seq_len`` divisible by tp. The search keeps tp within a node.
+- Layout: ``tp`` divides every ``model.tp_divides`` (heads, KV heads). Sequence parallelism
+  splits a microbatch's rows over tp when tp divides them (``fs.parallel.tp_embed``'s
+  ``seq_dim=0``, what fshard's recipes run), else the sequence (``seq_dim=1``, Megatron's
+  split), which needs ``seq_len`` divisible by tp. The search keeps tp within a node.
 - Holds: ``fs.parallel.tp_specs`` (composing FSDP's axis when there is one).
 - Work: tp divides each layer's split work, saved and W-gradient bytes; with sequence
-  parallelism the rest too (the sequence is split), and each region entry saves half an
-  activation more (the gathered sequence is not contiguous).
+  parallelism the rest of the work and W-gradient bytes too. Over the sequence each region
+  entry saves half an activation more (the gathered sequence is not contiguous); over the
+  rows the gather lands in place.
 - Collectives: per region entry and exit a psum (Megatron's f and g), or with sequence
   parallelism an all-gather / reduce-scatter pair; the replicated parameters' gradient
   psum under SP; the vocab-parallel loss's fixed collectives.
@@ -73,8 +76,13 @@ class TensorParallel(AxisRule):
                     f"Layout.mesh['tp']={layout.tp} must divide {d} (model {model.name!r}: "
                     f"tp_divides {model.tp_divides}, e.g. heads and KV heads)"
                 )
-        if layout.sequence_parallel and model.seq_len % layout.tp:
-            raise LayoutError(f"Layout.sequence_parallel: seq_len {model.seq_len} must be divisible by tp={layout.tp}")
+        if layout.sequence_parallel and not _sp_over_rows(layout) and model.seq_len % layout.tp:
+            raise LayoutError(
+                f"Layout.sequence_parallel splits a microbatch's rows or its sequence over tp={layout.tp}, but tp "
+                f"divides neither the {layout.microbatch_size} rows (Layout.batch {layout.batch} / "
+                f"{layout.microbatches} microbatches / {layout.n_data} data ranks) nor seq_len {model.seq_len}; "
+                f"change the batch or the sequence length, or leave sequence_parallel out"
+            )
 
     def sizes(self, model: ModelDesc, machine: Machine, rest: int) -> list[int]:
         return [
@@ -98,12 +106,13 @@ class TensorParallel(AxisRule):
         return layout.tp if layout.sequence_parallel else 1
 
     def saved_extra(self, layer: LayerDesc, layout: Layout) -> float:
-        if not layout.sequence_parallel:
+        if not layout.sequence_parallel or _sp_over_rows(layout):
             return 0.0
-        # Measured on fshard's TP block (saved_tensors_hooks, tp=2): with SP autograd keeps
-        # what it keeps without SP, plus half a whole activation per region entry: the
-        # sequence-dim all-gather's result is not contiguous, so the matmuls save a
-        # contiguous copy while the gathered buffer stays alive too.
+        # Over the sequence autograd keeps about half a whole activation more per region
+        # entry: the sequence-dim all-gather's result is not contiguous, so the matmuls save
+        # a contiguous copy while the gathered buffer stays alive too. The rows' gather
+        # lands (B, T, D) in place. Measured on fshard's TP block at tp=2
+        # (tests/plan/test_plan_estimate.py::test_sp_saved_bytes_follow_the_tp_block).
         return layer.tp_enter * layer.out_bytes / 2
 
     def collectives(self, step: Step, phase: str) -> list[Collective]:
@@ -115,6 +124,11 @@ class TensorParallel(AxisRule):
             remat = layout.remat and i == model.repeated
             out += tp_layer(model, layout, i, layout.microbatch_size, calls, remat=remat, pipeline=step.pipeline)
         return out
+
+
+def _sp_over_rows(layout: Layout) -> bool:
+    """Whether sequence parallelism splits each microbatch's rows (else its sequence)."""
+    return layout.microbatch_size % layout.tp == 0
 
 
 TP = TensorParallel()
