@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from fshard.recipes.trainer import CheckpointConfig
+from fshard.recipes.trainer import CheckpointConfig, _quiet
 
 __all__ = ["HelpFormatter", "add_common_flags", "checkpoint_config", "parse", "printer", "set_threads"]
 
@@ -212,7 +212,7 @@ def printer(args: argparse.Namespace) -> Callable[..., None]:
     from fshard.runtime.simulation import active
 
     if getattr(args, "quiet", False):
-        return _nowhere
+        return _quiet
     if getattr(args, "all_ranks", False) and dist.is_initialized() and active() is None:
         prefix = f"[rank {dist.get_rank()}] "
 
@@ -221,11 +221,7 @@ def printer(args: argparse.Namespace) -> Callable[..., None]:
             print("\n".join(prefix + line for line in text.splitlines() or [""]), flush=True, **kw)
 
         return say
-    return print if is_rank0() else _nowhere
-
-
-def _nowhere(*_: Any, **__: Any) -> None:
-    pass
+    return print if is_rank0() else _quiet
 
 
 def set_threads(n: int | None) -> int:
