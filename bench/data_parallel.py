@@ -61,7 +61,8 @@ CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
 os.environ.setdefault("FSHARD_CHECK_COLLECTIVES", "0")
 
 
-def _native_step(mode: str, cfg: TransformerConfig, *, compiled: bool = False, backend: str = "inductor"):
+def _native_step(mode: str, cfg: TransformerConfig, *, compiled: bool = False, backend: str = "inductor",
+                 device_mesh=None):
     """torch's step: ``fully_shard`` per block and on the root (``mode="fsdp"``) or DDP, then
     ``loss.backward()`` and ``AdamW(foreach=True)`` (weight decay 0.01, as fshard's side).
 
@@ -72,6 +73,9 @@ def _native_step(mode: str, cfg: TransformerConfig, *, compiled: bool = False, b
     that each bucket's all-reduce still starts during backward). The optimizer stays the
     eager foreach AdamW on both (torchtitan's recipe), built over the original parameters,
     which the compiled modules share.
+
+    ``device_mesh``: a 1-D mesh to shard / all-reduce over instead of the world
+    (``bench/gloo_workers.py``).
     """
     model = TransformerModule(cfg, seed=0)
     if mode == "fsdp":
@@ -80,15 +84,16 @@ def _native_step(mode: str, cfg: TransformerConfig, *, compiled: bool = False, b
         for i, layer in enumerate(model.layers):
             if compiled:
                 layer = model.layers[i] = torch.compile(layer, fullgraph=True, backend=backend)
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=device_mesh)
+        fully_shard(model, mesh=device_mesh)
         module = model
     else:
         from torch.nn.parallel import DistributedDataParallel
 
         if compiled:
             model.compile(backend=backend)
-        module = DistributedDataParallel(model)
+        group = device_mesh.get_group() if device_mesh is not None else None
+        module = DistributedDataParallel(model, process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
 
     def step(tok, tgt):

@@ -23,38 +23,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import data_parallel as dp  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import fshard as fs  # noqa: E402
 from fshard.mesh import mesh as mesh_mod  # noqa: E402
 from fshard.models import TransformerConfig  # noqa: E402
-from fshard.models.transformer import TransformerModule  # noqa: E402
 from fshard.runtime import gloo_workers  # noqa: E402
-
-
-def _native_step(mode: str, cfg: TransformerConfig, device_mesh):
-    """``dp._native_step`` on the given mesh's group instead of the world's."""
-    model = TransformerModule(cfg, seed=0)
-    if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.layers:
-            fully_shard(layer, mesh=device_mesh)
-        module = fully_shard(model, mesh=device_mesh)
-    else:
-        from torch.nn.parallel import DistributedDataParallel
-
-        module = DistributedDataParallel(model, process_group=device_mesh.get_group())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
-
-    def step(tok, tgt):
-        loss = F.cross_entropy(module(tok).flatten(0, 1), tgt.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
 
 
 def _two_worker_mesh():
@@ -79,7 +52,7 @@ def per_rank(mode: str, steps: int, batch: int):
     args = dp._batches(cfg, batch)
     sides = {}
     for k, mesh in meshes.items():
-        fstep, nstep = dp._fshard_step(mode, cfg, mesh), _native_step(mode, cfg, mesh.device_mesh)
+        fstep, nstep = dp._fshard_step(mode, cfg, mesh), dp._native_step(mode, cfg, device_mesh=mesh.device_mesh)
         sides[f"fshard {k}"] = lambda s=fstep: s(*args["fshard"])
         sides[f"torch {k}"] = lambda s=nstep: s(*args["torch"])
     times, _, _ = dp.timed_rounds(sides, steps)
