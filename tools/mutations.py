@@ -253,6 +253,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "for a in (a for a in batch if a.kind in _SENDS):", "for a in reversed([a for a in batch if a.kind in _SENDS]):",
         (f"{RUNTIME}::test_every_generator_pp2_matches_unpipelined_model_and_simulated_peaks",),
         "the sends of one batch are posted in reverse list order"),
+    # --- context parallelism (fshard/parallel/cp.py) ------------------------------------------
+    Mutation(
+        "cp_ring_skips_a_block", "fshard/parallel/cp.py",
+        "    for j in range(n):  # the block held at step j", "    for j in range(n - 1):  # the block held at step j",
+        ("tests/parallel/test_parallel_cp.py::test_ring_attention_equals_one_process",),
+        "the ring stops one step early: the last K/V block to arrive is never attended to"),
+    Mutation(
+        "cp_load_balancer_off", "fshard/parallel/cp.py",
+        "    if not balance or n == 1:\n        return pos\n", "    if True:\n        return pos\n",
+        ("tests/parallel/test_parallel_cp.py::test_ring_attention_equals_one_process",),
+        "the head-tail order is the identity: the sequence is sharded in contiguous blocks"),
     # --- optimizer, checkpoint, specs ---------------------------------------------------------
     Mutation(
         "adam_bias_correction_dropped", "fshard/optim/transforms.py",

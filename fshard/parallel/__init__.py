@@ -1,7 +1,12 @@
-"""Parallelism as spec rules plus small transformations: FSDP, replicate (DDP), HSDP, TP/SP, EP, the
+"""Parallelism as spec rules plus small transformations: FSDP, replicate (DDP), HSDP, TP/SP, EP, CP, the
 layer loop, nn.Module application, and the ``Layout`` that describes a whole layout."""
 
 from fshard.parallel.accumulate import GradAccumulator as GradAccumulator
+from fshard.parallel.cp import cp_order as cp_order
+from fshard.parallel.cp import cp_positions as cp_positions
+from fshard.parallel.cp import cp_shard as cp_shard
+from fshard.parallel.cp import cp_unshard as cp_unshard
+from fshard.parallel.cp import ring_attention as ring_attention
 from fshard.parallel.ep import ep_rules as ep_rules
 from fshard.parallel.ep import ep_specs as ep_specs
 from fshard.parallel.ep import moe_ffn as moe_ffn
@@ -67,6 +72,11 @@ __all__ = [
     "ep_specs",
     "moe_ffn",
     "moe_init",
+    "ring_attention",
+    "cp_shard",
+    "cp_unshard",
+    "cp_order",
+    "cp_positions",
     "FSDPApply",
     "fsdp_apply",
     "HF_GPT2_TP_PLAN",
