@@ -194,3 +194,38 @@ def test_misuse_is_a_clear_error():
     assert "kv='ring2' is not one of ('ring', 'gather')" in kv
     assert "(1, 1, 3, 2), (1, 1, 3, 1), (1, 1, 3, 2)" in shapes
 
+
+
+def _saved_bytes(n, seq_len):
+    """This rank's bytes saved for backward by one causal ring_attention (float32, hd 16)."""
+    mesh = fs.make_mesh({"cp": n})
+    q = torch.randn(1, 1, seq_len, 16).index_select(2, cp_order(seq_len, n))
+
+    def body(q):
+        q = q.detach().requires_grad_()
+        seen = {}
+
+        def pack(t):
+            seen[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))] = t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            ring_attention(q, q, q, "cp")
+        return torch.tensor([float(sum(seen.values()))])
+
+    return fs.gather(fs.shard_map(body, mesh=mesh, in_specs=SEQ, out_specs=P("cp"), check=False)(q)).tolist()
+
+
+def _saved_by_size(n):
+    return {t: max(_saved_bytes(n, t)) for t in (256, 512)}
+
+
+def test_saved_memory_per_rank_falls_as_one_over_cp():
+    # The scores dominate: (2n+1) c^2 per rank with c = T/2n, against T^2 in one process (its
+    # causal mask computes the masked half too), so each rank saves at most 1/cp of it.
+    one = _saved_by_size(1)
+    for n in (2, 4):
+        per_rank = run_on_ranks(_saved_by_size, n, world_size=n)[0]
+        for t, b in per_rank.items():
+            assert b <= 1.05 * one[t] / n, (n, t, b, one[t])
+            assert b >= 0.4 * one[t] / n, (n, t, b, one[t])  # the ring saves what it must
