@@ -87,7 +87,7 @@ def cp_shard(x: Any, axis: Any, *, seq_dim: int = 1, balance: bool = True) -> An
     """
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(seq_dim, cp_positions(t.shape[seq_dim], axis, balance=balance))
+        return t.index_select(seq_dim, cp_positions(t.shape[seq_dim], axis, balance=balance).to(t.device))
 
     return tree_util.tree_map(one, x)
 
