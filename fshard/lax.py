@@ -180,12 +180,16 @@ def _all_to_all_raw(x, ax: _Axes, split_axis: int, concat_axis: int, tiled: bool
 
 
 def _permute_raw(x, ax: _Axes, perm: Sequence[tuple[int, int]]):
+    return _permute_start_raw(x, ax, perm).wait()
+
+
+def _permute_start_raw(x, ax: _Axes, perm: Sequence[tuple[int, int]]) -> comm.Handle:
     if ax.g_of_u is None:
         sends, me = list(perm), ax.me
     else:
         sends = [(ax.g_of_u[s], ax.g_of_u[d]) for s, d in perm]
         me = ax.g_of_u[ax.me]
-    return comm.permute(x, ax.group, sends, me, axes=ax.names)
+    return comm.permute_async(x, ax.group, sends, me, axes=ax.names)
 
 
 def _apply(fn: type[torch.autograd.Function], t: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -338,6 +342,28 @@ class _Ppermute(torch.autograd.Function):
     def backward(ctx, g):
         inverse = tuple((d, s) for s, d in ctx.perm)
         return _apply(_Ppermute, g, ctx.ax, inverse), None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return _apply(_Ppermute, t, ctx.ax, ctx.perm)
+
+
+class _PpermuteDone(torch.autograd.Function):
+    """The result of a ppermute started by :func:`ppermute_start`: forward waits for the
+    transfer in flight; the transposes are ppermute's (backward: the inverse perm)."""
+
+    @staticmethod
+    def forward(x, ax, perm, handle):
+        return handle.wait()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.ax, ctx.perm = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        inverse = tuple((d, s) for s, d in ctx.perm)
+        return _apply(_Ppermute, g, ctx.ax, inverse), None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
@@ -870,16 +896,8 @@ def ppermute(x: Any, axis_name: str | Sequence[str], perm: Sequence[tuple[int, i
     Raises:
       ValueError: a repeated source or destination, or an index outside the axis.
     """
-    perm = tuple((int(s), int(d)) for s, d in perm)
     _, ax = _axes("ppermute", axis_name)
-    srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
-    bad = [i for i in srcs + dsts if not 0 <= i < ax.n]
-    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts) or bad:
-        raise ValueError(
-            f"fs.lax.ppermute: perm={list(perm)} over {ax.names} (size {ax.n}) must have unique "
-            f"sources and unique destinations in [0, {ax.n}); "
-            + (f"out of range: {bad}" if bad else "duplicates found")
-        )
+    perm = _checked_perm(perm, ax)
     return _map(
         "ppermute",
         x,
@@ -889,6 +907,55 @@ def ppermute(x: Any, axis_name: str | Sequence[str], perm: Sequence[tuple[int, i
         ),
         to_varying=True,
     )
+
+
+def _checked_perm(perm: Sequence[tuple[int, int]], ax: _Axes) -> tuple[tuple[int, int], ...]:
+    perm = tuple((int(s), int(d)) for s, d in perm)
+    srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
+    bad = [i for i in srcs + dsts if not 0 <= i < ax.n]
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts) or bad:
+        raise ValueError(
+            f"fs.lax.ppermute: perm={list(perm)} over {ax.names} (size {ax.n}) must have unique "
+            f"sources and unique destinations in [0, {ax.n}); "
+            + (f"out of range: {bad}" if bad else "duplicates found")
+        )
+    return perm
+
+
+def ppermute_start(x: torch.Tensor, axis_name: str | Sequence[str], perm: Sequence[tuple[int, int]]):
+    """Starts ``ppermute(x, axis_name, perm)`` and returns a function that waits for it and
+    returns its result: the compute between the two calls overlaps the transfer (fshard's,
+    not JAX's, which has no eager code to overlap). The result, its type in checked mode and
+    its gradient are ``ppermute``'s.
+
+    No other collective may start on the group before the wait (on gloo the next one would
+    complete this one first). Under a torch.func transform, or over an axis of size 1, the
+    transfer is ``ppermute``'s, made at once.
+    """
+    if x.dim() == 0 or _functorch.is_functorch_wrapped_tensor(x) or axis_size(axis_name) == 1:
+        done = ppermute(x, axis_name, perm)
+        return lambda: done
+    body, ax = _axes("ppermute", axis_name)
+    perm = _checked_perm(perm, ax)
+    names = frozenset(ax.names)
+    token, wtoken = _IN_LAX.set(True), _contract.WHAT.set("ppermute")
+    try:
+        t = _make_varying(x, ax, names) if body.check else x
+        handle = _permute_start_raw(t.detach(), ax, perm)
+    finally:
+        _contract.WHAT.reset(wtoken)
+        _IN_LAX.reset(token)
+
+    def wait() -> torch.Tensor:
+        token = _IN_LAX.set(True)
+        try:
+            grad = t.requires_grad and torch.is_grad_enabled()
+            out = _PpermuteDone.apply(t, ax, perm, handle) if grad else handle.wait()
+        finally:
+            _IN_LAX.reset(token)
+        return set_vma(out, vma(t) | names) if body.check else out
+
+    return wait
 
 
 def axis_index(axis_name: str | Sequence[str]) -> torch.Tensor:

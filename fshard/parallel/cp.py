@@ -8,7 +8,8 @@ and a late one, which sees many, so every rank has the same ``2n c^2`` visible
 ``T / n`` tokens from ``i T / n``, and the last rank does ``2n - 1`` times the first's work.
 
 :func:`ring_attention` rotates the K/V blocks around the axis with ``fs.lax.ppermute``
-(``n - 1`` transfers of one block each) and combines each block's softmax online in
+(``n - 1`` transfers of one block each, each in flight while the block before it is
+attended to: ``fs.lax.ppermute_start``) and combines each block's softmax online in
 log-sum-exp form; its backward is autograd's, through ``ppermute``'s transpose (the reverse
 ring), exact. ``kv="gather"`` gathers the whole K/V once instead (``fs.lax.all_gather``, its
 transpose a ``psum_scatter``): fewer, larger transfers, for short rings.
@@ -188,7 +189,7 @@ def _ring(q, k, v, axis, causal, balance, scale):
         q0, q1 = q.chunk(2, dim=2)
     acc = acc0 = acc1 = None
     for j in range(n):  # the block held at step j came from rank r - j
-        nxt = lax.ppermute(kv, axis, perm) if j < n - 1 else None  # issued before this step's compute
+        pending = lax.ppermute_start(kv, axis, perm) if j < n - 1 else None  # in flight during this step
         kj, vj = kv[0], kv[1]
         if not causal:
             part = _attend(q, kj, vj, False, scale)
@@ -205,7 +206,8 @@ def _ring(q, k, v, axis, causal, balance, scale):
                 acc1 = _merge(_attend(q1, k0, v0, False, scale), _attend(q1, k1, v1, True, scale))
             else:
                 acc0, acc1 = _balanced_step(q0, q1, k0, k1, v0, v1, r >= j, acc0, acc1, scale)
-        kv = nxt
+        if pending is not None:
+            kv = pending()
     if balance:
         return torch.cat([acc0[0], acc1[0]], dim=2)
     return acc[0]
