@@ -53,7 +53,7 @@ DATA = Path(__file__).resolve().parent / "data" / "kjv_shakespeare.txt"
 
 # Mesh axes, outermost first. The order is fixed whatever order --mesh names them in:
 # the innermost axes get the closest ranks (same host, NVLink), where traffic is highest.
-AXES = ("pp", "dp", "fsdp", "tp")
+AXES = ("pp", "dp", "fsdp", "cp", "tp")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

@@ -196,7 +196,14 @@ def _layer_norm(norm_params: Params, x: torch.Tensor, cfg: TransformerConfig) ->
     return F.layer_norm(x, (x.shape[-1],), norm_params["weight"], norm_params["bias"], cfg.norm_eps)
 
 
-def embed(params: Params, tokens: torch.Tensor, cfg: TransformerConfig, *, training: bool = False) -> torch.Tensor:
+def embed(
+    params: Params,
+    tokens: torch.Tensor,
+    cfg: TransformerConfig,
+    *,
+    training: bool = False,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Token plus position embeddings.
 
     Args:
@@ -204,6 +211,8 @@ def embed(params: Params, tokens: torch.Tensor, cfg: TransformerConfig, *, train
       tokens: int64 token ids of shape ``(B, T)`` with ``T <= cfg.max_seq_len``.
       cfg: the model's config.
       training: apply dropout (only matters when ``cfg.dropout > 0``).
+      positions: int64 ``(T,)``, each token's position in its sequence (default
+        ``arange(T)``); a context-parallel rank passes ``fs.parallel.cp_positions``.
 
     Returns:
       Activations of shape ``(B, T, D)``.
@@ -214,16 +223,25 @@ def embed(params: Params, tokens: torch.Tensor, cfg: TransformerConfig, *, train
     if tokens.dim() != 2:
         raise ValueError(f"embed: tokens must have shape (B, T), got {tuple(tokens.shape)}.")
     T = tokens.shape[1]
-    if T > cfg.max_seq_len:
+    if positions is None and T > cfg.max_seq_len:
         raise ValueError(f"embed: sequence length {T} exceeds cfg.max_seq_len={cfg.max_seq_len}.")
-    pos = torch.arange(T, device=tokens.device)  # (T,)
+    pos = torch.arange(T, device=tokens.device) if positions is None else positions.to(tokens.device)  # (T,)
     x = F.embedding(tokens, params["tok_embeddings"]["weight"])  # (B, T, D)
     x = x + F.embedding(pos, params["pos_embeddings"]["weight"])  # (B, T, D) + (T, D)
     return _dropout(x, cfg, training)
 
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def attention(
-    attn_params: Params, x: torch.Tensor, cfg: TransformerConfig, *, training: bool = False, output_dropout: bool = True
+    attn_params: Params,
+    x: torch.Tensor,
+    cfg: TransformerConfig,
+    *,
+    training: bool = False,
+    output_dropout: bool = True,
+    attend: Attend | None = None,
 ) -> torch.Tensor:
     """Causal multi-head self-attention, ``wo(sdpa(wq x, wk x, wv x))``.
 
@@ -240,6 +258,9 @@ def attention(
       output_dropout: with ``training``, also drop out the output (the residual
         dropout). A tensor-parallel caller passes False: its output is a partial sum,
         and the dropout belongs after the reduction.
+      attend: ``attend(q, k, v) -> y`` on ``(B, H, T, hd)``, the causal attention itself
+        (default: SDPA); a context-parallel caller passes ``fs.parallel.ring_attention``
+        over its axis. It has no dropout: ``training`` with ``cfg.dropout > 0`` is refused.
 
     Returns:
       Output of shape ``(B, T, D)`` (a partial sum when the weights are TP shards).
@@ -254,7 +275,12 @@ def attention(
     k = k.view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
     v = v.view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
     p_drop = cfg.dropout if training else 0.0
-    y = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop, is_causal=True)  # (B, H, T, hd)
+    if attend is None:
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop, is_causal=True)  # (B, H, T, hd)
+    elif p_drop > 0.0:
+        raise ValueError(f"attention: attend={attend!r} has no attention dropout; train with cfg.dropout=0.")
+    else:
+        y = attend(q, k, v)  # (B, H, T, hd)
     y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H * hd)
     y = F.linear(y, attn_params["wo"]["weight"])  # (B, T, D)
     return _dropout(y, cfg, training and output_dropout)
@@ -283,7 +309,14 @@ def feed_forward(
     return _dropout(y, cfg, training)
 
 
-def block(layer_params: Params, x: torch.Tensor, cfg: TransformerConfig, *, training: bool = False) -> torch.Tensor:
+def block(
+    layer_params: Params,
+    x: torch.Tensor,
+    cfg: TransformerConfig,
+    *,
+    training: bool = False,
+    attend: Attend | None = None,
+) -> torch.Tensor:
     """One pre-norm block: ``x + attention(norm(x))``, then ``x + feed_forward(norm(x))``.
 
     Args:
@@ -291,13 +324,13 @@ def block(layer_params: Params, x: torch.Tensor, cfg: TransformerConfig, *, trai
       x: residual stream of shape ``(B, T, D)``.
       cfg: the model's config.
       training: apply dropout.
+      attend: as in :func:`attention`.
 
     Returns:
       The residual stream after the block, ``(B, T, D)``.
     """
-    x = x + attention(
-        layer_params["attention"], _layer_norm(layer_params["attention_norm"], x, cfg), cfg, training=training
-    )
+    h = _layer_norm(layer_params["attention_norm"], x, cfg)
+    x = x + attention(layer_params["attention"], h, cfg, training=training, attend=attend)
     x = x + feed_forward(
         layer_params["feed_forward"], _layer_norm(layer_params["ffn_norm"], x, cfg), cfg, training=training
     )

@@ -1,6 +1,6 @@
 """``Layout``: the one description of how a training step uses the devices.
 
-A layout names the mesh's axes by role and size (``pp``, ``dp``, ``fsdp``, ``ep``, ``tp``),
+A layout names the mesh's axes by role and size (``pp``, ``dp``, ``fsdp``, ``cp``, ``ep``, ``tp``),
 the global batch, the microbatches (pipeline microbatches with ``pp``, else gradient
 accumulation), the pipeline schedule, remat, FSDP's reshard-after-forward, prefetch and
 offload, sequence parallelism and the compute dtype. ``fs.plan`` searches over layouts and
@@ -10,8 +10,10 @@ reads ``--mesh``), and :meth:`Layout.mesh` makes the mesh it runs on.
 Roles are fshard's: ``fsdp`` shards parameters (``fs.parallel.scan_layers`` per block plus
 one root group, or ``fs.sched.StageFSDP`` per pipeline stage), ``dp`` replicates them (DDP,
 or HSDP with ``fsdp``), ``tp`` is Megatron's tensor parallelism, ``ep`` holds experts, ``pp``
-cuts the blocks into contiguous stages run by ``fs.sched.pipeline_step``; the batch's rows
-split over ``dp``, ``fsdp`` and ``ep``. A new parallelism adds its axis to :data:`AXES` (at
+cuts the blocks into contiguous stages run by ``fs.sched.pipeline_step``, ``cp`` splits each
+sequence (context parallelism: ``fs.parallel.ring_attention`` over head-tail chunks), with
+the parameters replicated over it and their gradients summed over it as over ``dp``; the
+batch's rows split over ``dp``, ``fsdp`` and ``ep``. A new parallelism adds its axis to :data:`AXES` (at
 its place in the rank order) and, if it splits the batch's rows, to :data:`DATA_AXES`.
 
 What needs a model or a schedule (heads that ``tp`` must divide, stages per block) is
@@ -28,7 +30,7 @@ import attrs
 __all__ = ["AXES", "DATA_AXES", "DTYPES", "Layout", "LayoutError", "parse_mesh"]
 
 # Outermost first: inner axes get the closest ranks (one node), where traffic is highest.
-AXES = ("pp", "dp", "fsdp", "ep", "tp")
+AXES = ("pp", "dp", "fsdp", "cp", "ep", "tp")
 DATA_AXES = ("dp", "fsdp", "ep")
 # Compute dtypes; bfloat16 and float16 keep float32 masters.
 DTYPES = ("float32", "bfloat16", "float16", "float64", "float8")
@@ -152,6 +154,10 @@ class Layout:
     @property
     def ep(self) -> int:
         return self.size("ep")
+
+    @property
+    def cp(self) -> int:
+        return self.size("cp")
 
     @property
     def data_axes(self) -> tuple[str, ...]:

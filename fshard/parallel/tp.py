@@ -369,6 +369,7 @@ def tp_transformer_block(
     *,
     training: bool = False,
     seq_dim: int = 0,
+    attend: Any = None,
 ) -> torch.Tensor:
     """:func:`fshard.models.block` on tp-local shards: 2 collectives forward, 2 backward.
 
@@ -391,6 +392,8 @@ def tp_transformer_block(
       sequence_parallel: the residual stream is split over ``axis`` between regions.
       training: apply dropout.
       seq_dim: with SP, the split dim of ``x`` (see :func:`tp_embed`).
+      attend: ``attend(q, k, v)`` on this rank's heads (``fshard.models.attention``'s;
+        default SDPA), e.g. ``fs.parallel.ring_attention`` over a cp axis.
 
     Returns:
       The residual stream after the block, laid out like ``x``.
@@ -411,7 +414,7 @@ def tp_transformer_block(
     drop = dict(training=training, split=sequence_parallel)
     h = tp_enter(_norm(rep["attention_norm"], x, cfg), axis, **sp)  # (B, T, D)
     with tp_rng(axis, h.device) if training and cfg.dropout > 0 else contextlib.nullcontext():
-        a = attention(p["attention"], h, cfg, training=training, output_dropout=False)  # local heads
+        a = attention(p["attention"], h, cfg, training=training, output_dropout=False, attend=attend)  # local heads
     x = x + tp_dropout(tp_exit(a, axis, **sp), cfg, axis, **drop)  # (B, T, D), SP: (B / tp, T, D)
     h = tp_enter(_norm(rep["ffn_norm"], x, cfg), axis, **sp)  # (B, T, D)
     ffn = {"w1": p["feed_forward"]["w1"], "w2": {"weight": p["feed_forward"]["w2"]["weight"], "bias": None}}
@@ -428,6 +431,7 @@ def tp_embed(
     *,
     training: bool = False,
     seq_dim: int = 0,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Vocab-parallel token embedding plus position embedding.
 
@@ -443,20 +447,26 @@ def tp_embed(
         its ``T / tp`` positions. Norms, dropout and residual adds are per token, so
         either split computes the same model; dim 0 is the collectives' own layout (no
         copies around them), dim 1 serves a batch smaller than tp.
+      positions: int64 ``(T,)``, the tokens' positions (default ``arange(T)``), e.g.
+        ``fs.parallel.cp_positions`` on a context-parallel rank; not with SP on dim 1.
 
     Returns:
       ``(B, T, D)``; with SP ``(B / tp, T, D)`` (``seq_dim=0``) or ``(B, T / tp, D)``.
 
     Raises:
-      ValueError: with SP, ``tokens``' dim ``seq_dim`` is not divisible by the size of ``axis``.
+      ValueError: with SP, ``tokens``' dim ``seq_dim`` is not divisible by the size of ``axis``;
+        ``positions`` with SP on dim 1.
     """
     T = tokens.shape[1]
     d = _sp_dim(seq_dim, "tp_embed")
+    if positions is not None and sequence_parallel and d == 1:
+        raise ValueError("tp_embed: positions= with sequence_parallel on seq_dim=1; split the batch rows (seq_dim=0)")
     if sequence_parallel:
         _check_sp_split(tokens, d, axis)
     x = vocab_parallel_embed(params["tok_embeddings"]["weight"], tokens, axis, vocab_size=cfg.vocab_size)
     x = tp_exit(x, axis, sequence_parallel=sequence_parallel, seq_dim=d)  # (B, T, D), SP: split over d
-    pos = params["pos_embeddings"]["weight"][:T]  # (T, D)
+    table = params["pos_embeddings"]["weight"]
+    pos = table[:T] if positions is None else table.index_select(0, positions.to(table.device))  # (T, D)
     if sequence_parallel:
         pos = sp_params(pos, axis)  # every rank's tokens use it: its gradient is summed over axis
     if sequence_parallel and d == 1:

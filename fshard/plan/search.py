@@ -74,7 +74,7 @@ def _meshes(model: ModelDesc, machine: Machine, n: int, batch: int, axes: Sequen
     def pick(k: int, rest: int, mesh: dict[str, int]) -> Iterable[dict[str, int]]:
         if k == len(RULES):
             if rest == 1 and batch % math.prod(mesh[r.name] for r in RULES if r.splits_batch) == 0:
-                yield {a: mesh[a] for a in AXES}
+                yield {a: mesh.get(a, 1) for a in AXES}
             return
         r = RULES[k]
         for size in r.sizes(model, machine, rest) if r.name in axes else [1]:

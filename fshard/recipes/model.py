@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fshard.models.transformer import TransformerConfig, block, embed, head, transformer_init
+from fshard.parallel.cp import cp_positions, cp_shard, ring_attention
 from fshard.parallel.layout import LayoutError
 from fshard.parallel.tp import (
     TRANSFORMER_TP_PLAN,
@@ -84,24 +85,37 @@ class _Transformer:
     their Megatron versions from ``fshard.parallel``, which call the collectives over
     tp by hand (an all-reduce after attention and after the MLP; the logits stay split
     over the vocabulary and the loss is computed without gathering them).
+
+    With a cp axis every rank of it reads whole sequences and keeps its head-tail share
+    (``fs.parallel.cp_shard``: tokens and targets alike), embeds it at its positions
+    (``cp_positions``) and attends by ``ring_attention`` over cp.
     """
 
     cfg: TransformerConfig
     tp_axis: str | None = None
     sequence_parallel: bool = False
+    cp_axis: str | None = None
 
     def init(self, seed: int, dtype: torch.dtype) -> Any:
         return transformer_init(self.cfg, seed, dtype=dtype)
 
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return ring_attention(q, k, v, self.cp_axis)
+
     def embed(self, root: Any, tokens: Tensor) -> Tensor:
+        pos = None
+        if self.cp_axis is not None:  # (b, T) -> (b, T / cp), and where those tokens sit
+            pos = cp_positions(tokens.shape[1], self.cp_axis).to(tokens.device)
+            tokens = cp_shard(tokens, self.cp_axis)
         if self.tp_axis is None:
-            return embed(root, tokens, self.cfg)  # (b, T, D)
-        return tp_embed(root, tokens, self.cfg, self.tp_axis, self.sequence_parallel)
+            return embed(root, tokens, self.cfg, positions=pos)  # (b, T, D)
+        return tp_embed(root, tokens, self.cfg, self.tp_axis, self.sequence_parallel, positions=pos)
 
     def block(self, layer: Any, x: Tensor) -> Tensor:
+        attend = None if self.cp_axis is None else self._attend
         if self.tp_axis is None:
-            return block(layer, x, self.cfg)  # (b, T, D)
-        return tp_transformer_block(layer, x, self.cfg, self.tp_axis, self.sequence_parallel)
+            return block(layer, x, self.cfg, attend=attend)  # (b, T, D)
+        return tp_transformer_block(layer, x, self.cfg, self.tp_axis, self.sequence_parallel, attend=attend)
 
     def logits(self, root: Any, x: Tensor) -> Tensor:
         if self.tp_axis is None:
@@ -109,19 +123,35 @@ class _Transformer:
         return tp_logits(root, x, self.cfg, self.tp_axis, self.sequence_parallel)  # (b, T, V/tp)
 
     def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean over this rank's rows, the softmax in at least fp32."""
+        """Mean over this rank's rows (and its share of each sequence), the softmax in at least fp32."""
+        if self.cp_axis is not None:
+            targets = cp_shard(targets, self.cp_axis)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if self.tp_axis is None:
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return vocab_parallel_cross_entropy(logits, targets, self.tp_axis, vocab_size=self.cfg.vocab_size)
 
 
+def _check_cp(cfg: TransformerConfig, cp: int) -> None:
+    if cfg.max_seq_len % (2 * cp):
+        raise LayoutError(
+            f"cp={cp} cuts each sequence into 2 x cp = {2 * cp} head-tail chunks, but the Transformer's "
+            f"max_seq_len (the sequence length) is {cfg.max_seq_len}: use a sequence length that is a "
+            f"multiple of {2 * cp}, or another cp size"
+        )
+    if cfg.dropout > 0:
+        raise LayoutError(f"cp={cp}: ring attention has no attention dropout; set TransformerConfig.dropout=0")
+
+
 def transformer(cfg: TransformerConfig) -> Callable[[Roles], LayeredModel]:
     """fshard's Transformer (``fshard.models``) as a :class:`LayeredModel` for any roles:
-    Megatron TP (``fs.parallel.TRANSFORMER_TP_PLAN``) and sequence parallelism with a tp axis.
+    Megatron TP (``fs.parallel.TRANSFORMER_TP_PLAN``) and sequence parallelism with a tp axis,
+    ring attention with a cp axis.
 
     Raises (when called with the roles):
-      LayoutError: ``cfg.n_heads`` is not divisible by the tp axis (whole heads per rank).
+      LayoutError: ``cfg.n_heads`` is not divisible by the tp axis (whole heads per rank);
+        a cp axis whose head-tail chunks ``2 x cp`` do not divide ``cfg.max_seq_len``, or
+        with dropout.
     """
 
     def build(roles: Roles) -> LayeredModel:
@@ -130,7 +160,9 @@ def transformer(cfg: TransformerConfig) -> Callable[[Roles], LayeredModel]:
                 f"the Transformer's n_heads {cfg.n_heads} must be divisible by "
                 f"tp={roles.mesh.shape[roles.tp_axis]} (whole heads per rank)"
             )
-        t = _Transformer(cfg, roles.tp_axis, roles.sequence_parallel)
+        if roles.cp_axis is not None:
+            _check_cp(cfg, roles.mesh.shape[roles.cp_axis])
+        t = _Transformer(cfg, roles.tp_axis, roles.sequence_parallel, roles.cp_axis)
         return LayeredModel(
             init=t.init,
             embed=t.embed,

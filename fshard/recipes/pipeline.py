@@ -165,6 +165,7 @@ def make_pipeline_grads(
             mesh=roles.mesh,
             axis="pp",
             data_axes=roles.data_axes,
+            seq_axes=() if roles.cp_axis is None else (roles.cp_axis,),
             fsdp=fsdp,
         )[:2]
         return loss, pipe.merge(grads)

@@ -48,6 +48,8 @@ class Roles:
       tp_axis: the tensor-parallel axis (Megatron: heads, MLP width and vocabulary split),
         or None.
       pp_axis: the pipeline axis (blocks split into stages), or None.
+      cp_axis: the context-parallel axis (each sequence split over it, parameters
+        replicated over it), or None.
       sequence_parallel: between TP regions, split the activations' rows over tp too.
       data_axes: the axes the batch's rows are split over.
       master_dtype: the dtype of the parameters and the optimizer state.
@@ -70,12 +72,13 @@ class Roles:
     remat: bool
     prefetch: int = 1
     reshard: bool | None = None
+    cp_axis: str | None = None
 
     @classmethod
     def for_mesh(
         cls, mesh: Mesh, *, compute_dtype: torch.dtype, master_dtype: torch.dtype, remat: bool, sequence_parallel: bool
     ) -> "Roles":
-        """The roles of ``mesh``'s axes by name (``fsdp``, ``dp``, ``tp``, ``pp``).
+        """The roles of ``mesh``'s axes by name (``fsdp``, ``dp``, ``cp``, ``tp``, ``pp``).
 
         Raises:
           LayoutError: sequence parallelism without a ``tp`` axis.
@@ -93,7 +96,8 @@ class Roles:
         if compute_dtype != master_dtype:
             # Gather and compute in bf16, reduce gradients in the masters' precision.
             policy = Policy(param_dtype=compute_dtype, reduce_dtype=master_dtype)
-        return cls(mesh, shard, replicate, tp, pp, sequence_parallel, data, master_dtype, policy, remat)
+        cp = "cp" if "cp" in axes else None
+        return cls(mesh, shard, replicate, tp, pp, sequence_parallel, data, master_dtype, policy, remat, cp_axis=cp)
 
     @classmethod
     def of(cls, layout: Layout, mesh: Mesh) -> "Roles":
@@ -116,8 +120,20 @@ class Roles:
     def group_axes(self, acc: GradAccumulator | None = None, sync: bool = True) -> dict[str, Any]:
         """The keyword arguments of ``gather_params`` and ``scan_layers``."""
         return dict(
-            axis=self.shard_axis, replicate_axis=self.replicate_axis, policy=self.policy, accumulate=acc, sync=sync
+            axis=self.shard_axis, replicate_axis=self.replicate_axes, policy=self.policy, accumulate=acc, sync=sync
         )
+
+    @property
+    def replicate_axes(self) -> tuple[str, ...]:
+        """The axes parameters are replicated over with their gradients summed: dp, and cp
+        (each cp rank's gradient is its part of the sequence's)."""
+        return tuple(a for a in (self.replicate_axis, self.cp_axis) if a is not None)
+
+    @property
+    def loss_axes(self) -> tuple[str, ...]:
+        """The axes the loss is averaged over: the data axes (rows), then cp (each rank's
+        loss is the mean over its equal share of every sequence's tokens)."""
+        return self.data_axes + ((self.cp_axis,) if self.cp_axis is not None else ())
 
     def layer_loop(self) -> dict[str, Any]:
         """The keyword arguments of ``scan_layers`` beyond :meth:`group_axes` (remat, prefetch, reshard)."""

@@ -93,15 +93,15 @@ def per_device_loss(
         params["layers"],
         x,
         axis=roles.shard_axis,
-        replicate_axis=roles.replicate_axis,
+        replicate_axis=roles.replicate_axes,
         config=ScanConfig(policy=roles.policy, **roles.layer_loop()),
         accumulate=acc,
         sync=sync,
     )
     loss = model.loss(model.head(root, x), targets)
-    if not roles.data_axes:  # e.g. tp only: every rank holds the whole batch
+    if not roles.loss_axes:  # e.g. tp only: every rank holds the whole batch
         return loss
-    return pmean(loss, roles.data_axes)  # every data rank holds the same number of rows
+    return pmean(loss, roles.loss_axes)  # every data (and cp) rank holds the same number of tokens
 
 
 def init_params(model: LayeredModel, roles: Roles, seed: int, pipe: Pipeline | None = None) -> tuple[Any, Any]:

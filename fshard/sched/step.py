@@ -100,6 +100,7 @@ def pipeline_step(
     data_axes: str | Sequence[str] = (),
     fsdp: StageFSDP | str | Sequence[str] | None = None,
     return_stats: bool = False,
+    seq_axes: str | Sequence[str] = (),
 ) -> tuple[torch.Tensor, list[Any]] | tuple[torch.Tensor, list[Any], StepStats]:
     """Runs forward and backward of every microbatch through the pipeline on ``axis``.
 
@@ -148,6 +149,12 @@ def pipeline_step(
             one of ``data_axes``. Default None: the body gathers what it needs itself
             (e.g. with ``fs.parallel.scan_layers``, per microbatch).
         return_stats: also return a :class:`StepStats` (default False).
+        seq_axes: mesh axes over which each sequence is split (context parallelism,
+            ``fs.parallel.ring_attention``; default none). The batch is not split over
+            them: every rank of them gets the same rows and the stage body keeps its share
+            (``fs.parallel.cp_shard``). Each rank's loss is the mean over its equal share,
+            so the seed is also divided by their size, and the loss and the replicated
+            leaves' gradients are averaged and summed over them as over ``data_axes``.
 
     Returns:
         ``(loss, grads)`` or ``(loss, grads, stats)``. ``loss`` is the mean of the
@@ -174,6 +181,12 @@ def pipeline_step(
     data = mesh.check_axes(data_axes, what="pipeline_step: data_axes")
     if axis in data:
         raise ValueError(f"pipeline_step: data_axes={data} contains the pipeline axis {axis!r}")
+    seq = mesh.check_axes(seq_axes, what="pipeline_step: seq_axes")
+    if axis in seq or set(seq) & set(data):
+        raise ValueError(
+            f"pipeline_step: seq_axes={seq} must name neither the pipeline axis {axis!r} nor a data axis "
+            f"(data_axes={data}): an axis splits the rows or the sequences, not both"
+        )
     name = (
         f"schedule {schedule.name!r} (n_ranks={schedule.n_ranks}, n_stages="
         f"{schedule.n_stages}, n_microbatches={schedule.n_microbatches})"
@@ -201,7 +214,8 @@ def pipeline_step(
             "time the jitted call; for per-microbatch losses or timings, run an eager step."
         )
     step = _Step(
-        stage_fn, loss_fn, stage_params, batch, schedule, mesh, axis, data, _fsdp_config(fsdp, mesh, axis, data), name
+        stage_fn, loss_fn, stage_params, batch, schedule, mesh, axis, data, _fsdp_config(fsdp, mesh, axis, data), name,
+        seq,
     )
     if simulation.active() is not None:
         if return_stats:
@@ -213,7 +227,7 @@ def pipeline_step(
         return _simulated_step(step)
     rank = mesh.axis_index(axis)
     executor, prepared, originals, held = _run_rank(step, rank)
-    loss = _share_loss(*_loss_buffer(executor, prepared, mesh), prepared, mesh, axis, data)
+    loss = _share_loss(*_loss_buffer(executor, prepared, mesh), prepared, mesh, axis, step.averaged)
     grads = _grads_out(stage_params, originals, held, executor)
     if not return_stats:
         return loss, grads
@@ -248,6 +262,12 @@ class _Step:
     data: tuple[str, ...]
     config: StageFSDP | None
     name: str
+    seq: tuple[str, ...] = ()
+
+    @property
+    def averaged(self) -> tuple[str, ...]:
+        """The axes the loss is averaged over and replicated gradients summed over."""
+        return tuple(self.data) + tuple(self.seq)
 
 
 def _simulated_step(step: _Step) -> tuple[torch.Tensor, list[Any]]:
@@ -274,7 +294,7 @@ def _simulated_step(step: _Step) -> tuple[torch.Tensor, list[Any]]:
     results = simulated.run_per_coordinate(groups, transport, program)
     prepared = results[0][0]
     buf = simulated.join_blocks([(groups[p], r[1]) for p, r in enumerate(results)])
-    loss = _share_loss(buf, 1, prepared, step.mesh, step.axis, step.data)
+    loss = _share_loss(buf, 1, prepared, step.mesh, step.axis, step.averaged)
     grads = [results[prepared.rank_of(s)][2][s] for s in range(step.schedule.n_stages)]
     return loss, grads
 
@@ -287,13 +307,15 @@ def _run_rank(
     stage_fn, loss_fn, stage_params, batch = step.stage_fn, step.loss_fn, step.stage_params, step.batch
     schedule, mesh, axis, data, config, name = step.schedule, step.mesh, step.axis, step.data, step.config, step.name
     n_data = mesh.axis_size(data) if data else 1
+    summed = step.averaged  # data, then seq: each rank's loss is a mean over its share of both
+    n_summed = mesh.axis_size(summed) if summed else 1
     originals, held = _local_params(stage_params, schedule, rank, name)
     reduce = (
         {
-            s: [i for i, leaf in enumerate(leaves) if _reduced(leaf, held[s][0][i], data)]
+            s: [i for i, leaf in enumerate(leaves) if _reduced(leaf, held[s][0][i], summed)]
             for s, leaves in originals.items()
         }
-        if n_data > 1
+        if n_summed > 1
         else {}
     )
     m = schedule.n_microbatches
@@ -304,11 +326,11 @@ def _run_rank(
         shards = None
         if config is not None:
             paths = {s: list(tree_util.zip_with_path(stage_params[s])[0]) for s in held}
-            shards = StageShards(config, held, tuple(a for a in data if a not in config.axis), paths) or None
+            shards = StageShards(config, held, tuple(a for a in summed if a not in config.axis), paths) or None
         # UNSHARD/RESHARD actions, at most max_active_stages stages gathered at once (0: none).
         unshard = config.max_active_stages if shards is not None and not config.reshard_after_forward else 0
         prepared = _prepare(schedule, any(reduce.values()) or shards is not None, unshard)
-        reducer = _GradReducer(mesh, data, reduce)
+        reducer = _GradReducer(mesh, summed, reduce)
 
         def reduce_grad(stage: int, executor: Executor) -> None:
             if shards is not None:
@@ -325,7 +347,7 @@ def _run_rank(
             held,
             inputs,
             targets,
-            1.0 / (m * n_data),
+            1.0 / (m * n_summed),
             config=ExecutorConfig(
                 rank=rank,
                 group=mesh.group(axis),
