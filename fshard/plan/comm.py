@@ -173,4 +173,4 @@ def collective_time(machine: Machine, layout: Layout, c: Collective) -> float:
 
 
 # The kinds the machine files have links for (pmax, send, recv and broadcast borrow one).
-_TIMED = ("all_gather", "psum_scatter", "psum", "pmax", "send", "recv", "broadcast")
+_TIMED = ("all_gather", "psum_scatter", "psum", "pmax", "send", "recv", "broadcast", "ppermute")

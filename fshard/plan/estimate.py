@@ -192,10 +192,11 @@ def _phase_time(
 
 def _act_bytes(layer: LayerDesc, layout: Layout, model: ModelDesc) -> float:
     """Saved-for-backward bytes per sample of one layer call on one rank: the split part
-    divided, the rest kept, plus what the axis rules add (sequence parallelism's copies)."""
+    divided, the rest kept (cp divides it too), plus what the axis rules add (sequence
+    parallelism's copies)."""
     k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
     split = layer.act_split / _split_div(layout)
-    rest = layer.act_bytes - layer.act_split
+    rest = (layer.act_bytes - layer.act_split) / math.prod(r.saved_divisor(layout) for r in RULES)
     for r in RULES:
         rest += r.saved_extra(layer, layout)
     return (split + rest) * k

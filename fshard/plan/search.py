@@ -128,7 +128,7 @@ class SearchConfig:
     """
 
     axes: tuple[str, ...] = attrs.field(
-        default=("pp", "dp", "fsdp", "ep", "tp"), converter=_axes, validator=_check_axes
+        default=("pp", "dp", "fsdp", "cp", "ep", "tp"), converter=_axes, validator=_check_axes
     )
     schedules: tuple[str, ...] = attrs.field(default=SCHEDULES, converter=_axes)
     dtype: str | None = None

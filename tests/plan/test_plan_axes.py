@@ -21,13 +21,13 @@ def test_a_rule_per_axis_each_in_its_own_module():
     assert {r.name for r in RULES if r.splits_batch} == set(DATA_AXES)
     assert [r.name for r in RULES if r.takes_rest] == ["fsdp"]
     assert [r.name for r in RULES if r.gathers_params] == ["fsdp"]
-    files = {"dp": "data", "fsdp": "fsdp", "tp": "tp", "pp": "pp", "ep": "ep"}
+    files = {"dp": "data", "fsdp": "fsdp", "tp": "tp", "pp": "pp", "ep": "ep", "cp": "cp"}
     for r in RULES:
         assert type(r).__module__ == f"fshard.plan.axes.{files[r.name]}"
         assert (ROOT / "fshard" / "plan" / "axes" / f"{files[r.name]}.py").exists()
     assert rule("tp").name == "tp"
-    with pytest.raises(KeyError, match="no rule for axis 'cp'"):
-        rule("cp")
+    with pytest.raises(KeyError, match="no rule for axis 'xp'"):
+        rule("xp")
 
 
 class _Toy(AxisRule):

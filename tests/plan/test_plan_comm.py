@@ -42,6 +42,11 @@ CASES = {
     "pp=2,tp=2 sp remat": ["--sequence-parallel", "--remat"],
     "pp=2,dp=2 interleaved": ["--schedule", "interleaved"],
     "pp=2,fsdp=2 gpipe remat": ["--schedule", "gpipe", "--remat"],
+    "cp=2,fsdp=2": [],
+    "cp=2,tp=2": [],
+    "dp=2,cp=2 remat": ["--remat"],
+    "cp=4 m=2": ["--microbatches", "2"],
+    "pp=2,cp=2": [],
 }
 
 

@@ -142,7 +142,7 @@ def test_bad_layout_names_the_field(layout, field):
 
 
 def test_layout_mesh_errors():
-    with pytest.raises(plan.LayoutError, match="unknown axis 'cp'"):
-        plan.Layout({"cp": 2}, batch=8)
+    with pytest.raises(plan.LayoutError, match="unknown axis 'xp'"):
+        plan.Layout({"xp": 2}, batch=8)
     with pytest.raises(plan.LayoutError, match=r"mesh\['dp'\] must be an int >= 1"):
         plan.Layout({"dp": 0}, batch=8)

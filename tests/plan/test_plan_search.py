@@ -68,8 +68,8 @@ def test_config_and_keywords_together_are_refused(llama):
 
 
 def test_search_config_checks_its_fields():
-    with pytest.raises(ValueError, match=r"SearchConfig.axes: unknown axes \['cp'\]"):
-        plan.SearchConfig(axes=("fsdp", "cp"))
+    with pytest.raises(ValueError, match=r"SearchConfig.axes: unknown axes \['xp'\]"):
+        plan.SearchConfig(axes=("fsdp", "xp"))
     with pytest.raises(ValueError, match="SearchConfig.max_microbatch_choices must be an int >= 1, got 0"):
         plan.SearchConfig(max_microbatch_choices=0)
     with pytest.raises(ValueError, match="SearchConfig.top must be an int >= 0, got -1"):

@@ -10,20 +10,21 @@ axes, bytes per call, count) and its memory terms. The planner's engines iterate
 phase), ``plan/estimate.py`` (work, activations, gathered copies, pending gradients) and
 ``plan/search.py`` (mesh sizes and choices).
 
-To add a parallelism (context parallelism, ``cp``, say): write ``plan/axes/cp.py`` with
+To add a parallelism (as ``plan/axes/cp.py`` added context parallelism): write a module with
 an ``AxisRule`` subclass that overrides the hooks it has something to say to (base.py
 lists them; the defaults add nothing), and add its row to :data:`RULES` below. Nothing
 else in ``fshard/plan/`` changes.
 
 :data:`RULES` is ordered as the search picks the sizes: the most constrained axes first
-(tp within a node and dividing the heads, ep dividing the experts, pp up to the blocks),
-then dp, and fsdp last, taking the devices left. The first rule whose spec rule answers
+(tp within a node and dividing the heads, ep dividing the experts, pp up to the blocks, cp
+dividing the sequence), then dp, and fsdp last, taking the devices left. The first rule whose spec rule answers
 picks a layer's specs (tp composes fsdp's axis in its own).
 """
 
 from __future__ import annotations
 
 from fshard.plan.axes.base import AxisRule, Collective, LayerShards, Step
+from fshard.plan.axes.cp import CP
 from fshard.plan.axes.data import DATA
 from fshard.plan.axes.ep import EP
 from fshard.plan.axes.fsdp import FSDP
@@ -32,7 +33,7 @@ from fshard.plan.axes.tp import TP
 
 __all__ = ["RULES", "AxisRule", "Collective", "LayerShards", "Step", "rule"]
 
-RULES: tuple[AxisRule, ...] = (TP, EP, PP, DATA, FSDP)
+RULES: tuple[AxisRule, ...] = (TP, EP, PP, CP, DATA, FSDP)
 
 
 def rule(name: str) -> AxisRule:

@@ -151,6 +151,11 @@ class AxisRule:
         """What it divides the rest of a layer's work (and W-gradient and boundary bytes) by."""
         return 1
 
+    def saved_divisor(self, layout: Layout) -> int:
+        """What it divides the rest of a layer's saved-for-backward bytes by (the split part
+        takes :meth:`split_divisor`)."""
+        return 1
+
     def saved_extra(self, layer: LayerDesc, layout: Layout) -> float:
         """Saved-for-backward bytes per sample (model dtype) the axis adds to a layer call."""
         return 0.0

@@ -1,19 +1,21 @@
 """Data parallelism (``dp``: DDP, or HSDP's replica axis over FSDP shards) in the planner.
 
 - The search: any divisor of the devices left; the data axes together divide the batch.
-- Collectives: the loss mean over every data axis (``fs.parallel.DATA_AXES``), and the
-  gradients' reduction over dp: without FSDP, DDP's all-reduce (``scan_layers``' buckets
+- Collectives: the loss mean over every data axis (``fs.parallel.DATA_AXES``) and cp, and
+  the gradients' reduction over dp and cp (the replica axes: each cp rank's gradient is its
+  share of the sequence's): without FSDP, DDP's all-reduce (``scan_layers``' buckets
   of :data:`BUCKET_BYTES`, or one per layer group with gradient accumulation, or one per
   pipeline stage); with FSDP (HSDP), the all-reduce of each reduce-scattered shard.
-- Memory: without FSDP, the full gradients wait for their all-reduce (autograd's, then
+- Memory: without FSDP, over replicas, the full gradients wait for their all-reduce (autograd's, then
   the bucket they are copied into).
 """
 
 from __future__ import annotations
 
+from fshard.parallel.layout import Layout
 from fshard.plan.axes.base import AxisRule, Collective, Step, flat_bytes
 
-__all__ = ["BUCKET_BYTES", "DATA", "buckets"]
+__all__ = ["BUCKET_BYTES", "DATA", "buckets", "loss_axes", "replica_axes"]
 
 BUCKET_BYTES = 25 * 2**20  # scan_layers' DDP bucket
 
@@ -30,33 +32,43 @@ def buckets(layer_bytes: int, n_layers: int) -> list[int]:
     return out
 
 
+def replica_axes(layout: Layout) -> tuple[str, ...]:
+    """The axes parameters are replicated over with their gradients summed: dp and cp."""
+    return tuple(a for a in ("dp", "cp") if layout.size(a) > 1)
+
+
+def loss_axes(layout: Layout) -> tuple[str, ...]:
+    """The axes the loss is averaged over: the data axes, then cp."""
+    return layout.data_axes + (("cp",) if layout.cp > 1 else ())
+
+
 class DataParallel(AxisRule):
     name = "dp"
     splits_batch = True
 
     def collectives(self, step: Step, phase: str) -> list[Collective]:
         layout = step.layout
-        if phase == "loss" and layout.data_axes:
+        if phase == "loss" and loss_axes(layout):
             nbytes = 8 if step.pipeline or layout.dtype == "float64" else 4
-            return [Collective("psum", layout.data_axes, nbytes, 1, "loss mean")]
+            return [Collective("psum", loss_axes(layout), nbytes, 1, "loss mean")]
         if phase != "replicas":
             return []
-        sh, rdt, da = step.shards, layout.master_dtype, ("dp",)
+        sh, rdt, da = step.shards, layout.master_dtype, replica_axes(layout)
         assert sh is not None
         if step.pipeline:
             if layout.fsdp > 1:
-                if layout.dp > 1:
+                if da:
                     return [Collective("psum", da, flat_bytes(sh.flat, rdt), 1, "hsdp all-reduce stage")]
                 return []
-            if layout.data_axes:
+            if loss_axes(layout):
                 hide = None if step.last else "bwd"
                 return [
                     Collective(
-                        "psum", layout.data_axes, flat_bytes(sh.local, rdt), 1, "pipeline all-reduce stage", hide
+                        "psum", loss_axes(layout), flat_bytes(sh.local, rdt), 1, "pipeline all-reduce stage", hide
                     )
                 ]
             return []
-        if layout.dp == 1:
+        if not da:
             return []
         root = step.root
         assert root is not None
@@ -81,7 +93,7 @@ class DataParallel(AxisRule):
 
     def pending_grads(self, step: Step, full_grads: float) -> float:
         # DDP: autograd's gradients, then the bucket they are copied into
-        return full_grads if step.layout.fsdp == 1 and step.layout.dp > 1 else 0.0
+        return full_grads if step.layout.fsdp == 1 and replica_axes(step.layout) else 0.0
 
 
 DATA = DataParallel()

@@ -93,8 +93,9 @@ def stage_layers(model: ModelDesc, n_stages: int) -> list[list[tuple[int, int]]]
 
 def pipeline_payload(model: ModelDesc, layout: Layout) -> int:
     """Bytes of one activation (or its gradient) sent between pipeline stages: a
-    microbatch's ``(b, T, D)`` hidden state, ``(b, T / tp, D)`` with sequence parallelism."""
-    t = model.seq_len // (layout.tp if layout.sequence_parallel else 1)
+    microbatch's ``(b, T, D)`` hidden state, ``(b, T / tp, D)`` with sequence parallelism
+    (``T / cp`` with context parallelism)."""
+    t = model.seq_len // (layout.tp if layout.sequence_parallel else 1) // layout.cp
     return int(layout.microbatch_size * t * model.hidden * DTYPE_BYTES[layout.dtype])
 
 

@@ -35,7 +35,7 @@ def tp_layer(
     if tp == 1 or not calls:
         return []
     s = DTYPE_BYTES[layout.dtype]
-    act = int(samples * model.seq_len * model.hidden * s)  # one (b, T, D) activation
+    act = int(samples * (model.seq_len // layout.cp) * model.hidden * s)  # one (b, T, D) activation (T / cp)
     sp = layout.sequence_parallel
     ax = ("tp",)
     F, I = ("F", "I") if pipeline else ("", "")
@@ -61,7 +61,7 @@ def tp_layer(
     k = max(4, s) / 4
     for kind, phase, per_sample in layer.tp_extra:
         n = fwd_calls if phase == "fwd" else calls
-        add(kind, int(per_sample * samples * k), n, "loss" if layer.loss else "extra", F if phase == "fwd" else I)
+        add(kind, int(per_sample * samples * k / layout.cp), n, "loss" if layer.loss else "extra", F if phase == "fwd" else I)
     return out
 
 

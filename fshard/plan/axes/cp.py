@@ -1,0 +1,82 @@
+"""Context parallelism (``cp``: each sequence split over the axis, ``fs.parallel.ring_attention``)
+in the planner.
+
+- Layout: ``2 x cp`` divides the sequence (the head-tail chunks); the search tries those sizes.
+- Holds: the parameters are replicated over cp, as over dp.
+- Work: every per-token part of a layer (the split and the rest) and its saved, W-gradient
+  and boundary bytes are divided by cp. The balanced ring makes attention's work equal on
+  every rank; it computes ``(2 cp + 1) / (4 cp)`` of one process's score blocks rather than
+  ``1 / cp`` (no causal skipping within a block), which this rule does not add.
+- Collectives: per block call, ``cp - 1`` transfers of the stacked K/V block over the ring in
+  forward (each in flight while the block before it is attended to: hidden behind the
+  block's forward) and ``cp - 1`` of their cotangents in backward (the reverse ring, on the
+  critical path); remat repeats the forward's. The loss mean and the gradients' all-reduce
+  run over cp with the data axes (``plan/axes/data.py``).
+"""
+
+from __future__ import annotations
+
+from fshard.parallel.layout import Layout, LayoutError
+from fshard.plan.axes.base import AxisRule, Collective, Step, divisors
+from fshard.plan.machine import Machine
+from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
+
+__all__ = ["CP", "kv_dim", "ring_payload"]
+
+
+def kv_dim(layer: LayerDesc, hidden: int) -> int:
+    """Width of one token's K (or V): the rows of the layer's ``wk`` (GQA), else ``hidden``."""
+    for path, shape in layer.params:
+        if path.endswith("wk.weight") and shape:
+            return shape[0]
+    return hidden
+
+
+def ring_payload(model: ModelDesc, layout: Layout, layer: LayerDesc) -> int:
+    """Bytes of one ring transfer: a microbatch's K and V blocks, ``2 x (b, T / cp, kv / tp)``."""
+    tokens = model.seq_len // layout.cp
+    width = kv_dim(layer, model.hidden) // layout.tp
+    return int(2 * layout.microbatch_size * tokens * width * DTYPE_BYTES[layout.dtype])
+
+
+class ContextParallel(AxisRule):
+    name = "cp"
+
+    def check(self, layout: Layout, model: ModelDesc) -> None:
+        if layout.cp > 1 and model.seq_len % (2 * layout.cp):
+            raise LayoutError(
+                f"Layout.mesh['cp']={layout.cp} cuts each sequence into 2 x cp = {2 * layout.cp} head-tail "
+                f"chunks, but model {model.name!r} has seq_len {model.seq_len}; pick a cp size whose double "
+                f"divides it"
+            )
+
+    def sizes(self, model: ModelDesc, machine: Machine, rest: int) -> list[int]:
+        return [c for c in divisors(rest) if model.seq_len % (2 * c) == 0]
+
+    def split_divisor(self, layout: Layout) -> int:
+        return layout.cp
+
+    def rest_divisor(self, layout: Layout) -> int:
+        return layout.cp
+
+    def saved_divisor(self, layout: Layout) -> int:
+        return layout.cp
+
+    def collectives(self, step: Step, phase: str) -> list[Collective]:
+        layout, model = step.layout, step.model
+        if phase != "layers" or layout.cp == 1:
+            return []
+        out: list[Collective] = []
+        F, I = ("F", "I") if step.pipeline else ("", "")
+        for i, calls in step.layers:
+            if i != model.repeated or not calls:  # the blocks attend; embedding and head do not
+                continue
+            layer = model.layers[i]
+            nbytes, hops = ring_payload(model, layout, layer), layout.cp - 1
+            fwd_calls = calls * (2 if layout.remat else 1)
+            out.append(Collective("ppermute", ("cp",), nbytes, hops * fwd_calls, f"cp ring {layer.name}", "fwd", F))
+            out.append(Collective("ppermute", ("cp",), nbytes, hops * calls, f"cp ring grad {layer.name}", None, I))
+        return out
+
+
+CP = ContextParallel()
