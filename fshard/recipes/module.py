@@ -74,8 +74,11 @@ def _refuse(model: ModuleModel, layout: Layout, roles: Roles, params: Any) -> No
     what = f"ModuleModel {model.name!r} ({type(model.module).__name__})"
     for field, unsupported, fix in (
         ("pp", roles.pp_axis is not None, "cut it into a LayeredModel (embed/block/head) for a pipeline"),
-        ("cp", roles.cp_axis is not None,
-         "its attention must be fs.parallel.ring_attention over cp: cut it into a LayeredModel, or leave cp out"),
+        (
+            "cp",
+            roles.cp_axis is not None,
+            "its attention must be fs.parallel.ring_attention over cp: cut it into a LayeredModel, or leave cp out",
+        ),
         ("remat", layout.remat, "enable the module's own checkpointing (HF: gradient_checkpointing_enable())"),
         ("sequence_parallel", layout.sequence_parallel, "leave sequence_parallel out"),
         ("microbatches", layout.microbatches > 1, "give a smaller batch per step"),

@@ -214,7 +214,16 @@ def pipeline_step(
             "time the jitted call; for per-microbatch losses or timings, run an eager step."
         )
     step = _Step(
-        stage_fn, loss_fn, stage_params, batch, schedule, mesh, axis, data, _fsdp_config(fsdp, mesh, axis, data), name,
+        stage_fn,
+        loss_fn,
+        stage_params,
+        batch,
+        schedule,
+        mesh,
+        axis,
+        data,
+        _fsdp_config(fsdp, mesh, axis, data),
+        name,
         seq,
     )
     if simulation.active() is not None:

@@ -61,7 +61,8 @@ def tp_layer(
     k = max(4, s) / 4
     for kind, phase, per_sample in layer.tp_extra:
         n = fwd_calls if phase == "fwd" else calls
-        add(kind, int(per_sample * samples * k / layout.cp), n, "loss" if layer.loss else "extra", F if phase == "fwd" else I)
+        what = "loss" if layer.loss else "extra"
+        add(kind, int(per_sample * samples * k / layout.cp), n, what, F if phase == "fwd" else I)
     return out
 
 
