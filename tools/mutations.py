@@ -264,6 +264,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if not balance or n == 1:\n        return pos\n", "    if True:\n        return pos\n",
         ("tests/parallel/test_parallel_cp.py::test_ring_attention_equals_one_process",),
         "the head-tail order is the identity: the sequence is sharded in contiguous blocks"),
+    Mutation(
+        "cp_positions_ignored", "fshard/recipes/model.py",
+        "            pos = cp_positions(tokens.shape[1], self.cp_axis).to(tokens.device)\n",
+        "            pos = None\n",
+        ("tests/integration/test_examples.py::test_loss_curve_is_the_same_on_every_mesh[cp=2,fsdp=2]",),
+        "a cp rank embeds its tokens at positions 0..T/cp-1, not where head-tail sharding put them"),
+    Mutation(
+        "pipeline_seed_ignores_seq_axes", "fshard/sched/step.py",
+        "            1.0 / (m * n_summed),", "            1.0 / (m * n_data),",
+        ("tests/integration/test_examples.py::test_loss_curve_is_the_same_on_every_mesh[pp=2,cp=2]",),
+        "a pipeline over cp seeds each microbatch's loss as if cp split no tokens: gradients cp times too large"),
     # --- optimizer, checkpoint, specs ---------------------------------------------------------
     Mutation(
         "adam_bias_correction_dropped", "fshard/optim/transforms.py",

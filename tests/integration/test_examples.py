@@ -48,6 +48,10 @@ MESHES = {
     "dp=4": ["--microbatches", "2"],
     "dp=2,tp=2": ["--sequence-parallel", "--remat"],
     "pp=2,dp=2": ["--schedule", "interleaved"],
+    # Context parallelism (issue 32): each sequence split over cp, ring attention.
+    "cp=2,fsdp=2": [],
+    "cp=2,tp=2": [],
+    "pp=2,cp=2": [],
 }
 
 
@@ -130,7 +134,7 @@ def test_fused_optimizer_flag_steps_on_torchs_kernel_with_the_chain_curve(refere
 
 
 # --simulate 4 in this process: the stored curves of 4 real ranks (pipelines: see docs/simulate.md).
-SIMULATED = ["fsdp=4", "dp=2,fsdp=2", "fsdp=2,tp=2", "dp=4"]
+SIMULATED = ["fsdp=4", "dp=2,fsdp=2", "fsdp=2,tp=2", "dp=4", "cp=2,fsdp=2", "cp=2,tp=2"]
 
 
 @pytest.mark.parametrize("mesh", SIMULATED)
