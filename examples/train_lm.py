@@ -4,8 +4,8 @@ One process (CPU or one GPU), about half a minute on two CPU cores::
 
     python examples/train_lm.py
 
-Several processes: one flag for the layout, axes pp (pipeline), dp (replicate),
-fsdp (shard) and tp (tensor parallel), any product equal to the number of ranks::
+Several processes: one flag for the layout, axes pp (pipeline), dp (replicate), fsdp
+(shard), cp (context: sequences split) and tp (tensor), any product equal to the ranks::
 
     torchrun --nproc-per-node 4 examples/train_lm.py                      # fsdp=4
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh dp=2,fsdp=2   # HSDP
@@ -68,7 +68,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=fs.recipes.cli.HelpFormatter)
     run = p.add_argument_group("layout")
-    run.add_argument("--mesh", default=None, help="axis=size,... over all ranks, axes pp, dp, fsdp, tp; e.g. "
+    run.add_argument("--mesh", default=None, help="axis=size,... over all ranks, axes pp, dp, fsdp, cp, tp; e.g. "
                      "dp=2,fsdp=2; 'auto': the planner (fs.plan) picks the layout (default: every rank on fsdp)")
     run.add_argument("--simulate", type=int, default=None, metavar="N", help="run N ranks in this one process "
                      "(fs.simulate): the same loss curve as `torchrun --nproc-per-node N`")
