@@ -131,7 +131,7 @@ def test_layout_parse_and_its_errors():
     lay = fs.parallel.Layout.parse("tp=2, pp=2,fsdp=1", batch=8)
     assert dict(lay.shape) == {"pp": 2, "tp": 2} and lay.mesh_text() == "pp=2,tp=2"
     assert fs.parallel.Layout(mesh={"dp": 2}, batch=2) == fs.parallel.Layout({"dp": 2}, batch=2)
-    for text, says in [("tp", "expected axis=size"), ("cp=2", "unknown axis 'cp'"), ("dp=2,dp=2", "given twice"),
+    for text, says in [("tp", "expected axis=size"), ("xp=2", "unknown axis 'xp'"), ("dp=2,dp=2", "given twice"),
                        ("dp=0", "has size 0"), ("dp=x", "has size 'x'")]:
         with pytest.raises(fs.parallel.LayoutError, match=says):
             fs.parallel.Layout.parse(text, batch=8)
