@@ -56,7 +56,7 @@ from fshard.recipes.sinks import read_log  # noqa: E402
 MODEL = ["--dim", "256", "--layers", "4", "--heads", "4", "--seq-len", "128", "--batch-size", "16"]
 
 # (name, flags): fsdp, dp x fsdp, fsdp x tp with and without SP, pp x fsdp and pp x tp with
-# several schedules, remat on and off. The first 8 already cover every kind (--budget-s cuts
+# several schedules, remat on and off, cp (ring attention) with and without fsdp. The first 8 already cover every kind (--budget-s cuts
 # from the end).
 LAYOUTS = [
     ("fsdp=4", ["--mesh", "fsdp=4"]),
@@ -71,6 +71,8 @@ LAYOUTS = [
     ("pp=2,tp=2 1f1b m=8 remat", ["--mesh", "pp=2,tp=2", "--schedule", "1f1b", "--microbatches", "8", "--remat"]),
     ("dp=4", ["--mesh", "dp=4"]),
     ("pp=2,tp=2 1f1b m=8", ["--mesh", "pp=2,tp=2", "--schedule", "1f1b", "--microbatches", "8"]),
+    ("cp=2,fsdp=2", ["--mesh", "cp=2,fsdp=2"]),
+    ("cp=4", ["--mesh", "cp=4"]),
 ]
 
 
