@@ -255,10 +255,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the sends of one batch are posted in reverse list order"),
     # --- context parallelism (fshard/parallel/cp.py) ------------------------------------------
     Mutation(
-        "cp_ring_skips_a_block", "fshard/parallel/cp.py",
+        "cp_ring_skips_a_block", "fshard/parallel/_ring.py",
         "    for j in range(n):  # the block held at step j", "    for j in range(n - 1):  # the block held at step j",
         ("tests/parallel/test_parallel_cp.py::test_ring_attention_equals_one_process",),
         "the ring stops one step early: the last K/V block to arrive is never attended to"),
+    Mutation(
+        "cp_backward_keeps_the_travelling_gradient", "fshard/parallel/_ring.py",
+        "        dkv = lax._permute_raw(dkv, ax, perm)  #", "        dkv = dkv  #",
+        ("tests/parallel/test_parallel_cp.py::test_ring_attention_equals_one_process",),
+        "the explicit backward's K/V gradients never travel on: each rank keeps the blocks' gradients it made"),
     Mutation(
         "cp_load_balancer_off", "fshard/parallel/cp.py",
         "    if not balance or n == 1:\n        return pos\n", "    if True:\n        return pos\n",

@@ -31,10 +31,12 @@ import torch
 
 from fshard import lax
 from fshard import tree as tree_util
+from fshard.parallel._ring import RingAttention, ring_forward
 
 __all__ = ["cp_order", "cp_positions", "cp_shard", "cp_unshard", "ring_attention"]
 
 _KV = ("ring", "gather")
+_BACKWARDS = ("explicit", "autograd")
 
 
 def _check_len(what: str, seq_len: int, n: int, balance: bool, axis: Any = "cp") -> None:
@@ -116,6 +118,7 @@ def ring_attention(
     balance: bool = True,
     scale: float | None = None,
     kv: str = "ring",
+    backward: str = "explicit",
 ) -> torch.Tensor:
     """Softmax attention of this rank's queries over the whole sequence's keys, per device.
 
@@ -128,6 +131,11 @@ def ring_attention(
       scale: the scores' scale (default ``1 / sqrt(hd)``).
       kv: ``"ring"`` (K/V blocks rotate, one block in flight) or ``"gather"`` (the whole K/V
         gathered once).
+      backward: with the ring, ``"explicit"`` (K/V go round again in backward with their
+        gradients beside them, one block's scores recomputed at a time: each rank saves its
+        own ``q, k, v``, output and log-sum-exp only) or ``"autograd"`` (the transposes of the
+        forward: every block that reached the rank is kept; also forward mode, ``jvp``).
+        Both give the same gradients.
 
     Returns:
       ``(B, H, L, hd)``, this rank's rows of the attention output.
@@ -136,97 +144,31 @@ def ring_attention(
       ValueError: mismatched shapes, an unknown ``kv``, or a local length that does not
         split into two chunks (balanced causal).
     """
-    _check_args(q, k, v, axis, kv)
+    _check_args(q, k, v, axis, kv, backward)
     n = lax.axis_size(axis)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     balance = balance and causal and n > 1
     if balance and q.shape[2] % 2:
         _check_len("fs.parallel.ring_attention", q.shape[2] * n, n, True, axis)
-    if n == 1:
-        return _attend(q, k, v, causal, scale)[0]
+    if n == 1:  # nothing to combine: torch's fused kernel (on CPU, flash-style: no T x T scores kept)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if kv == "gather":
         return _gathered(q, k, v, axis, causal, balance, scale)
-    return _ring(q, k, v, axis, causal, balance, scale)
+    if backward == "autograd":
+        return ring_forward(q, k, v, axis, causal, balance, scale)[0]
+    return RingAttention.apply(q, k, v, axis, causal, balance, scale)[0]
 
 
-def _check_args(q, k, v, axis, kv) -> None:
+def _check_args(q, k, v, axis, kv, backward) -> None:
     if kv not in _KV:
         raise ValueError(f"fs.parallel.ring_attention: kv={kv!r} is not one of {_KV}")
+    if backward not in _BACKWARDS:
+        raise ValueError(f"fs.parallel.ring_attention: backward={backward!r} is not one of {_BACKWARDS}")
     if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(
             f"fs.parallel.ring_attention over {axis!r}: q, k and v must all be (B, H, L, hd) of one shape, "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (repeat grouped K/V heads first)."
         )
-
-
-def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(softmax(q k^T) v, logsumexp of the scores)`` of one block; causal on aligned chunks."""
-    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
-    lse = s.logsumexp(-1, keepdim=True)  # (B, H, Lq, 1)
-    return (s - lse).exp() @ v, lse
-
-
-def _merge(a, b):
-    """Two partial softmaxes over disjoint key sets, as one (log-sum-exp weights)."""
-    (o1, l1), (o2, l2) = a, b
-    lse = torch.logaddexp(l1, l2)
-    return o1 * (l1 - lse).exp() + o2 * (l2 - lse).exp(), lse
-
-
-def _none_if(cond: torch.Tensor, part):
-    """``part`` where ``cond`` holds; nothing (a log-weight of -inf) elsewhere, SPMD-clean."""
-    o, lse = part
-    return o, torch.where(cond, lse, torch.full_like(lse, -math.inf))
-
-
-def _ring(q, k, v, axis, causal, balance, scale):
-    n, r = lax.axis_size(axis), lax.axis_index(axis)
-    perm = [(i, (i + 1) % n) for i in range(n)]
-    kv = torch.stack([k, v])  # one transfer a step
-    if balance:
-        q0, q1 = q.chunk(2, dim=2)
-    acc = acc0 = acc1 = None
-    for j in range(n):  # the block held at step j came from rank r - j
-        pending = lax.ppermute_start(kv, axis, perm) if j < n - 1 else None  # in flight during this step
-        kj, vj = kv[0], kv[1]
-        if not causal:
-            part = _attend(q, kj, vj, False, scale)
-            acc = part if acc is None else _merge(acc, part)
-        elif not balance:
-            if j == 0:
-                acc = _attend(q, kj, vj, True, scale)
-            else:  # visible only from an earlier rank; computed everywhere, discarded where not
-                acc = _merge(acc, _none_if(r >= j, _attend(q, kj, vj, False, scale)))
-        else:
-            (k0, k1), (v0, v1) = kj.chunk(2, dim=2), vj.chunk(2, dim=2)
-            if j == 0:
-                acc0 = _attend(q0, k0, v0, True, scale)
-                acc1 = _merge(_attend(q1, k0, v0, False, scale), _attend(q1, k1, v1, True, scale))
-            else:
-                acc0, acc1 = _balanced_step(q0, q1, k0, k1, v0, v1, r >= j, acc0, acc1, scale)
-        if pending is not None:
-            kv = pending()
-    if balance:
-        return torch.cat([acc0[0], acc1[0]], dim=2)
-    return acc[0]
-
-
-def _balanced_step(q0, q1, k0, k1, v0, v1, earlier, acc0, acc1, scale):
-    """One ring step in head-tail order, from a rank ``earlier`` (or later) than this one.
-
-    From an earlier rank both query chunks see its head chunk ``k0`` (and neither its tail);
-    from a later one the tail queries ``q1`` see both of its chunks (the head queries none).
-    ``(q1, k0)`` is common to both; the other pair is ``(q0, k0)`` or ``(q1, k1)``, picked by
-    tensors, so every rank computes two full ``c x c`` blocks.
-    """
-    acc1 = _merge(acc1, _attend(q1, k0, v0, False, scale))
-    qx, kx, vx = (torch.where(earlier, a, b) for a, b in ((q0, q1), (k0, k1), (v0, v1)))
-    other = _attend(qx, kx, vx, False, scale)
-    acc0 = _merge(acc0, _none_if(earlier, other))
-    acc1 = _merge(acc1, _none_if(~earlier, other))
-    return acc0, acc1
 
 
 def _gathered(q, k, v, axis, causal, balance, scale):

@@ -22,9 +22,11 @@ from fshard.testing import assert_bitwise_equal, run_on_ranks, run_simulated
 
 B, H, T, HD = 2, 2, 16, 4
 SEQ = P(None, None, "cp")
-# (causal, balance, kv); balance only matters with causal.
-CASES = [(True, True, "ring"), (True, False, "ring"), (False, True, "ring"),
-         (True, True, "gather"), (True, False, "gather"), (False, True, "gather")]
+# (causal, balance, kv, backward); balance only matters with causal, backward with the ring.
+CASES = [(c, b, "ring", back) for c, b in ((True, True), (True, False), (False, True))
+         for back in ("explicit", "autograd")] + [(True, True, "gather", "explicit"),
+                                                  (True, False, "gather", "explicit"),
+                                                  (False, True, "gather", "explicit")]
 
 
 def _qkvw(seed=0):
@@ -45,12 +47,12 @@ def _parity(n, order, check):
     """One rank: the worst difference to the reference, per case, of the output and grads."""
     mesh = fs.make_mesh({"cp": n})
     worst = {}
-    for causal, balance, kv in CASES:
+    for causal, balance, kv, backward in CASES:
         perm = cp_order(T, n, balance=balance)
         q, k, v, w = (t.index_select(2, perm) for t in _qkvw())
 
-        def attn(q, k, v, causal=causal, balance=balance, kv=kv):
-            return ring_attention(q, k, v, "cp", causal=causal, balance=balance, kv=kv)
+        def attn(q, k, v, causal=causal, balance=balance, kv=kv, backward=backward):
+            return ring_attention(q, k, v, "cp", causal=causal, balance=balance, kv=kv, backward=backward)
 
         def loss(q, k, v, w):
             return fs.lax.psum((attn(q, k, v) * w).sum(), "cp")
@@ -66,17 +68,18 @@ def _parity(n, order, check):
         back = torch.argsort(perm)
         ref_out, ref_grads = _reference(causal)
         diffs = [(fs.gather(g).index_select(2, back) - r).abs().max().item() for g, r in zip(grads, ref_grads)]
-        worst[(causal, balance, kv)] = max([(out.index_select(2, back) - ref_out).abs().max().item(), *diffs])
+        worst[(causal, balance, kv, backward)] = max([(out.index_select(2, back) - ref_out).abs().max().item(), *diffs])
     return worst
 
 
-@pytest.mark.parametrize("n, order, check", [(2, "outside", True), (2, "inside", False),
+@pytest.mark.parametrize("n, order, check", [(1, "outside", True), (2, "outside", True), (2, "inside", False),
                                              (4, "inside", True), (4, "outside", False)])
 def test_ring_attention_equals_one_process(n, order, check):
-    # Each rank's output and grads against single-process SDPA on the whole sequence, every case.
+    # Each rank's output and grads against single-process SDPA on the whole sequence, every case
+    # (cp = 1: the fused kernel itself, no ring).
     for rank, worst in enumerate(run_on_ranks(_parity, n, order, check, world_size=n)):
         bad = {case: d for case, d in worst.items() if not d < 1e-12}
-        assert not bad, f"rank {rank}: (causal, balance, kv) -> worst diff {bad}"
+        assert not bad, f"rank {rank}: (causal, balance, kv, backward) -> worst diff {bad}"
 
 
 def _shard_round_trip(n):
@@ -172,7 +175,7 @@ def _errors(n):
     mesh = fs.make_mesh({"cp": n})
     q = torch.randn(1, 1, 6, 2, dtype=torch.float64)  # 3 local tokens a rank: not two chunks
     messages = []
-    for kwargs in ({}, {"kv": "ring2"}):
+    for kwargs in ({}, {"kv": "ring2"}, {"backward": "flash"}):
         try:
             fs.shard_map(lambda q: ring_attention(q, q, q, "cp", **kwargs), mesh=mesh, in_specs=SEQ, out_specs=SEQ)(q)
         except ValueError as e:
@@ -189,9 +192,10 @@ def test_misuse_is_a_clear_error():
         cp_order(10, 2)
     with pytest.raises(ValueError, match=r"sequence length 10 does not split into cp = 4 blocks"):
         cp_order(10, 4, balance=False)
-    odd, kv, shapes = run_on_ranks(_errors, 2, world_size=2)[0]
+    odd, kv, backward, shapes = run_on_ranks(_errors, 2, world_size=2)[0]
     assert "sequence length 6 does not split into 2 x cp = 4 chunks" in odd and "'cp'" in odd
     assert "kv='ring2' is not one of ('ring', 'gather')" in kv
+    assert "backward='flash' is not one of ('explicit', 'autograd')" in backward
     assert "(1, 1, 3, 2), (1, 1, 3, 1), (1, 1, 3, 2)" in shapes
 
 
@@ -221,11 +225,42 @@ def _saved_by_size(n):
 
 
 def test_saved_memory_per_rank_falls_as_one_over_cp():
-    # The scores dominate: (2n+1) c^2 per rank with c = T/2n, against T^2 in one process (its
-    # causal mask computes the masked half too), so each rank saves at most 1/cp of it.
+    # The explicit backward keeps this rank's q, k, v, output and log-sum-exp only, as one
+    # process's fused kernel keeps the whole sequence's: 1/cp of it (measured: exactly).
     one = _saved_by_size(1)
     for n in (2, 4):
         per_rank = run_on_ranks(_saved_by_size, n, world_size=n)[0]
         for t, b in per_rank.items():
             assert b <= 1.05 * one[t] / n, (n, t, b, one[t])
             assert b >= 0.4 * one[t] / n, (n, t, b, one[t])  # the ring saves what it must
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_attention_rules_equal_the_math(causal):
+    # The flash-style block (scores recomputed in backward): its backward, double backward, jvp,
+    # vmap and torch.func.grad against autograd through the plain formula, float64.
+    from fshard.parallel._ring import _BlockAttention, _scores
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 6, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def block(q, k, v):
+        return _BlockAttention.apply(q, k, v, causal, 0.7)
+
+    def plain(q, k, v):
+        s = _scores(q, k, causal, 0.7)
+        lse = s.logsumexp(-1, keepdim=True)
+        return (s - lse).exp() @ v, lse
+
+    assert torch.autograd.gradcheck(block, (q, k, v)) and torch.autograd.gradgradcheck(block, (q, k, v))
+    tangents = tuple(torch.randn(x.shape, generator=g, dtype=torch.float64) for x in (q, k, v))
+    for a, b in zip(torch.func.jvp(block, (q, k, v), tangents)[1], torch.func.jvp(plain, (q, k, v), tangents)[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+    assert_bitwise_equal(torch.func.vmap(block)(q, k, v)[0], block(q, k, v)[0])
+
+    def total(f):
+        return lambda q, k, v: sum(x.sum() for x in f(q, k, v))
+
+    grads = torch.func.grad(total(block), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(grads, torch.func.grad(total(plain), argnums=(0, 1, 2))(q, k, v)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
