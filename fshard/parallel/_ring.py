@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from fshard import lax
 
@@ -26,6 +28,19 @@ __all__ = ["RingAttention", "ring_forward"]
 def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(softmax(q k^T) v, logsumexp of the scores)`` of one block; causal on aligned chunks."""
     return _BlockAttention.apply(q, k, v, causal, scale)
+
+
+_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _fused(q: torch.Tensor) -> bool:
+    """Whether a block runs on torch's CPU flash kernel (no scores materialized; its lse is the
+    natural-log log-sum-exp of the scaled scores, as here); else the formula below, which also
+    serves ``vmap`` (the kernel takes 4-d inputs only, and has no batching rule)."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        return False
+    return all(i.key() != TransformType.Vmap for i in retrieve_all_functorch_interpreters())
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
@@ -46,6 +61,9 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, causal, scale):
+        if _fused(q):
+            o, lse = _CPU_FWD(q, k, v, 0.0, causal, scale=scale)
+            return o, lse.unsqueeze(-1)
         s = _scores(q, k, causal, scale)
         lse = s.logsumexp(-1, keepdim=True)  # (B, H, Lq, 1)
         return (s - lse).exp() @ v, lse
@@ -146,10 +164,13 @@ def _balanced_step(q0, q1, k0, k1, v0, v1, earlier, acc0, acc1, scale):
     return acc0, acc1
 
 
-def _block_grads(q, k, v, do, lse, rowdot, causal: bool, scale: float):
-    """``(dq, dk, dv)`` of one block against the final softmax (``p = exp(s - lse)``)."""
+def _block_grads(q, k, v, do, o, lse, causal: bool, scale: float):
+    """``(dq, dk, dv)`` of one block against the final softmax (``p = exp(s - lse)``, ``o`` the
+    final output): what a flash kernel's backward computes, so on CPU it is torch's."""
+    if _fused(q):
+        return _CPU_BWD(do, q, k, v, o, lse.squeeze(-1), 0.0, causal, scale=scale)
     p = (_scores(q, k, causal, scale) - lse).exp()  # (B, H, Lq, Lk), recomputed
-    ds = p * (do @ v.transpose(-2, -1) - rowdot)
+    ds = p * (do @ v.transpose(-2, -1) - (do * o).sum(-1, keepdim=True))
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ do
 
 
@@ -166,47 +187,45 @@ def ring_backward(q, k, v, o, lse, do, ring, causal, balance, scale):
     """
     ax, n, r = ring
     perm = [(i, (i + 1) % n) for i in range(n)]
-    rowdot = (do * o).sum(-1, keepdim=True)  # (B, H, L, 1)
     kv = torch.stack([k, v])
     dkv = torch.zeros_like(kv)  # the gradient of the block held, travelling with it
     dq = torch.zeros_like(q)
     for j in range(n):  # as in forward: the block of rank r - j
         pending = lax._permute_start_raw(kv, ax, perm) if j < n - 1 else None  # in flight during this step
-        gq, gkv = _step_grads(q, kv, do, lse, rowdot, j, r >= j, causal, balance, scale)
-        dq, dkv = dq + gq, dkv + gkv
+        _accumulate(q, kv, do, o, lse, j, r >= j, causal, balance, scale, dq, dkv)
         dkv = lax._permute_raw(dkv, ax, perm)  # after the last step: home, to the rank it came from
         if pending is not None:
             kv = pending.wait()
     return dq, dkv[0], dkv[1]
 
 
-def _step_grads(q, kv, do, lse, rowdot, j, earlier, causal, balance, scale):
-    """One backward step's ``(dq, dkv)``: the pairs the forward step ``j`` attended to."""
-    k, v = kv[0], kv[1]
-    if not causal:
-        gq, gk, gv = _block_grads(q, k, v, do, lse, rowdot, False, scale)
-        return gq, torch.stack([gk, gv])
-    if not balance:
-        if j == 0:
-            gq, gk, gv = _block_grads(q, k, v, do, lse, rowdot, True, scale)
-            return gq, torch.stack([gk, gv])
-        gq, gk, gv = _block_grads(q, k, v, do, lse, rowdot, False, scale)
-        return _masked(earlier, gq), _masked(earlier, torch.stack([gk, gv]))
+def _accumulate(q, kv, do, o, lse, j, earlier, causal, balance, scale, dq, dkv) -> None:
+    """Adds one backward step's gradients into ``dq`` and ``dkv`` in place (their chunks' views:
+    no step-sized temporaries): the pairs the forward step ``j`` attended to."""
+    (k, v), (dk, dv) = kv.unbind(0), dkv.unbind(0)
+
+    def add(dsts, grads, cond=None):
+        for dst, g in zip(dsts, grads):
+            dst.add_(g if cond is None else _masked(cond, g))
+
+    if not causal or not balance:
+        visible = None if (not causal or j == 0) else earlier  # contiguous: only from an earlier rank
+        add((dq, dk, dv), _block_grads(q, k, v, do, o, lse, causal and j == 0, scale), visible)
+        return
     (q0, q1), (k0, k1), (v0, v1) = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
-    (do0, do1), (l0, l1), (d0, d1) = do.chunk(2, dim=2), lse.chunk(2, dim=2), rowdot.chunk(2, dim=2)
+    (do0, do1), (o0, o1), (l0, l1) = do.chunk(2, dim=2), o.chunk(2, dim=2), lse.chunk(2, dim=2)
+    (dq0, dq1), (dk0, dk1), (dv0, dv1) = dq.chunk(2, dim=2), dk.chunk(2, dim=2), dv.chunk(2, dim=2)
+    add((dq1, dk0, dv0), _block_grads(q1, k0, v0, do1, o1, l1, False, scale))  # (q1, k0): every step
     if j == 0:
-        a = _block_grads(q0, k0, v0, do0, l0, d0, True, scale)
-        b = _block_grads(q1, k0, v0, do1, l1, d1, False, scale)
-        c = _block_grads(q1, k1, v1, do1, l1, d1, True, scale)
-        gq = torch.cat([a[0], b[0] + c[0]], dim=2)
-        return gq, torch.stack([torch.cat([a[1] + b[1], c[1]], dim=2), torch.cat([a[2] + b[2], c[2]], dim=2)])
-    b = _block_grads(q1, k0, v0, do1, l1, d1, False, scale)  # (q1, k0): seen from either side
-    pick = [torch.where(earlier, x, y) for x, y in ((q0, q1), (k0, k1), (v0, v1), (do0, do1), (l0, l1), (d0, d1))]
-    x = _block_grads(*pick, False, scale)  # (q0, k0) from an earlier rank, (q1, k1) from a later one
-    gq = torch.cat([_masked(earlier, x[0]), b[0] + _masked(~earlier, x[0])], dim=2)
-    gk = torch.cat([b[1] + _masked(earlier, x[1]), _masked(~earlier, x[1])], dim=2)
-    gv = torch.cat([b[2] + _masked(earlier, x[2]), _masked(~earlier, x[2])], dim=2)
-    return gq, torch.stack([gk, gv])
+        add((dq0, dk0, dv0), _block_grads(q0, k0, v0, do0, o0, l0, True, scale))
+        add((dq1, dk1, dv1), _block_grads(q1, k1, v1, do1, o1, l1, True, scale))
+        return
+    qx, kx, vx, dox, ox, lx = (
+        torch.where(earlier, a, b) for a, b in ((q0, q1), (k0, k1), (v0, v1), (do0, do1), (o0, o1), (l0, l1))
+    )
+    x = _block_grads(qx, kx, vx, dox, ox, lx, False, scale)  # (q0, k0) from an earlier rank, (q1, k1) from a later one
+    add((dq0, dk0, dv0), x, earlier)
+    add((dq1, dk1, dv1), x, ~earlier)
 
 
 class RingAttention(torch.autograd.Function):
