@@ -1,6 +1,6 @@
 """fshard's ring attention vs torch's context_parallel, same attention, same sequence, same run.
 
-    python bench/cp.py [--seq 1024 2048 4096] [--cp 2 4] [--steps 5] [--memory-cp 1 2 4]
+    python bench/cp.py [--seq 1024 2048 4096] [--cp 2 4] [--steps 5] [--memory-cp 1 2 4] [--model-memory]
 
 The attention: causal softmax attention of ``B = 2`` sequences, ``H = 4`` heads of ``hd =
 16``, float32, forward and backward (the gradients of q, k and v for a fixed cotangent), each
@@ -32,6 +32,9 @@ Peak memory per rank (``--memory-cp``, every ``--seq``): the allocator's peak du
 forward and backward after a warm-up (``torch.profiler`` memory events, as
 ``fs.plan.StepProbe`` reads them), beyond the whole-sequence inputs prepared before the step
 (each side's copy of this rank's share, its activations, gradients and transfer buffers).
+``--model-memory``: the same for a whole train step of ``examples/train_lm.py --mesh cp=N``
+(a small Transformer, its ``--log-json`` peak), where attention's ring is one part of a
+block's activations.
 """
 
 from __future__ import annotations
@@ -238,12 +241,31 @@ def peak_memory(T: int, n: int) -> dict[str, float]:
     return out
 
 
+MODEL = ["--dim", "64", "--layers", "2", "--heads", "4", "--batch-size", "2", "--steps", "4", "--quiet",
+         "--sample-chars", "0", "--machine", "h100"]
+
+
+def model_memory(T: int, n: int, log: str) -> float:
+    """``examples/train_lm.py --mesh cp=n --seq-len T`` on this rank: the largest rank's peak MiB
+    of one train step (its ``--log-json`` measurement: ``fs.plan.StepProbe``)."""
+    from _examples import example
+
+    from fshard.recipes.sinks import read_log
+
+    example("train_lm").main(MODEL + ["--mesh", f"cp={n}", "--seq-len", str(T), "--log-json", log])
+    if dist.is_initialized():
+        dist.barrier()
+    return read_log(log, "summary")[-1]["measured_peak_mib"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--cp", type=int, nargs="*", default=[2, 4])
     ap.add_argument("--memory-cp", type=int, nargs="*", default=[1, 2, 4])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--model-memory", action="store_true", help="also train_lm.py's peak per rank at each --seq "
+                    "and --memory-cp")
     args = ap.parse_args()
     print(f"causal attention, B={B} H={H} hd={HD} float32, forward + backward; load {os.getloadavg()[0]:.1f}")
     for n in args.cp:
@@ -259,6 +281,18 @@ def main() -> None:
             res = fs.run_local(peak_memory, T, n, world_size=n, timeout_s=3000)[0] if n > 1 else peak_memory(T, 1)
             row.append(f"cp={n} fshard {res['fshard']:.1f} / torch {res['torch']:.1f} MiB")
         print(f"peak per rank, T={T}: " + "; ".join(row))
+    if args.model_memory:
+        import tempfile
+
+        print("train_lm.py " + " ".join(MODEL[:8]) + ": peak per rank of a train step")
+        for T in args.seq:
+            row = []
+            for n in args.memory_cp:
+                with tempfile.TemporaryDirectory() as d:
+                    log = os.path.join(d, "log.json")
+                    mib = fs.run_local(model_memory, T, n, log, world_size=n, timeout_s=3000)[0]
+                row.append(f"cp={n} {mib:.1f} MiB")
+            print(f"  T={T}: " + "; ".join(row))
     print(f"load {os.getloadavg()[0]:.1f}")
 
 

@@ -264,3 +264,18 @@ def test_simulate_bench_runs_and_reports_the_floor(capsys):
     _bench("simulate").main(["--ranks", "2", "--steps", "1", "--dim", "16", "--batch", "4", "--seq", "8"])
     out = capsys.readouterr().out
     assert "x the N x floor" in out and "per-rank op loop" in out
+
+
+def _cp_small(n):
+    cp = _bench("cp")
+    return cp.per_rank(64, n, 1), cp.peak_memory(64, n)
+
+
+def test_cp_bench_sides_agree_and_measure():
+    # bench/cp.py: fshard's ring and torch's context_parallel (with the CPU shim) compute the same
+    # attention and gradients (per_rank asserts 1e-4), the limit is measured, the probe sees both.
+    _bench("_limits")  # the ranks' Limit unpickles here
+    (timed, memory), _ = run_on_ranks(_cp_small, 2, world_size=2)
+    assert timed["worst"] < 1e-4 and set(timed["times"]) == {"fshard", "torch"}
+    assert timed["limit"].compute_s > 0 and timed["limit"].sent_bytes == 3 * 2 * 2 * 4 * 32 * 16 * 4
+    assert memory["fshard"] > 0 and memory["torch"] > 0

@@ -88,6 +88,8 @@ NOT_RUN_HERE = {
                                                                             "test_mesh_teardown.py pins the fix",
     r"python bench/(fsdp|ddp)\.py --steps 10": "a timing benchmark, minutes a run on a CI machine; its "
                                               "numbers are reported, not checked",
+    r"python bench/cp\.py": "a timing benchmark, minutes a run; tests/integration/test_bench.py runs its sides, "
+                            "the limit and the memory probe at a small size",
     r"python bench/gloo_workers\.py --mode (fsdp|ddp)": "a timing A/B, a minute or two a run; its numbers are "
                                                      "reported, not checked (tests/runtime/test_gloo_workers.py "
                                                      "checks the worker counts it compares)",
