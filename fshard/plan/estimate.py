@@ -168,7 +168,7 @@ def _work(layer: LayerDesc, phase: str, layout: Layout, model: ModelDesc) -> tup
     k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
     flops = (w.flops - s.flops) / rest_div + s.flops / split_div
     nbytes = ((w.bytes - s.bytes) / rest_div + s.bytes / split_div) * k
-    return flops, nbytes, w.ops
+    return flops, nbytes, w.ops + sum(r.extra_kernels(layer, phase, layout, model) for r in RULES)
 
 
 def _ranks_per_node(machine: Machine, layout: Layout) -> int:

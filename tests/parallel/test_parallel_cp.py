@@ -10,6 +10,8 @@ ranks' bits. The balance is measured: each rank's attention FLOPs (torch's FLOP 
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -279,3 +281,60 @@ def test_block_attention_rules_equal_the_math(causal):
     grads = torch.func.grad(total(block), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(grads, torch.func.grad(total(plain), argnums=(0, 1, 2))(q, k, v)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+
+
+def _ring_order(n):
+    """The order of one ring step's events on this rank: transfers started and waited, blocks
+    computed (forward and backward), recorded by wrapping the ring's own calls."""
+    from fshard.parallel import _ring
+
+    events, real = [], _ring.lax
+    block_fwd, block_grads = _ring._BlockAttention.forward, _ring._block_grads
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def ppermute_start(self, x, axis, perm):
+            events.append("start")
+            wait = real.ppermute_start(x, axis, perm)
+            return lambda: (events.append("wait"), wait())[1]
+
+        def _permute_start_raw(self, x, ax, perm):
+            events.append("start")
+            handle = real._permute_start_raw(x, ax, perm)
+            return types.SimpleNamespace(wait=lambda: (events.append("wait"), handle.wait())[1])
+
+    def fwd(*a):
+        events.append("block")
+        return block_fwd(*a)
+
+    def grads(*a):
+        events.append("block")
+        return block_grads(*a)
+
+    _ring.lax, _ring._BlockAttention.forward, _ring._block_grads = Recording(), staticmethod(fwd), grads
+    try:
+        mesh = fs.make_mesh({"cp": n})
+        q = torch.randn(1, 1, 16, 4, dtype=torch.float64, requires_grad=True)
+
+        def body(q):
+            return ring_attention(q, q, q, "cp").sum()
+
+        out = fs.shard_map(body, mesh=mesh, in_specs=SEQ, out_specs=P("cp"), check=False)(q)
+        torch.autograd.grad(fs.gather(out).sum(), q)
+    finally:
+        _ring.lax, _ring._BlockAttention.forward, _ring._block_grads = real, staticmethod(block_fwd), block_grads
+    return events
+
+
+def test_each_transfer_is_in_flight_while_a_block_computes():
+    # Forward and backward: every K/V transfer but the last step's is started before that
+    # step's blocks and waited after them (the overlap is in the program order).
+    n = 4
+    events = run_on_ranks(_ring_order, n, world_size=n)[0]
+    steps = "".join("S" if e == "start" else "W" if e == "wait" else "b" for e in events)
+    # forward: n - 1 steps of (start, 3 or 2 blocks, wait), then the last step's 2 blocks; backward alike
+    import re
+
+    assert re.fullmatch(r"(Sb+W){3}b+(Sb+W){3}b+", steps), steps

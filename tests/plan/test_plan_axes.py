@@ -12,6 +12,7 @@ import fshard.plan.comm as comm
 import fshard.plan.layout as layout_mod
 from fshard.parallel.layout import AXES, DATA_AXES
 from fshard.plan.axes import RULES, AxisRule, Collective, rule
+from fshard.testing import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,3 +57,44 @@ def test_a_new_rule_is_asked_by_the_engines(monkeypatch):
     assert sum(c.what == "toy" for c in plan.step_collectives(model, pipe, pp_rank=1)) == 1
     with pytest.raises(plan.LayoutError, match="must be even for toy"):
         plan.check_layout(plan.Layout({"fsdp": 1}, batch=7), model)
+
+
+def _ring_kernels(n):
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fshard as fs
+    from fshard.parallel import ring_attention
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def body(q):
+        q = q.detach().requires_grad_()
+        fwd, bwd = Count(), Count()
+        with fwd:
+            out = ring_attention(q, q, q, "cp") if n > 1 else F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        with bwd:
+            torch.autograd.grad(out.sum(), q)
+        return torch.tensor([float(fwd.n), float(bwd.n)])
+
+    mesh = fs.make_mesh({"cp": n})
+    spec = fs.P(None, None, "cp")
+    return fs.gather(fs.shard_map(body, mesh=mesh, in_specs=spec, out_specs=fs.P("cp"), check=False)(
+        torch.randn(1, 2, 16, 4))).tolist()[:2]
+
+
+def test_cp_rule_counts_the_rings_kernels():
+    # plan/axes/cp.py's extra kernels per block call equal fshard's ring's, beyond one SDPA's.
+    from fshard.plan.axes.cp import RING_BWD_KERNELS, RING_FWD_KERNELS
+
+    sdpa = _ring_kernels(1)
+    for n in (2, 4):
+        fwd, bwd = run_on_ranks(_ring_kernels, n, world_size=n)[0]
+        assert fwd - sdpa[0] == RING_FWD_KERNELS[0] * n + RING_FWD_KERNELS[1], (n, fwd, sdpa)
+        assert bwd - sdpa[1] == RING_BWD_KERNELS[0] * n + RING_BWD_KERNELS[1], (n, bwd, sdpa)

@@ -151,6 +151,11 @@ class AxisRule:
         """What it divides the rest of a layer's work (and W-gradient and boundary bytes) by."""
         return 1
 
+    def extra_kernels(self, layer: LayerDesc, phase: str, layout: Layout, model: ModelDesc) -> float:
+        """Kernels the axis adds to one call of ``layer``'s ``phase`` (``fwd``, ``bwd_input``,
+        ``bwd_weight``) on one rank, beyond the ones the layer's trace counted."""
+        return 0.0
+
     def saved_divisor(self, layout: Layout) -> int:
         """What it divides the rest of a layer's saved-for-backward bytes by (the split part
         takes :meth:`split_divisor`)."""

@@ -9,9 +9,13 @@ in the planner.
   ``1 / cp`` (no causal skipping within a block), which this rule does not add.
 - Collectives: per block call, ``cp - 1`` transfers of the stacked K/V block over the ring in
   forward (each in flight while the block before it is attended to: hidden behind the
-  block's forward) and ``cp - 1`` of their cotangents in backward (the reverse ring, on the
-  critical path); remat repeats the forward's. The loss mean and the gradients' all-reduce
+  block's forward); in backward (the explicit one) ``cp - 1`` again, hidden the same way, and
+  ``cp`` of the blocks' gradients, one after each step (on the critical path); remat repeats
+  the forward's. The loss mean and the gradients' all-reduce
   run over cp with the data axes (``plan/axes/data.py``).
+- Kernels: the ring's blocks, merges and transfers are separate kernels, about ``46 cp`` more
+  in a block's forward and ``52 cp`` in its backward than one SDPA (each costs the machine's
+  per-kernel host time).
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ from fshard.plan.axes.base import AxisRule, Collective, Step, divisors
 from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
 
-__all__ = ["CP", "kv_dim", "ring_payload"]
+__all__ = ["CP", "RING_BWD_KERNELS", "RING_FWD_KERNELS", "kv_dim", "ring_payload"]
+
+# Kernels one causal ring_attention call adds on a rank beyond one SDPA, as (per cp rank,
+# constant): its blocks, merges and transfers run one by one (fshard's balanced ring with the
+# explicit backward; tests/plan/test_plan_axes.py counts them).
+RING_FWD_KERNELS = (46, -23)
+RING_BWD_KERNELS = (52, -16)
 
 
 def kv_dim(layer: LayerDesc, hidden: int) -> int:
@@ -62,6 +72,12 @@ class ContextParallel(AxisRule):
     def saved_divisor(self, layout: Layout) -> int:
         return layout.cp
 
+    def extra_kernels(self, layer: LayerDesc, phase: str, layout: Layout, model: ModelDesc) -> float:
+        if layout.cp == 1 or layer is not model.layers[model.repeated]:
+            return 0.0
+        per_rank, base = {"fwd": RING_FWD_KERNELS, "bwd_input": RING_BWD_KERNELS}.get(phase, (0, 0))
+        return per_rank * layout.cp + base
+
     def collectives(self, step: Step, phase: str) -> list[Collective]:
         layout, model = step.layout, step.model
         if phase != "layers" or layout.cp == 1:
@@ -75,7 +91,10 @@ class ContextParallel(AxisRule):
             nbytes, hops = ring_payload(model, layout, layer), layout.cp - 1
             fwd_calls = calls * (2 if layout.remat else 1)
             out.append(Collective("ppermute", ("cp",), nbytes, hops * fwd_calls, f"cp ring {layer.name}", "fwd", F))
-            out.append(Collective("ppermute", ("cp",), nbytes, hops * calls, f"cp ring grad {layer.name}", None, I))
+            # backward: K/V go round again (in flight during each step's blocks), and their
+            # gradients travel one hop after each step, the last one home (on the path)
+            out.append(Collective("ppermute", ("cp",), nbytes, hops * calls, f"cp ring again {layer.name}", "bwd", I))
+            out.append(Collective("ppermute", ("cp",), nbytes, layout.cp * calls, f"cp ring grad {layer.name}", None, I))
         return out
 
 
