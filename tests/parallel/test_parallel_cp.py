@@ -319,7 +319,7 @@ def _ring_order(n):
         q = torch.randn(1, 1, 16, 4, dtype=torch.float64, requires_grad=True)
 
         def body(q):
-            return ring_attention(q, q, q, "cp").sum()
+            return ring_attention(q, q, q, "cp").sum().reshape(1)
 
         out = fs.shard_map(body, mesh=mesh, in_specs=SEQ, out_specs=P("cp"), check=False)(q)
         torch.autograd.grad(fs.gather(out).sum(), q)

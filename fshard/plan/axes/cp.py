@@ -94,7 +94,9 @@ class ContextParallel(AxisRule):
             # backward: K/V go round again (in flight during each step's blocks), and their
             # gradients travel one hop after each step, the last one home (on the path)
             out.append(Collective("ppermute", ("cp",), nbytes, hops * calls, f"cp ring again {layer.name}", "bwd", I))
-            out.append(Collective("ppermute", ("cp",), nbytes, layout.cp * calls, f"cp ring grad {layer.name}", None, I))
+            out.append(
+                Collective("ppermute", ("cp",), nbytes, layout.cp * calls, f"cp ring grad {layer.name}", None, I)
+            )
         return out
 
 
