@@ -261,7 +261,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the ring stops one step early: the last K/V block to arrive is never attended to"),
     Mutation(
         "cp_backward_keeps_the_travelling_gradient", "fshard/parallel/_ring.py",
-        "        dkv = lax._permute_raw(dkv, ax, perm)  #", "        dkv = dkv  #",
+        "        dkv = lax._permute_raw(dkv, ax, perm)\n", "        dkv = dkv\n",
         ("tests/parallel/test_parallel_cp.py::test_ring_attention_equals_one_process",),
         "the explicit backward's K/V gradients never travel on: each rank keeps the blocks' gradients it made"),
     Mutation(

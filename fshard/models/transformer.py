@@ -278,7 +278,10 @@ def attention(
     if attend is None:
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop, is_causal=True)  # (B, H, T, hd)
     elif p_drop > 0.0:
-        raise ValueError(f"attention: attend={attend!r} has no attention dropout; train with cfg.dropout=0.")
+        raise ValueError(
+            f"attention: attend={getattr(attend, '__qualname__', type(attend).__name__)} has no attention "
+            f"dropout, and cfg.dropout is {cfg.dropout}: train with cfg.dropout=0, or without attend."
+        )
     else:
         y = attend(q, k, v)  # (B, H, T, hd)
     y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H * hd)

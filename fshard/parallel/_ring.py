@@ -4,9 +4,15 @@ Forward: the stacked K/V block goes round the axis (``n - 1`` transfers, each in
 a step's compute), each block's partial softmax ``(o, lse)`` is merged online. Differentiated
 by autograd (``backward="autograd"``), its backward follows ``ppermute``'s transpose and keeps
 every block that reached the rank. :class:`RingAttention` (``backward="ring"``) keeps only
-the local ``q, k, v``, the output and its log-sum-exp, and in backward sends K/V round the
-ring again with their gradients travelling beside them, recomputing one block's scores at a
-time (the flash-attention ring's backward): the same gradients, ``O(L)`` saved per rank.
+(``backward="explicit"``) keeps only the local ``q, k, v``, the output and its log-sum-exp,
+and in backward sends K/V round the ring again with their gradients travelling beside them,
+recomputing one block's scores at a time (the flash-attention ring's backward): the same
+gradients, ``O(L)`` saved per rank.
+
+A block runs on torch's CPU flash kernel for float32/float64 CPU tensors; elsewhere (CUDA,
+half precision, under ``vmap``) on the formula, in at least float32 (the scores, the
+log-sum-exp and the merge weights; results in the inputs' dtype), materializing that one
+block's scores.
 
 Which pairs of chunks a step computes is decided by tensors of ``axis_index``, as in
 forward, so both directions are SPMD-clean.
@@ -19,6 +25,7 @@ import math
 import torch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.autograd.function import once_differentiable
 
 from fshard import lax
 
@@ -43,8 +50,19 @@ def _fused(q: torch.Tensor) -> bool:
     return all(i.key() != TransformType.Vmap for i in retrieve_all_functorch_interpreters())
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with contiguous rows: the CPU kernel reads each row's ``hd`` values in a run (a
+    cotangent of ``out.sum()`` is an expanded, stride-0 tensor)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """The formula's working dtype: at least float32 (bf16's spacing near an lse of 10 is 0.06)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
+    s = (_wide(q) * scale) @ _wide(k).transpose(-2, -1)  # (B, H, Lq, Lk), scaled first (fp16 range)
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
     return s
@@ -62,11 +80,11 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, causal, scale):
         if _fused(q):
-            o, lse = _CPU_FWD(q, k, v, 0.0, causal, scale=scale)
+            o, lse = _CPU_FWD(_rows(q), _rows(k), _rows(v), 0.0, causal, scale=scale)
             return o, lse.unsqueeze(-1)
         s = _scores(q, k, causal, scale)
-        lse = s.logsumexp(-1, keepdim=True)  # (B, H, Lq, 1)
-        return (s - lse).exp() @ v, lse
+        lse = s.logsumexp(-1, keepdim=True)  # (B, H, Lq, 1), at least float32
+        return ((s - lse).exp() @ _wide(v)).to(q.dtype), lse
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -79,11 +97,13 @@ class _BlockAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         p = (_scores(q, k, ctx.causal, ctx.scale) - lse).exp()  # (B, H, Lq, Lk)
         do = torch.zeros_like(o) if do is None else do
+        do, o = _wide(do), _wide(o)
         row = (do * o).sum(-1, keepdim=True)
         if dlse is not None:
             row = row - dlse
-        ds = p * (do @ v.transpose(-2, -1) - row)
-        return (ds @ k) * ctx.scale, (ds.transpose(-2, -1) @ q) * ctx.scale, p.transpose(-2, -1) @ do, None, None
+        ds = p * (do @ _wide(v).transpose(-2, -1) - row)
+        dq, dk = (ds @ _wide(k)) * ctx.scale, (ds.transpose(-2, -1) @ _wide(q)) * ctx.scale
+        return dq.to(q.dtype), dk.to(k.dtype), (p.transpose(-2, -1) @ do).to(v.dtype), None, None
 
     @staticmethod
     def jvp(ctx, dq, dk, dv, *_):
@@ -91,15 +111,15 @@ class _BlockAttention(torch.autograd.Function):
         p = (_scores(q, k, ctx.causal, ctx.scale) - lse).exp()
         ds = torch.zeros_like(p)
         if dq is not None:
-            ds = ds + dq @ k.transpose(-2, -1)
+            ds = ds + _wide(dq) @ _wide(k).transpose(-2, -1)
         if dk is not None:
-            ds = ds + q @ dk.transpose(-2, -1)
+            ds = ds + _wide(q) @ _wide(dk).transpose(-2, -1)
         ds = ds * ctx.scale
         dlse = (p * ds).sum(-1, keepdim=True)
-        do = (p * (ds - dlse)) @ v
+        do = (p * (ds - dlse)) @ _wide(v)
         if dv is not None:
-            do = do + p @ dv
-        return do, dlse
+            do = do + p @ _wide(dv)
+        return do.to(o.dtype), dlse.to(lse.dtype)
 
 
 def _merge(a, b):
@@ -144,8 +164,8 @@ def ring_forward(q, k, v, axis, causal, balance, scale):
         if pending is not None:
             kv = pending()
     if balance:
-        return torch.cat([acc0[0], acc1[0]], dim=2), torch.cat([acc0[1], acc1[1]], dim=2)
-    return acc
+        return torch.cat([acc0[0], acc1[0]], dim=2).to(q.dtype), torch.cat([acc0[1], acc1[1]], dim=2)
+    return acc[0].to(q.dtype), acc[1]  # the merges ran in the log-sum-exp's (at least float32) dtype
 
 
 def _balanced_step(q0, q1, k0, k1, v0, v1, earlier, acc0, acc1, scale):
@@ -168,10 +188,12 @@ def _block_grads(q, k, v, do, o, lse, causal: bool, scale: float):
     """``(dq, dk, dv)`` of one block against the final softmax (``p = exp(s - lse)``, ``o`` the
     final output): what a flash kernel's backward computes, so on CPU it is torch's."""
     if _fused(q):
-        return _CPU_BWD(do, q, k, v, o, lse.squeeze(-1), 0.0, causal, scale=scale)
-    p = (_scores(q, k, causal, scale) - lse).exp()  # (B, H, Lq, Lk), recomputed
-    ds = p * (do @ v.transpose(-2, -1) - (do * o).sum(-1, keepdim=True))
-    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ do
+        return _CPU_BWD(_rows(do), _rows(q), _rows(k), _rows(v), _rows(o), lse.squeeze(-1), 0.0, causal, scale=scale)
+    p = (_scores(q, k, causal, scale) - lse).exp()  # (B, H, Lq, Lk), recomputed, at least float32
+    wdo, wk = _wide(do), _wide(k)
+    ds = p * (wdo @ _wide(v).transpose(-2, -1) - (wdo * _wide(o)).sum(-1, keepdim=True))
+    dq, dk = (ds @ wk) * scale, (ds.transpose(-2, -1) @ _wide(q)) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), (p.transpose(-2, -1) @ wdo).to(v.dtype)
 
 
 def _masked(cond: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -189,11 +211,14 @@ def ring_backward(q, k, v, o, lse, do, ring, causal, balance, scale):
     perm = [(i, (i + 1) % n) for i in range(n)]
     kv = torch.stack([k, v])
     dkv = torch.zeros_like(kv)  # the gradient of the block held, travelling with it
+    do = _rows(do)  # a cotangent of out.sum() is stride-0: chunks and kernels need real rows
     dq = torch.zeros_like(q)
     for j in range(n):  # as in forward: the block of rank r - j
         pending = lax._permute_start_raw(kv, ax, perm) if j < n - 1 else None  # in flight during this step
         _accumulate(q, kv, do, o, lse, j, r >= j, causal, balance, scale, dq, dkv)
-        dkv = lax._permute_raw(dkv, ax, perm)  # after the last step: home, to the rank it came from
+        # After the last step: home, to the rank it came from. On gloo a group runs one transfer
+        # at a time, so the K/V in flight lands first: it overlaps the blocks, not this hop.
+        dkv = lax._permute_raw(dkv, ax, perm)
         if pending is not None:
             kv = pending.wait()
     return dq, dkv[0], dkv[1]
@@ -244,6 +269,7 @@ class RingAttention(torch.autograd.Function):
         ctx.mark_non_differentiable(output[1])
 
     @staticmethod
+    @once_differentiable  # its transfers are raw (no autograd): a second derivative would be wrong
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         grads = ring_backward(q, k, v, o, lse, do, ctx.ring, ctx.causal, ctx.balance, ctx.scale)

@@ -10,9 +10,12 @@ and a late one, which sees many, so every rank has the same ``2n c^2`` visible
 :func:`ring_attention` rotates the K/V blocks around the axis with ``fs.lax.ppermute``
 (``n - 1`` transfers of one block each, each in flight while the block before it is
 attended to: ``fs.lax.ppermute_start``) and combines each block's softmax online in
-log-sum-exp form; its backward is autograd's, through ``ppermute``'s transpose (the reverse
-ring), exact. ``kv="gather"`` gathers the whole K/V once instead (``fs.lax.all_gather``, its
-transpose a ``psum_scatter``): fewer, larger transfers, for short rings.
+log-sum-exp form. Its backward (``backward="explicit"``, ``fshard/parallel/_ring.py``) sends
+K/V round again with their gradients beside them and keeps only the rank's own ``q, k, v``,
+output and log-sum-exp; ``backward="autograd"`` differentiates the forward (through
+``ppermute``'s transpose, the reverse ring). Both are exact. ``kv="gather"`` gathers the
+whole K/V once instead (``fs.lax.all_gather``, its transpose a ``psum_scatter``): fewer,
+larger transfers, for short rings.
 
 Every function here is SPMD-clean: which blocks a rank combines is decided by tensors of its
 ``axis_index``, never by a Python branch on the rank, so the same code runs on real ranks and
@@ -40,6 +43,8 @@ _BACKWARDS = ("explicit", "autograd")
 
 
 def _check_len(what: str, seq_len: int, n: int, balance: bool, axis: Any = "cp") -> None:
+    if n == 1:  # nothing to split
+        return
     parts = 2 * n if balance else n
     if seq_len % parts:
         order = f"2 x cp = {parts} chunks (head-tail load balancing)" if balance else f"cp = {n} blocks"
@@ -134,8 +139,9 @@ def ring_attention(
       backward: with the ring, ``"explicit"`` (K/V go round again in backward with their
         gradients beside them, one block's scores recomputed at a time: each rank saves its
         own ``q, k, v``, output and log-sum-exp only) or ``"autograd"`` (the transposes of the
-        forward: every block that reached the rank is kept; also forward mode, ``jvp``).
-        Both give the same gradients.
+        forward: every block that reached the rank is kept; also forward mode, ``jvp``, and
+        ``vmap``). Both give the same gradients. The explicit one is first-order only: a second
+        derivative through it raises.
 
     Returns:
       ``(B, H, L, hd)``, this rank's rows of the attention output.

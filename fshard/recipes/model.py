@@ -105,6 +105,10 @@ class _Transformer:
     def embed(self, root: Any, tokens: Tensor) -> Tensor:
         pos = None
         if self.cp_axis is not None:  # (b, T) -> (b, T / cp), and where those tokens sit
+            if tokens.shape[1] > self.cfg.max_seq_len:
+                raise ValueError(
+                    f"embed: sequence length {tokens.shape[1]} exceeds cfg.max_seq_len={self.cfg.max_seq_len}."
+                )
             pos = cp_positions(tokens.shape[1], self.cp_axis).to(tokens.device)
             tokens = cp_shard(tokens, self.cp_axis)
         if self.tp_axis is None:
@@ -140,7 +144,10 @@ def _check_cp(cfg: TransformerConfig, cp: int) -> None:
             f"multiple of {2 * cp}, or another cp size"
         )
     if cfg.dropout > 0:
-        raise LayoutError(f"cp={cp}: ring attention has no attention dropout; set TransformerConfig.dropout=0")
+        raise LayoutError(
+            f"cp={cp}: ring attention has no attention dropout, and TransformerConfig.dropout is "
+            f"{cfg.dropout}; set it to 0, or leave cp out"
+        )
 
 
 def transformer(cfg: TransformerConfig) -> Callable[[Roles], LayeredModel]:

@@ -96,7 +96,7 @@ class Roles:
         if compute_dtype != master_dtype:
             # Gather and compute in bf16, reduce gradients in the masters' precision.
             policy = Policy(param_dtype=compute_dtype, reduce_dtype=master_dtype)
-        cp = "cp" if "cp" in axes else None
+        cp = "cp" if "cp" in axes and mesh.shape["cp"] > 1 else None  # a size-1 cp splits nothing
         return cls(mesh, shard, replicate, tp, pp, sequence_parallel, data, master_dtype, policy, remat, cp_axis=cp)
 
     @classmethod

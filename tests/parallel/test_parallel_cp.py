@@ -338,3 +338,57 @@ def test_each_transfer_is_in_flight_while_a_block_computes():
     import re
 
     assert re.fullmatch(r"(Sb+W){3}b+(Sb+W){3}b+", steps), steps
+
+
+def _sum_loss_and_formula(n):
+    """Worst difference to one process, for the gradients of ``out.sum()`` (a stride-0
+    cotangent) on the CPU kernel, and of the dense loss with every block on the formula (CUDA's
+    path); and the error a second derivative through the explicit backward raises."""
+    from fshard.parallel import _ring
+
+    mesh = fs.make_mesh({"cp": n})
+    perm, back = cp_order(T, n), torch.argsort(cp_order(T, n))
+    q, k, v, w = (t.index_select(2, perm) for t in _qkvw())
+    worst = {}
+    for backward in ("explicit", "autograd"):
+        def total(q, k, v, backward=backward):
+            return fs.lax.psum(ring_attention(q, k, v, "cp", backward=backward).sum(), "cp")
+
+        grads = fs.value_and_grad(fs.shard_map(total, mesh=mesh, in_specs=SEQ, out_specs=P()), argnums=(0, 1, 2))(
+            q, k, v)[1]
+        qr, kr, vr = (t.clone().requires_grad_() for t in _qkvw()[:3])
+        ref = torch.autograd.grad(F.scaled_dot_product_attention(qr, kr, vr, is_causal=True).sum(), (qr, kr, vr))
+        worst[("sum", backward)] = max((fs.gather(g).index_select(2, back) - r).abs().max().item()
+                                       for g, r in zip(grads, ref))
+    fused, _ring._fused = _ring._fused, lambda q: False
+    try:
+        for backward in ("explicit", "autograd"):
+            def dense(q, k, v, w, backward=backward):
+                return fs.lax.psum((ring_attention(q, k, v, "cp", backward=backward) * w).sum(), "cp")
+
+            grads = fs.value_and_grad(fs.shard_map(dense, mesh=mesh, in_specs=SEQ, out_specs=P()),
+                                      argnums=(0, 1, 2))(q, k, v, w)[1]
+            worst[("formula", backward)] = max((fs.gather(g).index_select(2, back) - r).abs().max().item()
+                                               for g, r in zip(grads, _reference(True)[1]))
+    finally:
+        _ring._fused = fused
+
+    def twice(q):
+        q = q.detach().requires_grad_()
+        (g,) = torch.autograd.grad(ring_attention(q, q, q, "cp").sum(), q, create_graph=True)
+        torch.autograd.grad(g.sum(), q)
+
+    try:
+        fs.shard_map(twice, mesh=mesh, in_specs=SEQ, out_specs=(), check=False)(q)
+        second = ""
+    except RuntimeError as e:
+        second = str(e)
+    return worst, second
+
+
+def test_stride_zero_cotangents_the_formula_path_and_no_second_derivative():
+    worst, second = run_on_ranks(_sum_loss_and_formula, 2, world_size=2)[0]
+    bad = {case: d for case, d in worst.items() if not d < 1e-12}
+    assert not bad, bad
+    # once_differentiable: the first derivative carries no graph, so a second one raises
+    assert "does not require grad" in second, second

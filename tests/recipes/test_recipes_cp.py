@@ -8,6 +8,7 @@ tests/parallel/test_parallel_cp.py; the planner's cp collectives in tests/plan/t
 from __future__ import annotations
 
 import pytest
+import torch
 
 import fshard as fs
 from fshard.models import TransformerConfig
@@ -46,3 +47,21 @@ def test_pipeline_step_seq_axes_must_not_split_rows_too():
                                              r"data axis \(data_axes=\('cp',\)\)"):
             fs.sched.pipeline_step(_stage, _loss, [{}, {}], ((), ()), schedule=schedule, mesh=mesh,
                                    data_axes="cp", seq_axes="cp")
+
+
+def test_a_module_model_is_refused_on_a_cp_mesh():
+    from fshard.models import TransformerModule
+
+    module = TransformerModule(_cfg(), dtype=torch.float64)
+    model = fs.recipes.ModuleModel(module, lambda out, tgt: out.sum(), name="toy")
+    layout = fs.parallel.Layout({"cp": 2}, batch=4, dtype="float64")
+    with fs.simulate(2):
+        with pytest.raises(fs.parallel.LayoutError, match=r"Layout.cp: .* must be fs.parallel.ring_attention over cp"):
+            fs.recipes.build_train_step(model, layout, fs.optim.sgd(0.1))
+
+
+def test_a_size_one_cp_axis_splits_nothing():
+    # an odd sequence length is fine when the cp axis has one rank
+    layout = fs.parallel.Layout({"fsdp": 1}, batch=4, dtype="float64")
+    mesh = fs.make_mesh({"cp": 1})
+    fs.recipes.build_train_step(fs.recipes.transformer(_cfg(max_seq_len=17)), layout, fs.optim.sgd(0.1), mesh=mesh)

@@ -124,7 +124,6 @@ def test_the_module_is_left_as_it_was():
 
 @pytest.mark.parametrize("mesh_text, options, says", [
     ("pp=1", {}, r"Layout.pp: the recipe does not run it for a ModuleModel 'llama' \(LlamaForCausalLM\) yet"),
-    ("cp=1", {}, r"Layout.cp: .* must be fs.parallel.ring_attention over cp"),
     ("fsdp=1", {"remat": True}, r"Layout.remat: .* gradient_checkpointing_enable"),
     ("fsdp=1", {"microbatches": 2}, r"Layout.microbatches: "),
     ("fsdp=1", {"dtype": "float32"}, r"parameters are \['float64'\] but Layout.master_dtype is 'float32'"),

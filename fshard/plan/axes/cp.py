@@ -5,8 +5,9 @@ in the planner.
 - Holds: the parameters are replicated over cp, as over dp.
 - Work: every per-token part of a layer (the split and the rest) and its saved, W-gradient
   and boundary bytes are divided by cp. The balanced ring makes attention's work equal on
-  every rank; it computes ``(2 cp + 1) / (4 cp)`` of one process's score blocks rather than
-  ``1 / cp`` (no causal skipping within a block), which this rule does not add.
+  every rank; with a flash kernel per block (the CPU's) that is ``1 / cp`` of one process's
+  causal work; with the formula (CUDA here) a rank computes ``(2 cp + 1) c^2`` scores, not the
+  ``cp c^2`` a causal kernel would (``c = T / 2 cp``), which this rule does not add.
 - Collectives: per block call, ``cp - 1`` transfers of the stacked K/V block over the ring in
   forward (each in flight while the block before it is attended to: hidden behind the
   block's forward); in backward (the explicit one) ``cp - 1`` again, hidden the same way, and
@@ -25,7 +26,7 @@ from fshard.plan.axes.base import AxisRule, Collective, Step, divisors
 from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
 
-__all__ = ["CP", "RING_BWD_KERNELS", "RING_FWD_KERNELS", "kv_dim", "ring_payload"]
+__all__ = ["CP", "RING_BWD_KERNELS", "RING_FWD_KERNELS", "ring_payload"]
 
 # Kernels one causal ring_attention call adds on a rank beyond one SDPA, as (per cp rank,
 # constant): its blocks, merges and transfers run one by one (fshard's balanced ring with the
@@ -34,18 +35,14 @@ RING_FWD_KERNELS = (46, -23)
 RING_BWD_KERNELS = (52, -16)
 
 
-def kv_dim(layer: LayerDesc, hidden: int) -> int:
-    """Width of one token's K (or V): the rows of the layer's ``wk`` (GQA), else ``hidden``."""
-    for path, shape in layer.params:
-        if path.endswith("wk.weight") and shape:
-            return shape[0]
-    return hidden
-
-
 def ring_payload(model: ModelDesc, layout: Layout, layer: LayerDesc) -> int:
-    """Bytes of one ring transfer: a microbatch's K and V blocks, ``2 x (b, T / cp, kv / tp)``."""
+    """Bytes of one ring transfer: a microbatch's K and V blocks, ``2 x (b, T / cp, D / tp)``.
+
+    At the queries' width: ``ring_attention`` takes K and V with q's heads (GQA's shared heads
+    repeated first), so a GQA model sends ``n_heads / n_kv_heads`` times its K/V projection.
+    """
     tokens = model.seq_len // layout.cp
-    width = kv_dim(layer, model.hidden) // layout.tp
+    width = model.hidden // layout.tp
     return int(2 * layout.microbatch_size * tokens * width * DTYPE_BYTES[layout.dtype])
 
 
@@ -61,7 +58,7 @@ class ContextParallel(AxisRule):
             )
 
     def sizes(self, model: ModelDesc, machine: Machine, rest: int) -> list[int]:
-        return [c for c in divisors(rest) if model.seq_len % (2 * c) == 0]
+        return [c for c in divisors(rest) if c == 1 or model.seq_len % (2 * c) == 0]
 
     def split_divisor(self, layout: Layout) -> int:
         return layout.cp
