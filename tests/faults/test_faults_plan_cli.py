@@ -61,7 +61,7 @@ def test_an_unknown_schedule_with_layout_is_refused(capsys):
     ("tp=-1", "'tp=-1': axis 'tp' has size -1; a size is an integer >= 1"),
     ("fsdp=4,tp=0", "'fsdp=4,tp=0': axis 'tp' has size 0; a size is an integer >= 1"),
     ("tp=x", "'tp=x': axis 'tp' has size 'x'; a size is an integer >= 1"),
-    ("tq=2", "'tq=2': unknown axis 'tq'; axes are pp, dp, fsdp, ep, tp"),
+    ("tq=2", "'tq=2': unknown axis 'tq'; axes are pp, dp, fsdp, cp, ep, tp"),
     ("tp=2,tp=4", "'tp=2,tp=4': axis 'tp' is given twice"),
     ("tp", "'tp': expected axis=size items separated by commas (e.g. fsdp=4,tp=2), got 'tp'"),
 ])
