@@ -3,8 +3,8 @@
 Forward: the stacked K/V block goes round the axis (``n - 1`` transfers, each in flight during
 a step's compute), each block's partial softmax ``(o, lse)`` is merged online. Differentiated
 by autograd (``backward="autograd"``), its backward follows ``ppermute``'s transpose and keeps
-every block that reached the rank. :class:`RingAttention` (``backward="ring"``) keeps only
-(``backward="explicit"``) keeps only the local ``q, k, v``, the output and its log-sum-exp,
+every block that reached the rank. :class:`RingAttention` (``backward="explicit"``) keeps
+only the local ``q, k, v``, the output and its log-sum-exp,
 and in backward sends K/V round the ring again with their gradients travelling beside them,
 recomputing one block's scores at a time (the flash-attention ring's backward): the same
 gradients, ``O(L)`` saved per rank.
@@ -95,15 +95,8 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        p = (_scores(q, k, ctx.causal, ctx.scale) - lse).exp()  # (B, H, Lq, Lk)
         do = torch.zeros_like(o) if do is None else do
-        do, o = _wide(do), _wide(o)
-        row = (do * o).sum(-1, keepdim=True)
-        if dlse is not None:
-            row = row - dlse
-        ds = p * (do @ _wide(v).transpose(-2, -1) - row)
-        dq, dk = (ds @ _wide(k)) * ctx.scale, (ds.transpose(-2, -1) @ _wide(q)) * ctx.scale
-        return dq.to(q.dtype), dk.to(k.dtype), (p.transpose(-2, -1) @ do).to(v.dtype), None, None
+        return (*_formula_grads(q, k, v, do, o, lse, ctx.causal, ctx.scale, dlse), None, None)
 
     @staticmethod
     def jvp(ctx, dq, dk, dv, *_):
@@ -189,10 +182,20 @@ def _block_grads(q, k, v, do, o, lse, causal: bool, scale: float):
     final output): what a flash kernel's backward computes, so on CPU it is torch's."""
     if _fused(q):
         return _CPU_BWD(_rows(do), _rows(q), _rows(k), _rows(v), _rows(o), lse.squeeze(-1), 0.0, causal, scale=scale)
-    p = (_scores(q, k, causal, scale) - lse).exp()  # (B, H, Lq, Lk), recomputed, at least float32
-    wdo, wk = _wide(do), _wide(k)
-    ds = p * (wdo @ _wide(v).transpose(-2, -1) - (wdo * _wide(o)).sum(-1, keepdim=True))
-    dq, dk = (ds @ wk) * scale, (ds.transpose(-2, -1) @ _wide(q)) * scale
+    return _formula_grads(q, k, v, do, o, lse, causal, scale)
+
+
+def _formula_grads(q, k, v, do, o, lse, causal: bool, scale: float, dlse=None):
+    """The softmax's transpose for one block, scores recomputed in at least float32:
+    ``ds = p * (do v^T - rowsum(do * o) + dlse)`` (``dlse``: the cotangent of the block's own
+    log-sum-exp, None against the final one)."""
+    p = (_scores(q, k, causal, scale) - lse).exp()  # (B, H, Lq, Lk)
+    wdo = _wide(do)
+    row = (wdo * _wide(o)).sum(-1, keepdim=True)
+    if dlse is not None:
+        row = row - dlse
+    ds = p * (wdo @ _wide(v).transpose(-2, -1) - row)
+    dq, dk = (ds @ _wide(k)) * scale, (ds.transpose(-2, -1) @ _wide(q)) * scale
     return dq.to(q.dtype), dk.to(k.dtype), (p.transpose(-2, -1) @ wdo).to(v.dtype)
 
 
