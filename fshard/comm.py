@@ -58,6 +58,7 @@ __all__ = [
     "all_gather",
     "reduce_scatter",
     "all_to_all",
+    "all_to_all_v",
     "permute",
     "permute_async",
     "Handle",
@@ -488,6 +489,31 @@ def all_to_all(x: torch.Tensor, group, n: int, *, axes: Sequence[str]) -> torch.
     wire, back = _stage(group, x)
     with _named(axes):
         return Handle(_F.all_to_all_single(wire, split, split, group.group_name), back, group=group).wait()
+
+
+def all_to_all_v(
+    x: torch.Tensor,
+    group,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    *,
+    axes: Sequence[str],
+    kind: str = "ragged_all_to_all",
+) -> torch.Tensor:
+    """Rows ``x[sum(send_splits[:j]):][:send_splits[j]]`` go to group rank ``j``; the rows
+    from every rank come back concatenated in group-rank order (``sum(recv_splits)`` rows).
+
+    The split sizes are this rank's host ints (per rank under ``fs.simulate``). The row
+    count differs per rank, so the contract's header is ``x[:0]`` (dtype and row shape).
+    Logged as ``kind``.
+    """
+    one_at_a_time(group)
+    _contract.enter(group, kind, x[:0], axes, n=group.size())
+    wire, back = _stage(group, x)
+    with _named(axes, kind):
+        return Handle(
+            _F.all_to_all_single(wire, list(recv_splits), list(send_splits), group.group_name), back, group=group
+        ).wait()
 
 
 def backend_of(group, device_type: str) -> str:

@@ -22,6 +22,8 @@ forward            backward
 ``pcast(to=        ``psum`` (it is ``pvary``)
 "varying")``
 ``pmax``/``pmin``  not differentiable: backward raises (detach the input)
+``ragged_all_to_   the exchange back (split sizes swapped), scatter-added to the
+all``              operand's rows; output: the cotangent, received rows zeroed
 =================  ==============================================================
 
 The autograd functions use ``setup_context``, so ``torch.func.grad``/``vjp`` of a body
@@ -63,6 +65,7 @@ __all__ = [
     "psum_scatter",
     "pswapaxes",
     "pvary",
+    "ragged_all_to_all",
 ]
 
 _MSG_OUTSIDE = (
@@ -1022,3 +1025,6 @@ def _dim(what: str, t: torch.Tensor, axis: int, ax: _Axes, arg: str, *, tiled: b
         f"fs.lax.{what} over {_axes_repr(ax.names)}: {arg}={axis} is out of range for the local value of "
         f"shape {tuple(t.shape)} ({t.dim()}-d, tiled={tiled}); it must be in [{-ndim}, {ndim}).{hint}"
     )
+
+
+from fshard._ragged import ragged_all_to_all  # noqa: E402  (it builds on the helpers above)
