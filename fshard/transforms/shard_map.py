@@ -364,30 +364,34 @@ def _vary_over_spec(body: lax.Body, x: torch.Tensor, spec: PartitionSpec) -> tor
         lax.BODY.reset(token)
 
 
-def _unproven_axes(body: lax.Body, x: torch.Tensor) -> frozenset:
-    """The axes over which ``x``'s type does not prove it replicated: those it varies over,
-    those its memory was written with in place by varying values, and those of any varying
-    value the body turned into a Python object (see :mod:`fshard.transforms.vma`)."""
+def _unproven_axes(body: lax.Body, x: torch.Tensor) -> tuple[frozenset, frozenset]:
+    """The axes over which ``x``'s type does not prove it replicated, in two sets:
+    ``(varying, escaped)``. ``varying``: those it varies over, and those its memory was
+    written with in place by varying values; its copies are then distinct values, each owed
+    1/n of the cotangent. ``escaped``: those of any varying value the body turned into a
+    Python object (see :mod:`fshard.transforms.vma`): Python could have made ``x`` differ,
+    but if the run-time check finds it identical its type is right, cotangent included (a
+    psum's result keeps the whole cotangent)."""
     axes = lax.vma(x)
     if body.written:
         key = storage_address(x)
         held = body.written.get(key) if key else None
         axes = axes | held[1] if held else axes
-    if body.escaped:
-        axes = axes.union(*body.escaped)
-    return axes
+    escaped = frozenset().union(*body.escaped) if body.escaped else frozenset()
+    return axes, escaped - axes
 
 
 def _check_promise(name: str, body: lax.Body, path: str, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     mesh = body.mesh
-    unproven = _unproven_axes(body, x)
-    extra = tuple(a for a in mesh.axis_names if a in unproven and a not in spec.axes())
+    varying, escaped = _unproven_axes(body, x)
+    extra = tuple(a for a in mesh.axis_names if a in varying | escaped and a not in spec.axes())
     if not extra:
         return x  # the types prove the promise
     group = mesh.group(extra)
     n = mesh.axis_size(extra)
     if n == 1:
         return x
+    split = tuple(a for a in extra if a in varying)
     if torch.compiler.is_compiling() or torch._guards.detect_fake_mode(x) is not None:
         where = "output" if path == "<root>" else f"outputs.{path}"
         raise ValueError(
@@ -427,4 +431,5 @@ def _check_promise(name: str, body: lax.Body, path: str, x: torch.Tensor, spec: 
             f"(max difference {diff:.6g}). Reduce it (fs.lax.psum / pmean over {extra}), or "
             f"name the axes in its out_spec."
         )
-    return _SplitCotangent.apply(x, n) if x.requires_grad else x
+    n_split = mesh.axis_size(split) if split else 1
+    return _SplitCotangent.apply(x, n_split) if x.requires_grad and n_split > 1 else x

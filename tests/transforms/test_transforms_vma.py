@@ -144,6 +144,40 @@ def test_proven_promise_needs_no_run_time_check():
     assert all(torch.equal(o.full_tensor(), torch.ones(2, dtype=torch.float64)) for o in out)
 
 
+def _escaped_then_reduced(order):
+    """A body that reads a varying value on the host (``.item()``, ``.tolist()``: a log line,
+    split sizes) and returns a psum: the run-time check verifies P(), and the gradient is the
+    program's without the read (the psum's result keeps the whole cotangent on every rank)."""
+    mesh = fs.make_mesh({"x": N})
+
+    def body(w, x, read):
+        if read:
+            x.sum().item(), x.tolist()
+        return fs.lax.psum((w * x).sum(), "x")
+
+    out = []
+    for read in (True, False):
+        w, x = torch.arange(2.0, dtype=torch.float64), torch.arange(N * 2.0, dtype=torch.float64)
+        if order == "outside":
+            sm = fs.shard_map(lambda w, x: body(w, x, read), mesh=mesh, in_specs=(P(), P("x")), out_specs=P())
+            out.append(fs.grad(sm, argnums=(0, 1))(w, x))
+        else:
+            g = fs.grad(lambda w, x: body(w, x, read), argnums=(0, 1))
+            sm = fs.shard_map(g, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P("x")))
+            out.append(tuple(t.full_tensor() if hasattr(t, "full_tensor") else t for t in sm(w, x)))
+    return out
+
+
+@pytest.mark.parametrize("order", ["outside", "inside"])
+def test_a_host_read_does_not_split_an_invariant_outputs_cotangent(order):
+    for (gw, gx), (rw, rx) in run_on_ranks(_escaped_then_reduced, order, world_size=N):
+        gw = gw.full_tensor() if hasattr(gw, "full_tensor") else gw
+        rw = rw.full_tensor() if hasattr(rw, "full_tensor") else rw
+        torch.testing.assert_close(gw, rw, rtol=0, atol=0)
+        torch.testing.assert_close(gx, rx, rtol=0, atol=0)
+        torch.testing.assert_close(gw, torch.arange(N * 2.0, dtype=torch.float64).view(N, 2).sum(0))
+
+
 def _inplace_on_a_leaf(w, x):
     mesh = fs.make_mesh({"x": N})
     step = fs.shard_map(fs.grad(lambda w, x: w.add_(x).sum()), mesh=mesh, in_specs=(P(), P("x")), out_specs=P())
