@@ -111,10 +111,13 @@ def ragged_all_to_all(
     try:
         if body.check:
             operand, output = (lax._make_varying(t, ax, names) for t in (operand, output))
-        plan = torch.stack([v.reshape(k).to(torch.int64) for v in vectors])  # (4, K)
-        table = plan.unsqueeze(0) if ax.n == 1 else lax._gather_raw(plan, ax, 0, False)  # (n, 4, K)
-        table = simulation.per_rank(_host)(table)  # the same on every rank
-        _check_plan(ax, table, operand.shape[0], output.shape[0])
+        # Each rank's four vectors and its operand's and output's row counts (they may differ
+        # per rank in eager code: a receiver's output is sized by what it receives).
+        rows = torch.tensor([operand.shape[0], output.shape[0]], dtype=torch.int64, device=input_offsets.device)
+        plan = torch.cat([v.reshape(k).to(torch.int64) for v in vectors] + [rows])  # (4K + 2,)
+        every = plan.unsqueeze(0) if ax.n == 1 else lax._gather_raw(plan, ax, 0, False)  # (n, 4K + 2)
+        table, sizes = simulation.per_rank(_host)(every, k)  # the same on every rank
+        _check_plan(ax, table, sizes)
         order = ax.u_of_g or tuple(range(ax.n))  # the axis index of each group rank
         dev = operand.device
         send_rows = simulation.per_rank(_rows)(table, ax.me, order, True, dev)
@@ -133,8 +136,10 @@ def ragged_all_to_all(
     return out
 
 
-def _host(table: torch.Tensor) -> list:
-    return table.tolist()
+def _host(every: torch.Tensor, k: int) -> tuple[list, list]:
+    """``(table [n][4][K], [(operand rows, output rows)] per rank)`` as host ints."""
+    rows = every.tolist()
+    return [[r[j * k : (j + 1) * k] for j in range(4)] for r in rows], [(r[-2], r[-1]) for r in rows]
 
 
 def _slices(table: list, me: int, order: Sequence[int], sending: bool) -> list[tuple[int, int]]:
@@ -204,10 +209,11 @@ def _check_arrays(ax: Any, operand: Any, output: Any, vectors: tuple) -> int:
     return k
 
 
-def _check_plan(ax: Any, table: list, n_rows: int, m_rows: int) -> None:
+def _check_plan(ax: Any, table: list, sizes: list) -> None:
     n, k = len(table), len(table[0][0])
     per = k // n
     for r, (io, ss, _, rs) in enumerate(table):
+        n_rows = sizes[r][0]
         for i in range(k):
             if min(io[i], ss[i], rs[i]) < 0 or io[i] + ss[i] > n_rows:
                 raise _error(
@@ -217,7 +223,7 @@ def _check_plan(ax: Any, table: list, n_rows: int, m_rows: int) -> None:
                     "sizes are >= 0 and every slice lies inside the operand.",
                 )
     for d in range(n):
-        got = []
+        got, m_rows = [], sizes[d][1]
         for s in range(n):
             for j in range(per):
                 i, mine = d * per + j, s * per + j  # slice i of s goes to d; d's recv entry for it

@@ -59,8 +59,19 @@ from fshard import lax
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh
 from fshard.mesh.spec import P, PartitionSpec
+from fshard.parallel import _dropless
 
-__all__ = ["EXPERT_TP_DIM", "Routing", "ep_rules", "ep_specs", "expert_capacity", "moe_ffn", "moe_init", "route"]
+__all__ = [
+    "EXPERT_TP_DIM",
+    "Routing",
+    "ep_rules",
+    "ep_specs",
+    "expert_capacity",
+    "moe_ffn",
+    "moe_init",
+    "route",
+    "router_losses",
+]
 
 # The dim of each stacked expert weight that tensor parallelism splits: w1 [E, H, D] by
 # hidden rows (colwise), w2 [E, D, H] by hidden columns (rowwise); dim 0 is the expert.
@@ -210,6 +221,7 @@ class Routing:
       capacity: ``C``, slots per expert and group.
       n_groups: ``G``.
       n_experts: ``E``.
+      logits: ``(N, E)`` router logits (for :func:`router_losses`).
     """
 
     gates: torch.Tensor
@@ -218,11 +230,47 @@ class Routing:
     capacity: int
     n_groups: int
     n_experts: int
+    logits: torch.Tensor | None = None
 
     @property
     def kept(self) -> torch.Tensor:
         """``(N, k)`` bool: assignments that got a slot."""
         return self.slots < self.n_groups * self.n_experts * self.capacity
+
+
+def _router(router_w: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logits (N, E), gates (N, k), experts (N, k))``: softmax router, top-k choice, and
+    the gates (top-1 probability for ``k = 1``, else the top-k renormalized)."""
+    logits = F.linear(x, router_w)
+    top_p, experts = logits.softmax(-1).topk(top_k, dim=-1)
+    gates = top_p / top_p.sum(-1, keepdim=True) if top_k > 1 else top_p
+    return logits, gates, experts
+
+
+def router_losses(logits: torch.Tensor, experts: torch.Tensor, n_groups: int = 1) -> dict[str, torch.Tensor]:
+    """The router's auxiliary losses, per dispatch group and averaged over the groups.
+
+    - ``"load_balance"`` (Switch / GShard): ``E * sum_e f_e * p_e``, with ``f_e`` the share
+      of the group's ``T * k`` assignments that chose expert ``e`` (not differentiable)
+      and ``p_e`` the group's mean router probability of ``e``; 1 when routing is uniform.
+    - ``"z_loss"`` (ST-MoE): the mean over tokens of ``logsumexp(logits) ** 2``.
+
+    Args:
+      logits: ``(N, E)`` router logits.
+      experts: ``(N, k)`` chosen experts.
+      n_groups: contiguous groups of tokens (one per data rank in the reference).
+
+    Returns:
+      ``{"load_balance": 0-d, "z_loss": 0-d}``. In a ``shard_map`` body these are this
+      rank's group's; ``pmean`` them over the data axes with the loss.
+    """
+    n, n_experts = logits.shape
+    t, k = n // n_groups, experts.shape[1]
+    probs = logits.softmax(-1).view(n_groups, t, n_experts).mean(1)  # (G, E)
+    chosen = F.one_hot(experts, n_experts).to(logits.dtype).view(n_groups, t * k, n_experts).mean(1)  # (G, E)
+    balance = (n_experts * (chosen * probs).sum(-1)).mean()
+    z = logits.logsumexp(-1).square().mean()
+    return {"load_balance": balance, "z_loss": z}
 
 
 def route(router_w: torch.Tensor, x: torch.Tensor, *, top_k: int, capacity_factor: float, n_groups: int = 1) -> Routing:
@@ -241,9 +289,7 @@ def route(router_w: torch.Tensor, x: torch.Tensor, *, top_k: int, capacity_facto
     """
     n, n_experts = x.shape[0], router_w.shape[0]
     t = n // n_groups
-    probs = F.linear(x, router_w).softmax(-1)  # (N, E)
-    top_p, experts = probs.topk(top_k, dim=-1)  # (N, k), (N, k)
-    gates = top_p / top_p.sum(-1, keepdim=True) if top_k > 1 else top_p
+    logits, gates, experts = _router(router_w, x, top_k)
     cap = expert_capacity(t, n_experts, top_k, capacity_factor)
     # Slot of each assignment = how many earlier assignments chose the same expert in its
     # group, counting choice-major (all first choices, then all second choices).
@@ -256,7 +302,7 @@ def route(router_w: torch.Tensor, x: torch.Tensor, *, top_k: int, capacity_facto
     trash = n_groups * n_experts * cap
     slots = torch.where(kept, (group * n_experts + experts) * cap + pos, torch.full_like(pos, trash))
     gates = gates * kept.to(gates.dtype)  # dropped assignments contribute (and learn) nothing
-    return Routing(gates, experts, slots, cap, n_groups, n_experts)
+    return Routing(gates, experts, slots, cap, n_groups, n_experts, logits)
 
 
 # --- the layer -------------------------------------------------------------------------------------
@@ -271,13 +317,14 @@ def moe_ffn(
     x: torch.Tensor,
     *,
     top_k: int = 2,
-    capacity_factor: float = 1.25,
+    capacity_factor: float | None = 1.25,
     ep_axis: str | None = None,
     tp_axis: str | None = None,
     n_groups: int = 1,
     activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu,
-) -> torch.Tensor:
-    """A top-k MoE FFN: route, dispatch (all_to_all over ``ep_axis``), run experts, combine.
+    return_aux: bool = False,
+) -> Any:
+    """A top-k MoE FFN: route, dispatch over ``ep_axis``, run experts, combine.
 
     With ``ep_axis=None`` and no ``tp_axis`` it is the single-process layer (all experts
     local, no communication): the reference for a distributed run, given the same groups.
@@ -289,15 +336,19 @@ def moe_ffn(
       x: ``(..., D)`` normalized tokens; the same on every ``tp_axis`` rank.
       top_k: experts per token.
       capacity_factor: slots per expert relative to an even split (see
-        :func:`expert_capacity`).
+        :func:`expert_capacity`; dispatch by ``all_to_all``), or ``None``: dropless
+        (every assignment reaches its expert, by ``ragged_all_to_all``; see
+        :mod:`fshard.parallel._dropless`).
       ep_axis: the expert-parallel axis (``None``: all experts local).
       tp_axis: the tensor-parallel axis inside each expert (optional).
-      n_groups: dispatch groups (capacity is per group); the reference for a run on
-        ``R`` data ranks passes ``R``.
+      n_groups: dispatch groups (capacity and the router losses are per group); the
+        reference for a run on ``R`` data ranks passes ``R``.
       activation: the experts' nonlinearity.
+      return_aux: also return :func:`router_losses` (this rank's group's).
 
     Returns:
-      ``(..., D)``, the same on every ``tp_axis`` rank; add it to the residual.
+      ``(..., D)``, the same on every ``tp_axis`` rank; add it to the residual. With
+      ``return_aux``: ``(output, {"load_balance": 0-d, "z_loss": 0-d})``.
 
     Raises:
       ValueError: the experts' leaves do not hold ``E / ep`` whole experts each (the leaf,
@@ -310,15 +361,45 @@ def moe_ffn(
     n, n_experts = tokens.shape[0], router_w.shape[0]
     n_ep = lax.axis_size(ep_axis) if ep_axis is not None else 1
     _check_layer(w, n_experts, n_ep, ep_axis, top_k, n, n_groups)
-
-    r = route(router_w, tokens, top_k=top_k, capacity_factor=capacity_factor, n_groups=n_groups)
-    gates = r.gates
-    if tp_axis is not None:
-        # Every tp rank runs its slice of every expert on the same tokens: the input's
-        # grad and the gates' grad are partial sums over tp ("f"); the output is one ("g").
-        tokens_e, gates = lax.pvary(tokens, tp_axis), lax.pvary(gates, tp_axis)
+    logits: torch.Tensor | None
+    if capacity_factor is None:
+        logits, gates, experts = _router(router_w, tokens, top_k)
+        tokens_e, gates = _tp_varying(tokens, gates, tp_axis)
+        out = _dropless.dropless_experts(w, tokens_e, experts, n_experts, ep_axis=ep_axis, activation=activation)
+        y = (out * gates.unsqueeze(-1)).sum(1)  # (N, k, D) -> (N, D)
     else:
-        tokens_e = tokens
+        r = route(router_w, tokens, top_k=top_k, capacity_factor=capacity_factor, n_groups=n_groups)
+        logits, experts = r.logits, r.experts
+        tokens_e, gates = _tp_varying(tokens, r.gates, tp_axis)
+        y = _capacity_dispatch(w, tokens_e, gates, r, ep_axis, activation)
+    if tp_axis is not None:
+        y = lax.psum(y, tp_axis)  # sum the experts' tp partial outputs once, after combining
+    y = y.view(shape)
+    if return_aux:
+        assert logits is not None
+        return y, router_losses(logits, experts, n_groups)
+    return y
+
+
+def _tp_varying(tokens: torch.Tensor, gates: torch.Tensor, tp_axis: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every tp rank runs its slice of every expert on the same tokens: the input's grad
+    and the gates' grad are partial sums over tp ("f"); the output is one ("g")."""
+    if tp_axis is None:
+        return tokens, gates
+    return lax.pvary(tokens, tp_axis), lax.pvary(gates, tp_axis)
+
+
+def _capacity_dispatch(
+    w: Mapping[str, torch.Tensor],
+    tokens_e: torch.Tensor,
+    gates: torch.Tensor,
+    r: Routing,
+    ep_axis: str | None,
+    activation: Callable,
+) -> torch.Tensor:
+    """Slots ``[E, G*C, D]``, all_to_all to the experts' ranks, experts, back, combine: ``(N, D)``."""
+    n, top_k = r.experts.shape
+    d, n_groups, n_experts = tokens_e.shape[-1], r.n_groups, r.n_experts
     cap, rows = r.capacity, n_groups * n_experts * r.capacity
     # Dispatch: copy each kept assignment's token into its slot; dropped ones land in the
     # trash row, cut off below. index_add's backward gathers the slots' grads per token.
@@ -333,10 +414,7 @@ def moe_ffn(
         out = lax.all_to_all(out, ep_axis, 1, 0, tiled=True)  # (E, G*C, D): back to the tokens' rank
     out = out.view(n_experts, n_groups, cap, d).transpose(0, 1).reshape(rows, d)  # (G*E*C, D)
     out = torch.cat([out, out.new_zeros(1, d)])  # the trash row reads as zeros
-    y = (out[r.slots] * gates.unsqueeze(-1)).sum(1)  # (N, k, D) -> (N, D): gate-weighted sum
-    if tp_axis is not None:
-        y = lax.psum(y, tp_axis)  # sum the experts' tp partial outputs once, after combining
-    return y.view(shape)
+    return (out[r.slots] * gates.unsqueeze(-1)).sum(1)  # (N, k, D) -> (N, D): gate-weighted sum
 
 
 def _check_layer(

@@ -1,0 +1,157 @@
+"""Dropless MoE dispatch: every assignment reaches its expert (``moe_ffn(capacity_factor=None)``).
+
+Per rank, with ``N`` tokens, ``k`` experts per token, ``E`` experts, ``R`` ranks on the ep
+axis and ``E_l = E / R`` experts per rank:
+
+1. **Sort** the ``N * k`` assignments by expert (stable: token order within an expert), and
+   count them per expert (``counts [E]``).
+2. **Sizes**: one ``all_gather`` of ``counts`` over ep gives every rank the ``[R, E]``
+   matrix, from which each rank computes its plan: what it sends to each expert's rank,
+   where it lands there (rows grouped by expert, then by source rank), what it receives.
+3. **Dispatch**: ``fs.lax.ragged_all_to_all`` of the sorted rows to the experts' ranks.
+4. **Experts**: one grouped GEMM each way over the local experts' row groups
+   (``torch._grouped_mm`` where the dtype and the row strides allow it, else one matmul
+   per expert; :func:`expert_gemms`).
+5. **Return**: ``ragged_all_to_all`` back along the transposed plan, unsort, and each
+   token sums its experts' outputs times the gates.
+
+Nothing is padded and nothing dropped; the price is host syncs (the sizes are read on the
+host by each ragged_all_to_all) and shapes that change every step. The single-process
+form (``ep_axis=None``) runs steps 1, 4 and 5 on all experts: a distributed run's rows of
+expert ``e`` are the reference's rows of ``e`` in the same order (source rank major), so
+both run the same matrices.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from fshard import lax
+
+__all__ = ["dropless_experts", "expert_gemms", "grouped_mm_fits"]
+
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_fits(x: torch.Tensor, w: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``torch._grouped_mm`` takes these rows and weights: its dtypes (float32,
+    bfloat16, float16; not float64) and rows whose byte strides are multiples of 16."""
+    if x.dtype not in _GROUPED_DTYPES or any(t.dtype != x.dtype for t in w.values()):
+        return False
+    size = x.element_size()
+    return all((t.shape[-1] * size) % 16 == 0 for t in (w["w1"], w["w2"]))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous cotangent (``_grouped_mm``'s backward
+    refuses the stride-0 one of ``out.sum()``)."""
+
+    @staticmethod
+    def forward(x):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def expert_gemms(
+    w: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    sizes: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    grouped: bool | None = None,
+) -> torch.Tensor:
+    """Each expert's FFN on its group of rows: ``act(x_j @ w1[j].T) @ w2[j].T``.
+
+    Args:
+      w: ``{"w1" [E_l, H, D], "w2" [E_l, D, H]}``.
+      x: ``(S, D)``, the rows of expert 0, then expert 1, ... (``sizes`` of them).
+      sizes: ``(E_l,)`` int rows per expert (zeros allowed).
+      grouped: ``True``: ``torch._grouped_mm`` (raises where it cannot run); ``False``: one
+        matmul per expert; ``None``: grouped where :func:`grouped_mm_fits`.
+
+    Returns:
+      ``(S, D)``, rows in ``x``'s order.
+    """
+    if grouped is None:
+        grouped = grouped_mm_fits(x, w)
+    if grouped:
+        offs = sizes.cumsum(0).to(torch.int32)
+        h = activation(torch._grouped_mm(x, w["w1"].transpose(-2, -1), offs=offs))
+        return _ContiguousGrad.apply(torch._grouped_mm(h, w["w2"].transpose(-2, -1), offs=offs))
+    outs, at = [], 0
+    for j, n in enumerate(sizes.tolist()):
+        xj = x[at : at + n]
+        outs.append(activation(xj @ w["w1"][j].T) @ w["w2"][j].T)
+        at += n
+    return torch.cat(outs) if outs else x[:0]
+
+
+def dropless_experts(
+    w: Mapping[str, torch.Tensor],
+    tokens: torch.Tensor,
+    experts: torch.Tensor,
+    n_experts: int,
+    *,
+    ep_axis: str | None,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    grouped: bool | None = None,
+) -> torch.Tensor:
+    """Every assignment's expert output, in assignment order: ``(N, k, D)``.
+
+    Args:
+      w: this rank's experts (``E / ep`` of them, see :func:`expert_gemms`).
+      tokens: ``(N, D)``.
+      experts: ``(N, k)`` int64 expert ids.
+      n_experts: ``E``.
+      ep_axis: the expert-parallel axis, or ``None`` (all experts local).
+    """
+    n, k = experts.shape
+    d = tokens.shape[-1]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # assignments by expert, token order within one
+    rows = tokens.index_select(0, order.div(k, rounding_mode="floor"))  # (N*k, D)
+    counts = torch.bincount(flat, minlength=n_experts)  # (E,)
+    if ep_axis is None:
+        out = expert_gemms(w, rows, counts, activation, grouped=grouped)
+    else:
+        plan = _Plan(lax.all_gather(counts, ep_axis), lax.axis_index(ep_axis))
+        there = rows.new_zeros(int(plan.local_sizes.sum()), d)
+        x = lax.ragged_all_to_all(rows, there, *plan.dispatch, axis_name=ep_axis)
+        y = expert_gemms(w, x, plan.local_sizes, activation, grouped=grouped)
+        out = lax.ragged_all_to_all(y, rows.new_zeros(n * k, d), *plan.combine, axis_name=ep_axis)
+    back = torch.empty_like(out).index_copy(0, order, out)  # unsort
+    return back.view(n, k, d)
+
+
+class _Plan:
+    """The two ragged_all_to_alls' vectors, from every rank's expert counts.
+
+    ``c[s, r, j]``: rows rank ``s`` sends to local expert ``j`` of rank ``r``. On a
+    receiver, rows are grouped by local expert, and within an expert by source rank.
+    """
+
+    def __init__(self, every: torch.Tensor, me: torch.Tensor) -> None:
+        n_ep, n_experts = every.shape
+        c = every.view(n_ep, n_ep, n_experts // n_ep)  # (source, receiver, local expert)
+        per_expert = c.sum(0)  # (receiver, j): rows each expert receives
+        expert_start = per_expert.cumsum(1) - per_expert  # where expert j's rows start on its rank
+        source_start = c.cumsum(0) - c  # (s, r, j): where s's rows start within expert j of r
+        land = expert_start.unsqueeze(0) + source_start  # (s, r, j): where s's slice lands on r
+        mine = every[me]  # (E,) this rank's counts
+        sent_from = every.cumsum(1) - every  # (s, E): where s's sorted rows for expert e start
+        self.local_sizes = per_expert[me]  # (E_l,)
+        # Dispatch: slice e = (r, j) of my sorted rows goes to rank r, at land[me, r, j].
+        self.dispatch = (sent_from[me], mine, land[me].reshape(-1), c[:, me, :].reshape(-1))
+        # Combine: slice (s, j) of my expert rows goes back to rank s, where it came from.
+        back_at = land[:, me, :].reshape(-1)
+        home = sent_from.view(n_ep, n_ep, -1)[:, me, :].reshape(-1)
+        self.combine = (back_at, c[:, me, :].reshape(-1), home, mine)
