@@ -8,18 +8,16 @@ optional extra splits compose with it: FSDP of the experts over a second axis
 (``efsdp``, minor to ``ep`` on dim 0, gathered with ``gather_params(axis="efsdp")``),
 and tensor parallelism inside every expert (``w1`` colwise, ``w2`` rowwise).
 
-Dispatch is **capacity-based, through** ``fs.lax.all_to_all``. Each rank routes its own
-tokens (softmax router, top-k experts per token) into a buffer of ``C`` slots per
-expert, ``[E, C, D]``; an all_to_all over ``ep`` sends each expert's slots to the rank
-that holds it; the experts run as one batched matmul on ``[E / ep, ep * C, D]``; a
-second all_to_all brings the results home, where each token sums its experts' outputs
-weighted by their gates. Why capacity-based: ``fs.lax.all_to_all`` (like
-``jax.lax.all_to_all``) exchanges equal-sized chunks, so every shape must be static.
-A dropless dispatch would need per-rank split sizes (``all_to_all_single``'s
-``input_split_sizes``), known on the host before the call: one device sync and one
-extra size exchange per layer, and a buffer shape that changes every step. An
-all-gather-based dispatch (gather every token, run local experts, ``psum_scatter``
-back) is dropless too, but moves ``ep`` times the bytes.
+Dispatch is **capacity-based, through** ``fs.lax.all_to_all``, or dropless
+(``capacity_factor=None``: :mod:`fshard.parallel._dropless`, by
+``fs.lax.ragged_all_to_all``). With capacity, each rank routes its own tokens (softmax
+router, top-k experts per token) into a buffer of ``C`` slots per expert, ``[E, C, D]``;
+an all_to_all over ``ep`` sends each expert's slots to the rank that holds it; the
+experts run as one batched matmul on ``[E / ep, ep * C, D]``; a second all_to_all brings
+the results home, where each token sums its experts' outputs weighted by their gates.
+Capacity keeps every shape static (``fs.lax.all_to_all``, like ``jax.lax.all_to_all``,
+exchanges equal chunks); the dropless dispatch reads per-rank split sizes on the host
+instead, and pads and drops nothing.
 
 Capacity per expert and dispatch group: ``C = min(T, ceil(capacity_factor * T * k / E))``
 for ``T`` tokens in the group. Assignments beyond ``C`` are dropped (the token's
