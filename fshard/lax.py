@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 import torch
 
-from fshard import _contract, comm
+from fshard import _contract, _ragged, comm
 from fshard import meta as _meta
 from fshard import tree as tree_util
 from fshard.mesh.mesh import Mesh
@@ -1027,4 +1027,119 @@ def _dim(what: str, t: torch.Tensor, axis: int, ax: _Axes, arg: str, *, tiled: b
     )
 
 
-from fshard._ragged import ragged_all_to_all  # noqa: E402  (it builds on the helpers above)
+class _AllToAllV(torch.autograd.Function):
+    """Rows to peers by per-peer counts (group-rank order); transpose: the counts swapped."""
+
+    @staticmethod
+    def forward(x, ax, send, recv):
+        return comm.all_to_all_v(x, ax.group, send, recv, axes=ax.names)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.ax, ctx.send, ctx.recv = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return _apply(_AllToAllV, g, ctx.ax, ctx.recv, ctx.send), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return _apply(_AllToAllV, t, ctx.ax, ctx.send, ctx.recv)
+
+
+def ragged_all_to_all(
+    operand: torch.Tensor,
+    output: torch.Tensor,
+    input_offsets: torch.Tensor,
+    send_sizes: torch.Tensor,
+    output_offsets: torch.Tensor,
+    recv_sizes: torch.Tensor,
+    *,
+    axis_name: str | Sequence[str],
+) -> torch.Tensor:
+    """Sends ragged slices of ``operand`` to every rank of ``axis_name`` and writes the
+    received ones into ``output`` (``jax.lax.ragged_all_to_all``).
+
+    The rule (JAX's). ``K = len(input_offsets)`` is a multiple of the axis size ``n``; with
+    ``s = K // n`` slices per peer, this rank sends ``operand[input_offsets[i]:][:send_sizes[i]]``
+    to axis index ``i // s``, which writes it at row ``output_offsets[i]`` of its own
+    ``output``. The result is ``output`` with every received slice written in; rows no slice
+    reaches keep ``output``'s values. ``recv_sizes[j]`` is the size of the slice received from
+    axis index ``j // s``: ``send_sizes`` on every rank must equal
+    ``all_to_all(recv_sizes, tiled=True)``.
+
+    Lowering. One ``all_gather`` of the four integer vectors over the axis gives every rank
+    the whole plan, so that every rank checks it the same way and a bad plan raises on every
+    rank instead of hanging the ones it does not concern. Then one ``all_to_all_single``
+    with this rank's row counts per peer (host ints: reading the plan is one device sync
+    per call, as in torchtitan's dispatch). The data path is ``index_select`` (the rows
+    sent, in peer order) -> the exchange -> ``index_copy`` into ``output``, and autograd
+    transposes it: the exchange's transpose is the exchange with the split sizes swapped,
+    ``index_select``'s is a scatter-add to the operand's rows, ``index_copy``'s gives
+    ``output`` the cotangent with the received rows zeroed. That is JAX's transpose rule
+    (a ragged_all_to_all back, and the output cotangent masked), with two differences where
+    JAX 0.10.2's rule is not the derivative of its own forward (docs/jax.md):
+
+    - input slices that overlap (a row sent to two peers): its gradient is the sum of both
+      cotangents; JAX's transpose writes them into a zero buffer, the last one wins;
+    - the output cotangent: exactly the received rows are zeroed; JAX builds the mask from
+      a cumulative sum over slice starts and ends, which is wrong where an empty slice starts
+      at another slice's start (packed offsets with an expert that receives no tokens).
+
+    Checked mode: the result varies over the axis and over whatever ``operand`` and
+    ``output`` vary over (an invariant one gets the implicit ``pvary`` first); JAX 0.10.2
+    gives it ``output``'s type, invariant for an invariant ``output``, though the values
+    differ per rank.
+
+    Args:
+      operand: ``(N, ...)`` rows to send from.
+      output: ``(M, ...)``, same dtype and row shape: the values of rows nothing is
+        written to.
+      input_offsets, send_sizes: ``(K,)`` integers: slice ``i`` of ``operand`` goes to
+        axis index ``i // (K // n)``.
+      output_offsets: ``(K,)``: where slice ``i`` is written on its receiver.
+      recv_sizes: ``(K,)``: the size of the slice received from axis index ``j // (K // n)``.
+      axis_name: a mesh axis or a tuple of axes (row-major over the tuple).
+
+    Returns:
+      ``(M, ...)``: ``output`` with the received slices written in. Differentiable in
+      ``operand`` and ``output`` (the transpose is above).
+
+    Raises:
+      ValueError: (on every rank, before any data moves) a vector that is not 1-D of one
+        length ``K`` divisible by ``n``; operand and output of different dtypes or row
+        shapes; a slice outside the operand; a send size that differs from its receiver's
+        recv size; received slices outside the output or overlapping there. The axis, the
+        ranks, the slice indices and the sizes are named.
+    """
+    body, ax = _axes("ragged_all_to_all", axis_name)
+    vectors = (input_offsets, send_sizes, output_offsets, recv_sizes)
+    k = _ragged.check_arrays(ax, operand, output, vectors)
+    names = frozenset(ax.names)
+    token, wtoken = _IN_LAX.set(True), _contract.WHAT.set("ragged_all_to_all")
+    try:
+        if body.check:
+            operand, output = (_make_varying(t, ax, names) for t in (operand, output))
+        # Each rank's four vectors and its operand's and output's row counts (they may differ
+        # per rank in eager code: a receiver's output is sized by what it receives).
+        rows = torch.tensor([operand.shape[0], output.shape[0]], dtype=torch.int64, device=input_offsets.device)
+        plan = torch.cat([v.reshape(k).to(torch.int64) for v in vectors] + [rows])  # (4K + 2,)
+        every = plan.unsqueeze(0) if ax.n == 1 else _gather_raw(plan, ax, 0, False)  # (n, 4K + 2)
+        table, sizes = simulation.per_rank(_ragged.host)(every, k)  # the same on every rank
+        _ragged.check_plan(ax, table, sizes)
+        order = ax.u_of_g or tuple(range(ax.n))  # the axis index of each group rank
+        dev = operand.device
+        send_rows = simulation.per_rank(_ragged.rows)(table, ax.me, order, True, dev)
+        recv_rows = simulation.per_rank(_ragged.rows)(table, ax.me, order, False, dev)
+        sent = operand.index_select(0, send_rows)
+        if ax.n > 1:
+            send = simulation.per_rank(_ragged.splits)(table, ax.me, order, True)
+            recv = simulation.per_rank(_ragged.splits)(table, ax.me, order, False)
+            sent = _apply(_AllToAllV, sent, ax, send, recv)
+        out = output.index_copy(0, recv_rows, sent)
+    finally:
+        _contract.WHAT.reset(wtoken)
+        _IN_LAX.reset(token)
+    if body.check:
+        set_vma(out, vma(operand) | vma(output) | names)
+    return out
