@@ -1089,7 +1089,7 @@ def ragged_all_to_all(
     Checked mode: the result varies over the axis and over whatever ``operand`` and
     ``output`` vary over (an invariant one gets the implicit ``pvary`` first); JAX 0.10.2
     gives it ``output``'s type, invariant for an invariant ``output``, though the values
-    differ per rank.
+    differ per rank, and then fails to differentiate it.
 
     Args:
       operand: ``(N, ...)`` rows to send from.

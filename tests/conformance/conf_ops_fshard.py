@@ -38,6 +38,7 @@ class FshardOps:
     pshuffle = staticmethod(fs.lax.pshuffle)
     pswapaxes = staticmethod(fs.lax.pswapaxes)
     pcast = staticmethod(fs.lax.pcast)
+    ragged_all_to_all = staticmethod(fs.lax.ragged_all_to_all)
 
     # --- transforms ---
     def shard_map(self, f: Callable, in_specs: Any, out_specs: Any, check: bool | None = None) -> Callable:

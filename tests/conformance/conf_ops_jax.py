@@ -11,6 +11,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters import mlir
+from jax._src.lax import parallel
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 _COLLECTIVE_PRIMS = {"psum", "psum_invariant", "all_gather", "all_gather_invariant", "reduce_scatter",
@@ -28,6 +30,34 @@ POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "save_collectives": _save_collectives,
 }
+
+
+def _ragged_all_to_all_on_cpu(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name, axis_index_groups):
+    """jax.lax.ragged_all_to_all's rule (its docstring's pseudocode) in all_gathers and
+    selects: XLA:CPU in jax 0.10.2 has no kernel for the primitive (the custom call fails
+    to compile). Only the forward is emulated; JAX's JVP and transpose rules run as they are."""
+    if axis_index_groups is not None:
+        raise NotImplementedError("axis_index_groups")
+    every = lambda t: jax.lax.all_gather(t, axis_name)  # noqa: E731  (n, ...): rank s's block at s
+    ops, ios, sss, oos = every(operand), every(input_offsets), every(send_sizes), every(output_offsets)
+    n, k = ios.shape
+    per, me = k // n, jax.lax.axis_index(axis_name)
+    rows = jnp.arange(output.shape[0])
+    result = output
+    for s in range(n):  # in order: a later slice overwrites an earlier one, as the rule's loop does
+        for j in range(per):
+            i = me * per + j
+            start, size, at = ios[s, i], sss[s, i], oos[s, i]
+            hit = (rows >= at) & (rows < at + size)
+            src = jnp.clip(start + rows - at, 0, operand.shape[0] - 1)
+            hit = hit.reshape(hit.shape + (1,) * (output.ndim - 1))
+            result = jnp.where(hit, ops[s][src], result)
+    return result
+
+
+mlir.register_lowering(parallel.ragged_all_to_all_p, mlir.lower_fun(_ragged_all_to_all_on_cpu, multiple_results=False),
+                       platform="cpu")
 
 
 def make_mesh(axes: dict[str, int]) -> Mesh:
@@ -56,6 +86,7 @@ class JaxOps:
     pshuffle = staticmethod(jax.lax.pshuffle)
     pswapaxes = staticmethod(jax.lax.pswapaxes)
     pcast = staticmethod(jax.lax.pcast)
+    ragged_all_to_all = staticmethod(jax.lax.ragged_all_to_all)
 
     def axis_size(self, ax) -> int:
         return math.prod(self.mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax))

@@ -27,7 +27,8 @@ MESHES: dict[str, tuple[tuple[str, int], ...]] = {
     "2x2": (("x", 2), ("y", 2)),
 }
 
-MODULES = ("conf_programs_lax", "conf_programs_patterns", "conf_programs_mixed", "conf_programs_regress")
+MODULES = ("conf_programs_lax", "conf_programs_patterns", "conf_programs_mixed", "conf_programs_regress",
+           "conf_programs_ragged")
 
 
 @dataclasses.dataclass(frozen=True)
