@@ -14,6 +14,11 @@ _NAMES = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
 _IO, _SS, _OO, _RS = range(4)
 
 
+def row_counts(operand: torch.Tensor, output: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``[operand rows, output rows]`` (int64): part of the gathered plan."""
+    return torch.tensor([operand.shape[0], output.shape[0]], dtype=torch.int64, device=device)
+
+
 def host(every: torch.Tensor, k: int) -> tuple[list, list]:
     """``(table [n][4][K], [(operand rows, output rows)] per rank)`` as host ints."""
     rows = every.tolist()

@@ -1122,7 +1122,7 @@ def ragged_all_to_all(
             operand, output = (_make_varying(t, ax, names) for t in (operand, output))
         # Each rank's four vectors and its operand's and output's row counts (they may differ
         # per rank in eager code: a receiver's output is sized by what it receives).
-        rows = torch.tensor([operand.shape[0], output.shape[0]], dtype=torch.int64, device=input_offsets.device)
+        rows = simulation.per_rank(_ragged.row_counts)(operand, output, input_offsets.device)
         plan = torch.cat([v.reshape(k).to(torch.int64) for v in vectors] + [rows])  # (4K + 2,)
         every = plan.unsqueeze(0) if ax.n == 1 else _gather_raw(plan, ax, 0, False)  # (n, 4K + 2)
         table, sizes = simulation.per_rank(_ragged.host)(every, k)  # the same on every rank

@@ -29,6 +29,7 @@ from typing import Callable, Mapping
 import torch
 
 from fshard import lax
+from fshard.runtime import simulation
 
 __all__ = ["dropless_experts", "expert_gemms", "grouped_mm_fits"]
 
@@ -124,12 +125,16 @@ def dropless_experts(
         out = expert_gemms(w, rows, counts, activation, grouped=grouped)
     else:
         plan = _Plan(lax.all_gather(counts, ep_axis), lax.axis_index(ep_axis))
-        there = rows.new_zeros(int(plan.local_sizes.sum()), d)
+        there = simulation.per_rank(_zeros)(plan.local_sizes, rows)  # rows per rank differ: one size each
         x = lax.ragged_all_to_all(rows, there, *plan.dispatch, axis_name=ep_axis)
         y = expert_gemms(w, x, plan.local_sizes, activation, grouped=grouped)
         out = lax.ragged_all_to_all(y, rows.new_zeros(n * k, d), *plan.combine, axis_name=ep_axis)
     back = torch.empty_like(out).index_copy(0, order, out)  # unsort
     return back.view(n, k, d)
+
+
+def _zeros(sizes: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return like.new_zeros(int(sizes.sum()), like.shape[-1])
 
 
 class _Plan:
@@ -146,12 +151,14 @@ class _Plan:
         expert_start = per_expert.cumsum(1) - per_expert  # where expert j's rows start on its rank
         source_start = c.cumsum(0) - c  # (s, r, j): where s's rows start within expert j of r
         land = expert_start.unsqueeze(0) + source_start  # (s, r, j): where s's slice lands on r
-        mine = every[me]  # (E,) this rank's counts
+        at = me.reshape(1)  # index_select, not [me]: no host read of a per-rank index (fs.simulate)
+        mine = every.index_select(0, at)[0]  # (E,) this rank's counts
         sent_from = every.cumsum(1) - every  # (s, E): where s's sorted rows for expert e start
-        self.local_sizes = per_expert[me]  # (E_l,)
+        self.local_sizes = per_expert.index_select(0, at)[0]  # (E_l,)
         # Dispatch: slice e = (r, j) of my sorted rows goes to rank r, at land[me, r, j].
-        self.dispatch = (sent_from[me], mine, land[me].reshape(-1), c[:, me, :].reshape(-1))
+        from_me, to_me = sent_from.index_select(0, at)[0], c.index_select(1, at)[:, 0, :].reshape(-1)
+        self.dispatch = (from_me, mine, land.index_select(0, at)[0].reshape(-1), to_me)
         # Combine: slice (s, j) of my expert rows goes back to rank s, where it came from.
-        back_at = land[:, me, :].reshape(-1)
-        home = sent_from.view(n_ep, n_ep, -1)[:, me, :].reshape(-1)
-        self.combine = (back_at, c[:, me, :].reshape(-1), home, mine)
+        back_at = land.index_select(1, at)[:, 0, :].reshape(-1)
+        home = sent_from.view(n_ep, n_ep, -1).index_select(1, at)[:, 0, :].reshape(-1)
+        self.combine = (back_at, to_me, home, mine)
