@@ -1127,19 +1127,44 @@ def ragged_all_to_all(
         every = plan.unsqueeze(0) if ax.n == 1 else _gather_raw(plan, ax, 0, False)  # (n, 4K + 2)
         table, sizes = simulation.per_rank(_ragged.host)(every, k)  # the same on every rank
         _ragged.check_plan(ax, table, sizes)
-        order = ax.u_of_g or tuple(range(ax.n))  # the axis index of each group rank
-        dev = operand.device
-        send_rows = simulation.per_rank(_ragged.rows)(table, ax.me, order, True, dev)
-        recv_rows = simulation.per_rank(_ragged.rows)(table, ax.me, order, False, dev)
-        sent = operand.index_select(0, send_rows)
-        if ax.n > 1:
-            send = simulation.per_rank(_ragged.splits)(table, ax.me, order, True)
-            recv = simulation.per_rank(_ragged.splits)(table, ax.me, order, False)
-            sent = _apply(_AllToAllV, sent, ax, send, recv)
-        out = output.index_copy(0, recv_rows, sent)
+        out = _ragged_exchange(operand, output, table, ax)
     finally:
         _contract.WHAT.reset(wtoken)
         _IN_LAX.reset(token)
     if body.check:
         set_vma(out, vma(operand) | vma(output) | names)
     return out
+
+
+def _ragged_planned(operand: torch.Tensor, output: torch.Tensor, table: list, axis_name: str | Sequence[str]):
+    """:func:`ragged_all_to_all` for a caller that holds the whole plan already:
+    ``table[u] = [input_offsets, send_sizes, output_offsets, recv_sizes]`` of axis index ``u``
+    as host ints, the same on every rank and valid by construction (the dropless MoE derives
+    it from counts every rank has gathered). No plan all_gather and no checks: one exchange."""
+    body, ax = _axes("ragged_all_to_all", axis_name)
+    names = frozenset(ax.names)
+    token, wtoken = _IN_LAX.set(True), _contract.WHAT.set("ragged_all_to_all")
+    try:
+        if body.check:
+            operand, output = (_make_varying(t, ax, names) for t in (operand, output))
+        out = _ragged_exchange(operand, output, table, ax)
+    finally:
+        _contract.WHAT.reset(wtoken)
+        _IN_LAX.reset(token)
+    if body.check:
+        set_vma(out, vma(operand) | vma(output) | names)
+    return out
+
+
+def _ragged_exchange(operand: torch.Tensor, output: torch.Tensor, table: list, ax: _Axes) -> torch.Tensor:
+    """The data path of a checked plan: the rows sent (peer order) -> the exchange -> ``output``."""
+    order = ax.u_of_g or tuple(range(ax.n))  # the axis index of each group rank
+    dev = operand.device
+    send_rows = simulation.per_rank(_ragged.rows)(table, ax.me, order, True, dev)
+    recv_rows = simulation.per_rank(_ragged.rows)(table, ax.me, order, False, dev)
+    sent = operand.index_select(0, send_rows)
+    if ax.n > 1:
+        send = simulation.per_rank(_ragged.splits)(table, ax.me, order, True)
+        recv = simulation.per_rank(_ragged.splits)(table, ax.me, order, False)
+        sent = _apply(_AllToAllV, sent, ax, send, recv)
+    return output.index_copy(0, recv_rows, sent)

@@ -6,9 +6,12 @@ axis and ``E_l = E / R`` experts per rank:
 1. **Sort** the ``N * k`` assignments by expert (stable: token order within an expert), and
    count them per expert (``counts [E]``).
 2. **Sizes**: one ``all_gather`` of ``counts`` over ep gives every rank the ``[R, E]``
-   matrix, from which each rank computes its plan: what it sends to each expert's rank,
-   where it lands there (rows grouped by expert, then by source rank), what it receives.
-3. **Dispatch**: ``fs.lax.ragged_all_to_all`` of the sorted rows to the experts' ranks.
+   matrix, from which each rank computes both exchanges' plans for every rank (host ints,
+   :func:`_tables`): what each rank sends to each expert's rank, where it lands there
+   (rows grouped by expert, then by source rank), what it receives.
+3. **Dispatch**: ``ragged_all_to_all`` of the sorted rows to the experts' ranks, handed its
+   plan (``fs.lax._ragged_planned``: the public op would all-gather and check a plan that
+   every rank already holds, valid by construction).
 4. **Experts**: one grouped GEMM each way over the local experts' row groups
    (``torch._grouped_mm`` where the dtype and the row strides allow it, else one matmul
    per expert; :func:`expert_gemms`).
@@ -16,7 +19,7 @@ axis and ``E_l = E / R`` experts per rank:
    token sums its experts' outputs times the gates.
 
 Nothing is padded and nothing dropped; the price is host syncs (the sizes are read on the
-host by each ragged_all_to_all) and shapes that change every step. The single-process
+host once per layer) and shapes that change every step. The single-process
 form (``ep_axis=None``) runs steps 1, 4 and 5 on all experts: a distributed run's rows of
 expert ``e`` are the reference's rows of ``e`` in the same order (source rank major), so
 both run the same matrices.
@@ -124,11 +127,13 @@ def dropless_experts(
     if ep_axis is None:
         out = expert_gemms(w, rows, counts, activation, grouped=grouped)
     else:
-        plan = _Plan(lax.all_gather(counts, ep_axis), lax.axis_index(ep_axis))
-        there = simulation.per_rank(_zeros)(plan.local_sizes, rows)  # rows per rank differ: one size each
-        x = lax.ragged_all_to_all(rows, there, *plan.dispatch, axis_name=ep_axis)
-        y = expert_gemms(w, x, plan.local_sizes, activation, grouped=grouped)
-        out = lax.ragged_all_to_all(y, rows.new_zeros(n * k, d), *plan.combine, axis_name=ep_axis)
+        every = lax.all_gather(counts, ep_axis)  # (ep, E): every rank's counts, the whole plan
+        local_sizes = _local_sizes(every, lax.axis_index(ep_axis))
+        dispatch, combine = simulation.per_rank(_tables)(every)  # host ints, the same on every rank
+        there = simulation.per_rank(_zeros)(local_sizes, rows)  # rows per rank differ: one size each
+        x = lax._ragged_planned(rows, there, dispatch, ep_axis)
+        y = expert_gemms(w, x, local_sizes, activation, grouped=grouped)
+        out = lax._ragged_planned(y, rows.new_zeros(n * k, d), combine, ep_axis)
     back = torch.empty_like(out).index_copy(0, order, out)  # unsort
     return back.view(n, k, d)
 
@@ -137,28 +142,48 @@ def _zeros(sizes: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return like.new_zeros(int(sizes.sum()), like.shape[-1])
 
 
-class _Plan:
-    """The two ragged_all_to_alls' vectors, from every rank's expert counts.
+def _local_sizes(every: torch.Tensor, me: torch.Tensor) -> torch.Tensor:
+    """``(E_l,)``: rows each of this rank's experts receives, from every rank's counts ``(ep, E)``
+    (``index_select``, not ``[me]``: no host read of a per-rank index under ``fs.simulate``)."""
+    n_ep, n_experts = every.shape
+    per_expert = every.view(n_ep, n_ep, n_experts // n_ep).sum(0)  # (receiver, local expert)
+    return per_expert.index_select(0, me.reshape(1))[0]
 
-    ``c[s, r, j]``: rows rank ``s`` sends to local expert ``j`` of rank ``r``. On a
-    receiver, rows are grouped by local expert, and within an expert by source rank.
+
+def _tables(every: torch.Tensor) -> tuple[list, list]:
+    """The two exchanges' plans for every rank, ``table[u] = [input_offsets, send_sizes,
+    output_offsets, recv_sizes]`` (``fs.lax.ragged_all_to_all``'s vectors, host ints), from
+    every rank's counts ``every[s][e]``: rows rank ``s`` sends to expert ``e``.
+
+    Dispatch: rank ``s``'s rows are sorted by expert; slice ``e = (r, j)`` goes to local
+    expert ``j`` of rank ``r``, where rows are grouped by local expert and, within one, by
+    source rank. Combine: the reverse, each slice back to where it came from.
     """
+    cnt = every.tolist()
+    n_ep, n_experts = len(cnt), len(cnt[0])
+    el = n_experts // n_ep
 
-    def __init__(self, every: torch.Tensor, me: torch.Tensor) -> None:
-        n_ep, n_experts = every.shape
-        c = every.view(n_ep, n_ep, n_experts // n_ep)  # (source, receiver, local expert)
-        per_expert = c.sum(0)  # (receiver, j): rows each expert receives
-        expert_start = per_expert.cumsum(1) - per_expert  # where expert j's rows start on its rank
-        source_start = c.cumsum(0) - c  # (s, r, j): where s's rows start within expert j of r
-        land = expert_start.unsqueeze(0) + source_start  # (s, r, j): where s's slice lands on r
-        at = me.reshape(1)  # index_select, not [me]: no host read of a per-rank index (fs.simulate)
-        mine = every.index_select(0, at)[0]  # (E,) this rank's counts
-        sent_from = every.cumsum(1) - every  # (s, E): where s's sorted rows for expert e start
-        self.local_sizes = per_expert.index_select(0, at)[0]  # (E_l,)
-        # Dispatch: slice e = (r, j) of my sorted rows goes to rank r, at land[me, r, j].
-        from_me, to_me = sent_from.index_select(0, at)[0], c.index_select(1, at)[:, 0, :].reshape(-1)
-        self.dispatch = (from_me, mine, land.index_select(0, at)[0].reshape(-1), to_me)
-        # Combine: slice (s, j) of my expert rows goes back to rank s, where it came from.
-        back_at = land.index_select(1, at)[:, 0, :].reshape(-1)
-        home = sent_from.view(n_ep, n_ep, -1).index_select(1, at)[:, 0, :].reshape(-1)
-        self.combine = (back_at, to_me, home, mine)
+    def c(s: int, r: int, j: int) -> int:
+        return cnt[s][r * el + j]
+
+    sent_from = [[sum(row[:e]) for e in range(n_experts)] for row in cnt]  # where s's rows for e start
+    land = [[[0] * el for _ in range(n_ep)] for _ in range(n_ep)]  # land[s][r][j]: where s's slice lands on r
+    for r in range(n_ep):
+        at = 0
+        for j in range(el):
+            for s in range(n_ep):
+                land[s][r][j], at = at, at + c(s, r, j)
+    slots = [(r, j) for r in range(n_ep) for j in range(el)]
+    dispatch = [
+        [sent_from[s], cnt[s], [land[s][r][j] for r, j in slots], [c(q, s, j) for q, j in slots]] for s in range(n_ep)
+    ]
+    combine = [
+        [
+            [land[q][r][j] for q, j in slots],
+            [c(q, r, j) for q, j in slots],
+            [sent_from[q][r * el + j] for q, j in slots],
+            cnt[r],
+        ]
+        for r in range(n_ep)
+    ]
+    return dispatch, combine
