@@ -153,10 +153,10 @@ def per_rank(n_ep: int, tokens: int, steps: int) -> dict:
     for name, (f, args) in sides.items():
         with fs.comm_log() as log:
             f(*args)
-        wire[name] = sum(log.wire.values())
+        wire[name] = dict(log.wire)  # bytes sent per kind
     # Rows to other ranks: dispatch (sent) and combine (received), each again in backward.
     native_bytes = 2 * sent_rows * D * 4
-    wire["native"] = native_bytes
+    wire["native"] = {"all_to_all_single": native_bytes}
     steps_of = {name: (lambda f=f, a=args: f(*a)) for name, (f, args) in sides.items()}
     steps_of["native"] = native
     times, _, _ = timed_rounds(steps_of, steps, warmup=2)
@@ -201,7 +201,7 @@ def main(argv=None) -> None:
         t, w = r["times"], r["wire"]
         print(f"ep={n}, {args.tokens} tokens per rank (dropless vs native differ by {r['worst']:.1e}):")
         for k in t:
-            print(f"  {k:>14}: {t[k] * 1e3:7.1f} ms  {t[k] / t['native']:.2f} x native  {w[k] / 2**20:6.2f} MiB sent")
+            print(f"  {k:>14}: {t[k] * 1e3:7.1f} ms  {t[k] / t['native']:.2f} x native  {sum(w[k].values()) / 2**20:6.2f} MiB sent")
         print(f"    {r['limit'].line(t)}")
     print(f"load {os.getloadavg()[0]:.1f}")
 
