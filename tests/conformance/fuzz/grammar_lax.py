@@ -8,6 +8,8 @@ of axes keeps mesh order (JAX numbers ``perm`` in mesh order otherwise: a docs/j
 "not the oracle" row, not fuzzed), and so does ``pshuffle`` (a ``ppermute``). ``all_gather``
 draws ``to="invarying"`` too; ``pswapaxes`` a non-negative axis; ``pbroadcast`` runs in JAX
 as its documented equivalent (JAX 0.10.2 has no CPU lowering for it, see ops_src.py).
+``ragged_all_to_all`` draws a per-rank plan (a constant table indexed by ``axis_index``);
+JAX runs it on the CPU lowering of ``conf_ops_jax.py`` (its docstring's rule).
 """
 
 from __future__ import annotations
@@ -148,5 +150,46 @@ def _pbroadcast(ctx: Ctx) -> bool:
     return True
 
 
+def _ragged_plan(rng, n: int, per: int, rows: int) -> list:
+    """``table[u] = [input_offsets, send_sizes, output_offsets, recv_sizes]`` for axis index
+    ``u``: ``K = n * per`` slices of at most ``rows // K`` rows each, packed with random gaps
+    on both sides (sent and received totals fit ``rows``), empty slices written at the output's
+    end: JAX 0.10.2's transpose is wrong for an empty slice at another's start, and for
+    overlapping input slices (docs/jax.md "not the oracle"); neither is fuzzed."""
+    k = n * per
+    size = [[rng.randrange(rows // k + 1) for _ in range(k)] for _ in range(n)]
+    table = [[[0] * k for _ in range(4)] for _ in range(n)]
+    for s in range(n):
+        at, room = 0, rows - sum(size[s])
+        for i in range(k):
+            gap = rng.randrange(room + 1) if room and rng.random() < 0.3 else 0
+            at, room = at + gap, room - gap
+            table[s][0][i], table[s][1][i], at = at, size[s][i], at + size[s][i]
+    for d in range(n):
+        got = [(s, j) for s in range(n) for j in range(per)]
+        at, room = 0, rows - sum(size[s][d * per + j] for s, j in got)
+        for s, j in got:
+            z = size[s][d * per + j]
+            gap = rng.randrange(room + 1) if room and rng.random() < 0.3 else 0
+            at, room = at + gap, room - gap
+            table[s][2][d * per + j] = at if z else rows
+            table[d][3][s * per + j], at = z, at + z
+    return table
+
+
+def _ragged_all_to_all(ctx: Ctx) -> bool:
+    # An operand varying over the axes (no implicit pvary: JAX types the result like
+    # ``output``, and an invariant one is a "not the oracle" row); output = operand * 0.5.
+    a = ctx.float_of(pred=lambda v: len(v.shape) >= 1 and bool(v.vma))
+    v = ctx.vals[a]
+    axes = ctx.axes_choice(v.vma, mesh_order=True)
+    if not set(_ax(axes)) <= v.vma:
+        return False
+    n, per = ctx.size(axes), ctx.rng.choice([1, 1, 2])
+    table = _ragged_plan(ctx.rng, n, per, v.shape[0])
+    ctx.add("ragged_all_to_all", [a], {"axes": axes, "table": table}, "f", v.shape, v.vma)
+    return True
+
+
 LAX_RULES = [(_reduce, 4), (_pvary, 1), (_all_gather, 2), (_psum_scatter, 1), (_ppermute, 1),
-             (_all_to_all, 1), (_pshuffle, 1), (_pswapaxes, 1), (_pbroadcast, 1)]
+             (_all_to_all, 1), (_pshuffle, 1), (_pswapaxes, 1), (_pbroadcast, 1), (_ragged_all_to_all, 1)]

@@ -39,6 +39,8 @@ class Runner:
         import jax
 
         jax.config.update("jax_enable_x64", True)
+        import conf_ops_jax  # noqa: F401  (registers ragged_all_to_all's CPU lowering)
+
         self.jax = jax
         self.meshes: dict = {}
 

@@ -89,6 +89,17 @@ def _pbroadcast(fw, out, args, attrs):
     return f"{out} = fs.lax.pbroadcast({args[0]}, {ax}, {s})"
 
 
+def _ragged_all_to_all(fw, out, args, attrs):
+    ax, a = axes_src(attrs["axes"]), args[0]
+    if fw == "jax":
+        plan, call = f"jnp.asarray({attrs['table']!r})[jax.lax.axis_index({ax})]", "jax.lax.ragged_all_to_all"
+    else:
+        plan, call = f"torch.tensor({attrs['table']!r})[fs.lax.axis_index({ax})]", "fs.lax.ragged_all_to_all"
+    return (f"{out}_plan = {plan}\n"
+            f"{out} = {call}({a}, {a} * 0.5, {out}_plan[0], {out}_plan[1], {out}_plan[2], {out}_plan[3], "
+            f"axis_name={ax})")
+
+
 OPS: dict[str, Callable] = {
     "bin": _bin,
     "unary": _unary,
@@ -121,4 +132,5 @@ OPS: dict[str, Callable] = {
     "psum_scatter": _collective("psum_scatter", lambda a: f", scatter_dimension={a['dim']}, tiled={a['tiled']}"),
     "ppermute": _collective("ppermute", lambda a: f", perm={[tuple(p) for p in a['perm']]!r}"),
     "all_to_all": _collective("all_to_all", lambda a: f", {a['split']}, {a['concat']}, tiled={a['tiled']}"),
+    "ragged_all_to_all": _ragged_all_to_all,
 }
