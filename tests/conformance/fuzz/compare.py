@@ -80,20 +80,9 @@ def _only_jax_raises(prog: dict, jax_rec: dict, fs_rec: dict) -> Verdict:
     if prog["check"] and (labels.is_promise_refusal(err) or labels.promise_unproven(prog)) and twin is not None:
         if twin["status"] == "ok" and not leaf_mismatches(fs_rec["value"], twin["value"]):
             return Verdict("label", labels.PROMISE)
-        scale = labels.promise_scale(prog)
-        if twin["status"] == "ok" and scale not in (None, (1.0, 1.0)) and _scaled_agree(fs_rec, twin, scale):
-            return Verdict("label", labels.PROMISE)
         why = twin.get("error") or "\n".join(leaf_mismatches(fs_rec["value"], twin["value"]))
         return Verdict("mismatch", "promise: fshard differs from jax's unchecked twin", why[:1500])
     return Verdict("mismatch", f"jax refuses ({short(err)}), fshard accepts", f"JAX: {err[:1200]}")
-
-
-def _scaled_agree(fs_rec: dict, twin: dict, scale: tuple[float, float]) -> bool:
-    got, want = fs_rec["value"], twin["value"]
-    if set(got) != set(want):
-        return False
-    return not leaf_mismatches(got.get("value"), want.get("value"), scale=scale[0]) and \
-        not leaf_mismatches(got.get("grads"), want.get("grads"), scale=scale[1])
 
 
 def short(err: str) -> str:

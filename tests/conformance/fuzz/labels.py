@@ -6,9 +6,7 @@ differs is a mismatch.
 
 - ``Replication promised by out_specs (checked mode)``: JAX refused a checked program
   statically for an out_spec its types do not prove, fshard ran it (the values were
-  identical), and fshard's values and gradients equal JAX's unchecked twin's (its gradients
-  times the sizes of the left-out axes the outputs are typed invariant over, which the
-  twin's unchecked mode divides by: ``promise_scale``).
+  identical), and fshard's values and gradients equal JAX's unchecked twin's.
 - The six ``Unchecked mode: ...`` rows: an unchecked program whose values agree with JAX
   but whose gradients do not (or whose ranks disagree on gradients only), and which has
   the feature the row is about (first matching row wins).
@@ -141,27 +139,6 @@ def promise_unproven(prog: dict) -> bool:
         if any(a not in named for a in vma.get(o, ())):
             return True
     return False
-
-
-def promise_scale(prog: dict) -> tuple[float, float] | None:
-    """How much larger fshard's gradients are than JAX's unchecked twin's on a refused
-    checked program, when that is one number: JAX's unchecked mode divides each output's
-    cotangent by the size of every axis its out_spec leaves out; fshard's checked mode only
-    by those its type varies over (the rest are proven replicated: "Unchecked mode:
-    replicated outputs"). One factor ``s`` for all outputs and gradients outside: returns
-    ``(value's factor, gradients' factor)``: ``(1, s)``, or ``(s**2, s**2)`` for the gradient
-    of the gradients' squared norm (``nested_outside``); else None."""
-    mode = prog["grad"]["mode"]
-    if mode not in ("outside", "nested_outside"):
-        return None
-    vma, factors = prog.get("out_vma", {}), set()
-    for o, spec in prog["outputs"]:
-        named = {a for e in spec if e for a in ([e] if isinstance(e, str) else e)}
-        factors.add(_size(prog, [a for a, _ in prog["mesh"] if a not in named and a not in vma.get(o, ())]))
-    if len(factors) != 1:
-        return None
-    f = float(factors.pop())
-    return (1.0, f) if mode == "outside" else (f * f, f * f)
 
 
 def is_promise_refusal(err: str) -> bool:
