@@ -1083,8 +1083,10 @@ def ragged_all_to_all(
     - input slices that overlap (a row sent to two peers): its gradient is the sum of both
       cotangents; JAX's transpose writes them into a zero buffer, the last one wins;
     - the output cotangent: exactly the received rows are zeroed; JAX builds the mask from
-      a cumulative sum over slice starts and ends, which is wrong where an empty slice starts
-      at another slice's start (packed offsets with an expert that receives no tokens).
+      a cumulative sum of +1 set at slice starts (duplicates collapse) and -1 added at slice
+      ends (duplicates add up), which is wrong wherever an empty slice lies inside the output
+      at the start of another slice or at another empty slice's offset (packed offsets with
+      an expert that receives no tokens); only empty slices at offset ``M`` are safe.
 
     Checked mode: the result varies over the axis and over whatever ``operand`` and
     ``output`` vary over (an invariant one gets the implicit ``pvary`` first); JAX 0.10.2

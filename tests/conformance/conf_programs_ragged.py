@@ -18,7 +18,9 @@ with an oracle that computes the same function in a form JAX differentiates corr
 
 - ``empty_at_a_start``: an empty slice written where another slice starts (packed
   offsets, an expert that gets no tokens): JAX's output-cotangent mask (a cumulative sum
-  of +1 at starts, -1 at ends) cancels, and the received rows keep their cotangent. Oracle:
+  of +1 set at starts, duplicates collapsing, and -1 added at ends, duplicates adding up)
+  goes wrong wherever an in-range empty slice shares an offset with another slice, and the
+  received rows keep their cotangent. Only empty slices at offset ``M`` are safe. Oracle:
   the empty slices' offsets moved to the end of the output (``where(send_sizes == 0, M,
   output_offsets)``), the same values.
 - ``overlapping_inputs``: input slices that share rows: JAX's operand transpose writes the

@@ -154,8 +154,9 @@ def _ragged_plan(rng, n: int, per: int, rows: int) -> list:
     """``table[u] = [input_offsets, send_sizes, output_offsets, recv_sizes]`` for axis index
     ``u``: ``K = n * per`` slices of at most ``rows // K`` rows each, packed with random gaps
     on both sides (sent and received totals fit ``rows``), empty slices written at the output's
-    end: JAX 0.10.2's transpose is wrong for an empty slice at another's start, and for
-    overlapping input slices (docs/jax.md "not the oracle"); neither is fuzzed."""
+    end (offset ``rows``), input slices disjoint: JAX 0.10.2's transpose is wrong for an
+    in-range empty slice that shares an offset with another slice, and for overlapping input
+    slices (docs/jax.md "not the oracle"); neither is fuzzed."""
     k = n * per
     size = [[rng.randrange(rows // k + 1) for _ in range(k)] for _ in range(n)]
     table = [[[0] * k for _ in range(4)] for _ in range(n)]
