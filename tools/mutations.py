@@ -119,6 +119,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{FSDP}::test_hsdp_2x2",),
         "HSDP gradients are not summed over the replicate axis"),
     Mutation(
+        "split_leaf_summed_over_its_axis", "fshard/parallel/groups.py",
+        "tuple(a for a in big if a not in _spec_axes(x))", "tuple(a for a in big)",
+        ("tests/parallel/test_parallel_groups.py::test_leaf_split_over_a_replicate_axis_is_not_summed_over_it",),
+        "a leaf split over a replicate axis (an expert on ep) has its blocks' gradients summed over it"),
+    Mutation(
         "accumulation_sync_drops_accumulated", "fshard/parallel/groups.py",
         "                flat = flat + prev\n        # At most one", "                flat = flat\n        # At most one",
         (f"{SCEN}::test_scenario14_fsdp_accumulation_reduces_once",),

@@ -43,6 +43,7 @@ from fshard import comm, lax
 from fshard.parallel import flat as layout
 from fshard.parallel.flat import GroupLayout
 from fshard.transforms.policy import Policy
+from fshard.transforms.shard_map import input_spec
 
 __all__ = ["GroupLayout", "Groups"]
 
@@ -75,6 +76,10 @@ class Groups:
       groups: list of lists of local leaves (one list per group).
       shard_axes: mesh axes the leaves are sharded over (FSDP); ``()`` for DDP.
       replicate_axes: mesh axes gradients are all-reduced over (DDP/HSDP); ``()`` for FSDP.
+        A leaf whose spec splits it over one of them (an expert split over ``ep``, with the
+        dense leaves replicated over ``ep``) is not summed over that axis: its blocks are
+        different tensors, and whatever sums its gradient over that axis lives in the body
+        (the expert dispatch's transpose). The rule is read from each leaf's spec.
       dims: per group, the sharded dim of each leaf.
       policy: mixed precision.
       post_axes: a proper sub-group of ``shard_axes`` to keep the gathered parameters
@@ -100,6 +105,9 @@ class Groups:
     _sgroup: Any = attrs.field(init=False)
     _rgroup: Any = attrs.field(init=False)
     _rn: int = attrs.field(init=False)
+    _raxes: tuple[str, ...] = attrs.field(init=False)
+    _extra: list[list[tuple[tuple[str, ...], list[tuple[int, int]]]]] = attrs.field(init=False)
+    _mesh: Any = attrs.field(init=False)
     _pgroup: Any = attrs.field(init=False, default=None)
     _pk: int = attrs.field(init=False, default=1)
     _pidx: int = attrs.field(init=False, default=0)
@@ -124,15 +132,17 @@ class Groups:
         # Stage offloaded shards in pinned memory only where that buys an async copy.
         self._pin = self.offload and self.device.type == "cuda"
         self.n = mesh.axis_size(self.shard_axes) if self.shard_axes else 1
-        self._rn = mesh.axis_size(self.replicate_axes) if self.replicate_axes else 1
+        self._mesh = mesh
+        self.layouts = [layout.layout(g, self.n, d, self.shard_axes, mesh) for g, d in zip(self.groups, self.dims)]
+        self._raxes, self._extra = _replica_sets(self.groups, self.layouts, self.replicate_axes, mesh)
+        self._rn = mesh.axis_size(self._raxes) if self._raxes else 1
         self._sgroup = mesh.group(self.shard_axes) if self.n > 1 else None
-        self._rgroup = mesh.group(self.replicate_axes) if self._rn > 1 else None
+        self._rgroup = mesh.group(self._raxes) if self._rn > 1 else None
         if self.post_axes:
             self._pk = mesh.axis_size(self.post_axes)
             self._pgroup = mesh.group(self.post_axes)
             # mesh.group orders its ranks by the mesh order of the axes: index likewise.
             self._pidx = mesh.axis_index(mesh.sub_axes_in_mesh_order(self.post_axes))
-        self.layouts = [layout.layout(g, self.n, d, self.shard_axes, mesh) for g, d in zip(self.groups, self.dims)]
         _claim(body.owners, self.groups)
 
     def _check_devices(self, mesh) -> None:
@@ -295,7 +305,7 @@ class Groups:
         # part may be a view of a gradient autograd handed out: reduce that into a new one.
         ours = len(parts) > 1
         buf = torch.cat(parts) if ours else parts[0]
-        handle = _Shared(comm.all_reduce_async(buf, self._rgroup, axes=self.replicate_axes, inplace=ours))
+        handle = _Shared(comm.all_reduce_async(buf, self._rgroup, axes=self._raxes, inplace=ours))
         off = 0
         for i, ps in self._bucket:
             numel = sum(p.numel() for p in ps)
@@ -351,11 +361,62 @@ class Groups:
                 if prev is not None:
                     flat = flat + prev
             if self._rn > 1:  # HSDP: reduce-scatter over the shard axis, then all-reduce over replicas
-                flat = comm.all_reduce(flat, self._rgroup, "sum", axes=self.replicate_axes)
+                flat = comm.all_reduce(flat, self._rgroup, "sum", axes=self._raxes)
         elif ar is not None:
             shared, off, numel = ar
             flat = shared.result()[off : off + numel]
+        return self._reduce_extra(i, flat)
+
+    def _reduce_extra(self, i: int, flat: torch.Tensor) -> torch.Tensor:
+        """Sums the leaves replicated over more axes than every leaf shares over those
+        (the all-reduce above covered the shared ones): one all-reduce per distinct set."""
+        if not self._extra[i]:
+            return flat
+        flat = flat.clone()  # may be a view of a gradient autograd handed out
+        for axes, segments in self._extra[i]:
+            part = torch.cat([flat[o : o + k] for o, k in segments])
+            part = comm.all_reduce(part, self._mesh.group(axes), "sum", axes=axes)
+            at = 0
+            for o, k in segments:
+                flat[o : o + k].copy_(part[at : at + k])
+                at += k
         return flat
+
+
+def _replica_sets(
+    groups: list[list[torch.Tensor]], layouts: list[GroupLayout], replicate_axes: tuple[str, ...], mesh: Any
+) -> tuple[tuple[str, ...], list[list[tuple[tuple[str, ...], list[tuple[int, int]]]]]]:
+    """The replicate axes every leaf is summed over, and per group the rest.
+
+    A leaf is summed over the replicate axes of size > 1 its spec does not split it over.
+    Returns the axes all leaves share (one all-reduce of each whole flat buffer, bucketed
+    as before) and, per group, ``[(more axes, [(offset, numel) of each leaf's segment in
+    the reduced flat shard]), ...]`` for the leaves that need more.
+    """
+    big = tuple(a for a in replicate_axes if mesh.shape[a] > 1)
+    per_leaf = [[tuple(a for a in big if a not in _spec_axes(x)) for x in g] for g in groups]
+    every = [s for g in per_leaf for s in g]
+    shared = tuple(a for a in big if all(a in s for s in every))
+    if len(shared) == len(big):  # the usual case: one all-reduce over replicate_axes as given
+        return replicate_axes, [[] for _ in groups]
+    extra = []
+    for sets, lay in zip(per_leaf, layouts):
+        by_axes: dict[tuple[str, ...], list[tuple[int, int]]] = {}
+        off = 0
+        for s, size in zip(sets, lay.sizes):
+            more = tuple(a for a in s if a not in shared)
+            if more:
+                by_axes.setdefault(more, []).append((off, size))
+            off += size
+        extra.append(list(by_axes.items()))
+    return shared, extra
+
+
+def _spec_axes(x: torch.Tensor) -> set[str]:
+    spec = input_spec(x)
+    if spec is None:
+        return set()
+    return {a for d in range(len(spec)) for a in spec.dim_axes(d)}
 
 
 def _wait_host_copies(device: torch.device) -> None:
