@@ -5,13 +5,15 @@ One process (CPU or one GPU), about half a minute on two CPU cores::
     python examples/train_lm.py
 
 Several processes: one flag for the layout, axes pp (pipeline), dp (replicate), fsdp
-(shard), cp (context: sequences split) and tp (tensor), any product equal to the ranks::
+(shard), cp (context: sequences split), ep (experts, with --moe) and tp (tensor), any product
+equal to the ranks::
 
     torchrun --nproc-per-node 4 examples/train_lm.py                      # fsdp=4
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh dp=2,fsdp=2   # HSDP
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh fsdp=2,tp=2   # FSDP x Megatron TP
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh pp=2,fsdp=2   # 1F1B pipeline x FSDP
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh pp=2,tp=2 --schedule zbv --layers 4
+    torchrun --nproc-per-node 4 examples/train_lm.py --mesh ep=2,fsdp=2 --moe 4  # dropless experts
     python examples/train_lm.py --simulate 4 --mesh dp=2,fsdp=2        # 4 ranks in one process
 
 ``--jit`` compiles the whole step (forward, backward, clipping, AdamW, collectives) with
@@ -30,7 +32,6 @@ checkpoint written on one mesh resumes exactly on any other.
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -39,21 +40,21 @@ import torch
 import torch.distributed as dist
 
 import fshard as fs
-from fshard.models import TransformerConfig, generate, transformer_init
-from fshard.parallel.layout import Layout, LayoutError
+from fshard.models import TransformerConfig, generate
+from fshard.parallel.layout import Layout
 from fshard.recipes import Injection, planning
 from fshard.recipes.data import CharCorpus, Corpus, padded_vocab  # noqa: F401 (CharCorpus: callers use train_lm.CharCorpus)
 from fshard.recipes.metrics import mfu_for
 from fshard.recipes.pipeline import gather_full
 from fshard.recipes.sinks import Logs
-from fshard.recipes.trainer import ConfigError, TrainConfig, train
+from fshard.recipes.trainer import ConfigError, TrainConfig, train  # noqa: F401 (callers: train_lm.ConfigError)
 from fshard.sched.registry import resolve_name
 
 DATA = Path(__file__).resolve().parent / "data" / "kjv_shakespeare.txt"
 
 # Mesh axes, outermost first. The order is fixed whatever order --mesh names them in:
 # the innermost axes get the closest ranks (same host, NVLink), where traffic is highest.
-AXES = ("pp", "dp", "fsdp", "cp", "tp")
+AXES = ("pp", "dp", "fsdp", "cp", "ep", "tp")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -68,7 +69,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=fs.recipes.cli.HelpFormatter)
     run = p.add_argument_group("layout")
-    run.add_argument("--mesh", default=None, help="axis=size,... over all ranks, axes pp, dp, fsdp, cp, tp; e.g. "
+    run.add_argument("--mesh", default=None, help="axis=size,... over all ranks, axes pp, dp, fsdp, cp, ep, tp; e.g. "
                      "dp=2,fsdp=2; 'auto': the planner (fs.plan) picks the layout (default: every rank on fsdp)")
     run.add_argument("--simulate", type=int, default=None, metavar="N", help="run N ranks in this one process "
                      "(fs.simulate): the same loss curve as `torchrun --nproc-per-node N`")
@@ -105,6 +106,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     model.add_argument("--layers", type=int, default=2, help="blocks; a pipeline needs one per stage at least: "
                        "zbv, dualpipev and interleaved on pp=2 need 4")
     model.add_argument("--heads", type=int, default=4, help="attention heads (with tp: a multiple of tp)")
+    model.add_argument("--moe", type=int, default=None, metavar="N", help="each block's MLP as N dropless "
+                       "experts, top-2 (fs.recipes.MoE), split over an ep axis if the mesh has one")
     fs.recipes.data.add_flags(p, DATA)  # --data, --tokenizer, --val-fraction, --vocab-size
     io = p.add_argument_group("input and output")
     io.add_argument("--sample-chars", type=int, default=300, help="characters to generate at the end (0: none)")
@@ -118,6 +121,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--simulate N needs N >= 1, and neither --mesh auto (it measures real links) nor --jit")
     if args.fused_optimizer and (args.jit or args.simulate is not None):  # both run fs.optim's chain instead
         p.error("--fused-optimizer steps eagerly on torch's fused AdamW; --jit and --simulate run the chain: drop one")
+    if args.moe and (args.jit or args.mesh == "auto"):  # split sizes read on the host; no EP pricing yet
+        p.error("--moe runs eagerly on a given --mesh: --jit cannot hold its host sync, --mesh auto does not price ep")
     try:
         resolve_name(args.schedule)
     except ValueError as e:
@@ -126,26 +131,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.inject_nonfinite = Injection.parse(args.inject_nonfinite)
     except ValueError as e:
         p.error(f"--inject-nonfinite: {e}")
-    for flag in ("steps", "batch_size", "seq_len", "microbatches", "virtual", "dim", "layers", "heads"):
+    for flag in ("steps", "batch_size", "seq_len", "microbatches", "virtual", "dim", "layers", "heads", "moe"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     return args
 
 
 def parse_mesh(text: str | None, world_size: int) -> dict[str, int]:
-    """``"dp=2,fsdp=2"`` -> ``{"dp": 2, "fsdp": 2}`` in :data:`AXES` order; a ConfigError for bad
-    syntax, an unknown or repeated axis, or sizes whose product is not the world size."""
-    if not text:
-        return {"fsdp": world_size}
-    try:
-        shape = fs.parallel.layout.parse_mesh(text, AXES)
-    except LayoutError as e:
-        raise ConfigError(f"--mesh {e}") from None
-    if math.prod(shape.values()) != world_size:
-        n = math.prod(shape.values())
-        raise ConfigError(f"--mesh {text}: the sizes multiply to {n}, but {world_size} rank(s) run this; "
-                          f"launch {n} with `torchrun --nproc-per-node {n} examples/train_lm.py --mesh {text}`")
-    return shape
+    """``"dp=2,fsdp=2"`` -> ``{"dp": 2, "fsdp": 2}`` in :data:`AXES` order (``fs.recipes.cli.mesh_flag``)."""
+    return fs.recipes.cli.mesh_flag(text, world_size, AXES, "examples/train_lm.py")
 
 
 def lr_schedule(args: argparse.Namespace) -> fs.optim.Schedule:
@@ -213,16 +207,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     cfg = model_config(args, corpus)
     microbatches = args.microbatches or (2 * mesh.shape["pp"] if "pp" in mesh.shape else 1)
     layout = plan_layout(args, dict(mesh.shape), microbatches)
-    with torch.device("meta"):
-        n_params = sum(x.numel() for x in fs.tree.leaves(transformer_init(cfg, 0)))
+    moe = fs.recipes.MoE(args.moe) if args.moe else None
+    n_params = fs.recipes.model.count_params(cfg, moe)
     say(f"mesh {dict(mesh.shape)} on {world} rank(s), {args.dtype}; {n_params:,} parameters; "
         f"{corpus.describe()}")
     logs = Logs.from_flags(args, enabled=rank0)  # --log-json, --tensorboard, --plot: rank 0 writes
-    mfu, mfu_line = mfu_for(cfg, args.seq_len, args.dtype, args.machine, world)
+    mfu, mfu_line = mfu_for(cfg, args.seq_len, args.dtype, args.machine, world, moe)
     say(mfu_line)  # against the machine file's peak, or how to get one (no calibration here)
     val_at = (lambda i: corpus.batch(i, args.batch_size, args.seq_len, args.seed, split="val")) \
         if args.val_every else None
-    result = train(fs.recipes.transformer(cfg), layout, make_optimizer(args),
+    result = train(fs.recipes.transformer(cfg, moe), layout, make_optimizer(args),
                    fs.recipes.data.batches_from_args(corpus, args, layout, mesh), config, mesh=mesh,
                    meta=attrs.asdict(cfg), lr_at=lr_schedule(args), inject=args.inject_nonfinite, say=say,
                    val_batch_at=val_at, logs=logs, mfu=mfu)
@@ -237,7 +231,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if records:
         say(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over steps "
             f"{records[0]['step']}-{records[-1]['step']}")
-    if args.sample_chars and not args.quiet and corpus.tokenizer is not None:  # shards may have no decoder
+    if args.sample_chars and not args.quiet and corpus.tokenizer is not None and not moe:  # generate(): dense
         full = gather_full(result.params, result.composed.pipe)  # collective: every rank takes part, rank 0 samples
         if rank0:
             ids = generate(full, cfg, corpus.encode(args.prompt), args.sample_chars, seed=args.seed,

@@ -121,7 +121,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "split_leaf_summed_over_its_axis", "fshard/parallel/groups.py",
         "tuple(a for a in big if a not in _spec_axes(x))", "tuple(a for a in big)",
-        ("tests/parallel/test_parallel_groups.py::test_leaf_split_over_a_replicate_axis_is_not_summed_over_it",),
+        ("tests/parallel/test_parallel_groups.py::test_leaf_split_over_a_replicate_axis_is_not_summed_over_it",
+         "tests/recipes/test_recipes_step.py::test_the_moe_transformer_on_ep_layouts_gives_the_one_process_losses_and_params"),
         "a leaf split over a replicate axis (an expert on ep) has its blocks' gradients summed over it"),
     Mutation(
         "accumulation_sync_drops_accumulated", "fshard/parallel/groups.py",

@@ -319,6 +319,7 @@ def block(
     *,
     training: bool = False,
     attend: Attend | None = None,
+    ffn: Callable[[Params, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One pre-norm block: ``x + attention(norm(x))``, then ``x + feed_forward(norm(x))``.
 
@@ -328,16 +329,18 @@ def block(
       cfg: the model's config.
       training: apply dropout.
       attend: as in :func:`attention`.
+      ffn: ``ffn(layer_params, h) -> (B, T, D)`` in place of :func:`feed_forward` on the
+        normalized ``h`` (a mixture of experts, reading its own entries of ``layer_params``).
 
     Returns:
       The residual stream after the block, ``(B, T, D)``.
     """
     h = _layer_norm(layer_params["attention_norm"], x, cfg)
     x = x + attention(layer_params["attention"], h, cfg, training=training, attend=attend)
-    x = x + feed_forward(
-        layer_params["feed_forward"], _layer_norm(layer_params["ffn_norm"], x, cfg), cfg, training=training
-    )
-    return x
+    h = _layer_norm(layer_params["ffn_norm"], x, cfg)
+    if ffn is not None:
+        return x + ffn(layer_params, h)
+    return x + feed_forward(layer_params["feed_forward"], h, cfg, training=training)
 
 
 def head(params: Params, x: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:

@@ -16,6 +16,7 @@ from fshard.recipes.faults import Injection as Injection
 from fshard.recipes.faults import NonFinite as NonFinite
 from fshard.recipes.faults import NonFiniteError as NonFiniteError
 from fshard.recipes.model import LayeredModel as LayeredModel
+from fshard.recipes.model import MoE as MoE
 from fshard.recipes.model import transformer as transformer
 from fshard.recipes.module import ModuleModel as ModuleModel
 from fshard.recipes.pipeline import Pipeline as Pipeline
@@ -37,6 +38,7 @@ __all__ = [
     "ConfigError",
     "Injection",
     "LayeredModel",
+    "MoE",
     "ModuleModel",
     "NonFinite",
     "NonFiniteError",

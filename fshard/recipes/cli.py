@@ -19,11 +19,13 @@ A script builds its own ``argparse.ArgumentParser`` with its model and layout fl
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any, Callable, Sequence
 
-from fshard.recipes.trainer import CheckpointConfig, _quiet
+from fshard.parallel.layout import LayoutError, parse_mesh
+from fshard.recipes.trainer import CheckpointConfig, ConfigError, _quiet
 
 __all__ = ["HelpFormatter", "add_common_flags", "checkpoint_config", "parse", "printer", "set_threads"]
 
@@ -191,6 +193,29 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Na
         sys.exit(0)
     set_threads(args.threads)
     return args
+
+
+def mesh_flag(text: str | None, world_size: int, axes: Sequence[str], script: str) -> dict[str, int]:
+    """``--mesh``: ``"dp=2,fsdp=2"`` -> ``{"dp": 2, "fsdp": 2}`` in ``axes``' order (None: every
+    rank on fsdp).
+
+    Raises:
+      ConfigError: bad syntax, an axis not in ``axes`` or given twice, or sizes whose product
+        is not ``world_size`` (naming the torchrun command that launches ``script`` on that many).
+    """
+    if not text:
+        return {"fsdp": world_size}
+    try:
+        shape = parse_mesh(text, axes)
+    except LayoutError as e:
+        raise ConfigError(f"--mesh {e}") from None
+    n = math.prod(shape.values())
+    if n != world_size:
+        raise ConfigError(
+            f"--mesh {text}: the sizes multiply to {n}, but {world_size} rank(s) run this; "
+            f"launch {n} with `torchrun --nproc-per-node {n} {script} --mesh {text}`"
+        )
+    return shape
 
 
 def checkpoint_config(args: argparse.Namespace, hint: str) -> CheckpointConfig:

@@ -57,13 +57,16 @@ NO_MACHINE = (
 )
 
 
-def mfu_for(cfg: Any, seq_len: int, dtype: str, machine: str | None, world: int) -> tuple[MFU | None, str]:
+def mfu_for(
+    cfg: Any, seq_len: int, dtype: str, machine: str | None, world: int, moe: Any = None
+) -> tuple[MFU | None, str]:
     """The :class:`MFU` of fshard's Transformer ``cfg`` on ``world`` ranks of a machine.
 
     The machine is ``machine`` (a shipped name or a file), else this host's saved machine
     file (``fs.plan.default_machine_path()``), else none: MFU needs a peak, and measuring
     one costs seconds that a default run should not pay. Every rank reads the same file.
-    Under ``fs.simulate``: none (one process runs every rank's step).
+    Under ``fs.simulate``: none (one process runs every rank's step); with ``moe``
+    (``fs.recipes.MoE``): none (the FLOPs count is a dense MLP's).
 
     Returns:
       ``(mfu, line)``: the MFU (None without a machine, or without a FLOPs figure for
@@ -78,6 +81,8 @@ def mfu_for(cfg: Any, seq_len: int, dtype: str, machine: str | None, world: int)
 
     if active() is not None:  # N ranks' steps in one process: no machine's peak to hold them to
         return None, "MFU: not measured under fs.simulate (one process runs every rank)"
+    if moe is not None:
+        return None, "MFU: not measured with experts (fs.plan's FLOPs count is a dense MLP's)"
     path = plan.default_machine_path()
     if machine:
         found = plan.get_machine(machine)

@@ -15,8 +15,10 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from fshard import tree as tree_util
 from fshard.models.transformer import TransformerConfig, block, embed, head, transformer_init
 from fshard.parallel.cp import cp_positions, cp_shard, ring_attention
+from fshard.parallel.ep import moe_ffn, moe_init
 from fshard.parallel.layout import LayoutError
 from fshard.parallel.tp import (
     TRANSFORMER_TP_PLAN,
@@ -27,7 +29,7 @@ from fshard.parallel.tp import (
 )
 from fshard.recipes.roles import Roles
 
-__all__ = ["LayeredModel", "resolve_model", "transformer"]
+__all__ = ["LayeredModel", "MoE", "count_params", "resolve_model", "transformer"]
 
 Tensor = torch.Tensor
 
@@ -73,6 +75,51 @@ def resolve_model(model: ModelLike, roles: Roles) -> LayeredModel:
     return model if isinstance(model, LayeredModel) else model(roles)
 
 
+def _check_moe_field(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"MoE.{attribute.name} must be an int >= 1, got {value!r}")
+
+
+@attrs.frozen
+class MoE:
+    """Each block's MLP as a dropless top-k mixture of experts (``fs.parallel.moe_ffn`` with
+    ``capacity_factor=None``), the experts split over the layout's ``ep`` axis.
+
+    Attributes:
+      n_experts: experts per block; ``ep`` (times ``fsdp``) must divide it: whole experts
+        per rank.
+      top_k: experts per token (at most ``n_experts``).
+      hidden: each expert's hidden width (None: the dense MLP's, ``cfg.hidden_dim``).
+    """
+
+    n_experts: int = attrs.field(validator=_check_moe_field)
+    top_k: int = attrs.field(default=2, validator=_check_moe_field)
+    hidden: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.top_k > self.n_experts:
+            raise ValueError(f"MoE.top_k {self.top_k} exceeds n_experts {self.n_experts}")
+
+    def init_layers(self, params: Any, cfg: TransformerConfig, seed: int, dtype: torch.dtype) -> Any:
+        """``params`` with each block's ``feed_forward`` replaced by ``moe`` (``moe_init``'s
+        tree), drawn from ``seed`` alone: the same values on every mesh."""
+        for i, lp in enumerate(params["layers"]):
+            del lp["feed_forward"]
+            lp["moe"] = moe_init(
+                cfg.dim, self.hidden or cfg.hidden_dim, self.n_experts, seed * 7919 + 101 + i, dtype=dtype
+            )
+        return params
+
+
+def count_params(cfg: TransformerConfig, moe: MoE | None = None) -> int:
+    """Parameters of the Transformer (with ``moe``: every expert counted), on the meta device."""
+    with torch.device("meta"):
+        params = transformer_init(cfg, 0)
+        if moe is not None:
+            params = moe.init_layers(params, cfg, 0, torch.float32)
+    return sum(x.numel() for x in tree_util.leaves(params))
+
+
 EMBED_KEYS = ("tok_embeddings", "pos_embeddings")  # the first stage's root parameters
 HEAD_KEYS = ("norm", "output")  # the last stage's
 
@@ -95,9 +142,16 @@ class _Transformer:
     tp_axis: str | None = None
     sequence_parallel: bool = False
     cp_axis: str | None = None
+    moe: MoE | None = None
+    ep_axis: str | None = None
 
     def init(self, seed: int, dtype: torch.dtype) -> Any:
-        return transformer_init(self.cfg, seed, dtype=dtype)
+        params = transformer_init(self.cfg, seed, dtype=dtype)
+        return params if self.moe is None else self.moe.init_layers(params, self.cfg, seed, dtype)
+
+    def _experts(self, layer: Any, h: Tensor) -> Tensor:
+        assert self.moe is not None
+        return moe_ffn(layer["moe"], h, top_k=self.moe.top_k, capacity_factor=None, ep_axis=self.ep_axis)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return ring_attention(q, k, v, self.cp_axis)
@@ -118,7 +172,8 @@ class _Transformer:
     def block(self, layer: Any, x: Tensor) -> Tensor:
         attend = None if self.cp_axis is None else self._attend
         if self.tp_axis is None:
-            return block(layer, x, self.cfg, attend=attend)  # (b, T, D)
+            ffn = None if self.moe is None else self._experts
+            return block(layer, x, self.cfg, attend=attend, ffn=ffn)  # (b, T, D)
         return tp_transformer_block(layer, x, self.cfg, self.tp_axis, self.sequence_parallel, attend=attend)
 
     def logits(self, root: Any, x: Tensor) -> Tensor:
@@ -150,18 +205,46 @@ def _check_cp(cfg: TransformerConfig, cp: int) -> None:
         )
 
 
-def transformer(cfg: TransformerConfig) -> Callable[[Roles], LayeredModel]:
+def _check_moe(cfg: TransformerConfig, moe: MoE | None, roles: Roles) -> None:
+    shape = dict(roles.mesh.shape)
+    if moe is None:
+        if roles.ep_axis is not None:
+            raise LayoutError(
+                f"the mesh has an ep axis ({shape}) but the Transformer has no experts: give "
+                f"transformer(cfg, moe=MoE(n_experts=...)) (train_lm.py --moe N), or leave ep out"
+            )
+        return
+    if roles.tp_axis is not None or roles.cp_axis is not None:
+        raise LayoutError(
+            f"the MoE Transformer runs with pp, dp, fsdp and ep; the mesh {shape} has "
+            f"{'tp' if roles.tp_axis else 'cp'}, which the recipe does not build with experts yet "
+            f"(fs.parallel.moe_ffn takes tp_axis in a step of your own): leave it out"
+        )
+    if cfg.dropout > 0:
+        raise LayoutError(f"the MoE layer has no dropout, and TransformerConfig.dropout is {cfg.dropout}: set it to 0")
+    n = roles.mesh.axis_size(tuple(a for a in (roles.ep_axis, roles.shard_axis) if a is not None))
+    if roles.ep_axis is not None and moe.n_experts % n:
+        raise LayoutError(
+            f"MoE.n_experts {moe.n_experts} must be a multiple of ep x fsdp = {n} (mesh {shape}): whole experts "
+            f"per rank; use a multiple of {n} experts (--moe), or a smaller ep or fsdp"
+        )
+
+
+def transformer(cfg: TransformerConfig, moe: MoE | None = None) -> Callable[[Roles], LayeredModel]:
     """fshard's Transformer (``fshard.models``) as a :class:`LayeredModel` for any roles:
     Megatron TP (``fs.parallel.TRANSFORMER_TP_PLAN``) and sequence parallelism with a tp axis,
-    ring attention with a cp axis.
+    ring attention with a cp axis; with ``moe``, each block's MLP is a dropless mixture of
+    experts, split over an ep axis (with pp, dp and fsdp; not with tp or cp yet).
 
     Raises (when called with the roles):
       LayoutError: ``cfg.n_heads`` is not divisible by the tp axis (whole heads per rank);
         a cp axis whose head-tail chunks ``2 x cp`` do not divide ``cfg.max_seq_len``, or
-        with dropout.
+        with dropout; an ep axis without ``moe``; ``moe`` with tp or cp, with dropout, or
+        with experts that ep x fsdp does not divide.
     """
 
     def build(roles: Roles) -> LayeredModel:
+        _check_moe(cfg, moe, roles)
         if roles.tp_axis is not None and cfg.n_heads % roles.mesh.shape[roles.tp_axis]:
             raise LayoutError(
                 f"the Transformer's n_heads {cfg.n_heads} must be divisible by "
@@ -169,7 +252,7 @@ def transformer(cfg: TransformerConfig) -> Callable[[Roles], LayeredModel]:
             )
         if roles.cp_axis is not None:
             _check_cp(cfg, roles.mesh.shape[roles.cp_axis])
-        t = _Transformer(cfg, roles.tp_axis, roles.sequence_parallel, roles.cp_axis)
+        t = _Transformer(cfg, roles.tp_axis, roles.sequence_parallel, roles.cp_axis, moe, roles.ep_axis)
         return LayeredModel(
             init=t.init,
             embed=t.embed,
@@ -179,7 +262,7 @@ def transformer(cfg: TransformerConfig) -> Callable[[Roles], LayeredModel]:
             embed_keys=EMBED_KEYS,
             head_keys=HEAD_KEYS,
             tp_plan=TRANSFORMER_TP_PLAN,
-            name="transformer",
+            name="transformer" if moe is None else f"transformer with {moe.n_experts} experts",
         )
 
     return build

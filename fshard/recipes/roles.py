@@ -10,6 +10,7 @@ import torch
 from fshard.mesh.mesh import Mesh
 from fshard.mesh.spec import PartitionSpec as P
 from fshard.parallel.accumulate import GradAccumulator
+from fshard.parallel.ep import ep_specs
 from fshard.parallel.layout import Layout, LayoutError
 from fshard.parallel.specs import fsdp_specs, replicate_specs
 from fshard.parallel.tp import tp_specs
@@ -50,6 +51,10 @@ class Roles:
       pp_axis: the pipeline axis (blocks split into stages), or None.
       cp_axis: the context-parallel axis (each sequence split over it, parameters
         replicated over it), or None.
+      ep_axis: the expert-parallel axis, or None: a data axis (rows split over it) whose
+        ranks hold different experts (``fs.parallel.ep_specs``: dim 0 over ep, then over
+        ``shard_axis``); every other parameter is replicated over it, with its gradient
+        summed over it as over dp.
       sequence_parallel: between TP regions, split the activations' rows over tp too.
       data_axes: the axes the batch's rows are split over.
       master_dtype: the dtype of the parameters and the optimizer state.
@@ -73,15 +78,17 @@ class Roles:
     prefetch: int = 1
     reshard: bool | None = None
     cp_axis: str | None = None
+    ep_axis: str | None = None
 
     @classmethod
     def for_mesh(
         cls, mesh: Mesh, *, compute_dtype: torch.dtype, master_dtype: torch.dtype, remat: bool, sequence_parallel: bool
     ) -> "Roles":
-        """The roles of ``mesh``'s axes by name (``fsdp``, ``dp``, ``cp``, ``tp``, ``pp``).
+        """The roles of ``mesh``'s axes by name (``fsdp``, ``dp``, ``cp``, ``ep``, ``tp``, ``pp``).
 
         Raises:
-          LayoutError: sequence parallelism without a ``tp`` axis.
+          LayoutError: sequence parallelism without a ``tp`` axis; ep with tp; ep with pp and
+            dp or cp but no fsdp.
         """
         axes = mesh.axis_names
         # Only dp: parameters replicated (DDP). fsdp, alone or with dp (HSDP): sharded.
@@ -91,13 +98,17 @@ class Roles:
         pp = "pp" if "pp" in axes else None
         if sequence_parallel and tp is None:
             raise LayoutError(f"Layout.sequence_parallel needs a tp axis; the mesh has {dict(mesh.shape)}")
-        data = tuple(a for a in ("dp", "fsdp") if a in axes)  # tp ranks share their rows
+        data = tuple(a for a in ("dp", "fsdp", "ep") if a in axes)  # tp ranks share their rows
         policy = None
         if compute_dtype != master_dtype:
             # Gather and compute in bf16, reduce gradients in the masters' precision.
             policy = Policy(param_dtype=compute_dtype, reduce_dtype=master_dtype)
         cp = "cp" if "cp" in axes and mesh.shape["cp"] > 1 else None  # a size-1 cp splits nothing
-        return cls(mesh, shard, replicate, tp, pp, sequence_parallel, data, master_dtype, policy, remat, cp_axis=cp)
+        ep = "ep" if "ep" in axes and mesh.shape["ep"] > 1 else None
+        _check_ep(mesh, ep, tp, pp, shard)
+        return cls(
+            mesh, shard, replicate, tp, pp, sequence_parallel, data, master_dtype, policy, remat, cp_axis=cp, ep_axis=ep
+        )
 
     @classmethod
     def of(cls, layout: Layout, mesh: Mesh) -> "Roles":
@@ -125,9 +136,12 @@ class Roles:
 
     @property
     def replicate_axes(self) -> tuple[str, ...]:
-        """The axes parameters are replicated over with their gradients summed: dp, and cp
-        (each cp rank's gradient is its part of the sequence's)."""
-        return tuple(a for a in (self.replicate_axis, self.cp_axis) if a is not None)
+        """The axes parameters are replicated over with their gradients summed: dp, cp (each
+        cp rank's gradient is its part of the sequence's) and ep. The experts, split over ep,
+        are not summed over it (``fs.parallel.scan_layers`` reads that from their spec): the
+        expert dispatch's transpose already brings each expert the gradient of every ep
+        rank's tokens."""
+        return tuple(a for a in (self.replicate_axis, self.cp_axis, self.ep_axis) if a is not None)
 
     @property
     def loss_axes(self) -> tuple[str, ...]:
@@ -161,14 +175,40 @@ class Roles:
                     f"leave tp out of the layout"
                 )
             return tp_specs(params, tp_plan, self.tp_axis, fsdp_axis=self.shard_axis)
-        if self.shard_axis is not None:
-            return fsdp_specs(params, self.shard_axis)
-        return replicate_specs(params)
+        base = fsdp_specs(params, self.shard_axis) if self.shard_axis is not None else replicate_specs(params)
+        if self.ep_axis is None:
+            return base
+        return ep_specs(params, self.ep_axis, fsdp_axis=self.shard_axis, base=base, mesh=self.mesh)
 
     @property
     def batch_spec(self) -> P:
         """Rows of the batch split over every data axis."""
         return P(self.data_axes)
+
+
+def _check_ep(mesh: Mesh, ep: str | None, tp: str | None, pp: str | None, shard: str | None) -> None:
+    """What the recipes build with ep.
+
+    Raises:
+      LayoutError: ep with tp; ep with pp and dp or cp but no fsdp (``fs.sched.pipeline_step``
+        leaves a leaf split over a data axis to the stage body, so the experts' gradients
+        would not be summed over dp or cp: ``StageFSDP`` over fsdp sums them).
+    """
+    if ep is None:
+        return
+    shape = dict(mesh.shape)
+    if tp is not None:
+        raise LayoutError(
+            f"the mesh {shape} has ep and tp: the recipes do not build experts split over tp yet "
+            f"(fs.parallel.moe_ffn(tp_axis=...) in a step of your own); leave one out"
+        )
+    others = [a for a in ("dp", "cp") if mesh.shape.get(a, 1) > 1]
+    if pp is not None and others and shard is None:
+        raise LayoutError(
+            f"the mesh {shape} has pp and ep with {' and '.join(others)} but no fsdp: in a pipeline the experts' "
+            f"gradients are summed over {' and '.join(others)} by the stages' FSDP only; add an fsdp axis, or "
+            f"drop {' and '.join(others)}"
+        )
 
 
 def check_sp_rows(layout: Layout) -> None:

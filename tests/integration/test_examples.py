@@ -244,8 +244,8 @@ def test_bad_flags_are_config_errors_naming_the_fix():
     train_lm = example("train_lm")
     with pytest.raises(train_lm.ConfigError, match=r"torchrun --nproc-per-node 4 examples/train_lm.py --mesh dp=2,tp=2"):
         train_lm.parse_mesh("dp=2,tp=2", 1)
-    with pytest.raises(train_lm.ConfigError, match=r"unknown axis 'ep'"):
-        train_lm.parse_mesh("ep=2", 2)
+    with pytest.raises(train_lm.ConfigError, match=r"unknown axis 'xp'"):
+        train_lm.parse_mesh("xp=2", 2)
     assert list(train_lm.parse_mesh("tp=2,pp=2,fsdp=1", 4)) == ["pp", "fsdp", "tp"]  # canonical order
     assert train_lm.parse_mesh(None, 4) == {"fsdp": 4}
 

@@ -109,6 +109,57 @@ def test_the_transformer_recipe_on_tp_layouts_gives_the_one_process_losses(mesh_
         assert got == pytest.approx(want, rel=1e-12, abs=0)
 
 
+MOE = fs.recipes.MoE(n_experts=4, top_k=2, hidden=24)
+
+
+def _moe_transformer(mesh_text, options):
+    return _train(fs.recipes.transformer(CFG, MOE), mesh_text, options, _tokens())
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return _moe_transformer("fsdp=1", {})
+
+
+@pytest.mark.parametrize("mesh_text, options, ranks", [
+    ("ep=2", {}, 2), ("ep=2,fsdp=2", {}, 4), ("dp=2,ep=2", {"microbatches": 2}, 4), ("ep=4", {}, 4),
+    ("pp=2,ep=2", {"microbatches": 2}, 4), ("pp=2,fsdp=2,ep=2", {"microbatches": 2}, 8),
+])
+def test_the_moe_transformer_on_ep_layouts_gives_the_one_process_losses_and_params(
+    mesh_text, options, ranks, moe_reference
+):
+    # SGD: a wrong gradient scale on the experts or the dense leaves shows in the parameters.
+    want_losses, want_params = moe_reference
+    for losses, params in run_on_ranks(_moe_transformer, mesh_text, options, world_size=ranks):
+        assert losses == pytest.approx(want_losses, rel=1e-12, abs=0), mesh_text
+        for a, b in zip(fs.tree.leaves(params), fs.tree.leaves(want_params), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("mesh, model, says", [
+    ({"ep": 2}, fs.recipes.transformer(CFG), r"has an ep axis .* no experts: give transformer\(cfg, moe=MoE"),
+    ({"ep": 2, "tp": 2}, fs.recipes.transformer(CFG, MOE), r"has ep and tp: the recipes do not build experts"),
+    ({"pp": 2, "dp": 2, "ep": 2}, fs.recipes.transformer(CFG, MOE), r"pp and ep with dp but no fsdp"),
+    ({"cp": 2, "ep": 2}, fs.recipes.transformer(CFG, MOE), r"runs with pp, dp, fsdp and ep; .* has cp"),
+    ({"ep": 8}, fs.recipes.transformer(CFG, MOE), r"n_experts 4 must be a multiple of ep x fsdp = 8"),
+])
+def test_moe_layouts_the_recipe_does_not_run_are_refused(mesh, model, says):
+    with pytest.raises(fs.parallel.LayoutError, match=says):
+        roles = fs.recipes.Roles.for_mesh(_ShapeOnly(mesh), compute_dtype=torch.float32, master_dtype=torch.float32,
+                                          remat=False, sequence_parallel=False)
+        fs.recipes.model.resolve_model(model, roles)
+
+
+class _ShapeOnly:
+    """What the roles and the model's checks read of a mesh (no process group needed)."""
+
+    def __init__(self, shape):
+        self.shape, self.axis_names = dict(shape), tuple(shape)
+
+    def axis_size(self, axes):
+        return torch.Size([self.shape[a] for a in axes]).numel()
+
+
 def test_a_tp_layout_without_a_tp_plan_is_refused_naming_the_fix():
     with pytest.raises(fs.parallel.LayoutError, match=r"has a tp axis .* no TP plan: give LayeredModel\(tp_plan"):
         fs.recipes.build_train_step(_model(), fs.parallel.Layout({"tp": 1}, batch=4), fs.optim.sgd(0.1),
