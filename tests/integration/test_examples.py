@@ -102,6 +102,21 @@ def test_loss_curve_is_the_same_on_every_mesh(mesh, reference, tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in written)
 
 
+MOE = ["--moe", "4"]
+
+
+@pytest.mark.parametrize("mesh", ["ep=2,fsdp=2", "pp=2,ep=2", "dp=2,ep=2"])
+def test_moe_loss_curve_and_grad_norms_are_the_one_process_ones(mesh):
+    # The grad norms too: AdamW's steps would hide a wrong gradient scale from the losses.
+    (one,) = run_on_ranks(_train, TINY + MOE + ["--mesh", "fsdp=1"], world_size=1)
+    results = run_on_ranks(_train, TINY + MOE + ["--mesh", mesh], world_size=4)
+    for records in results:
+        assert _losses(records) == _losses(results[0])
+    _assert_same_curve(_losses(results[0]), _losses(one))
+    _assert_same_curve([r["grad_norm"] for r in results[0]], [r["grad_norm"] for r in one])
+    _assert_stored_curve(f"moe4 {mesh}", _losses(results[0]))
+
+
 def _train_counting_fused(argv: list[str]) -> tuple[list[dict], int]:
     """:func:`_train`, counting the calls of torch's fused AdamW kernel on this rank."""
     calls, kernel = [0], torch._fused_adamw_
