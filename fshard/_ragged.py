@@ -19,15 +19,23 @@ def row_counts(operand: torch.Tensor, output: torch.Tensor, device: torch.device
     return torch.tensor([operand.shape[0], output.shape[0]], dtype=torch.int64, device=device)
 
 
-def host(every: torch.Tensor, k: int) -> tuple[list, list]:
-    """``(table [n][4][K], [(operand rows, output rows)] per rank)`` as host ints."""
-    rows = every.tolist()
-    return [[r[j * k : (j + 1) * k] for j in range(4)] for r in rows], [(r[-2], r[-1]) for r in rows]
+def host(every: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(table (n, 4, K), (n, 2) [operand rows, output rows] per rank)``.
+
+    Tensors, not lists: under ``fs.simulate`` each group of the axis has its own plan, and
+    a per-rank value can only be a tensor or an int (the helpers below read them as lists).
+    """
+    return every[:, : 4 * k].reshape(-1, 4, k), every[:, 4 * k :]
+
+
+def _lists(table: Any) -> list:
+    return table.tolist() if isinstance(table, torch.Tensor) else table
 
 
 def _slices(table: list, me: int, order: Sequence[int], sending: bool) -> list[tuple[int, int]]:
     """``(start row, size)`` of each slice ``me`` sends (rows of its operand) or receives
     (rows of its output), peers in group-rank order, a peer's slices in their order."""
+    table = _lists(table)
     n, k = len(table), len(table[0][0])
     per = k // n
     if sending:
@@ -48,6 +56,7 @@ def rows(table: list, me: int, order: Sequence[int], sending: bool, device: torc
 
 def splits(table: list, me: int, order: Sequence[int], sending: bool) -> list[int]:
     """Rows ``me`` sends to (receives from) each group rank."""
+    table = _lists(table)
     n, k = len(table), len(table[0][0])
     per = k // n
     if sending:
@@ -92,7 +101,8 @@ def check_arrays(ax: Any, operand: Any, output: Any, vectors: tuple) -> int:
     return k
 
 
-def check_plan(ax: Any, table: list, sizes: list) -> None:
+def check_plan(ax: Any, table: Any, sizes: Any) -> None:
+    table, sizes = _lists(table), _lists(sizes)
     n, k = len(table), len(table[0][0])
     per = k // n
     for r, (io, ss, _, rs) in enumerate(table):

@@ -1127,8 +1127,8 @@ def ragged_all_to_all(
         rows = simulation.per_rank(_ragged.row_counts)(operand, output, input_offsets.device)
         plan = torch.cat([v.reshape(k).to(torch.int64) for v in vectors] + [rows])  # (4K + 2,)
         every = plan.unsqueeze(0) if ax.n == 1 else _gather_raw(plan, ax, 0, False)  # (n, 4K + 2)
-        table, sizes = simulation.per_rank(_ragged.host)(every, k)  # the same on every rank
-        _ragged.check_plan(ax, table, sizes)
+        table, sizes = simulation.per_rank(_ragged.host)(every, k)  # the same on every rank of a group
+        simulation.per_rank(_ragged.check_plan)(ax, table, sizes)
         out = _ragged_exchange(operand, output, table, ax)
     finally:
         _contract.WHAT.reset(wtoken)
@@ -1138,11 +1138,12 @@ def ragged_all_to_all(
     return out
 
 
-def _ragged_planned(operand: torch.Tensor, output: torch.Tensor, table: list, axis_name: str | Sequence[str]):
+def _ragged_planned(operand: torch.Tensor, output: torch.Tensor, table: Any, axis_name: str | Sequence[str]):
     """:func:`ragged_all_to_all` for a caller that holds the whole plan already:
     ``table[u] = [input_offsets, send_sizes, output_offsets, recv_sizes]`` of axis index ``u``
-    as host ints, the same on every rank and valid by construction (the dropless MoE derives
-    it from counts every rank has gathered). No plan all_gather and no checks: one exchange."""
+    (an int64 ``(n, 4, K)`` tensor, or host ints), the same on every rank of the group and
+    valid by construction (the dropless MoE derives it from counts every rank has gathered).
+    No plan all_gather and no checks: one exchange."""
     body, ax = _axes("ragged_all_to_all", axis_name)
     names = frozenset(ax.names)
     token, wtoken = _IN_LAX.set(True), _contract.WHAT.set("ragged_all_to_all")
@@ -1158,7 +1159,7 @@ def _ragged_planned(operand: torch.Tensor, output: torch.Tensor, table: list, ax
     return out
 
 
-def _ragged_exchange(operand: torch.Tensor, output: torch.Tensor, table: list, ax: _Axes) -> torch.Tensor:
+def _ragged_exchange(operand: torch.Tensor, output: torch.Tensor, table: Any, ax: _Axes) -> torch.Tensor:
     """The data path of a checked plan: the rows sent (peer order) -> the exchange -> ``output``."""
     order = ax.u_of_g or tuple(range(ax.n))  # the axis index of each group rank
     dev = operand.device

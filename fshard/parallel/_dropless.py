@@ -129,7 +129,7 @@ def dropless_experts(
     else:
         every = lax.all_gather(counts, ep_axis)  # (ep, E): every rank's counts, the whole plan
         local_sizes = _local_sizes(every, lax.axis_index(ep_axis))
-        dispatch, combine = simulation.per_rank(_tables)(every)  # host ints, the same on every rank
+        dispatch, combine = simulation.per_rank(_tables)(every)  # the same on every rank of one ep group
         there = simulation.per_rank(_zeros)(local_sizes, rows)  # rows per rank differ: one size each
         x = lax._ragged_planned(rows, there, dispatch, ep_axis)
         y = expert_gemms(w, x, local_sizes, activation, grouped=grouped)
@@ -150,10 +150,11 @@ def _local_sizes(every: torch.Tensor, me: torch.Tensor) -> torch.Tensor:
     return per_expert.index_select(0, me.reshape(1))[0]
 
 
-def _tables(every: torch.Tensor) -> tuple[list, list]:
+def _tables(every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The two exchanges' plans for every rank, ``table[u] = [input_offsets, send_sizes,
-    output_offsets, recv_sizes]`` (``fs.lax.ragged_all_to_all``'s vectors, host ints), from
-    every rank's counts ``every[s][e]``: rows rank ``s`` sends to expert ``e``.
+    output_offsets, recv_sizes]`` (``fs.lax.ragged_all_to_all``'s vectors; int64 ``(ep, 4, E)``,
+    as tensors because under ``fs.simulate`` each ep group has its own), from every rank's
+    counts ``every[s][e]``: rows rank ``s`` sends to expert ``e``.
 
     Dispatch: rank ``s``'s rows are sorted by expert; slice ``e = (r, j)`` goes to local
     expert ``j`` of rank ``r``, where rows are grouped by local expert and, within one, by
@@ -186,4 +187,4 @@ def _tables(every: torch.Tensor) -> tuple[list, list]:
         ]
         for r in range(n_ep)
     ]
-    return dispatch, combine
+    return torch.tensor(dispatch, dtype=torch.int64), torch.tensor(combine, dtype=torch.int64)
