@@ -414,9 +414,7 @@ def _replica_sets(
 
 def _spec_axes(x: torch.Tensor) -> set[str]:
     spec = input_spec(x)
-    if spec is None:
-        return set()
-    return {a for d in range(len(spec)) for a in spec.dim_axes(d)}
+    return set() if spec is None else set(spec.axes())
 
 
 def _wait_host_copies(device: torch.device) -> None:
