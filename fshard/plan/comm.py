@@ -20,6 +20,7 @@ all-reduces) over the link the mesh axes use, the hops and bytes per hop of
                       2 ceil(log2 n) a + 2 x / B)    tree
     send / recv   a + x / B
     broadcast     ceil(log2 n) * (a + x / B)
+    ragged_all_to_all  (n - 1) * (a + x / (n B))  x: the busiest rank's rows (routing skew)
 """
 
 from __future__ import annotations
@@ -93,11 +94,10 @@ def _grad_norm(layout: Layout) -> list[Collective]:
 
 
 def _sum(shards: Iterable[LayerShards]) -> LayerShards:
-    tot = [0, 0, 0, 0]
+    tot = LayerShards(0, 0, 0, 0)
     for s in shards:
-        for j, v in enumerate((s.local, s.flat, s.gathered, s.full)):
-            tot[j] += v
-    return LayerShards(*tot)
+        tot = tot + s
+    return tot
 
 
 def flat_step(model: ModelDesc, layout: Layout, layers: tuple[tuple[int, int], ...] = ()) -> Step:
@@ -162,9 +162,11 @@ def collective_time(machine: Machine, layout: Layout, c: Collective) -> float:
     if c.kind not in _TIMED:
         raise ValueError(f"collective_time: unknown kind {c.kind!r}")
     kind = {"pmax": "psum", "send": "ppermute", "recv": "ppermute", "broadcast": "psum"}.get(c.kind, c.kind)
-    link = machine.link(kind, level)
-    a, B, x = link.latency, link.bandwidth, float(c.nbytes)
-    hops, share = ring_hops(c.kind, n)  # fshard._wire: the algorithm comm_log's wire bytes count
+    # A ragged exchange is an all_to_all_single with split sizes, priced as the busiest rank's.
+    wire = "all_to_all" if c.kind == "ragged_all_to_all" else c.kind
+    link = machine.link(kind, level)  # a kind without a fitted link takes the level's
+    a, B, x = link.latency, link.bandwidth, float(max(c.nbytes, c.peak_nbytes))
+    hops, share = ring_hops(wire, n)  # fshard._wire: the algorithm comm_log's wire bytes count
     ring = hops * (a + x / (share * B))
     if c.kind in ("psum", "pmax"):
         tree = 2 * math.ceil(math.log2(n)) * a + 2 * x / B
@@ -173,4 +175,4 @@ def collective_time(machine: Machine, layout: Layout, c: Collective) -> float:
 
 
 # The kinds the machine files have links for (pmax, send, recv and broadcast borrow one).
-_TIMED = ("all_gather", "psum_scatter", "psum", "pmax", "send", "recv", "broadcast", "ppermute")
+_TIMED = ("all_gather", "psum_scatter", "psum", "pmax", "send", "recv", "broadcast", "ppermute", "ragged_all_to_all")

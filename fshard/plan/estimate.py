@@ -168,6 +168,9 @@ def _work(layer: LayerDesc, phase: str, layout: Layout, model: ModelDesc) -> tup
     k = DTYPE_BYTES[layout.dtype] / model.dtype_bytes
     flops = (w.flops - s.flops) / rest_div + s.flops / split_div
     nbytes = ((w.bytes - s.bytes) / rest_div + s.bytes / split_div) * k
+    for r in RULES:
+        extra = r.extra_work(layer, phase, layout)
+        flops, nbytes = flops + extra.flops, nbytes + extra.bytes * k
     return flops, nbytes, w.ops + sum(r.extra_kernels(layer, phase, layout, model) for r in RULES)
 
 

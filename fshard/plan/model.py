@@ -37,6 +37,7 @@ from fshard.plan.trace import Work, trace_layer
 
 __all__ = [
     "DescriptionError",
+    "Experts",
     "LayerDesc",
     "ModelDesc",
     "PRESETS",
@@ -74,6 +75,46 @@ def _check_work(where: str, w: Any) -> None:
 
 
 @attrs.frozen
+class Experts:
+    """A layer's dropless mixture of experts (``fs.parallel.moe_ffn(capacity_factor=None)``),
+    per sample of ``seq_len`` tokens with every expert's rows counted once (the work of all
+    ``seq_len * top_k`` routed rows, which does not depend on where they go).
+
+    The layer's own work and saved bytes include these; the planner scales this part on
+    the busiest ep rank by ``skew``.
+
+    Attributes:
+      n_experts: experts in the layer (its expert leaves' dim 0).
+      top_k: experts per token.
+      fwd, bwd_input, bwd_weight: work of the expert GEMMs (forward, backward-input,
+        backward-weight).
+      act_bytes: the expert GEMMs' saved-for-backward bytes.
+      skew: the busiest ep rank's routed rows over the mean (1: balanced routing; the
+        layout's ep ranks each hold ``n_experts / ep`` experts). It scales the rank's
+        expert work and saved bytes, and the rows its exchanges move.
+    """
+
+    n_experts: int
+    top_k: int
+    fwd: Work = Work()
+    bwd_input: Work = Work()
+    bwd_weight: Work = Work()
+    act_bytes: float = 0.0
+    skew: float = 1.0
+
+    def check(self, where: str) -> None:
+        """Raises DescriptionError naming the first bad field under ``where``."""
+        _num(f"{where}.n_experts", self.n_experts, minimum=1, integer=True)
+        _num(f"{where}.top_k", self.top_k, minimum=1, integer=True)
+        if self.top_k > self.n_experts:
+            raise DescriptionError(f"{where}.top_k ({self.top_k}) must not exceed n_experts ({self.n_experts})")
+        for f in ("fwd", "bwd_input", "bwd_weight"):
+            _check_work(f"{where}.{f}", getattr(self, f))
+        _num(f"{where}.act_bytes", self.act_bytes)
+        _num(f"{where}.skew", self.skew, minimum=1.0)
+
+
+@attrs.frozen
 class LayerDesc:
     """One kind of layer, per sample (one sequence) at tensor-parallel size 1.
 
@@ -105,6 +146,8 @@ class LayerDesc:
         float32 (a float64 run sends twice as many).
       loss: this layer computes the loss (its input activation gets no gradient from
         outside: the pipeline's last stage).
+      experts: the layer's mixture of experts (:class:`Experts`; its leaves are the
+        params under an ``experts.`` key, dim 0 the expert), or None.
     """
 
     name: str
@@ -131,6 +174,7 @@ class LayerDesc:
         default=(), converter=lambda xs: tuple((str(k), str(p), float(b)) for k, p, b in xs)
     )
     loss: bool = False
+    experts: Experts | None = None
 
     @property
     def numel(self) -> int:
@@ -176,6 +220,19 @@ class LayerDesc:
                     f"fwd|bwd, bytes), got {(kind, phase, nbytes)!r}"
                 )
             _num(f"{where}.tp_extra[{i}].bytes", nbytes)
+        if self.experts is not None:
+            if not isinstance(self.experts, Experts):
+                raise DescriptionError(f"{where}.experts must be an Experts, got {type(self.experts).__name__}")
+            self.experts.check(f"{where}.experts")
+            ex = self.experts
+            for f in ("fwd", "bwd_input", "bwd_weight"):
+                whole, part = getattr(self, f), getattr(ex, f)
+                if part.flops > whole.flops * (1 + 1e-9):
+                    raise DescriptionError(f"{where}.experts.{f} ({part}) must not exceed {where}.{f} ({whole})")
+            if ex.act_bytes > self.act_bytes * (1 + 1e-9):
+                raise DescriptionError(
+                    f"{where}.experts.act_bytes ({ex.act_bytes:g}) must not exceed act_bytes ({self.act_bytes:g})"
+                )
 
 
 def _tuple(xs: Iterable[Any]) -> tuple[Any, ...]:
@@ -229,6 +286,12 @@ class ModelDesc:
         for i, d in enumerate(self.tp_divides):
             _num(f"model {self.name!r}: tp_divides[{i}]", d, minimum=1, integer=True)
         _num(f"model {self.name!r}: n_experts", self.n_experts, integer=True)
+        for i, layer in enumerate(self.layers):
+            if layer.experts is not None and layer.experts.n_experts != self.n_experts:
+                raise DescriptionError(
+                    f"model {self.name!r}: layers[{i}] ({layer.name}).experts.n_experts "
+                    f"({layer.experts.n_experts}) must equal the model's n_experts ({self.n_experts})"
+                )
         if sum(1 for layer in self.layers if layer.count > 1) > 1:
             raise DescriptionError(
                 f"model {self.name!r}: layers: only one kind may repeat (count > 1): "
@@ -285,7 +348,14 @@ def _style(path: str, plan: Sequence[tuple[str, str]]) -> str | None:
 
 
 def describe_transformer(
-    cfg: Any, *, seq_len: int | None = None, dtype: str = "float32", device: str = "cpu", name: str | None = None
+    cfg: Any,
+    *,
+    seq_len: int | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    name: str | None = None,
+    moe: Any = None,
+    skew: float = 1.0,
 ) -> ModelDesc:
     """Describes :mod:`fshard.models`' Transformer by running each layer kind once.
 
@@ -302,12 +372,16 @@ def describe_transformer(
       device: where to run the layers: ``"cpu"`` (real kernels) or ``"meta"`` (shapes only;
         attention then runs the math path) (optional, default ``"cpu"``).
       name: for reports (optional).
+      moe: an ``fs.recipes.MoE`` (optional): each block's MLP as its dropless experts,
+        traced on ``device="cpu"`` in one process; the block's :class:`Experts` is the
+        expert GEMMs traced alone on ``seq_len * top_k`` rows spread evenly.
+      skew: with ``moe``, :attr:`Experts.skew` (optional, default 1: balanced routing).
 
     Returns:
       A :class:`ModelDesc` with layers ``embed``, ``block`` (``cfg.n_layers``), ``head``.
 
     Raises:
-      DescriptionError: an unknown dtype.
+      DescriptionError: an unknown dtype, or ``moe`` on the meta device.
     """
     import torch.nn.functional as F
 
@@ -316,11 +390,22 @@ def describe_transformer(
 
     if dtype not in ("float32", "bfloat16", "float64"):
         raise DescriptionError(f"describe_transformer: dtype must be float32, bfloat16 or float64, got {dtype!r}")
+    if moe is not None and device == "meta":
+        raise DescriptionError("describe_transformer: moe routes on real values; trace it on device='cpu'")
     T = seq_len or cfg.max_seq_len
     tdt = getattr(torch, dtype)
     with torch.device("meta"):
         full = transformer_init(cfg, 0, dtype=tdt)
+        if moe is not None:
+            full = moe.init_layers(full, cfg, 0, tdt)
     from fshard import tree as tree_util
+
+    ffn = None
+    if moe is not None:
+        from fshard.parallel.ep import moe_ffn
+
+        def ffn(lp: Any, h: torch.Tensor) -> torch.Tensor:
+            return moe_ffn(lp["moe"], h, top_k=moe.top_k, capacity_factor=None)
 
     def shapes(tree: Any, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
         return [
@@ -367,7 +452,7 @@ def describe_transformer(
         e = trace_layer(
             lambda p, t: embed(p, t, cfg), materialize({k: root[k] for k in embed_keys}, root_plan, tp), [toks]
         )
-        b = trace_layer(lambda p, h: block(p, h, cfg), materialize(layer0, block_plan, tp), [x])
+        b = trace_layer(lambda p, h: block(p, h, cfg, ffn=ffn), materialize(layer0, block_plan, tp), [x])
 
         def head_loss(p: Any, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             logits = head(p, h, cfg)
@@ -385,6 +470,7 @@ def describe_transformer(
         # cost(tp) = rep + split / tp: two traces give split = 2 * (cost(1) - cost(2)).
         return Work(max(0.0, 2 * (a.flops - b.flops)), max(0.0, 2 * (a.bytes - b.bytes)), 0.0)
 
+    experts = None if moe is None else _experts(moe, layer0["moe"]["experts"], T, cfg.dim, tdt, skew, materialize)
     act = cfg.dim * T * DTYPE_BYTES[dtype]  # bytes of one (1, T, D) activation
     n_norm = 2 * cfg.dim  # a LayerNorm's weight + bias
 
@@ -411,7 +497,17 @@ def describe_transformer(
 
     layers = [
         desc(0, "embed", 1, {k: root[k] for k in embed_keys}, root_plan, tp_exit=1, sp_param_numel=T * cfg.dim),
-        desc(1, "block", cfg.n_layers, layer0, block_plan, tp_enter=2, tp_exit=2, sp_param_numel=2 * n_norm + cfg.dim),
+        desc(
+            1,
+            "block",
+            cfg.n_layers,
+            layer0,
+            block_plan,
+            tp_enter=2,
+            tp_exit=2,
+            sp_param_numel=2 * n_norm + cfg.dim,
+            experts=experts,
+        ),
         desc(
             2,
             "head",
@@ -425,13 +521,28 @@ def describe_transformer(
         ),
     ]
     return ModelDesc(
-        name=name or f"transformer-d{cfg.dim}-l{cfg.n_layers}",
+        name=name or f"transformer-d{cfg.dim}-l{cfg.n_layers}" + (f"-e{moe.n_experts}" if moe else ""),
         seq_len=T,
         hidden=cfg.dim,
         dtype=dtype,
         layers=layers,
         tp_divides=(cfg.n_heads,),
+        n_experts=moe.n_experts if moe else 0,
     )
+
+
+def _experts(moe: Any, meta: Any, T: int, dim: int, tdt: torch.dtype, skew: float, materialize: Any) -> Experts:
+    """The expert GEMMs of one sample (``T * top_k`` rows, as evenly spread as they divide),
+    traced alone: what routing moves between ranks."""
+    import torch.nn.functional as F
+
+    from fshard.parallel._dropless import expert_gemms
+
+    rows, n = T * moe.top_k, moe.n_experts
+    sizes = torch.tensor([rows // n + (j < rows % n) for j in range(n)])
+    x = torch.randn(rows, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float32).to(tdt)
+    t = trace_layer(lambda w, h: expert_gemms(w, h, sizes, F.gelu), materialize(meta, [], 1), [x])
+    return Experts(n, moe.top_k, t.fwd, t.bwd_input, t.bwd_weight, act_bytes=t.saved_bytes, skew=skew)
 
 
 # ---------------------------------------------------------------------------
@@ -689,6 +800,8 @@ def model_from_dict(data: Mapping[str, Any]) -> ModelDesc:
                 if not isinstance(value, Mapping) or set(value) - {"flops", "bytes", "ops"}:
                     raise DescriptionError(f"{where}.{key} must be a mapping with flops, bytes, ops; got {value!r}")
                 value = Work(**value)
+            if key == "experts" and value is not None:
+                value = _experts_from_dict(f"{where}.experts", value)
             kw[key] = value
         for key in ("name", "count", "params", "fwd", "bwd_input", "bwd_weight"):
             if key not in kw:
@@ -702,3 +815,16 @@ def model_from_dict(data: Mapping[str, Any]) -> ModelDesc:
         kw.setdefault("tp_plan", ())
         layers.append(LayerDesc(**kw))
     return ModelDesc(**{**data, "layers": layers})
+
+
+def _experts_from_dict(where: str, value: Any) -> Experts:
+    fields = {f.name for f in attrs.fields(Experts)}
+    if not isinstance(value, Mapping) or set(value) - fields or not {"n_experts", "top_k"} <= set(value):
+        raise DescriptionError(f"{where} must be a mapping with n_experts, top_k and fields of {sorted(fields)}")
+    kw = dict(value)
+    for f in ("fwd", "bwd_input", "bwd_weight"):
+        if f in kw:
+            if not isinstance(kw[f], Mapping) or set(kw[f]) - {"flops", "bytes", "ops"}:
+                raise DescriptionError(f"{where}.{f} must be a mapping with flops, bytes, ops; got {kw[f]!r}")
+            kw[f] = Work(**kw[f])
+    return Experts(**kw)

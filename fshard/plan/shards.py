@@ -44,7 +44,7 @@ def _shards(
         specs = replicate_specs(tree)
     gather = next(r.name for r in RULES if r.gathers_params)  # one axis: FSDP's flat buffer
     n_gather = size.get(gather, 1)
-    local = flat = full = 0
+    local = flat = full = over_ep = 0
     for path, shape in params:
         spec = specs[path]
         full += math.prod(shape)
@@ -60,14 +60,18 @@ def _shards(
                 else:
                     gather_dim = d
         local += math.prod(mine)
+        seg = math.prod(mine)
         if n_gather > 1:
             if gather_dim is None:  # a scalar or a leaf the rules leave whole: gathered as one row
-                flat += math.prod(kept)
+                seg = math.prod(kept)
             else:
                 rows = _ceil(kept[gather_dim], n_gather)
-                flat += rows * math.prod(kept) // kept[gather_dim]
+                seg = rows * math.prod(kept) // kept[gather_dim]
+            flat += seg
+        if size.get("ep", 1) > 1 and "ep" not in spec.axes():
+            over_ep += seg
     gathered = flat * n_gather if n_gather > 1 else local
-    return LayerShards(local=local, flat=flat, gathered=gathered, full=full)
+    return LayerShards(local=local, flat=flat, gathered=gathered, full=full, over_ep=over_ep)
 
 
 def layer_shards(layer: LayerDesc, layout: Layout) -> LayerShards:
@@ -78,9 +82,7 @@ def layer_shards(layer: LayerDesc, layout: Layout) -> LayerShards:
 
 def stage_shards(model: ModelDesc, layout: Layout, parts: list[tuple[int, int]]) -> LayerShards:
     """The sizes of one pipeline stage (its layers together: one StageFSDP group)."""
-    tot = [0, 0, 0, 0]
+    tot = LayerShards(0, 0, 0, 0)
     for i, k in parts:
-        s = layer_shards(model.layers[i], layout)
-        for j, v in enumerate((s.local, s.flat, s.gathered, s.full)):
-            tot[j] += v * k
-    return LayerShards(*tot)
+        tot = tot + layer_shards(model.layers[i], layout) * k
+    return tot

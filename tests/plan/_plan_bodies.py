@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 
-
-
 def train_lm():
     from _harness._examples import example
 
@@ -27,7 +25,8 @@ def traced_step(argv: list[str]) -> dict:
     cfg = T.model_config(args, corpus)
     microbatches = args.microbatches or (2 * mesh.shape["pp"] if "pp" in mesh.shape else 1)
     layout = T.plan_layout(args, dict(mesh.shape), microbatches)
-    composed = compose_train_step(fs.recipes.transformer(cfg), layout, T.make_optimizer(args), mesh=mesh,
+    moe = fs.recipes.MoE(args.moe) if args.moe else None
+    composed = compose_train_step(fs.recipes.transformer(cfg, moe), layout, T.make_optimizer(args), mesh=mesh,
                                   max_norm=args.grad_clip)
     params, state = composed.init_state(args.seed)
     step = composed.step

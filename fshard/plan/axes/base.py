@@ -15,6 +15,7 @@ import attrs
 from fshard.parallel.layout import Layout
 from fshard.plan.machine import Machine
 from fshard.plan.model import DTYPE_BYTES, LayerDesc, ModelDesc
+from fshard.plan.trace import Work
 
 __all__ = ["AxisRule", "Collective", "LayerShards", "Step", "divisors", "flat_bytes"]
 
@@ -36,6 +37,8 @@ class Collective:
         F, I or W: ``"F"``, ``"I"``, ``"W"``), or ``""``.
       logged: ``comm_log`` sees it (``fs.optim.global_norm``'s scalar all-reduces call
         torch.distributed directly and are not logged).
+      peak_nbytes: what the busiest rank of the group moves, when more than ``nbytes``
+        (a ragged exchange under routing skew): its time is priced on it; 0: ``nbytes``.
     """
 
     kind: str
@@ -46,6 +49,7 @@ class Collective:
     hide: str | None = None
     pipeline: str = ""
     logged: bool = True
+    peak_nbytes: int = 0
 
 
 @attrs.frozen
@@ -59,12 +63,22 @@ class LayerShards:
       gathered: elements after the FSDP gather (still split over tp): the flat buffer
         of all fsdp ranks, ``flat * fsdp``; ``local`` when nothing is gathered.
       full: elements of the whole layer (no axis).
+      over_ep: elements of this rank's gradient shard (``flat`` under FSDP, else
+        ``local``) whose leaves ep does not split: replicated over ep, their gradients
+        summed over it (0 when ep = 1).
     """
 
     local: int
     flat: int
     gathered: int
     full: int
+    over_ep: int = 0
+
+    def __add__(self, other: LayerShards) -> LayerShards:
+        return LayerShards(*(a + b for a, b in zip(attrs.astuple(self), attrs.astuple(other))))
+
+    def __mul__(self, k: int) -> LayerShards:
+        return LayerShards(*(a * k for a in attrs.astuple(self)))
 
 
 @attrs.frozen
@@ -155,6 +169,12 @@ class AxisRule:
         """Kernels the axis adds to one call of ``layer``'s ``phase`` (``fwd``, ``bwd_input``,
         ``bwd_weight``) on one rank, beyond the ones the layer's trace counted."""
         return 0.0
+
+    def extra_work(self, layer: LayerDesc, phase: str, layout: Layout) -> Work:
+        """Work per sample (in the model's dtype) the axis adds to one call of ``layer``'s
+        ``phase`` on the busiest rank (ep: the expert rows routing skew sends it beyond the
+        mean), not divided by any axis."""
+        return Work()
 
     def saved_divisor(self, layout: Layout) -> int:
         """What it divides the rest of a layer's saved-for-backward bytes by (the split part
