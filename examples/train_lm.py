@@ -121,8 +121,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--simulate N needs N >= 1, and neither --mesh auto (it measures real links) nor --jit")
     if args.fused_optimizer and (args.jit or args.simulate is not None):  # both run fs.optim's chain instead
         p.error("--fused-optimizer steps eagerly on torch's fused AdamW; --jit and --simulate run the chain: drop one")
-    if args.moe and (args.jit or args.mesh == "auto"):  # split sizes read on the host; no EP pricing yet
-        p.error("--moe runs eagerly on a given --mesh: --jit cannot hold its host sync, --mesh auto does not price ep")
+    if args.moe and args.jit:  # the split sizes are read on the host
+        p.error("--moe runs eagerly: --jit cannot hold the dropless dispatch's host sync")
     try:
         resolve_name(args.schedule)
     except ValueError as e:
@@ -167,9 +167,9 @@ def plan_layout(args: argparse.Namespace, shape: dict[str, int], microbatches: i
 
 def choose_layout(args: argparse.Namespace, world: int, corpus: Corpus, say: Any) -> None:
     """``--mesh auto``: sets the layout flags to the planner's best layout for ``world`` ranks."""
-    cfg = model_config(args, corpus)
-    lay, why = planning.auto_layout(cfg, plan_layout(args, {"fsdp": world}, 1), world,
-                                    planning.machine(args.machine, world, cfg), axes=AXES, seq_len=args.seq_len)
+    cfg, moe = model_config(args, corpus), fs.recipes.MoE(args.moe) if args.moe else None
+    lay, why = planning.auto_layout(cfg, plan_layout(args, {"fsdp": world}, 1), world, planning.machine(
+        args.machine, world, cfg), axes=AXES, seq_len=args.seq_len, moe=moe)
     args.mesh = ",".join(f"{a}={n}" for a, n in lay.shape.items() if a in AXES)
     args.microbatches, args.remat, args.sequence_parallel = lay.microbatches, lay.remat, lay.sequence_parallel
     args.schedule, args.virtual = lay.schedule, lay.virtual
@@ -223,7 +223,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     records = result.records
     if result.probe is not None and records and not args.simulate:  # the prediction next to the measurement
         machine = planning.machine(args.machine, world, cfg)
-        pred = planning.predicted_vs_measured(cfg, layout, machine, result.probe, records, seq_len=args.seq_len)
+        pred = planning.predicted_vs_measured(cfg, layout, machine, result.probe, records, seq_len=args.seq_len,
+                                              moe=moe)
         records[-1].update(pred)
         result.summary.update(pred)  # the log's last line: the summary record
         say(planning.prediction_line(records[-1]))

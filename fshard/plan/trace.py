@@ -23,6 +23,7 @@ flash attention on CPU, which a ``"meta"`` run decomposes into the math path) or
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -83,6 +84,12 @@ def _sdpa_cpu_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs)
     return flop_counter.sdpa_backward_flop_count(grad_out, q, k, v)
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    # Every row of ``a`` meets one group's (K, N) matrix: (S, K) x (G, K, N), its backward's
+    # (K, S) x (S, N) -> (G, K, N), and the batched 3-D x 3-D alike.
+    return 2 * math.prod(a_shape) * b_shape[-1]
+
+
 # torch's formulas take shapes (shape_wrapper turns the op's tensors into shapes); its
 # registry lacks the CPU flash-attention kernels.
 _FLOPS = dict(flop_counter.flop_registry)
@@ -90,6 +97,7 @@ _FLOPS[_aten._scaled_dot_product_flash_attention_for_cpu] = flop_counter.shape_w
 _FLOPS[_aten._scaled_dot_product_flash_attention_for_cpu_backward] = flop_counter.shape_wrapper(
     _sdpa_cpu_backward_flops
 )
+_FLOPS.setdefault(_aten._grouped_mm, flop_counter.shape_wrapper(_grouped_mm_flops))
 
 
 @attrs.frozen

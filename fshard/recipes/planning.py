@@ -89,9 +89,17 @@ def _origin(on: Any) -> str:
 
 
 def auto_layout(
-    cfg: TransformerConfig, template: Layout, world: int, on: Any, *, axes: Sequence[str], seq_len: int
+    cfg: TransformerConfig,
+    template: Layout,
+    world: int,
+    on: Any,
+    *,
+    axes: Sequence[str],
+    seq_len: int,
+    moe: Any = None,
 ) -> tuple[Layout, str]:
-    """The planner's fastest layout of ``world`` ranks for ``cfg`` that fits ``on`` (a machine).
+    """The planner's fastest layout of ``world`` ranks for ``cfg`` (with ``moe``, an
+    ``fs.recipes.MoE``: its experts, balanced routing) that fits ``on`` (a machine).
 
     ``template`` gives the batch and the dtype. Returns the layout and one line saying why.
 
@@ -100,7 +108,7 @@ def auto_layout(
     """
     from fshard import plan
 
-    model = plan.describe_transformer(cfg, seq_len=seq_len, dtype=template.dtype)
+    model = plan.describe_transformer(cfg, seq_len=seq_len, dtype=template.dtype, moe=moe)
     found = plan.search(
         model, on, world, template.batch, config=plan.SearchConfig(axes=tuple(axes), dtype=template.dtype)
     )
@@ -119,7 +127,14 @@ def auto_layout(
 
 
 def predicted_vs_measured(
-    cfg: TransformerConfig, layout: Layout, on: Any, probe: Any, records: list[dict[str, Any]], *, seq_len: int
+    cfg: TransformerConfig,
+    layout: Layout,
+    on: Any,
+    probe: Any,
+    records: list[dict[str, Any]],
+    *,
+    seq_len: int,
+    moe: Any = None,
 ) -> dict[str, Any]:
     """``predicted_step_s``, ``measured_step_s`` (median after the warm-up), ``predicted_peak_mib``
     and ``measured_peak_mib`` (one profiled step, the largest rank's), and the prediction's
@@ -131,12 +146,16 @@ def predicted_vs_measured(
     or ``"PATH, calibrated now (...)"``; ``plan_calibration_age_s`` from the calibration's
     recorded time; None for a shipped machine or a file that records none).
 
+    With ``moe`` (an ``fs.recipes.MoE``) the model is described with its experts, at
+    balanced routing (``plan_skew``: 1.0).
+
     Collective when the process group is initialized (the peak is the largest rank's).
     """
     from fshard import plan
 
     try:
-        est = plan.estimate(plan.describe_transformer(cfg, seq_len=seq_len, dtype=layout.dtype), on, layout)
+        model = plan.describe_transformer(cfg, seq_len=seq_len, dtype=layout.dtype, moe=moe)
+        est = plan.estimate(model, on, layout)
     except plan.LayoutError as e:  # a layout the planner does not model: measure only
         est = None
         logging.getLogger(__name__).warning("fs.plan: no prediction: %s", e)
@@ -166,6 +185,7 @@ def predicted_vs_measured(
         "predicted_breakdown_s": est and est.breakdown,
         "plan_layout": est and est.layout.label(),
         "plan_machine": on.name,
+        "plan_skew": 1.0 if moe is not None else None,
     }
 
 

@@ -106,8 +106,10 @@ class DataParallel(AxisRule):
         return out
 
     def pending_grads(self, step: Step, full_grads: float) -> float:
-        # DDP: autograd's gradients, then the bucket they are copied into
-        return full_grads if step.layout.fsdp == 1 and replica_axes(step.layout) else 0.0
+        # DDP: autograd's gradients, then the bucket they are copied into; over ep alone,
+        # each block's flat gradients wait for their ep all-reduce at the end of backward
+        layout = step.layout
+        return full_grads if layout.fsdp == 1 and (replica_axes(layout) or layout.ep > 1) else 0.0
 
 
 DATA = DataParallel()
