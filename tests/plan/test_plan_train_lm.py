@@ -65,3 +65,18 @@ def plan_cfg(records):
     corpus = T.CharCorpus.load(T.DATA)
     return TransformerConfig(vocab_size=T.padded_vocab(corpus.vocab_size), dim=16, n_layers=4, n_heads=4,
                              max_seq_len=16)
+
+
+def test_mesh_auto_with_experts_searches_ep_and_predicts_with_them(tmp_path):
+    import fshard as fs
+
+    log = tmp_path / "log.json"
+    argv = TINY + ["--moe", "4", "--mesh", "auto", "--log-json", str(log), "--machine", _machine_file(tmp_path)]
+    run_on_ranks(bodies.train, argv, world_size=2, timeout_s=240)
+    last = read_log(log, "summary")[-1]
+    model = plan.describe_transformer(plan_cfg(None), seq_len=16, moe=fs.recipes.MoE(4))
+    res = plan.search(model, plan.load_machine(tmp_path / "machine.json"), 2, 8,
+                      config=plan.SearchConfig(axes=bodies.train_lm().AXES))
+    assert any(e.layout.ep > 1 for e in res) and not any(e.layout.tp > 1 for e in res)
+    assert last["plan_layout"] == res.best.layout.label()
+    assert last["predicted_step_s"] == res.best.step_s and last["plan_skew"] == 1.0
