@@ -95,6 +95,35 @@ def test_model_from_dict_builds_a_model():
     assert m.numel == 32 and m.n_blocks == 2 and m.flops_per_sample() == 2 * 768
 
 
+def _moe_dict():
+    d = _model_dict()
+    d["n_experts"] = 4
+    d["layers"][0]["params"].append(["moe.experts.w1", [4, 8, 4]])
+    d["layers"][0]["experts"] = {"n_experts": 4, "top_k": 2, "fwd": {"flops": 128.0, "bytes": 0.0, "ops": 1},
+                                 "act_bytes": 64.0, "skew": 1.5}
+    return d
+
+
+def test_model_from_dict_with_experts():
+    m = plan.model_from_dict(_moe_dict())
+    e = m.layers[0].experts
+    assert (m.n_experts, e.top_k, e.fwd.flops, e.skew) == (4, 2, 128.0, 1.5)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d.update(n_experts=8), r"experts\.n_experts \(4\) must equal the model's n_experts \(8\)"),
+    (lambda d: d["layers"][0]["experts"].update(skew=0.5), r"experts\.skew must be"),
+    (lambda d: d["layers"][0]["experts"].update(act_bytes=1e9), r"experts\.act_bytes .* must not exceed"),
+    (lambda d: d["layers"][0]["experts"].update(colour="red"), r"experts must be a mapping"),
+    (lambda d: d["layers"][0]["experts"].update(fwd={"flops": 1e9}), r"experts\.fwd .* must not exceed"),
+])
+def test_bad_experts_name_the_field(edit, field):
+    d = _moe_dict()
+    edit(d)
+    with pytest.raises(DescriptionError, match=field):
+        plan.model_from_dict(d)
+
+
 @pytest.mark.parametrize("edit, field", [
     (lambda d: d.pop("seq_len"), "missing field 'seq_len'"),
     (lambda d: d.update(seq_len=0), "seq_len must be an integer >= 1"),
