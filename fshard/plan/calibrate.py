@@ -9,7 +9,7 @@ cost each other when they share CPU cores or a node's links):
   is repeated once, then marked uncertain (:func:`_fit_twice`);
 - the fixed cost of a kernel (a one-element add, many times);
 - real Transformer blocks, forward and backward through ``value_and_grad(shard_map)``,
-  one, two and four per call at one to four samples: matrix products of a model's shapes, attention
+  one, two and four per call, at one sample and at up to 32: matrix products of a model's shapes, attention
   and norms reach a fraction of the square products' rate, and autograd and fshard cost a
   fixed host time per call and per layer besides; the timings, with the block's traced
   work (:func:`~fshard.plan.model.describe_transformer`), fit ``matmul_efficiency``,
@@ -189,11 +189,13 @@ def _medians_in_turn(
     barrier: Callable[[], None],
     device: torch.device,
     spreads: dict[Any, float] | None = None,
+    per_round: dict[Any, list[float]] | None = None,
 ) -> dict[Any, float]:
     """Per key of ``fns``, the median over ``rounds`` of its :func:`_sustained` time, the
     functions taken in turn each round: a drift of the machine's speed then moves every
     figure alike, and a figure made of differences of them (a fit, an overlap) keeps.
-    ``spreads``, when given, receives per key ``(max - min) / median`` over the rounds."""
+    ``spreads``, when given, receives per key ``(max - min) / median`` over the rounds, and
+    ``per_round`` each round's time."""
     times: dict[Any, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
@@ -201,6 +203,8 @@ def _medians_in_turn(
     medians = {k: statistics.median(v) for k, v in times.items()}
     if spreads is not None:
         spreads.update({k: (max(v) - min(v)) / medians[k] if medians[k] > 0 else 0.0 for k, v in times.items()})
+    if per_round is not None:
+        per_round.update(times)
     return medians
 
 
@@ -395,22 +399,14 @@ def calibrate(
     if block is not False and "float32" in flops:
         peak = flops["float32"]
 
-        def fit() -> tuple[tuple[float, float, float, float, float, str], float]:
+        def fit() -> tuple[tuple[float, float, float, float, str], float]:
             out = _block_fit(block, mesh, peak, mem_bw, op_overhead, quick, sync, barrier)
             return out[:-1], out[-1]
 
-        efficiency, layer_overhead, call_overhead, compute_share, peak_share, fit_note = _fit_twice(
+        efficiency, layer_overhead, call_overhead, slope_spread, fit_note = _fit_twice(
             "block", fit, residuals, uncertain
         )
-        if peak_share < MIN_COMPUTE_SHARE and efficiency < 1:
-            # A host-bound block fits its rate from noise (docs/plan.md, "How far to trust a
-            # calibration"): the square products' rate, fitted with the host time apart, stands.
-            fit_note += (
-                f"; efficiency {efficiency:.3f} not used: the block's compute at the matmul rate is "
-                f"{peak_share:.0%} of its time, too little to fit a rate from"
-            )
-            efficiency = 1.0
-        flops, efficiency, note = resolve_efficiency(flops, efficiency, compute_share)
+        flops, efficiency, note = resolve_efficiency(flops, efficiency, slope_spread)
         fit_note += note
     # Every rank returns rank 0's machine (broadcast below), fit included.
     optimizer_leaf, optimizer_eff = _optimizer_fit(mesh, mem_bw, op_overhead, quick, sync, barrier)
@@ -502,41 +498,61 @@ def _check(mesh: Any, path: Any, *, name: str | None, block: Any) -> dict[str, f
     return out
 
 
-# (blocks per call, samples) the block fit times: see _block_fit.
-BLOCK_POINTS = ((1, 1), (1, 4), (4, 1), (2, 2))
+# The block fit's largest sample count is the one whose compute, at the square products'
+# rate, takes about BLOCK_SAMPLE_S (within 4 and MAX_BLOCK_SAMPLES): a small block's per-sample
+# cost is then most of its largest points' time rather than a sliver beside its host costs.
+BLOCK_SAMPLE_S = 0.02
+MAX_BLOCK_SAMPLES = 32
 
-# How far a block's fit may raise the matrix-product rates, and the least share of the
-# block's time its per-sample compute must take for the fit to say anything about the rate.
+
+def block_points(big: int) -> tuple[tuple[int, int], ...]:
+    """The ``(blocks per call, samples)`` the block fit times, ``big`` samples at the largest:
+    one, two and four blocks of few samples (the per-call and per-layer costs), and one and
+    two blocks of ``big`` (the per-sample cost)."""
+    return tuple(dict.fromkeys(((1, 1), (4, 1), (2, 2), (1, big), (2, big))))
+
+
+def block_samples(per_sample_s: float) -> int:
+    """The block fit's largest sample count for a block whose one sample's compute takes
+    ``per_sample_s`` at the square products' rate (:data:`BLOCK_SAMPLE_S`)."""
+    if per_sample_s <= 0:
+        return MAX_BLOCK_SAMPLES
+    return max(4, min(MAX_BLOCK_SAMPLES, math.ceil(BLOCK_SAMPLE_S / per_sample_s)))
+
+
+# How far a block's fit may raise the matrix-product rates, and the spread of its per-sample
+# cost over the rounds above which that cost is noise: the rounds disagree by more than it.
 MAX_RATE_RAISE = 2.0
-MIN_COMPUTE_SHARE = 0.3
+MAX_SLOPE_SPREAD = 1.0
 
 
 def resolve_efficiency(
-    flops: dict[str, float], efficiency: float, compute_share: float
+    flops: dict[str, float], efficiency: float, slope_spread: float
 ) -> tuple[dict[str, float], float, str]:
-    """``(flops, matmul_efficiency, note)`` from a block fit's efficiency, kept at most 1.
+    """``(flops, matmul_efficiency, note)`` from a block fit's efficiency and the spread of
+    its per-sample cost over the fit's rounds (``(max - min) / median``).
 
-    An efficiency above 1 means the block multiplied faster than the square products' fit
-    says: on shared cores those timings spread 2x between calibrations minutes apart, and
-    the block is what a step runs, so the rates (every dtype's, as the efficiency applies
-    to every dtype) are raised to the block's, by at most :data:`MAX_RATE_RAISE`. Only
-    when the block's per-sample compute took at least :data:`MIN_COMPUTE_SHARE` of its
-    largest timing: a host-bound block (a small one on a GPU) fits its rate from noise,
-    and the efficiency is then capped at 1 with the rates left as measured. (The share is
-    the fit's own, so a fit whose efficiency came out low from noise has a larger share;
-    only the raise, not a low efficiency, is guarded.)
+    The block is what a step runs, and its fit reproduces its timings up to the samples it
+    timed, so its efficiency is used (a spread above :data:`NOISY_FIT` marks the block fit
+    uncertain, which widens every interval). Not used: a spread above
+    :data:`MAX_SLOPE_SPREAD`, where the per-sample cost is noise (a host-bound block, a
+    dim-16 one on few samples, fitted 0.013 from a 6 ms call, issue 37); the square
+    products' rate then stands. An efficiency above 1 means the block multiplied faster
+    than the square products' fit says: the rates (every dtype's, as the efficiency applies
+    to every dtype) are raised to the block's, by at most :data:`MAX_RATE_RAISE`, and only
+    from a fit that repeats within :data:`NOISY_FIT`.
     """
-    if efficiency <= 1:
-        return flops, efficiency, ""
-    if compute_share < MIN_COMPUTE_SHARE:
+    if slope_spread > MAX_SLOPE_SPREAD or (efficiency > 1 and slope_spread > NOISY_FIT):
         return (
             flops,
             1.0,
             (
-                f"; efficiency {efficiency:.2f} capped at 1: the block's compute is "
-                f"{compute_share:.0%} of its time, too little to fit a rate from"
+                f"; efficiency {efficiency:.3f} not used: the block's per-sample cost spread "
+                f"{slope_spread:.0%} over the rounds, too noisy to plan with"
             ),
         )
+    if efficiency <= 1:
+        return flops, efficiency, ""
     factor = min(efficiency, MAX_RATE_RAISE)
     capped = f" (fit {efficiency:.2f}x, capped)" if factor < efficiency else ""
     return (
@@ -684,27 +700,29 @@ def _block_fit(
     quick: bool,
     sync: Callable[[], None],
     barrier: Callable[[], None],
-) -> tuple[float, float, float, float, float, str, float]:
-    """``(matmul_efficiency, layer_overhead_s, call_overhead_s, compute_share, peak_share,
-    note, residual)`` from real blocks' forward + backward (``compute_share``: the fitted
-    per-sample compute's share of the largest timing; ``peak_share``: the same at ``peak``;
-    ``residual``: the larger of the fit's relative residual and the rounds' spread).
+) -> tuple[float, float, float, float, str, float]:
+    """``(matmul_efficiency, layer_overhead_s, call_overhead_s, slope_spread, note, residual)``
+    from real blocks' forward + backward (``slope_spread``: ``(max - min) / median`` of the
+    per-sample cost fitted on each round alone; ``residual``: the larger of the fit's relative
+    residual and the rounds' spread).
 
     The blocks run as a training step runs them: ``fs.value_and_grad`` of an
     ``fs.shard_map`` (checked mode, the default) over ``mesh`` with everything replicated
     (no collective), so the time includes autograd's and fshard's host work. The estimate
     costs a flat step's body of ``n`` layer calls of ``b`` samples
     ``call_overhead + n * (2 * layer_overhead + ops * op_overhead + b * (flops / (peak * eff)
-    + bytes / BW))``; timing ``(n, b)`` = (1, 1), (1, 4), (4, 1) and (2, 2) (one block's
-    parameters applied ``n`` times) gives the three unknowns (:func:`fit_block`). Each point
-    is the median of rounds taken in turn (five; one when ``quick``), so that a drift of
-    the machine's speed moves every point alike.
+    + bytes / BW))``; timing the :func:`block_points` (one block's parameters applied ``n``
+    times) gives the three unknowns (:func:`fit_block`). Each point is the median of rounds
+    taken in turn (five; three when ``quick``), so that a drift of the machine's speed moves
+    every point alike.
 
     Why three unknowns: on ranks sharing cores, a call's time is a fixed part per call plus
     a part per block and sample, with almost nothing per block besides. A fit of one block
     at two ``b`` put the whole per-call cost on every layer's forward and backward, which a
     flat step pays once per microbatch and a pipeline stage not at all (docs/plan.md,
-    "Figures behind the planner's rules").
+    "Figures behind the planner's rules"). Why up to :data:`MAX_BLOCK_SAMPLES` samples: at
+    4 samples a small block's per-sample compute was 7 % of its time, and its cost per
+    sample, 1.75x the square products' rate's, was lost in the host costs (issue 37).
     """
     import optree
 
@@ -723,7 +741,7 @@ def _block_fit(
         shapes = transformer_init(cfg, 0)["layers"][0]
     g = torch.Generator().manual_seed(0)
     # One block's parameters, applied n times: the memory of one block's parameters and of
-    # at most 4 samples' activations, as a fit at 1 and 4 samples of one block took.
+    # at most 2 * big samples' activations.
     params = optree.tree_map(lambda t: (torch.randn(t.shape, generator=g) * 0.02).to(device), shapes)
     T = cfg.max_seq_len
 
@@ -735,25 +753,23 @@ def _block_fit(
 
         return body
 
+    points = block_points(block_samples(work.flops / peak + work.bytes / mem_bw))
     grads = {
         n: value_and_grad(shard_map(blocks(n), mesh=mesh, in_specs=(P(), P()), out_specs=P()), argnums=(0, 1))
-        for n in (1, 2, 4)
+        for n in sorted({n for n, _ in points})
     }
-    # Up to 4 blocks per call: the per-layer cost is the small difference of per-block
-    # times, which 1 and 2 blocks left to noise (calibrations minutes apart fitted costs
-    # that differed by as much as the costs themselves; docs/plan.md, as above). At most
-    # 4 block-samples per point; four points, so that the fit of three unknowns averages.
-    points = BLOCK_POINTS
-    xs = {b: torch.randn(b, T, cfg.dim, generator=g).to(device) for _, b in points}
+    xs = {b: torch.randn(b, T, cfg.dim, generator=g).to(device) for b in sorted({b for _, b in points})}
     spreads: dict[Any, float] = {}
+    per_round: dict[Any, list[float]] = {}
     medians = _medians_in_turn(
         {(n, b): functools.partial(grads[n], params, xs[b]) for n, b in points},
-        1 if quick else 5,
+        3 if quick else 5,
         repeat=3,
         sync=sync,
         barrier=barrier,
         device=device,
         spreads=spreads,
+        per_round=per_round,
     )
     times = [medians[pt] for pt in points]
     efficiency, layer_overhead, call_overhead = fit_block(points, times, work, peak, mem_bw, op_overhead)
@@ -763,20 +779,22 @@ def _block_fit(
         + n * b * (work.flops / (peak * efficiency) + work.bytes / mem_bw)
         for n, b in points
     ]
-    res = max(residual(fitted, times), *spreads.values())
-    # The per-sample compute's share of the largest timing, as fitted (resolve_efficiency), and
-    # at the square products' rate (whether the block says anything about the rate at all).
-    big = max(range(len(points)), key=lambda i: times[i])
-    n, b = points[big]
-    compute_share = n * b * work.flops / (peak * efficiency) / times[big]
-    peak_share = n * b * work.flops / peak / times[big]
+    # Each round's own per-sample cost (1 / efficiency): how well the medians' one is known.
+    slopes = [
+        1.0 / fit_block(points, [per_round[pt][r] for pt in points], work, peak, mem_bw, op_overhead)[0]
+        for r in range(len(per_round[points[0]]))
+    ]
+    mid = statistics.median(slopes)
+    slope_spread = (max(slopes) - min(slopes)) / mid if mid > 0 else math.inf
+    res = max(residual(fitted, times), slope_spread, *spreads.values())
     note = (
         f"block fit (dim {cfg.dim}, {T} tokens, (blocks, samples) per value_and_grad(shard_map) call: "
         + ", ".join(f"{pt}: {t * 1e3:.1f} ms" for pt, t in zip(points, times))
-        + f") -> {efficiency:.2f} of the matmul rate, {layer_overhead * 1e3:.2f} ms per layer forward or "
-        f"backward call, {call_overhead * 1e3:.2f} ms per step-body call (residual {res:.1%})"
+        + f") -> {efficiency:.2f} of the matmul rate (spread {slope_spread:.0%} over the rounds), "
+        f"{layer_overhead * 1e3:.2f} ms per layer forward or backward call, {call_overhead * 1e3:.2f} ms per "
+        f"step-body call (residual {res:.1%})"
     )
-    return efficiency, layer_overhead, call_overhead, compute_share, peak_share, note, res
+    return efficiency, layer_overhead, call_overhead, slope_spread, note, res
 
 
 def fit_block(

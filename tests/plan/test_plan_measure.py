@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -151,7 +152,8 @@ def test_block_fit_recovers_the_efficiency_and_overheads_the_times_were_made_wit
 
     w = Work(flops=2e8, bytes=3e6, ops=30)
     peak, bw, op = 1e11, 1e10, 2e-6
-    points = importlib.import_module("fshard.plan.calibrate").BLOCK_POINTS  # what calibrate times
+    cal = importlib.import_module("fshard.plan.calibrate")
+    points = cal.block_points(16)  # what calibrate times, for a block of 16 samples at most
 
     def t(n, b, eff, layer, call):
         return call + n * (2 * layer + w.ops * op) + n * b * (w.flops / (peak * eff) + w.bytes / bw)
@@ -173,7 +175,7 @@ def test_block_fit_recovers_the_efficiency_and_overheads_the_times_were_made_wit
     assert layer == pytest.approx(0.0, abs=1e-9) and call == pytest.approx(2e-2) and eff == pytest.approx(0.5)
     # noise that would make the per-layer cost negative: pinned at 0, the rest refitted
     times = [t(n, b, 0.5, 0.0, 2e-2) for n, b in points]
-    times[2] *= 0.8  # four blocks at one sample ran fast
+    times[points.index((4, 1))] *= 0.8  # four blocks at one sample ran fast
     eff, layer, call = fit_block(points, times, w, peak, bw, op)
     assert layer == 0.0 and call > 0 and eff > 0
     # a block faster than the square products' rate: reported above 1 (calibrate raises the rates)
@@ -237,14 +239,36 @@ def test_a_block_faster_than_the_square_products_raises_the_rates_within_bounds(
 
     calibrate = importlib.import_module("fshard.plan.calibrate")
     flops = {"float32": 10e9, "bfloat16": 20e9}
-    assert calibrate.resolve_efficiency(flops, 0.7, 0.9) == (flops, 0.7, "")
-    raised, eff, note = calibrate.resolve_efficiency(flops, 1.5, 0.9)
+    assert calibrate.resolve_efficiency(flops, 0.7, 0.05) == (flops, 0.7, "")
+    raised, eff, note = calibrate.resolve_efficiency(flops, 1.5, 0.05)
     assert raised == {"float32": 15e9, "bfloat16": 30e9} and eff == 1.0 and "raised 1.50x" in note
-    raised, eff, note = calibrate.resolve_efficiency(flops, 40.0, 0.9)  # noise: at most MAX_RATE_RAISE
+    raised, eff, note = calibrate.resolve_efficiency(flops, 40.0, 0.05)  # noise: at most MAX_RATE_RAISE
     assert raised["float32"] == 10e9 * calibrate.MAX_RATE_RAISE and eff == 1.0 and "capped" in note
-    # a host-bound block (a small one on a GPU) says nothing of the rate: left as measured
-    raised, eff, note = calibrate.resolve_efficiency(flops, 3.0, 0.05)
-    assert raised == flops and eff == 1.0 and "too little" in note
+    # a raise only from a fit that repeats within NOISY_FIT
+    raised, eff, note = calibrate.resolve_efficiency(flops, 3.0, 0.5)
+    assert raised == flops and eff == 1.0 and "spread 50%" in note
+    # a noisy per-sample cost below 1 is still the block's: used (the fit is marked uncertain)
+    assert calibrate.resolve_efficiency(flops, 0.4, 0.5) == (flops, 0.4, "")
+    # rounds that disagree by more than the cost itself (a host-bound block): left as measured
+    raised, eff, note = calibrate.resolve_efficiency(flops, 0.013, 1.5)
+    assert raised == flops and eff == 1.0 and "too noisy" in note
+
+
+def test_block_points_reach_the_samples_whose_compute_fills_the_timing():
+    """A small block is timed at up to MAX_BLOCK_SAMPLES samples, a large one at 4: the
+    per-sample cost is then most of the largest points' time (issue 37: at 4 samples a
+    dim-64 block's compute was 7 % of it)."""
+    import importlib
+
+    cal = importlib.import_module("fshard.plan.calibrate")
+    assert cal.block_samples(2e-3) == math.ceil(cal.BLOCK_SAMPLE_S / 2e-3) == 10
+    assert cal.block_samples(1e-6) == cal.MAX_BLOCK_SAMPLES and cal.block_samples(0.0) == cal.MAX_BLOCK_SAMPLES
+    assert cal.block_samples(1.0) == 4
+    for big in (2, 4, 32):
+        points = cal.block_points(big)
+        assert len(set(points)) == len(points) and max(b for _, b in points) == big
+        rows = torch.tensor([[1.0, n, n * b] for n, b in points], dtype=torch.float64)
+        assert int(torch.linalg.matrix_rank(rows)) == 3  # fit_block can separate its unknowns
 
 
 def test_calibrated_links_fall_back_to_the_measured_level():
