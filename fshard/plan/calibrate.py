@@ -719,7 +719,7 @@ def _block_fit(
     Why three unknowns: on ranks sharing cores, a call's time is a fixed part per call plus
     a part per block and sample, with almost nothing per block besides. A fit of one block
     at two ``b`` put the whole per-call cost on every layer's forward and backward, which a
-    flat step pays once per microbatch and a pipeline stage not at all (docs/plan.md,
+    flat step pays once per microbatch and a pipeline stage's action half of (docs/plan.md,
     "Figures behind the planner's rules"). Why up to :data:`MAX_BLOCK_SAMPLES` samples: at
     4 samples a small block's per-sample compute was 7 % of its time, and its cost per
     sample, 1.75x the square products' rate's, was lost in the host costs (issue 37).
@@ -981,7 +981,7 @@ def _overlap(mesh: Any, sync, barrier, quick: bool = False) -> float:
     """Share of an all-gather hidden behind a concurrent matrix-product loop.
 
     Each of the three (compute alone, gather alone, both) is timed as :func:`_sustained`
-    times it, the median of rounds taken in turn (five; one when ``quick``): the share is
+    times it, the median of rounds taken in turn (five; three when ``quick``): the share is
     a difference of times, which single short timings of each left to noise (calibrations
     of one quiet machine minutes apart spread over most of [0, 1]); the compute loop is
     sized to last as long as the gather. With every core computing, gloo's transfers take
@@ -1019,7 +1019,7 @@ def _overlap(mesh: Any, sync, barrier, quick: bool = False) -> float:
     reps = max(8, min(256, round(8 * tg / tc)))
     t = _medians_in_turn(
         {"compute": compute, "gather": gather, "both": both},
-        1 if quick else 5,
+        3 if quick else 5,
         repeat=5,
         sync=sync,
         barrier=barrier,

@@ -17,7 +17,8 @@ Time, per rank::
 
 A layer phase costs ``samples * (flops / F + bytes / BW) + kernels * overhead`` (plus the
 machine's fixed host cost per forward or backward call, ``layer_overhead_s``; a flat
-step's body also costs ``call_overhead_s`` once per microbatch), with the
+step's body also costs ``call_overhead_s`` once per microbatch, and a pipeline stage's
+forward and backward half of it each), with the
 work the model description gives, divided by tp where tensor parallelism splits it
 (and the rest by tp too under sequence parallelism).
 

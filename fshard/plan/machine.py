@@ -100,9 +100,9 @@ class Machine:
       call_overhead_s: fixed host seconds per call of a flat step's body
         (``value_and_grad(shard_map(...))``: shard_map's entry and exit checks, the
         autograd graph's setup and teardown), once per microbatch, whatever the layer
-        count; pipeline stage bodies run under plain autograd and pay ``layer_overhead_s``
-        only. Calibrated machines fit it with ``layer_overhead_s``; the shipped GPU files
-        set 0.
+        count; a pipeline's stage forward and its backward are calls of their own (plain
+        autograd, no shard_map) and pay half of it each. Calibrated machines fit it with
+        ``layer_overhead_s``; the shipped GPU files set 0.
       optimizer_leaf_overhead_s: host seconds per parameter leaf of the optimizer step
         (global norm, clipping, AdamW, apply) beyond its kernels' (the Python of the
         transforms and DTensor's dispatch of every op); calibrated machines measure it on
