@@ -535,9 +535,8 @@ def resolve_efficiency(
     The block is what a step runs, and its fit reproduces its timings up to the samples it
     timed, so its efficiency is used (a spread above :data:`NOISY_FIT` marks the block fit
     uncertain, which widens every interval). Not used: a spread above
-    :data:`MAX_SLOPE_SPREAD`, where the per-sample cost is noise (a host-bound block, a
-    dim-16 one on few samples, fitted 0.013 from a 6 ms call, issue 37); the square
-    products' rate then stands. An efficiency above 1 means the block multiplied faster
+    :data:`MAX_SLOPE_SPREAD`, where the per-sample cost is noise (a host-bound block); the
+    square products' rate then stands. An efficiency above 1 means the block multiplied faster
     than the square products' fit says: the rates (every dtype's, as the efficiency applies
     to every dtype) are raised to the block's, by at most :data:`MAX_RATE_RAISE`, and only
     from a fit that repeats within :data:`NOISY_FIT`.
@@ -720,9 +719,9 @@ def _block_fit(
     a part per block and sample, with almost nothing per block besides. A fit of one block
     at two ``b`` put the whole per-call cost on every layer's forward and backward, which a
     flat step pays once per microbatch and a pipeline stage's action half of (docs/plan.md,
-    "Figures behind the planner's rules"). Why up to :data:`MAX_BLOCK_SAMPLES` samples: at
-    4 samples a small block's per-sample compute was 7 % of its time, and its cost per
-    sample, 1.75x the square products' rate's, was lost in the host costs (issue 37).
+    "Figures behind the planner's rules"). Why up to :data:`MAX_BLOCK_SAMPLES` samples: a
+    small block's per-sample cost must be most of its largest points' time, not a sliver
+    beside its host costs (docs/plan.md, "How far to trust a calibration").
     """
     import optree
 
