@@ -797,9 +797,7 @@ def model_from_dict(data: Mapping[str, Any]) -> ModelDesc:
             if key not in layer_fields:
                 raise DescriptionError(f"{where}: unknown field {key!r}; fields are {sorted(layer_fields)}")
             if key in ("fwd", "bwd_input", "bwd_weight", "fwd_split", "bwd_input_split", "bwd_weight_split"):
-                if not isinstance(value, Mapping) or set(value) - {"flops", "bytes", "ops"}:
-                    raise DescriptionError(f"{where}.{key} must be a mapping with flops, bytes, ops; got {value!r}")
-                value = Work(**value)
+                value = _work_from_dict(f"{where}.{key}", value)
             if key == "experts" and value is not None:
                 value = _experts_from_dict(f"{where}.experts", value)
             kw[key] = value
@@ -824,7 +822,13 @@ def _experts_from_dict(where: str, value: Any) -> Experts:
     kw = dict(value)
     for f in ("fwd", "bwd_input", "bwd_weight"):
         if f in kw:
-            if not isinstance(kw[f], Mapping) or set(kw[f]) - {"flops", "bytes", "ops"}:
-                raise DescriptionError(f"{where}.{f} must be a mapping with flops, bytes, ops; got {kw[f]!r}")
-            kw[f] = Work(**kw[f])
+            kw[f] = _work_from_dict(f"{where}.{f}", kw[f])
     return Experts(**kw)
+
+
+def _work_from_dict(where: str, value: Any) -> Work:
+    """A :class:`~fshard.plan.trace.Work` from its JSON mapping (``flops``, ``bytes``, ``ops``),
+    or a DescriptionError naming ``where``."""
+    if not isinstance(value, Mapping) or set(value) - {"flops", "bytes", "ops"}:
+        raise DescriptionError(f"{where} must be a mapping with flops, bytes, ops; got {value!r}")
+    return Work(**value)
