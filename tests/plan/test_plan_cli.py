@@ -80,7 +80,7 @@ def _longest(text: str) -> int:
 def test_default_output_fits_100_columns(plain, capsys):
     flag = ["--plain"] if plain else []
     if not plain:
-        pytest.importorskip("rich")
+        pytest.importorskip("rich", reason="the rich table needs rich (pip install fshard[viz])")
     out = _run(SEARCH + flag, capsys)
     assert _longest(out) <= WIDTH, out
     for c in SHORT_COLUMNS:
