@@ -188,24 +188,26 @@ def _medians_in_turn(
     sync: Callable[[], None],
     barrier: Callable[[], None],
     device: torch.device,
-    spreads: dict[Any, float] | None = None,
     per_round: dict[Any, list[float]] | None = None,
 ) -> dict[Any, float]:
     """Per key of ``fns``, the median over ``rounds`` of its :func:`_sustained` time, the
     functions taken in turn each round: a drift of the machine's speed then moves every
     figure alike, and a figure made of differences of them (a fit, an overlap) keeps.
-    ``spreads``, when given, receives per key ``(max - min) / median`` over the rounds, and
-    ``per_round`` each round's time."""
+    ``per_round``, when given, receives per key each round's time."""
     times: dict[Any, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
             times[k].append(_sustained(fn, repeat=repeat, sync=sync, barrier=barrier, device=device))
     medians = {k: statistics.median(v) for k, v in times.items()}
-    if spreads is not None:
-        spreads.update({k: (max(v) - min(v)) / medians[k] if medians[k] > 0 else 0.0 for k, v in times.items()})
     if per_round is not None:
         per_round.update(times)
     return medians
+
+
+def _spread(values: Sequence[float]) -> float:
+    """``(max - min) / median`` of ``values`` (0 for a median of 0 or less: nothing to compare)."""
+    mid = statistics.median(values)
+    return (max(values) - min(values)) / mid if mid > 0 else 0.0
 
 
 def _fit(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
@@ -702,8 +704,8 @@ def _block_fit(
 ) -> tuple[float, float, float, float, str, float]:
     """``(matmul_efficiency, layer_overhead_s, call_overhead_s, slope_spread, note, residual)``
     from real blocks' forward + backward (``slope_spread``: ``(max - min) / median`` of the
-    per-sample cost fitted on each round alone; ``residual``: the larger of the fit's relative
-    residual and the rounds' spread).
+    per-sample cost fitted on each round alone; ``residual``: the largest of the fit's relative
+    residual, that spread and each point's spread over the rounds).
 
     The blocks run as a training step runs them: ``fs.value_and_grad`` of an
     ``fs.shard_map`` (checked mode, the default) over ``mesh`` with everything replicated
@@ -758,7 +760,6 @@ def _block_fit(
         for n in sorted({n for n, _ in points})
     }
     xs = {b: torch.randn(b, T, cfg.dim, generator=g).to(device) for b in sorted({b for _, b in points})}
-    spreads: dict[Any, float] = {}
     per_round: dict[Any, list[float]] = {}
     medians = _medians_in_turn(
         {(n, b): functools.partial(grads[n], params, xs[b]) for n, b in points},
@@ -767,7 +768,6 @@ def _block_fit(
         sync=sync,
         barrier=barrier,
         device=device,
-        spreads=spreads,
         per_round=per_round,
     )
     times = [medians[pt] for pt in points]
@@ -783,9 +783,8 @@ def _block_fit(
         1.0 / fit_block(points, [per_round[pt][r] for pt in points], work, peak, mem_bw, op_overhead)[0]
         for r in range(len(per_round[points[0]]))
     ]
-    mid = statistics.median(slopes)
-    slope_spread = (max(slopes) - min(slopes)) / mid if mid > 0 else math.inf
-    res = max(residual(fitted, times), slope_spread, *spreads.values())
+    slope_spread = _spread(slopes)
+    res = max(residual(fitted, times), slope_spread, *(_spread(v) for v in per_round.values()))
     note = (
         f"block fit (dim {cfg.dim}, {T} tokens, (blocks, samples) per value_and_grad(shard_map) call: "
         + ", ".join(f"{pt}: {t * 1e3:.1f} ms" for pt, t in zip(points, times))

@@ -572,6 +572,10 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
             mfu=0.0,
         )
 
+    # Each action is a call of its own (a stage's forward; its backward, one autograd pass):
+    # half a step-body call's fixed host cost each.
+    half = machine.call_overhead(_ranks_per_node(machine, layout)) / 2
+
     def stage_cost(parts: list[tuple[int, int]]) -> tuple[float, float, float]:
         F = I = W = 0.0
         for i, k in parts:
@@ -581,9 +585,6 @@ def _estimate_pipeline(model: ModelDesc, machine: Machine, layout: Layout, limit
             recompute = f if layout.remat and i == rep else 0
             I += k * (_phase_time(machine, layout, model, layer, "bwd_input", b) + recompute)
             W += k * _phase_time(machine, layout, model, layer, "bwd_weight", b)
-        # Each action is a call of its own (a stage's forward; its backward, one autograd
-        # pass): half a step-body call's fixed host cost each.
-        half = machine.call_overhead(_ranks_per_node(machine, layout)) / 2
         return F + half, I + half, W
 
     # TP collectives inside the stage bodies belong to the actions' time.
